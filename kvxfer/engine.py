@@ -1,0 +1,468 @@
+"""Python face of the native WriteImm engine (kvxfer._native).
+
+`TransferEngine` owns one native engine: a progress thread that owns the libfabric
+domains of all rails. Calls here validate arguments, turn buffers into (address, length)
+and release the GIL inside the extension, so Python threads and asyncio tasks can submit
+while transfers run. Asyncio integration uses the engine's event fd: one reader per event
+loop, no thread per waiting transfer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import os
+import threading
+from typing import Any, Callable, Generator, Iterable, Sequence
+
+import numpy as np
+
+from kvxfer import _native
+from kvxfer.errors import BoundsError, EngineError, TransferError, TransferTimeout
+
+# Native status codes (TransferStatus in engine_types.hpp).
+_PENDING, _DONE, _FAILED, _TIMED_OUT = 0, 1, 2, 3
+# Native event kinds (EventKind in progress_worker.hpp).
+_EVENT_TRANSFER, _EVENT_IMM = 1, 2
+
+PageList = Sequence[int] | np.ndarray | Any
+
+
+def available_providers() -> list[str]:
+    """libfabric providers on this machine that support RDM endpoints with RMA."""
+    return list(_native.available_providers())
+
+
+def _buffer_address(buf: Any) -> tuple[int, int, Any]:
+    """Returns (address, length, owner) of a contiguous writable buffer.
+
+    Accepts torch tensors (by duck typing, so torch is not imported here), numpy arrays,
+    bytearray and writable memoryviews; `owner` is what must stay alive while registered.
+    """
+    if hasattr(buf, "data_ptr") and hasattr(buf, "is_contiguous"):
+        if not buf.is_contiguous():
+            raise BoundsError("tensor must be contiguous to be registered")
+        if getattr(buf, "is_cuda", False):
+            # CUDA memory needs FI_HMEM; this build registers host memory only.
+            raise EngineError("CUDA tensors are not supported by this build (host memory only)")
+        return int(buf.data_ptr()), int(buf.numel() * buf.element_size()), buf
+    if isinstance(buf, np.ndarray):
+        if not buf.flags["C_CONTIGUOUS"]:
+            raise BoundsError("numpy array must be C-contiguous to be registered")
+        if not buf.flags["WRITEABLE"]:
+            raise BoundsError("numpy array must be writable to be registered")
+        return int(buf.ctypes.data), int(buf.nbytes), buf
+    if isinstance(buf, (bytearray, memoryview)):
+        view = memoryview(buf)
+        if view.readonly:
+            raise BoundsError("buffer must be writable to be registered")
+        if not view.c_contiguous:
+            raise BoundsError("buffer must be contiguous to be registered")
+        view = view.cast("B")
+        if view.nbytes == 0:
+            raise BoundsError("cannot register an empty buffer")
+        holder = (ctypes.c_char * view.nbytes).from_buffer(view)
+        return ctypes.addressof(holder), view.nbytes, (buf, view, holder)
+    raise BoundsError(
+        f"cannot register {type(buf).__name__}: use a torch tensor, numpy array, bytearray "
+        "or writable memoryview"
+    )
+
+
+def _pages(pages: PageList, name: str) -> np.ndarray:
+    if hasattr(pages, "detach") and hasattr(pages, "numpy"):
+        pages = pages.detach().cpu().numpy()
+    arr = np.asarray(pages)
+    if arr.ndim != 1:
+        raise BoundsError(f"{name} must be one-dimensional, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise BoundsError(f"{name} must hold integers, got {arr.dtype}")
+    # Zero-copy when the caller already passes contiguous int64.
+    return np.ascontiguousarray(arr, dtype=np.int64)
+
+
+class RegisteredMemory:
+    """A buffer registered with every rail of an engine.
+
+    `descriptor` is the serialized handle (bytes, picklable) that a peer passes to
+    `write`/`write_paged` to write into this buffer; it carries the region size, the
+    per-rail keys and the owner's address.
+    """
+
+    def __init__(self, engine: "TransferEngine", native: Any, owner: Any) -> None:
+        self._engine = engine
+        self._native = native
+        self._owner = owner
+        self.descriptor: bytes = engine._native.descriptor(native)
+
+    @property
+    def length(self) -> int:
+        """Size of the region in bytes."""
+        return int(self._native.length)
+
+    @property
+    def address(self) -> int:
+        """Virtual address of the region's first byte."""
+        return int(self._native.addr)
+
+    def __repr__(self) -> str:
+        return f"RegisteredMemory(addr=0x{self.address:x}, length={self.length})"
+
+
+class Transfer:
+    """Handle of one submitted transfer: wait on it (with a timeout) or await it."""
+
+    def __init__(self, engine: "TransferEngine", native: Any, request_id: Any = None) -> None:
+        self._engine = engine
+        self._native = native
+        self.request_id = request_id
+
+    @property
+    def id(self) -> int:
+        """Engine-unique transfer id."""
+        return int(self._native.id)
+
+    @property
+    def bytes(self) -> int:
+        """Payload bytes this transfer moves."""
+        return int(self._native.bytes)
+
+    def done(self) -> bool:
+        """True once the transfer finished, successfully or not."""
+        return bool(self._native.done())
+
+    def _raise_if_failed(self) -> None:
+        status = self._native.status
+        if status == _DONE:
+            return
+        if status == _TIMED_OUT:
+            raise TransferTimeout(self.request_id, self._native.error)
+        raise TransferError(self.request_id, self._native.error or "transfer failed")
+
+    def wait(self, timeout: float = 30.0) -> None:
+        """Blocks until the transfer completes; raises TransferError/TransferTimeout."""
+        if not self._native.wait(float(timeout)):
+            raise TransferTimeout(self.request_id, f"transfer not complete after {timeout} s")
+        self._raise_if_failed()
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return self._engine._await_transfer(self).__await__()
+
+
+class _AsyncBridge:
+    """Dispatches native engine events to asyncio futures of one event loop."""
+
+    def __init__(self, engine: "TransferEngine", loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._engine = engine
+        self.waiters: dict[tuple[int, int], list[asyncio.Future[int]]] = {}
+        loop.add_reader(engine._native.event_fd, self._drain)
+
+    def future(self, kind: int, token: int) -> "asyncio.Future[int]":
+        fut: asyncio.Future[int] = self.loop.create_future()
+        self.waiters.setdefault((kind, token), []).append(fut)
+        return fut
+
+    def discard(self, kind: int, token: int, fut: "asyncio.Future[int]") -> None:
+        lst = self.waiters.get((kind, token))
+        if lst and fut in lst:
+            lst.remove(fut)
+            if not lst:
+                del self.waiters[(kind, token)]
+
+    def _drain(self) -> None:
+        for kind, token, status in self._engine._native.take_events():
+            for fut in self.waiters.pop((kind, token), []):
+                if not fut.done():
+                    fut.set_result(status)
+
+    def close(self) -> None:
+        try:
+            self.loop.remove_reader(self._engine._native.event_fd)
+        except (RuntimeError, ValueError):
+            pass
+
+
+class TransferEngine:
+    """A kvxfer transfer engine: one-sided WriteImm over libfabric, across `rails` NICs.
+
+    provider: "auto" (best network provider present), "net", "tcp", "shm", "efa", "verbs".
+    rails: endpoints (NICs) used as one; transfers are sharded across them and the
+        receiver's immediate counts do not depend on the sharding.
+    bind_host: address socket providers bind to; default from KVXFER_BIND_HOST, else the
+        provider's choice. Tests use 127.0.0.1.
+    transfer_timeout_s: a transfer not complete by then fails (dead or stuck peer).
+    """
+
+    def __init__(
+        self,
+        provider: str = "auto",
+        rails: int = 1,
+        *,
+        bind_host: str | None = None,
+        transfer_timeout_s: float = 30.0,
+        max_inflight_per_rail: int = 256,
+        idle_spin_us: float = 30.0,
+        shard_min_bytes: int = 512 * 1024,
+    ) -> None:
+        if not isinstance(rails, int) or rails < 1:
+            raise EngineError(f"rails must be a positive integer, got {rails!r}")
+        if transfer_timeout_s <= 0:
+            raise EngineError("transfer_timeout_s must be > 0")
+        host = bind_host if bind_host is not None else os.environ.get("KVXFER_BIND_HOST", "")
+        self._native = _native.Engine(
+            provider=provider,
+            rails=rails,
+            bind_host=host,
+            transfer_timeout_s=float(transfer_timeout_s),
+            max_inflight_per_rail=int(max_inflight_per_rail),
+            idle_spin_us=float(idle_spin_us),
+            shard_min_bytes=int(shard_min_bytes),
+        )
+        self.transfer_timeout_s = float(transfer_timeout_s)
+        self._remote_cache: dict[bytes, Any] = {}
+        self._peer_cache: dict[bytes, Any] = {}
+        self._bridges: dict[int, _AsyncBridge] = {}
+        self._expect_tokens = iter(range(1, 1 << 62))
+        self._token_lock = threading.Lock()
+        self._regions: list[RegisteredMemory] = []
+
+    # -- identity ---------------------------------------------------------------------
+    @property
+    def address(self) -> bytes:
+        """This engine's serialized address (every rail): give it to peers."""
+        return bytes(self._native.address)
+
+    @property
+    def provider(self) -> str:
+        """The libfabric provider in use (after resolving "auto")."""
+        return str(self._native.provider)
+
+    @property
+    def rails(self) -> int:
+        """Number of rails (endpoints) this engine drives."""
+        return int(self._native.rails)
+
+    @property
+    def capabilities(self) -> dict[str, Any]:
+        """What the provider reported: MR mode bits, CQ data size, iov limits."""
+        return dict(self._native.capabilities)
+
+    # -- memory -----------------------------------------------------------------------
+    def register(self, buf: Any) -> RegisteredMemory:
+        """Registers a contiguous buffer on every rail and returns its handle."""
+        addr, length, owner = _buffer_address(buf)
+        region = RegisteredMemory(self, self._native.register(addr, length), owner)
+        self._regions.append(region)
+        return region
+
+    def deregister(self, region: RegisteredMemory) -> None:
+        """Releases a registration; the buffer must not be the target of writes any more."""
+        self._native.deregister(region._native)
+        self._regions.remove(region)
+
+    def _remote(self, descriptor: bytes) -> Any:
+        if not isinstance(descriptor, (bytes, bytearray, memoryview)):
+            raise BoundsError("remote descriptor must be bytes (RegisteredMemory.descriptor)")
+        key = bytes(descriptor)
+        remote = self._remote_cache.get(key)
+        if remote is None:
+            remote = self._native.parse_remote(key)
+            if len(self._remote_cache) > 4096:
+                self._remote_cache.clear()  # bounded: descriptors of finished peers go
+            self._remote_cache[key] = remote
+        return remote
+
+    def _peer(self, target: bytes) -> Any:
+        key = bytes(target)
+        peer = self._peer_cache.get(key)
+        if peer is None:
+            if key[:4] == b"KVXD":
+                peer = self._native.parse_peer(self._remote(key).owner_address)
+            else:
+                peer = self._native.parse_peer(key)
+            if len(self._peer_cache) > 4096:
+                self._peer_cache.clear()
+            self._peer_cache[key] = peer
+        return peer
+
+    # -- transfers --------------------------------------------------------------------
+    def write(
+        self,
+        mr: RegisteredMemory,
+        src_offset: int,
+        remote_descriptor: bytes,
+        dst_offset: int,
+        length: int,
+        imm: int | None = None,
+        *,
+        request_id: Any = None,
+    ) -> Transfer:
+        """One-sided write of mr[src_offset:+length] into the remote region at dst_offset.
+
+        With `imm`, the receiver's count for that immediate grows by one once every byte
+        landed, however the engine sharded the write across rails.
+        """
+        native = self._native.write(
+            mr._native, src_offset, self._remote(remote_descriptor), dst_offset, length, imm
+        )
+        return Transfer(self, native, request_id)
+
+    def write_paged(
+        self,
+        mr: RegisteredMemory,
+        src_pages: PageList,
+        remote_descriptor: bytes,
+        dst_pages: PageList,
+        page_size: int,
+        src_stride: int | None = None,
+        dst_stride: int | None = None,
+        src_offset: int = 0,
+        dst_offset: int = 0,
+        imm: int | None = None,
+        *,
+        request_id: Any = None,
+    ) -> Transfer:
+        """Writes page src_pages[i] to remote page dst_pages[i] for every i.
+
+        Page p of a side lives at offset + p * stride (stride defaults to page_size). Every
+        index is validated before anything is posted. With `imm`, the receiver's count
+        grows by one per page, however pages were coalesced or sharded.
+        """
+        src = _pages(src_pages, "src_pages")
+        dst = _pages(dst_pages, "dst_pages")
+        native = self._native.write_paged(
+            mr._native,
+            src,
+            self._remote(remote_descriptor),
+            dst,
+            page_size,
+            page_size if src_stride is None else src_stride,
+            page_size if dst_stride is None else dst_stride,
+            src_offset,
+            dst_offset,
+            imm,
+        )
+        return Transfer(self, native, request_id)
+
+    def write_imm(self, target: bytes, imm: int, *, request_id: Any = None) -> Transfer:
+        """Immediate-only write (no payload) to a peer, given its address or a descriptor."""
+        return Transfer(self, self._native.write_imm(self._peer(target), imm), request_id)
+
+    def barrier(self, targets: Iterable[bytes], imm: int, timeout: float = 30.0) -> None:
+        """Sends `imm` to every target and waits until each delivery completed."""
+        transfers = [self.write_imm(t, imm) for t in targets]
+        for t in transfers:
+            t.wait(timeout)
+
+    def send(self, target: bytes, payload: bytes) -> Transfer:
+        """Two-sided control message (at most 64 KiB) to a peer's address or descriptor."""
+        return Transfer(self, self._native.send(self._peer(target), bytes(payload)))
+
+    def recv(self, timeout: float) -> bytes | None:
+        """Next control message received, or None if none arrived within `timeout`."""
+        return self._native.recv(float(timeout))
+
+    def connect(self, address: bytes) -> None:
+        """Adds a peer now instead of at its first transfer."""
+        self._native.connect(self._peer(address))
+
+    def forget(self, address: bytes) -> None:
+        """Drops a peer that went away; a later transfer to it reconnects."""
+        peer = self._peer(address)
+        self._native.forget(peer)
+        self._peer_cache = {k: v for k, v in self._peer_cache.items() if v is not peer}
+        self._remote_cache = {
+            k: v for k, v in self._remote_cache.items() if v.engine_id != peer.engine_id
+        }
+
+    # -- ImmCounter -------------------------------------------------------------------
+    def imm_count(self, imm: int) -> int:
+        """Units of `imm` received so far (pages for paged writes, 1 per other write)."""
+        return int(self._native.imm_count(imm))
+
+    def wait_imm(self, imm: int, count: int, timeout: float) -> None:
+        """Blocks until `count` units of `imm` arrived; raises TransferTimeout otherwise."""
+        if not self._native.wait_imm(imm, count, float(timeout)):
+            raise TransferTimeout(
+                None, f"imm {imm}: {self.imm_count(imm)} of {count} arrived within {timeout} s"
+            )
+
+    def consume_imm(self, imm: int, count: int) -> None:
+        """Subtracts a finished request's units so the immediate value can be reused."""
+        self._native.consume_imm(imm, count)
+
+    async def wait_imm_async(self, imm: int, count: int, timeout: float) -> None:
+        """Awaitable wait_imm: no thread is parked while waiting."""
+        if self.imm_count(imm) >= count:
+            return
+        bridge = self._bridge()
+        with self._token_lock:
+            token = next(self._expect_tokens)
+        fut = bridge.future(_EVENT_IMM, token)
+        self._native.expect_imm(imm, count, token)
+        try:
+            await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            bridge.discard(_EVENT_IMM, token, fut)
+            raise TransferTimeout(
+                None, f"imm {imm}: {self.imm_count(imm)} of {count} arrived within {timeout} s"
+            ) from None
+
+    def on_imm(self, imm: int, count: int, callback: Callable[[], None]) -> None:
+        """Calls `callback` in the running event loop once `count` units of `imm` arrived."""
+        task = asyncio.get_running_loop().create_task(
+            self.wait_imm_async(imm, count, self.transfer_timeout_s)
+        )
+        task.add_done_callback(lambda t: None if t.exception() else callback())
+
+    # -- asyncio ----------------------------------------------------------------------
+    def _bridge(self) -> _AsyncBridge:
+        loop = asyncio.get_running_loop()
+        bridge = self._bridges.get(id(loop))
+        if bridge is None or bridge.loop is not loop:
+            bridge = _AsyncBridge(self, loop)
+            self._bridges[id(loop)] = bridge
+        return bridge
+
+    async def _await_transfer(self, transfer: Transfer) -> None:
+        if not transfer.done():
+            bridge = self._bridge()
+            fut = bridge.future(_EVENT_TRANSFER, transfer.id)
+            if transfer._native.request_notify():
+                bridge.discard(_EVENT_TRANSFER, transfer.id, fut)
+            else:
+                # The worker fails the transfer by its own deadline; this is a backstop.
+                try:
+                    await asyncio.wait_for(fut, self.transfer_timeout_s + 5.0)
+                except asyncio.TimeoutError:
+                    bridge.discard(_EVENT_TRANSFER, transfer.id, fut)
+        if not transfer.done():
+            raise TransferTimeout(transfer.request_id, "transfer did not complete")
+        transfer._raise_if_failed()
+
+    # -- lifecycle --------------------------------------------------------------------
+    def stats(self) -> list[dict[str, int]]:
+        """Per-rail counters: bytes/ops posted and completed, completion errors, imms."""
+        return [dict(s) for s in self._native.stats()]
+
+    def close(self) -> None:
+        """Stops the progress thread; pending transfers fail with 'engine closed'."""
+        for bridge in self._bridges.values():
+            bridge.close()
+        self._bridges.clear()
+        self._native.close()
+
+    @property
+    def closed(self) -> bool:
+        """True once close() ran."""
+        return bool(self._native.closed)
+
+    def __enter__(self) -> "TransferEngine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"TransferEngine(provider={self.provider!r}, rails={self.rails})"

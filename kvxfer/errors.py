@@ -1,0 +1,37 @@
+"""Typed errors of kvxfer. Every error the library raises derives from KvxferError.
+
+The native engine raises EngineError and its subclasses directly (bindings.cpp maps its
+C++ exceptions onto these classes), so callers catch one family whichever layer failed.
+"""
+
+from __future__ import annotations
+
+
+class KvxferError(Exception):
+    """Base of every kvxfer error."""
+
+
+class EngineError(KvxferError):
+    """The transfer engine refused or failed an operation (bad provider, closed engine...)."""
+
+
+class DescriptorError(EngineError, ValueError):
+    """A serialized address or memory descriptor is truncated, corrupt or foreign."""
+
+
+class BoundsError(EngineError, ValueError):
+    """An offset, length or page index falls outside a registered region."""
+
+
+class TransferError(EngineError):
+    """A transfer failed; carries the request it belonged to and the reason."""
+
+    def __init__(self, request_id: str | int | None, reason: str) -> None:
+        self.request_id = request_id
+        self.reason = reason
+        prefix = f"request {request_id}: " if request_id is not None else ""
+        super().__init__(prefix + reason)
+
+
+class TransferTimeout(TransferError, TimeoutError):
+    """A transfer or an immediate count did not complete before its deadline."""

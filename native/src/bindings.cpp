@@ -1,0 +1,272 @@
+// pybind11 binding of the engine as kvxfer._native. Every call that may block or plan a
+// large transfer releases the GIL. Buffers arrive as (address, length): the extension
+// never sees torch or numpy types beyond plain int64 page arrays.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "futex_wait.hpp"
+#include "transfer_engine.hpp"
+
+namespace py = pybind11;
+using namespace kvxfer;
+
+namespace {
+
+int64_t deadline_after(double timeout_s) {
+  if (timeout_s < 0) throw BoundsError("timeout must be >= 0");
+  // Cap at a day so a huge timeout cannot overflow the clock arithmetic.
+  double capped = std::min(timeout_s, 86400.0);
+  return monotonic_ns() + static_cast<int64_t>(capped * 1e9);
+}
+
+std::optional<uint32_t> to_imm(const std::optional<int64_t>& imm) {
+  if (!imm) return std::nullopt;
+  if (*imm < 0 || *imm > 0xffffffffLL) throw BoundsError("imm must fit in 32 bits: " + std::to_string(*imm));
+  return static_cast<uint32_t>(*imm);
+}
+
+uint64_t non_negative(int64_t v, const char* what) {
+  if (v < 0) throw BoundsError(std::string(what) + " must be >= 0, got " + std::to_string(v));
+  return static_cast<uint64_t>(v);
+}
+
+using PageArray = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+
+// A transfer handle as Python sees it: the shared state plus the engine that completes it.
+struct PyTransfer {
+  TransferStatePtr state;
+  ProgressWorker* worker;
+  std::shared_ptr<TransferEngine> engine;  // keeps the worker alive while Python holds this
+};
+
+// Waits on the transfer's own status word only, so it stays safe while the engine closes.
+bool wait_transfer(TransferState& t, int64_t deadline_ns) {
+  for (;;) {
+    uint32_t s = t.status.load(std::memory_order_acquire);
+    if (s != static_cast<uint32_t>(TransferStatus::kPending)) return true;
+    if (monotonic_ns() >= deadline_ns) return false;
+    futex_wait_until(&t.status, s, deadline_ns);
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_native, m) {
+  m.doc() = "kvxfer native WriteImm engine over libfabric";
+
+  py::module_ errors = py::module_::import("kvxfer.errors");
+  py::object py_engine_error = errors.attr("EngineError");
+  py::object py_descriptor_error = errors.attr("DescriptorError");
+  py::object py_bounds_error = errors.attr("BoundsError");
+  // Translators hold references for the interpreter's lifetime.
+  static py::object keep[3];
+  keep[0] = py_engine_error;
+  keep[1] = py_descriptor_error;
+  keep[2] = py_bounds_error;
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const DescriptorError& e) {
+      PyErr_SetString(keep[1].ptr(), e.what());
+    } catch (const BoundsError& e) {
+      PyErr_SetString(keep[2].ptr(), e.what());
+    } catch (const EngineError& e) {
+      PyErr_SetString(keep[0].ptr(), e.what());
+    }
+  });
+
+  m.def("available_providers", &available_providers, "libfabric providers with RDM+RMA here");
+  m.def("resolve_provider", &resolve_provider, py::arg("requested"));
+
+  py::class_<MemoryRegion, MemoryRegionPtr>(m, "MemoryRegion")
+      .def_readonly("id", &MemoryRegion::id)
+      .def_readonly("addr", &MemoryRegion::addr)
+      .def_readonly("length", &MemoryRegion::length);
+
+  py::class_<RemoteRegion, RemoteRegionPtr>(m, "RemoteRegion")
+      .def_property_readonly("length", [](const RemoteRegion& r) { return r.descriptor.length; })
+      .def_property_readonly("engine_id", [](const RemoteRegion& r) { return r.owner->engine_id; })
+      .def_property_readonly("owner_address", [](const RemoteRegion& r) { return py::bytes(r.owner->serialize()); });
+
+  py::class_<EngineAddress, std::shared_ptr<EngineAddress>>(m, "PeerAddress")
+      .def_property_readonly("engine_id", [](const EngineAddress& a) { return a.engine_id; })
+      .def_property_readonly("provider", [](const EngineAddress& a) { return a.provider; })
+      .def_property_readonly("rails", [](const EngineAddress& a) { return a.rail_addresses.size(); });
+
+  py::class_<PyTransfer>(m, "Transfer")
+      .def_property_readonly("id", [](const PyTransfer& t) { return t.state->id; })
+      .def_property_readonly("status", [](const PyTransfer& t) { return t.state->status.load(); })
+      .def_property_readonly("bytes", [](const PyTransfer& t) { return t.state->bytes; })
+      .def_property_readonly("error", [](const PyTransfer& t) -> std::string {
+        return t.state->status.load() == 0 ? std::string() : t.state->error;
+      })
+      .def("done", [](const PyTransfer& t) { return t.state->status.load() != 0; })
+      .def("wait", [](PyTransfer& t, double timeout_s) {
+            int64_t deadline = deadline_after(timeout_s);
+            py::gil_scoped_release release;
+            return wait_transfer(*t.state, deadline);
+          }, py::arg("timeout_s"))
+      .def("request_notify", [](PyTransfer& t) {
+            // Returns True if already finished (no event will be needed).
+            t.state->notify_requested.store(1, std::memory_order_seq_cst);
+            return t.state->status.load(std::memory_order_seq_cst) != 0;
+          });
+
+  py::class_<TransferEngine, std::shared_ptr<TransferEngine>>(m, "Engine")
+      .def(py::init([](const std::string& provider, size_t rails, const std::string& bind_host,
+                       double transfer_timeout_s, size_t max_inflight_per_rail, double idle_spin_us,
+                       uint64_t shard_min_bytes) {
+             EngineSettings s;
+             s.provider = provider;
+             s.rails = rails;
+             s.bind_host = bind_host;
+             s.worker.transfer_timeout_ns = static_cast<int64_t>(transfer_timeout_s * 1e9);
+             s.worker.max_inflight_per_rail = max_inflight_per_rail;
+             s.worker.idle_spin_ns = static_cast<int64_t>(idle_spin_us * 1e3);
+             s.planner.shard_min_bytes = shard_min_bytes;
+             py::gil_scoped_release release;
+             return std::make_shared<TransferEngine>(s);
+           }),
+           py::arg("provider"), py::arg("rails"), py::arg("bind_host"), py::arg("transfer_timeout_s"),
+           py::arg("max_inflight_per_rail"), py::arg("idle_spin_us"), py::arg("shard_min_bytes"))
+      .def_property_readonly("address", [](const TransferEngine& e) { return py::bytes(e.address()); })
+      .def_property_readonly("provider", &TransferEngine::provider)
+      .def_property_readonly("rails", &TransferEngine::rails)
+      .def_property_readonly("engine_id", &TransferEngine::engine_id)
+      .def_property_readonly("capabilities", [](const TransferEngine& e) {
+        const auto& c = e.caps();
+        py::dict d;
+        d["provider"] = c.provider;
+        d["fabric"] = c.fabric_name;
+        d["domain"] = c.domain_name;
+        d["mr_virt_addr"] = c.virt_addr;
+        d["mr_prov_key"] = c.prov_key;
+        d["mr_local"] = c.mr_local;
+        d["mr_endpoint"] = c.mr_endpoint;
+        d["rx_cq_data"] = c.rx_cq_data;
+        d["cq_data_size"] = c.cq_data_size;
+        d["iov_limit"] = c.iov_limit;
+        d["tx_size"] = c.tx_size;
+        d["rx_size"] = c.rx_size;
+        d["wait_fd"] = c.has_wait_fd;
+        return d;
+      })
+      .def("register", [](TransferEngine& e, uintptr_t addr, uint64_t length) {
+            py::gil_scoped_release release;
+            return e.register_memory(addr, length);
+          }, py::arg("addr"), py::arg("length"))
+      .def("deregister", [](TransferEngine& e, const MemoryRegionPtr& r) {
+            py::gil_scoped_release release;
+            e.deregister(r);
+          })
+      .def("descriptor", [](const TransferEngine& e, const MemoryRegion& r) { return py::bytes(e.descriptor(r)); })
+      .def("parse_remote", [](const TransferEngine& e, const py::bytes& b) { return e.parse_remote(b); })
+      .def("parse_peer", [](const TransferEngine& e, const py::bytes& b) { return std::const_pointer_cast<EngineAddress>(e.parse_peer(b)); })
+      .def("write", [](std::shared_ptr<TransferEngine> e, const MemoryRegionPtr& mr, int64_t src_offset,
+                       const RemoteRegionPtr& remote, int64_t dst_offset, int64_t length,
+                       std::optional<int64_t> imm) {
+            auto i = to_imm(imm);
+            uint64_t so = non_negative(src_offset, "src_offset"), dof = non_negative(dst_offset, "dst_offset"),
+                     len = non_negative(length, "length");
+            TransferStatePtr t;
+            {
+              py::gil_scoped_release release;
+              t = e->write(mr, so, remote, dof, len, i);
+            }
+            return PyTransfer{t, &e->worker(), e};
+          })
+      .def("write_paged", [](std::shared_ptr<TransferEngine> e, const MemoryRegionPtr& mr, PageArray src_pages,
+                             const RemoteRegionPtr& remote, PageArray dst_pages, int64_t page_size,
+                             int64_t src_stride, int64_t dst_stride, int64_t src_offset, int64_t dst_offset,
+                             std::optional<int64_t> imm) {
+            if (src_pages.ndim() != 1 || dst_pages.ndim() != 1)
+              throw BoundsError("page lists must be one-dimensional");
+            if (src_pages.size() != dst_pages.size())
+              throw BoundsError("src_pages has " + std::to_string(src_pages.size()) + " entries but dst_pages has " +
+                                std::to_string(dst_pages.size()));
+            auto i = to_imm(imm);
+            uint64_t ps = non_negative(page_size, "page_size"), ss = non_negative(src_stride, "src_stride"),
+                     ds = non_negative(dst_stride, "dst_stride"), so = non_negative(src_offset, "src_offset"),
+                     dof = non_negative(dst_offset, "dst_offset");
+            const int64_t* sp = src_pages.data();
+            const int64_t* dp = dst_pages.data();
+            size_t n = static_cast<size_t>(src_pages.size());
+            TransferStatePtr t;
+            {
+              // The arrays stay referenced by this frame, so planning reads them in place.
+              py::gil_scoped_release release;
+              t = e->write_paged(mr, sp, dp, n, ps, ss, ds, so, dof, remote, i);
+            }
+            return PyTransfer{t, &e->worker(), e};
+          })
+      .def("write_imm", [](std::shared_ptr<TransferEngine> e, std::shared_ptr<EngineAddress> peer, int64_t imm) {
+            auto i = to_imm(imm);
+            py::gil_scoped_release release;
+            return PyTransfer{e->write_imm(peer, *i), &e->worker(), e};
+          })
+      .def("send", [](std::shared_ptr<TransferEngine> e, std::shared_ptr<EngineAddress> peer, const py::bytes& payload) {
+            std::string p = payload;
+            py::gil_scoped_release release;
+            return PyTransfer{e->send(peer, std::move(p)), &e->worker(), e};
+          })
+      .def("recv", [](TransferEngine& e, double timeout_s) -> py::object {
+            int64_t deadline = deadline_after(timeout_s);
+            std::optional<std::string> msg;
+            {
+              py::gil_scoped_release release;
+              msg = e.worker().recv(deadline);
+            }
+            if (!msg) return py::none();
+            return py::bytes(*msg);
+          }, py::arg("timeout_s"))
+      .def("imm_count", [](TransferEngine& e, int64_t imm) { return e.worker().imm_counters().get(*to_imm(imm)); })
+      .def("consume_imm", [](TransferEngine& e, int64_t imm, uint64_t units) { e.worker().consume_imm(*to_imm(imm), units); })
+      .def("wait_imm", [](TransferEngine& e, int64_t imm, uint64_t count, double timeout_s) {
+            auto i = to_imm(imm);
+            int64_t deadline = deadline_after(timeout_s);
+            py::gil_scoped_release release;
+            return e.worker().wait_imm(*i, count, deadline);
+          })
+      .def("expect_imm", [](TransferEngine& e, int64_t imm, uint64_t count, uint64_t token) {
+            auto i = to_imm(imm);
+            py::gil_scoped_release release;
+            e.worker().expect_imm(*i, count, token);
+          })
+      .def_property_readonly("event_fd", [](TransferEngine& e) { return e.worker().event_fd(); })
+      .def("take_events", [](TransferEngine& e) {
+            auto events = e.worker().take_events();
+            py::list out;
+            for (const auto& ev : events)
+              out.append(py::make_tuple(static_cast<uint32_t>(ev.kind), ev.token, ev.status));
+            return out;
+          })
+      .def("connect", [](TransferEngine& e, std::shared_ptr<EngineAddress> peer) {
+            py::gil_scoped_release release;
+            e.connect(peer);
+          })
+      .def("forget", [](TransferEngine& e, std::shared_ptr<EngineAddress> peer) {
+            py::gil_scoped_release release;
+            e.forget(*peer);
+          })
+      .def("stats", [](TransferEngine& e) {
+            py::list out;
+            if (e.closed()) return out;
+            for (const auto& s : e.worker().stats()) {
+              py::dict d;
+              d["bytes_posted"] = s->bytes_posted.load();
+              d["bytes_completed"] = s->bytes_completed.load();
+              d["ops_posted"] = s->ops_posted.load();
+              d["ops_completed"] = s->ops_completed.load();
+              d["completion_errors"] = s->completion_errors.load();
+              d["imm_received"] = s->imm_received.load();
+              out.append(d);
+            }
+            return out;
+          })
+      .def("close", [](TransferEngine& e) {
+            py::gil_scoped_release release;
+            e.close();
+          })
+      .def_property_readonly("closed", &TransferEngine::closed);
+}

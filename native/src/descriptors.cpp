@@ -1,0 +1,178 @@
+#include "descriptors.hpp"
+
+#include <cstring>
+
+#include "engine_types.hpp"
+
+namespace kvxfer {
+namespace {
+
+constexpr char kAddressMagic[4] = {'K', 'V', 'X', 'A'};
+constexpr char kDescriptorMagic[4] = {'K', 'V', 'X', 'D'};
+constexpr uint16_t kWireVersion = 1;
+// Generous bounds that still stop a corrupt length from allocating gigabytes.
+constexpr size_t kMaxRails = 64;
+constexpr size_t kMaxRailAddressBytes = 4096;
+
+uint32_t fnv1a(const char* data, size_t n) {
+  uint32_t h = 2166136261u;
+  for (size_t i = 0; i < n; ++i) {
+    h ^= static_cast<uint8_t>(data[i]);
+    h *= 16777619u;
+  }
+  return h;
+}
+
+class Writer {
+ public:
+  template <typename T>
+  void put(T v) {
+    out_.append(reinterpret_cast<const char*>(&v), sizeof(T));
+  }
+  void put_bytes(const std::string& s) { out_.append(s); }
+  std::string finish() {
+    put<uint32_t>(fnv1a(out_.data(), out_.size()));
+    return std::move(out_);
+  }
+
+ private:
+  std::string out_;
+};
+
+class Reader {
+ public:
+  Reader(const std::string& blob, const char* what) : blob_(blob), what_(what) {
+    if (blob.size() < 4 + sizeof(uint32_t)) fail("too short");
+    size_t body = blob.size() - sizeof(uint32_t);
+    uint32_t stored;
+    std::memcpy(&stored, blob.data() + body, sizeof stored);
+    if (stored != fnv1a(blob.data(), body)) fail("checksum mismatch (truncated or corrupt)");
+    end_ = body;
+  }
+  template <typename T>
+  T get() {
+    need(sizeof(T));
+    T v;
+    std::memcpy(&v, blob_.data() + pos_, sizeof(T));
+    pos_ += sizeof(T);
+    return v;
+  }
+  std::string get_bytes(size_t n) {
+    need(n);
+    std::string s = blob_.substr(pos_, n);
+    pos_ += n;
+    return s;
+  }
+  void expect_magic(const char magic[4]) {
+    if (get_bytes(4) != std::string(magic, 4)) fail("wrong magic: not a kvxfer " + std::string(what_));
+    uint16_t version = get<uint16_t>();
+    if (version != kWireVersion) fail("unsupported wire version " + std::to_string(version));
+  }
+  void expect_end() {
+    if (pos_ != end_) fail("trailing bytes");
+  }
+  [[noreturn]] void fail(const std::string& why) const {
+    throw DescriptorError(std::string("malformed ") + what_ + ": " + why);
+  }
+
+ private:
+  void need(size_t n) {
+    if (pos_ + n > end_) fail("truncated");
+  }
+  const std::string& blob_;
+  const char* what_;
+  size_t pos_ = 0;
+  size_t end_ = 0;
+};
+
+void write_address(Writer& w, const EngineAddress& a) {
+  w.put<uint64_t>(a.engine_id);
+  w.put<uint8_t>(static_cast<uint8_t>(a.provider.size()));
+  w.put_bytes(a.provider);
+  w.put<uint16_t>(static_cast<uint16_t>(a.rail_addresses.size()));
+  for (const auto& r : a.rail_addresses) {
+    w.put<uint16_t>(static_cast<uint16_t>(r.size()));
+    w.put_bytes(r);
+  }
+}
+
+EngineAddress read_address(Reader& r) {
+  EngineAddress a;
+  a.engine_id = r.get<uint64_t>();
+  a.provider = r.get_bytes(r.get<uint8_t>());
+  uint16_t rails = r.get<uint16_t>();
+  if (rails == 0 || rails > kMaxRails) r.fail("rail count " + std::to_string(rails));
+  for (uint16_t i = 0; i < rails; ++i) {
+    uint16_t n = r.get<uint16_t>();
+    if (n == 0 || n > kMaxRailAddressBytes) r.fail("rail address length " + std::to_string(n));
+    a.rail_addresses.push_back(r.get_bytes(n));
+  }
+  return a;
+}
+
+}  // namespace
+
+std::string EngineAddress::serialize() const {
+  Writer w;
+  w.put_bytes(std::string(kAddressMagic, 4));
+  w.put<uint16_t>(kWireVersion);
+  write_address(w, *this);
+  return w.finish();
+}
+
+EngineAddress EngineAddress::parse(const std::string& blob) {
+  Reader r(blob, "engine address");
+  r.expect_magic(kAddressMagic);
+  EngineAddress a = read_address(r);
+  r.expect_end();
+  return a;
+}
+
+std::string MemoryDescriptor::serialize() const {
+  Writer w;
+  w.put_bytes(std::string(kDescriptorMagic, 4));
+  w.put<uint16_t>(kWireVersion);
+  write_address(w, owner);
+  w.put<uint64_t>(region_id);
+  w.put<uint64_t>(length);
+  w.put<uint16_t>(static_cast<uint16_t>(rails.size()));
+  for (const auto& k : rails) {
+    w.put<uint64_t>(k.base);
+    w.put<uint64_t>(k.key);
+  }
+  return w.finish();
+}
+
+MemoryDescriptor MemoryDescriptor::parse(const std::string& blob) {
+  Reader r(blob, "memory descriptor");
+  r.expect_magic(kDescriptorMagic);
+  MemoryDescriptor d;
+  d.owner = read_address(r);
+  d.region_id = r.get<uint64_t>();
+  d.length = r.get<uint64_t>();
+  uint16_t rails = r.get<uint16_t>();
+  if (rails != d.owner.rail_addresses.size())
+    r.fail("descriptor has " + std::to_string(rails) + " rail keys for " +
+           std::to_string(d.owner.rail_addresses.size()) + " rail addresses");
+  for (uint16_t i = 0; i < rails; ++i) {
+    RemoteRailKey k;
+    k.base = r.get<uint64_t>();
+    k.key = r.get<uint64_t>();
+    d.rails.push_back(k);
+  }
+  r.expect_end();
+  return d;
+}
+
+std::string to_hex(const std::string& bytes) {
+  static const char* digits = "0123456789abcdef";
+  std::string out;
+  out.reserve(bytes.size() * 2);
+  for (unsigned char c : bytes) {
+    out.push_back(digits[c >> 4]);
+    out.push_back(digits[c & 15]);
+  }
+  return out;
+}
+
+}  // namespace kvxfer

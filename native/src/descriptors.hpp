@@ -1,0 +1,39 @@
+// Serialized handles that peers exchange: an engine's address (one fabric address per
+// rail) and a memory descriptor (everything a peer needs to write into a region).
+// Both are versioned, length-checked and end in a checksum, so a truncated, corrupt or
+// foreign blob is refused with a DescriptorError before anything is posted.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace kvxfer {
+
+struct EngineAddress {
+  uint64_t engine_id = 0;
+  std::string provider;
+  std::vector<std::string> rail_addresses;  // raw fi_getname() bytes, one per rail
+
+  std::string serialize() const;
+  static EngineAddress parse(const std::string& blob);
+};
+
+struct RemoteRailKey {
+  uint64_t base = 0;  // added to offsets on providers with FI_MR_VIRT_ADDR, else 0
+  uint64_t key = 0;
+};
+
+struct MemoryDescriptor {
+  EngineAddress owner;
+  uint64_t region_id = 0;
+  uint64_t length = 0;
+  std::vector<RemoteRailKey> rails;
+
+  std::string serialize() const;
+  static MemoryDescriptor parse(const std::string& blob);
+};
+
+std::string to_hex(const std::string& bytes);
+
+}  // namespace kvxfer

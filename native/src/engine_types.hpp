@@ -1,0 +1,83 @@
+// Types shared by every layer of the engine: errors, memory regions, the one transfer
+// request type and its variants.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace kvxfer {
+
+// Every error the engine raises derives from EngineError so Python maps them to one family.
+class EngineError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+// A serialized address or memory descriptor that is truncated, corrupt or not ours.
+class DescriptorError : public EngineError {
+ public:
+  using EngineError::EngineError;
+};
+// Offsets, lengths or page indices outside the registered regions.
+class BoundsError : public EngineError {
+ public:
+  using EngineError::EngineError;
+};
+// libfabric said no: carries the provider's message.
+class FabricError : public EngineError {
+ public:
+  FabricError(const std::string& what, int fi_errno);
+  int fi_errno() const { return fi_errno_; }
+
+ private:
+  int fi_errno_;
+};
+
+// What the transfer ended as. Values are stable: Python reads them.
+enum class TransferStatus : uint32_t {
+  kPending = 0,
+  kDone = 1,
+  kFailed = 2,
+  kTimedOut = 3,
+};
+
+// Shared between the submitting thread and the progress worker. The worker writes status
+// once (release); waiters futex-wait on `status`. No locks: the only other shared word is
+// the notify flag, which follows the store/load (seq_cst) handshake in progress_worker.cpp.
+struct TransferState {
+  uint64_t id = 0;
+  std::atomic<uint32_t> status{static_cast<uint32_t>(TransferStatus::kPending)};
+  std::atomic<uint32_t> notify_requested{0};
+  // Ops still outstanding on the fabric; touched only by the worker thread.
+  uint32_t ops_outstanding = 0;
+  // Shards of a sharded single write whose immediate is sent once all of them landed.
+  uint32_t deferred_imm_shards = 0;
+  bool has_deferred_imm = false;
+  uint64_t deferred_imm_data = 0;
+  int64_t deadline_ns = 0;
+  uint64_t bytes = 0;
+  std::string error;  // written by the worker before status is released
+};
+using TransferStatePtr = std::shared_ptr<TransferState>;
+
+// Per-rail registration of one memory region.
+struct RailRegistration {
+  void* mr = nullptr;      // struct fid_mr*, opaque above the rail layer
+  void* local_desc = nullptr;
+  uint64_t key = 0;
+  uint64_t remote_base = 0;  // what a peer adds offsets to: the virtual address or 0
+};
+
+// A registered buffer, with its registration on every rail.
+struct MemoryRegion {
+  uint64_t id = 0;
+  uintptr_t addr = 0;
+  uint64_t length = 0;
+  std::vector<RailRegistration> rails;
+};
+using MemoryRegionPtr = std::shared_ptr<MemoryRegion>;
+
+}  // namespace kvxfer

@@ -1,0 +1,555 @@
+#include "progress_worker.hpp"
+
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include "futex_wait.hpp"
+
+namespace kvxfer {
+namespace {
+
+// Completions read per fi_cq_read call: enough to drain a burst of small pages at once.
+constexpr size_t kCqBatch = 64;
+// How often the worker looks for expired transfers.
+constexpr int64_t kDeadlineCheckNs = 1'000'000;
+// The longest an idle worker sleeps: bounds how late a deadline is noticed.
+constexpr int kMaxSleepMs = 2;
+
+ContextTag tag_of(void* context) {
+  // Both context types start with fi_context2 followed by their tag.
+  return *reinterpret_cast<ContextTag*>(static_cast<char*>(context) + sizeof(struct fi_context2));
+}
+
+}  // namespace
+
+ProgressWorker::ProgressWorker(RailGroup& rails, WorkerSettings settings)
+    : rails_(rails), settings_(settings), imm_(settings.imm_table_capacity) {
+  wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  event_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  epoll_fd_ = epoll_create1(EPOLL_CLOEXEC);
+  if (wake_fd_ < 0 || event_fd_ < 0 || epoll_fd_ < 0) throw EngineError("eventfd/epoll failed");
+  struct epoll_event ev = {};
+  ev.events = EPOLLIN;
+  ev.data.fd = wake_fd_;
+  epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, wake_fd_, &ev);
+  for (size_t r = 0; r < rails_.size(); ++r) {
+    int fd = rails_.rail(r).wait_fd();
+    if (fd < 0) {
+      all_rails_have_wait_fd_ = false;
+      continue;
+    }
+    ev.data.fd = fd;
+    epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, fd, &ev);
+  }
+  pending_.resize(rails_.size());
+  inflight_.assign(rails_.size(), 0);
+  for (size_t r = 0; r < rails_.size(); ++r) stats_.push_back(std::make_unique<RailStats>());
+  post_recv_slots();
+  thread_ = std::thread([this] { loop(); });
+}
+
+ProgressWorker::~ProgressWorker() {
+  stop();
+  for (size_t r = 0; r < recv_registrations_.size(); ++r) rails_.rail(r).deregister(recv_registrations_[r]);
+  std::string* msg;
+  while (inbox_.try_pop(msg)) delete msg;
+  if (wake_fd_ >= 0) close(wake_fd_);
+  if (event_fd_ >= 0) close(event_fd_);
+  if (epoll_fd_ >= 0) close(epoll_fd_);
+}
+
+void ProgressWorker::stop() {
+  if (stopping_.exchange(true)) {
+    if (thread_.joinable()) thread_.join();
+    return;
+  }
+  uint64_t one = 1;
+  ssize_t ignored = write(wake_fd_, &one, sizeof one);
+  (void)ignored;
+  if (thread_.joinable()) thread_.join();
+}
+
+void ProgressWorker::post_recv_slots() {
+  for (size_t r = 0; r < rails_.size(); ++r) {
+    recv_buffers_.emplace_back(settings_.recv_slots_per_rail * settings_.recv_slot_bytes);
+    auto& buf = recv_buffers_.back();
+    recv_registrations_.push_back(rails_.rail(r).register_region(buf.data(), buf.size(), 0xfff0 + r));
+    for (size_t i = 0; i < settings_.recv_slots_per_rail; ++i) {
+      auto slot = std::make_unique<RecvSlot>();
+      slot->rail = static_cast<uint16_t>(r);
+      slot->buf = buf.data() + i * settings_.recv_slot_bytes;
+      repost(slot.get());
+      recv_slots_.push_back(std::move(slot));
+    }
+  }
+}
+
+void ProgressWorker::repost(RecvSlot* slot) {
+  ssize_t rc = rails_.rail(slot->rail).post_recv(slot->buf, settings_.recv_slot_bytes,
+                                                 recv_registrations_[slot->rail].local_desc, slot);
+  // EAGAIN means the provider wants progress first: retried from the loop.
+  if (rc == -FI_EAGAIN) recv_retry_.push_back(slot);
+}
+
+void ProgressWorker::submit(std::unique_ptr<WorkBatch> batch) {
+  if (stopping_.load()) throw EngineError("engine is closed");
+  WorkBatch* raw = batch.release();
+  int64_t deadline = monotonic_ns() + 5'000'000'000LL;
+  while (!submissions_.try_push(raw)) {
+    // Full queue: the worker is behind; back off briefly rather than spin on 2 cores.
+    if (monotonic_ns() > deadline || stopping_.load()) {
+      delete raw;
+      throw EngineError("engine submission queue stayed full for 5 s");
+    }
+    usleep(50);
+  }
+  if (sleeping_.load(std::memory_order_seq_cst)) {
+    uint64_t one = 1;
+    ssize_t ignored = write(wake_fd_, &one, sizeof one);
+    (void)ignored;
+  }
+}
+
+void ProgressWorker::run_on_worker(std::function<void()> fn, int64_t timeout_ns) {
+  if (stopping_.load()) throw EngineError("engine is closed");
+  auto task = std::make_shared<ControlTask>();
+  task->fn = std::move(fn);
+  if (!controls_.try_push(task)) throw EngineError("engine control queue is full");
+  uint64_t one = 1;
+  ssize_t ignored = write(wake_fd_, &one, sizeof one);
+  (void)ignored;
+  int64_t deadline = monotonic_ns() + timeout_ns;
+  while (!task->done.load(std::memory_order_acquire)) {
+    if (monotonic_ns() >= deadline) throw EngineError("engine worker did not answer in time");
+    futex_wait_until(&task->done, 0, std::min(deadline, monotonic_ns() + 100'000'000));
+  }
+  if (task->failed) throw EngineError(task->error);
+}
+
+std::vector<fi_addr_t>& ProgressWorker::peer_addresses(const EngineAddress& peer) {
+  auto it = peers_.find(peer.engine_id);
+  if (it != peers_.end()) return it->second;
+  std::vector<fi_addr_t> addrs;
+  for (size_t r = 0; r < rails_.size(); ++r)
+    addrs.push_back(rails_.rail(r).insert_peer(peer.rail_addresses[r % peer.rail_addresses.size()]));
+  return peers_.emplace(peer.engine_id, std::move(addrs)).first->second;
+}
+
+void ProgressWorker::forget_peer(uint64_t engine_id) {
+  auto it = peers_.find(engine_id);
+  if (it == peers_.end()) return;
+  for (size_t r = 0; r < rails_.size(); ++r) rails_.rail(r).remove_peer(it->second[r]);
+  peers_.erase(it);
+}
+
+bool ProgressWorker::wait_transfer(TransferState& t, int64_t deadline_ns) {
+  for (;;) {
+    uint32_t s = t.status.load(std::memory_order_acquire);
+    if (s != static_cast<uint32_t>(TransferStatus::kPending)) return true;
+    if (monotonic_ns() >= deadline_ns) return false;
+    futex_wait_until(&t.status, s, deadline_ns);
+  }
+}
+
+bool ProgressWorker::wait_imm(uint32_t imm, uint64_t count, int64_t deadline_ns) {
+  imm_waiters_.fetch_add(1, std::memory_order_seq_cst);
+  bool reached = false;
+  for (;;) {
+    uint32_t epoch = imm_epoch_.load(std::memory_order_seq_cst);
+    if (imm_.get(imm) >= count) {
+      reached = true;
+      break;
+    }
+    if (monotonic_ns() >= deadline_ns || stopping_.load()) break;
+    futex_wait_until(&imm_epoch_, epoch, std::min(deadline_ns, monotonic_ns() + 100'000'000));
+  }
+  imm_waiters_.fetch_sub(1, std::memory_order_seq_cst);
+  return reached;
+}
+
+void ProgressWorker::expect_imm(uint32_t imm, uint64_t count, uint64_t token) {
+  run_on_worker(
+      [this, imm, count, token] {
+        if (imm_.get(imm) >= count) {
+          push_event({EventKind::kImmReached, token, 0});
+          flush_events();
+        } else {
+          expectations_[imm].push_back({count, token});
+        }
+      },
+      5'000'000'000LL);
+}
+
+std::optional<std::string> ProgressWorker::recv(int64_t deadline_ns) {
+  for (;;) {
+    uint32_t seq = inbox_seq_.load(std::memory_order_seq_cst);
+    std::string* msg;
+    if (inbox_.try_pop(msg)) {
+      std::string out = std::move(*msg);
+      delete msg;
+      return out;
+    }
+    if (monotonic_ns() >= deadline_ns || stopping_.load()) return std::nullopt;
+    futex_wait_until(&inbox_seq_, seq, std::min(deadline_ns, monotonic_ns() + 100'000'000));
+  }
+}
+
+std::vector<EngineEvent> ProgressWorker::take_events() {
+  uint64_t drained;
+  ssize_t ignored = read(event_fd_, &drained, sizeof drained);
+  (void)ignored;
+  std::vector<EngineEvent> out;
+  EngineEvent e;
+  while (events_.try_pop(e)) out.push_back(e);
+  return out;
+}
+
+void ProgressWorker::push_event(const EngineEvent& e) {
+  if (!event_overflow_.empty() || !events_.try_push(e)) event_overflow_.push_back(e);
+  events_pending_ = true;
+}
+
+void ProgressWorker::flush_events() {
+  while (!event_overflow_.empty() && events_.try_push(event_overflow_.front())) event_overflow_.pop_front();
+  if (events_pending_) {
+    // One eventfd write per poll round, not per event: fewer wake-ups for asyncio.
+    uint64_t one = 1;
+    ssize_t ignored = write(event_fd_, &one, sizeof one);
+    (void)ignored;
+    events_pending_ = false;
+  }
+}
+
+void ProgressWorker::finish_transfer(TransferState& t, TransferStatus status, const std::string& error) {
+  if (t.status.load(std::memory_order_relaxed) != static_cast<uint32_t>(TransferStatus::kPending)) return;
+  t.error = error;
+  // seq_cst pairs with the waiter's notify_requested store then status load: one side
+  // always sees the other, so a notification is never lost.
+  t.status.store(static_cast<uint32_t>(status), std::memory_order_seq_cst);
+  futex_wake_all(&t.status);
+  if (t.notify_requested.load(std::memory_order_seq_cst))
+    push_event({EventKind::kTransferDone, t.id, static_cast<uint32_t>(status)});
+}
+
+void ProgressWorker::complete_op(RailOp* op, const std::string* error) {
+  WorkBatch* batch = op->batch;
+  auto& st = *stats_[op->rail];
+  if (error) {
+    st.completion_errors.fetch_add(1, std::memory_order_relaxed);
+    if (!batch->failed) {
+      batch->failed = true;
+      finish_transfer(*batch->transfer, TransferStatus::kFailed, *error);
+    }
+  } else {
+    st.ops_completed.fetch_add(1, std::memory_order_relaxed);
+    st.bytes_completed.fetch_add(op->bytes, std::memory_order_relaxed);
+  }
+  if (--batch->ops_remaining > 0) return;
+  if (!batch->failed && batch->deferred_imm && !batch->deferred_imm_posted) {
+    // Every shard is delivered: now the immediate may tell the receiver.
+    batch->deferred_imm_posted = true;
+    batch->ops_remaining = 1;
+    pending_[batch->deferred_imm->rail].push_back(batch->deferred_imm.get());
+    return;
+  }
+  if (!batch->failed) finish_transfer(*batch->transfer, TransferStatus::kDone, "");
+  for (size_t r = 0; r < batch->payload_registration.size(); ++r)
+    rails_.rail(r).deregister(batch->payload_registration[r]);
+  auto it = where_.find(batch);
+  if (it != where_.end()) {
+    auto [owner, position] = it->second;
+    where_.erase(it);
+    owner->erase(position);
+  }
+}
+
+bool ProgressWorker::drain_submissions() {
+  bool did = false;
+  std::shared_ptr<ControlTask> task;
+  while (controls_.try_pop(task)) {
+    try {
+      task->fn();
+    } catch (const std::exception& e) {
+      task->error = e.what();
+      task->failed = true;
+    }
+    task->done.store(1, std::memory_order_release);
+    futex_wake_all(&task->done);
+    did = true;
+  }
+  WorkBatch* raw;
+  // A bounded number per round so completions keep being read under a submission flood.
+  for (int n = 0; n < 256 && submissions_.try_pop(raw); ++n) {
+    did = true;
+    std::unique_ptr<WorkBatch> batch(raw);
+    batch->transfer->deadline_ns = monotonic_ns() + settings_.transfer_timeout_ns;
+    try {
+      if (batch->peer) {
+        auto& addrs = peer_addresses(*batch->peer);
+        for (auto& op : batch->ops) op.dest = addrs[op.rail];
+        if (batch->deferred_imm) batch->deferred_imm->dest = addrs[batch->deferred_imm->rail];
+      }
+      if (rails_.caps().mr_local && !batch->payload.empty()) {
+        for (size_t r = 0; r < rails_.size(); ++r)
+          batch->payload_registration.push_back(
+              rails_.rail(r).register_region(batch->payload.data(), batch->payload.size(), 0));
+        for (auto& op : batch->ops) op.desc[0] = batch->payload_registration[op.rail].local_desc;
+      }
+    } catch (const std::exception& e) {
+      finish_transfer(*batch->transfer, TransferStatus::kFailed,
+                      std::string("cannot reach peer: ") + e.what());
+      continue;
+    }
+    for (auto& op : batch->ops) pending_[op.rail].push_back(&op);
+    WorkBatch* key = batch.get();
+    live_.push_back(std::move(batch));
+    where_[key] = {&live_, std::prev(live_.end())};
+  }
+  return did;
+}
+
+bool ProgressWorker::post_pending(size_t r) {
+  auto& queue = pending_[r];
+  auto& rail = rails_.rail(r);
+  auto& st = *stats_[r];
+  bool did = false;
+  while (!queue.empty() && inflight_[r] < settings_.max_inflight_per_rail) {
+    RailOp* op = queue.front();
+    if (op->batch->failed) {
+      // Its transfer already failed or timed out: never post the rest of it.
+      queue.pop_front();
+      complete_op(op, nullptr);
+      did = true;
+      continue;
+    }
+    ssize_t rc;
+    if (op->kind == OpKind::kWrite) {
+      struct fi_msg_rma msg = {};
+      msg.msg_iov = op->iov;
+      msg.desc = op->desc;
+      msg.iov_count = op->iov_count;
+      msg.addr = op->dest;
+      msg.rma_iov = op->rma;
+      msg.rma_iov_count = op->iov_count;
+      msg.context = op;
+      msg.data = op->cq_data;
+      uint64_t flags = FI_COMPLETION;
+      if (op->has_cq_data) flags |= FI_REMOTE_CQ_DATA;
+      if (op->delivery_complete) flags |= FI_DELIVERY_COMPLETE;
+      rc = rail.post_write(msg, flags);
+    } else {
+      struct fi_msg msg = {};
+      msg.msg_iov = op->iov;
+      msg.desc = op->desc;
+      msg.iov_count = op->iov_count;
+      msg.addr = op->dest;
+      msg.context = op;
+      msg.data = op->cq_data;
+      uint64_t flags = FI_COMPLETION;
+      if (op->has_cq_data) flags |= FI_REMOTE_CQ_DATA;
+      rc = rail.post_send(msg, flags);
+    }
+    if (rc == -FI_EAGAIN) break;  // provider queue full: read completions, then retry
+    queue.pop_front();
+    did = true;
+    if (rc != 0) {
+      std::string why = std::string("posting failed: ") + fi_strerror(static_cast<int>(-rc));
+      complete_op(op, &why);
+      continue;
+    }
+    ++inflight_[r];
+    st.ops_posted.fetch_add(1, std::memory_order_relaxed);
+    st.bytes_posted.fetch_add(op->bytes, std::memory_order_relaxed);
+  }
+  return did;
+}
+
+void ProgressWorker::on_arrival(uint64_t cq_data) {
+  uint32_t imm = static_cast<uint32_t>(cq_data);
+  uint32_t weight = static_cast<uint32_t>(cq_data >> 32);
+  // A peer whose provider has 4-byte CQ data sends no weight: each arrival is one unit.
+  uint64_t total = imm_.add(imm, weight ? weight : 1);
+  imm_arrived_ = true;
+  if (expectations_.empty()) return;
+  auto it = expectations_.find(imm);
+  if (it == expectations_.end()) return;
+  auto& list = it->second;
+  for (size_t i = 0; i < list.size();) {
+    if (total >= list[i].count) {
+      push_event({EventKind::kImmReached, list[i].token, 0});
+      list[i] = list.back();
+      list.pop_back();
+    } else {
+      ++i;
+    }
+  }
+  if (list.empty()) expectations_.erase(it);
+}
+
+void ProgressWorker::on_message(RecvSlot* slot, size_t len) {
+  auto* msg = new std::string(slot->buf, len);
+  if (!inbox_.try_push(msg)) {
+    delete msg;  // inbox full: the application is not reading; drop, counted as an error
+    stats_[slot->rail]->completion_errors.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
+  inbox_seq_.fetch_add(1, std::memory_order_seq_cst);
+  futex_wake_all(&inbox_seq_);
+}
+
+bool ProgressWorker::poll_rail(size_t r) {
+  auto& rail = rails_.rail(r);
+  struct fi_cq_data_entry entries[kCqBatch];
+  bool did = false;
+  for (;;) {
+    ssize_t n = rail.read_completions(entries, kCqBatch);
+    if (n == -FI_EAVAIL) {
+      struct fi_cq_err_entry err;
+      std::string why;
+      if (!rail.read_error(&err, &why)) break;
+      did = true;
+      if (err.op_context && tag_of(err.op_context) == ContextTag::kRailOp) {
+        auto* op = static_cast<RailOp*>(err.op_context);
+        --inflight_[op->rail];
+        complete_op(op, &why);
+      } else if (err.op_context && tag_of(err.op_context) == ContextTag::kRecvSlot) {
+        if (!stopping_.load()) repost(static_cast<RecvSlot*>(err.op_context));
+      }
+      continue;
+    }
+    if (n <= 0) break;
+    did = true;
+    for (ssize_t i = 0; i < n; ++i) {
+      auto& e = entries[i];
+      if (e.flags & (FI_RECV | FI_REMOTE_WRITE)) {
+        if (e.flags & FI_REMOTE_CQ_DATA) {
+          on_arrival(e.data);
+          stats_[r]->imm_received.fetch_add(1, std::memory_order_relaxed);
+        } else if (e.op_context) {
+          on_message(static_cast<RecvSlot*>(e.op_context), e.len);
+        }
+        if (e.op_context && tag_of(e.op_context) == ContextTag::kRecvSlot)
+          repost(static_cast<RecvSlot*>(e.op_context));
+      } else if (e.op_context) {
+        auto* op = static_cast<RailOp*>(e.op_context);
+        --inflight_[op->rail];
+        complete_op(op, nullptr);
+      }
+    }
+    if (static_cast<size_t>(n) < kCqBatch) break;
+  }
+  return did;
+}
+
+void ProgressWorker::check_deadlines(int64_t now) {
+  while (!live_.empty() && live_.front()->transfer->deadline_ns <= now) {
+    auto& batch = live_.front();
+    if (!batch->failed) {
+      batch->failed = true;
+      finish_transfer(*batch->transfer, TransferStatus::kTimedOut,
+                      "transfer did not complete within " +
+                          std::to_string(settings_.transfer_timeout_ns / 1000000) +
+                          " ms (peer dead or unreachable?)");
+    }
+    // Its posted ops may still complete; keep the batch alive until they do.
+    WorkBatch* key = batch.get();
+    expired_.splice(expired_.end(), live_, live_.begin());
+    where_[key] = {&expired_, std::prev(expired_.end())};
+  }
+}
+
+void ProgressWorker::sleep_until_work() {
+  sleeping_.store(1, std::memory_order_seq_cst);
+  bool can_block = submissions_.empty() && controls_.empty();
+  for (size_t r = 0; can_block && r < rails_.size(); ++r)
+    if (!pending_[r].empty()) can_block = false;
+  if (can_block) {
+    int timeout_ms = kMaxSleepMs;
+    if (all_rails_have_wait_fd_) {
+      for (size_t r = 0; r < rails_.size(); ++r)
+        if (!rails_.rail(r).try_wait()) timeout_ms = 0;
+    } else {
+      timeout_ms = 0;  // no CQ fd: fall back to a short sleep below
+    }
+    if (timeout_ms > 0) {
+      struct epoll_event evs[8];
+      int n = epoll_wait(epoll_fd_, evs, 8, timeout_ms);
+      for (int i = 0; i < n; ++i)
+        if (evs[i].data.fd == wake_fd_) {
+          uint64_t v;
+          ssize_t ignored = read(wake_fd_, &v, sizeof v);
+          (void)ignored;
+        }
+    } else if (!all_rails_have_wait_fd_) {
+      usleep(20);
+    }
+  }
+  sleeping_.store(0, std::memory_order_seq_cst);
+}
+
+void ProgressWorker::fail_everything(const std::string& why) {
+  for (auto* lst : {&live_, &expired_})
+    for (auto& b : *lst)
+      if (!b->failed) {
+        b->failed = true;
+        finish_transfer(*b->transfer, TransferStatus::kFailed, why);
+      }
+  WorkBatch* raw;
+  while (submissions_.try_pop(raw)) {
+    finish_transfer(*raw->transfer, TransferStatus::kFailed, why);
+    delete raw;
+  }
+  std::shared_ptr<ControlTask> task;
+  while (controls_.try_pop(task)) {
+    task->error = why;
+    task->failed = true;
+    task->done.store(1);
+    futex_wake_all(&task->done);
+  }
+  flush_events();
+}
+
+void ProgressWorker::loop() {
+  int64_t idle_since = 0;
+  int64_t next_deadline_check = monotonic_ns() + kDeadlineCheckNs;
+  while (!stopping_.load(std::memory_order_relaxed)) {
+    bool did = drain_submissions();
+    if (!recv_retry_.empty()) {
+      std::vector<RecvSlot*> retry;
+      retry.swap(recv_retry_);
+      for (auto* slot : retry) repost(slot);
+    }
+    for (size_t r = 0; r < rails_.size(); ++r) {
+      did |= poll_rail(r);
+      did |= post_pending(r);
+    }
+    if (imm_arrived_) {
+      imm_arrived_ = false;
+      imm_epoch_.fetch_add(1, std::memory_order_seq_cst);
+      if (imm_waiters_.load(std::memory_order_seq_cst)) futex_wake_all(&imm_epoch_);
+    }
+    if (events_pending_ || !event_overflow_.empty()) flush_events();
+    int64_t now = monotonic_ns();
+    if (now >= next_deadline_check) {
+      check_deadlines(now);
+      next_deadline_check = now + kDeadlineCheckNs;
+    }
+    if (did) {
+      idle_since = 0;
+      continue;
+    }
+    if (idle_since == 0) idle_since = now;
+    if (now - idle_since >= settings_.idle_spin_ns) sleep_until_work();
+  }
+  fail_everything("engine closed");
+  // Wake everyone blocked on an immediate or a message so they see the close.
+  imm_epoch_.fetch_add(1);
+  futex_wake_all(&imm_epoch_);
+  inbox_seq_.fetch_add(1);
+  futex_wake_all(&inbox_seq_);
+}
+
+}  // namespace kvxfer

@@ -1,0 +1,154 @@
+// The progress worker: one thread that owns a rail group's domains and completion queues.
+// Submitting threads plan a WorkBatch and push it through a lock-free queue; the worker
+// resolves peers, posts ops within per-rail inflight limits, reads completions, counts
+// immediates, enforces deadlines and reports events. Nothing else touches libfabric.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <list>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "bounded_queue.hpp"
+#include "engine_types.hpp"
+#include "imm_counter.hpp"
+#include "rail_group.hpp"
+
+namespace kvxfer {
+
+struct WorkerSettings {
+  // Ops in flight per rail: deep enough to keep a TCP stream busy with 16 KiB pages,
+  // shallow enough to stay far below the provider's queue and CQ sizes.
+  size_t max_inflight_per_rail = 256;
+  // How long an idle worker keeps polling before it sleeps on the CQ fd. Short, because
+  // this machine class has 2 cores shared by both peers and the Python threads.
+  int64_t idle_spin_ns = 30'000;
+  // A transfer that has not completed by then fails with a timeout (dead or stuck peer).
+  int64_t transfer_timeout_ns = 30'000'000'000LL;
+  size_t recv_slots_per_rail = 64;
+  size_t recv_slot_bytes = 64 * 1024;
+  size_t imm_table_capacity = 1 << 16;
+};
+
+enum class EventKind : uint32_t { kTransferDone = 1, kImmReached = 2 };
+
+struct EngineEvent {
+  EventKind kind;
+  uint64_t token;   // transfer id, or the token given to expect_imm
+  uint32_t status;  // TransferStatus for transfers
+};
+
+struct RailStats {
+  std::atomic<uint64_t> bytes_posted{0}, bytes_completed{0}, ops_posted{0}, ops_completed{0},
+      completion_errors{0}, imm_received{0};
+};
+
+class ProgressWorker {
+ public:
+  ProgressWorker(RailGroup& rails, WorkerSettings settings);
+  ~ProgressWorker();
+
+  // Hands a planned batch to the worker. Throws if the worker is stopped.
+  void submit(std::unique_ptr<WorkBatch> batch);
+  // Runs fn on the worker thread (registration, peers) and waits for it, rethrowing.
+  void run_on_worker(std::function<void()> fn, int64_t timeout_ns);
+
+  const ImmCounterTable& imm_counters() const { return imm_; }
+  void consume_imm(uint32_t imm, uint64_t units) { imm_.consume(imm, units); }
+  bool wait_imm(uint32_t imm, uint64_t count, int64_t deadline_ns);
+  void expect_imm(uint32_t imm, uint64_t count, uint64_t token);
+
+  bool wait_transfer(TransferState& t, int64_t deadline_ns);
+  std::optional<std::string> recv(int64_t deadline_ns);
+
+  int event_fd() const { return event_fd_; }
+  std::vector<EngineEvent> take_events();
+
+  const std::vector<std::unique_ptr<RailStats>>& stats() const { return stats_; }
+  void stop();
+
+  // Worker-thread-only peer table, used from run_on_worker tasks too.
+  std::vector<fi_addr_t>& peer_addresses(const EngineAddress& peer);
+  void forget_peer(uint64_t engine_id);
+
+ private:
+  struct RecvSlot {
+    struct fi_context2 fi_ctx;
+    ContextTag tag = ContextTag::kRecvSlot;
+    uint16_t rail = 0;
+    char* buf = nullptr;
+  };
+  struct ControlTask {
+    std::function<void()> fn;
+    std::atomic<uint32_t> done{0};
+    std::string error;
+    bool failed = false;
+  };
+  struct Expectation {
+    uint64_t count;
+    uint64_t token;
+  };
+
+  void loop();
+  bool drain_submissions();
+  bool post_pending(size_t rail);
+  bool poll_rail(size_t rail);
+  void on_arrival(uint64_t cq_data);
+  void on_message(RecvSlot* slot, size_t len);
+  void repost(RecvSlot* slot);
+  void complete_op(RailOp* op, const std::string* error);
+  void finish_transfer(TransferState& t, TransferStatus status, const std::string& error);
+  void check_deadlines(int64_t now);
+  void sleep_until_work();
+  void push_event(const EngineEvent& e);
+  void flush_events();
+  void post_recv_slots();
+  void fail_everything(const std::string& why);
+
+  RailGroup& rails_;
+  WorkerSettings settings_;
+  ImmCounterTable imm_;
+
+  BoundedQueue<WorkBatch*> submissions_{4096};
+  BoundedQueue<std::shared_ptr<ControlTask>> controls_{256};
+  BoundedQueue<EngineEvent> events_{1 << 16};
+  BoundedQueue<std::string*> inbox_{4096};
+  std::deque<EngineEvent> event_overflow_;  // worker only
+
+  // Worker-only state.
+  std::vector<std::deque<RailOp*>> pending_;
+  std::vector<size_t> inflight_;
+  std::list<std::unique_ptr<WorkBatch>> live_;     // in deadline order
+  std::list<std::unique_ptr<WorkBatch>> expired_;  // timed out, ops still on the fabric
+  using BatchList = std::list<std::unique_ptr<WorkBatch>>;
+  std::unordered_map<WorkBatch*, std::pair<BatchList*, BatchList::iterator>> where_;
+  std::vector<RecvSlot*> recv_retry_;
+  std::unordered_map<uint64_t, std::vector<fi_addr_t>> peers_;
+  std::unordered_map<uint32_t, std::vector<Expectation>> expectations_;
+  std::vector<std::unique_ptr<RecvSlot>> recv_slots_;
+  std::vector<std::vector<char>> recv_buffers_;
+  std::vector<RailRegistration> recv_registrations_;
+  std::vector<std::unique_ptr<RailStats>> stats_;
+  bool imm_arrived_ = false;
+  bool events_pending_ = false;
+
+  std::atomic<uint32_t> imm_epoch_{0};
+  std::atomic<uint32_t> imm_waiters_{0};
+  std::atomic<uint32_t> inbox_seq_{0};
+  std::atomic<uint32_t> sleeping_{0};
+  std::atomic<bool> stopping_{false};
+  int wake_fd_ = -1;   // eventfd: submitters wake the sleeping worker
+  int event_fd_ = -1;  // eventfd: the worker tells asyncio loops that events wait
+  int epoll_fd_ = -1;
+  bool all_rails_have_wait_fd_ = true;
+  std::thread thread_;
+};
+
+}  // namespace kvxfer

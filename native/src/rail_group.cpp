@@ -1,0 +1,195 @@
+#include "rail_group.hpp"
+
+#include <algorithm>
+
+namespace kvxfer {
+namespace {
+
+std::string range_text(uint64_t off, uint64_t len, uint64_t size) {
+  return "[" + std::to_string(off) + ", " + std::to_string(off) + "+" + std::to_string(len) +
+         ") outside region of " + std::to_string(size) + " bytes";
+}
+
+void check_range(const char* side, uint64_t off, uint64_t len, uint64_t size) {
+  if (off > size || len > size - off)
+    throw BoundsError(std::string(side) + " range " + range_text(off, len, size));
+}
+
+void finish_batch(WorkBatch& batch) {
+  batch.ops_remaining = batch.ops.size();
+  uint64_t bytes = 0;
+  for (auto& op : batch.ops) {
+    op.batch = &batch;
+    bytes += op.bytes;
+  }
+  if (batch.deferred_imm) batch.deferred_imm->batch = &batch;
+  batch.transfer->bytes = bytes;
+}
+
+}  // namespace
+
+RailGroup::RailGroup(const std::string& provider, const std::string& bind_host, size_t rails,
+                     PlannerSettings settings)
+    : settings_(settings) {
+  if (rails == 0 || rails > 16) throw EngineError("rails must be 1..16, got " + std::to_string(rails));
+  for (size_t i = 0; i < rails; ++i)
+    rails_.push_back(std::make_unique<FabricRail>(provider, bind_host, i));
+}
+
+std::vector<std::string> RailGroup::rail_addresses() const {
+  std::vector<std::string> out;
+  for (const auto& r : rails_) out.push_back(r->address());
+  return out;
+}
+
+void RailGroup::plan_write(WorkBatch& batch, const MemoryRegion& local, uint64_t src_offset,
+                           const MemoryDescriptor& remote, uint64_t dst_offset, uint64_t length,
+                           std::optional<uint32_t> imm) const {
+  if (length == 0) throw BoundsError("write of 0 bytes: use write_imm for an immediate alone");
+  check_range("source", src_offset, length, local.length);
+  check_range("destination", dst_offset, length, remote.length);
+
+  size_t shards = 1;
+  if (rails_.size() > 1 && length >= settings_.shard_min_bytes) shards = rails_.size();
+  // Shards end on 4 KiB boundaries so no page is split between two NICs.
+  uint64_t shard_len = ((length / shards) + 4095) & ~uint64_t(4095);
+  batch.ops.reserve(shards);
+  for (size_t s = 0; s < shards; ++s) {
+    uint64_t begin = std::min<uint64_t>(length, s * shard_len);
+    uint64_t end = (s + 1 == shards) ? length : std::min<uint64_t>(length, begin + shard_len);
+    if (begin >= end) continue;
+    RailOp op;
+    op.kind = OpKind::kWrite;
+    op.rail = static_cast<uint16_t>(s);
+    const auto& lreg = local.rails[s];
+    const auto& rkey = remote.rails[remote_rail(s, remote)];
+    op.iov_count = 1;
+    op.iov[0].iov_base = reinterpret_cast<void*>(local.addr + src_offset + begin);
+    op.iov[0].iov_len = end - begin;
+    op.desc[0] = lreg.local_desc;
+    op.rma[0].addr = rkey.base + dst_offset + begin;
+    op.rma[0].len = end - begin;
+    op.rma[0].key = rkey.key;
+    op.bytes = end - begin;
+    batch.ops.push_back(op);
+  }
+  if (imm) {
+    if (batch.ops.size() == 1) {
+      batch.ops[0].has_cq_data = true;
+      batch.ops[0].cq_data = encode_imm(*imm, 1);
+    } else {
+      // Shards land in any order on different NICs, so no shard may carry the immediate:
+      // each is delivery-complete, and one immediate follows once all of them landed.
+      for (auto& op : batch.ops) op.delivery_complete = true;
+      plan_imm_only(batch, *imm);
+      batch.deferred_imm = std::make_unique<RailOp>(batch.ops.back());
+      batch.ops.pop_back();
+    }
+  }
+  finish_batch(batch);
+}
+
+void RailGroup::plan_paged_write(WorkBatch& batch, const MemoryRegion& local,
+                                 const int64_t* src_pages, const int64_t* dst_pages, size_t count,
+                                 uint64_t page_size, uint64_t src_stride, uint64_t dst_stride,
+                                 uint64_t src_offset, uint64_t dst_offset,
+                                 const MemoryDescriptor& remote,
+                                 std::optional<uint32_t> imm) const {
+  if (page_size == 0) throw BoundsError("page_size must be > 0");
+  if (src_stride < page_size || dst_stride < page_size)
+    throw BoundsError("strides must be >= page_size (pages would overlap)");
+  // Validate every index before anything is planned, so a bad list posts nothing.
+  for (size_t i = 0; i < count; ++i) {
+    if (src_pages[i] < 0 || dst_pages[i] < 0)
+      throw BoundsError("negative page index at position " + std::to_string(i));
+    uint64_t s = static_cast<uint64_t>(src_pages[i]), d = static_cast<uint64_t>(dst_pages[i]);
+    if (s > (local.length / src_stride) + 1 ||
+        src_offset + s * src_stride + page_size > local.length)
+      throw BoundsError("source page " + std::to_string(s) + " at position " + std::to_string(i) +
+                        ": " + range_text(src_offset + s * src_stride, page_size, local.length));
+    if (d > (remote.length / dst_stride) + 1 ||
+        dst_offset + d * dst_stride + page_size > remote.length)
+      throw BoundsError("destination page " + std::to_string(d) + " at position " +
+                        std::to_string(i) + ": " +
+                        range_text(dst_offset + d * dst_stride, page_size, remote.length));
+  }
+  if (count == 0) throw BoundsError("paged write with no pages");
+
+  const bool weighted = weighted_imm();
+  const size_t max_iov = weighted ? std::min(kMaxIov, caps().iov_limit) : 1;
+  const size_t rails = std::min(rails_.size(), count);
+  batch.ops.reserve(count / std::max<size_t>(1, max_iov) + rails + 1);
+
+  // Each rail takes one contiguous slice of the page list (the paper's paged sharding).
+  for (size_t r = 0; r < rails; ++r) {
+    size_t begin = count * r / rails, end = count * (r + 1) / rails;
+    const auto& lreg = local.rails[r];
+    const auto& rkey = remote.rails[remote_rail(r, remote)];
+    RailOp* op = nullptr;
+    uint32_t weight = 0;
+    for (size_t i = begin; i < end; ++i) {
+      uintptr_t src = local.addr + src_offset + src_pages[i] * src_stride;
+      uint64_t dst = rkey.base + dst_offset + dst_pages[i] * dst_stride;
+      if (op && weighted) {
+        auto& last_iov = op->iov[op->iov_count - 1];
+        auto& last_rma = op->rma[op->iov_count - 1];
+        bool adjacent = reinterpret_cast<uintptr_t>(last_iov.iov_base) + last_iov.iov_len == src &&
+                        last_rma.addr + last_rma.len == dst;
+        if (adjacent && op->bytes + page_size <= settings_.max_coalesce_bytes) {
+          last_iov.iov_len += page_size;
+          last_rma.len += page_size;
+          op->bytes += page_size;
+          ++weight;
+          continue;
+        }
+        if (op->iov_count < max_iov && op->bytes + page_size <= settings_.max_coalesce_bytes) {
+          size_t k = op->iov_count++;
+          op->iov[k].iov_base = reinterpret_cast<void*>(src);
+          op->iov[k].iov_len = page_size;
+          op->desc[k] = lreg.local_desc;
+          op->rma[k].addr = dst;
+          op->rma[k].len = page_size;
+          op->rma[k].key = rkey.key;
+          op->bytes += page_size;
+          ++weight;
+          continue;
+        }
+      }
+      if (op && imm) {
+        op->has_cq_data = true;
+        op->cq_data = encode_imm(*imm, weight);
+      }
+      batch.ops.emplace_back();
+      op = &batch.ops.back();
+      op->kind = OpKind::kWrite;
+      op->rail = static_cast<uint16_t>(r);
+      op->iov_count = 1;
+      op->iov[0].iov_base = reinterpret_cast<void*>(src);
+      op->iov[0].iov_len = page_size;
+      op->desc[0] = lreg.local_desc;
+      op->rma[0].addr = dst;
+      op->rma[0].len = page_size;
+      op->rma[0].key = rkey.key;
+      op->bytes = page_size;
+      weight = 1;
+    }
+    if (op && imm) {
+      op->has_cq_data = true;
+      op->cq_data = encode_imm(*imm, weight);
+    }
+  }
+  finish_batch(batch);
+}
+
+void RailGroup::plan_imm_only(WorkBatch& batch, uint32_t imm) const {
+  RailOp op;
+  op.kind = OpKind::kImmOnly;
+  op.rail = 0;
+  op.iov_count = 0;
+  op.has_cq_data = true;
+  op.cq_data = encode_imm(imm, 1);
+  batch.ops.push_back(op);
+  finish_batch(batch);
+}
+
+}  // namespace kvxfer

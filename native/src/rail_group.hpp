@@ -1,0 +1,117 @@
+// Several rails (NICs) used as one. This file holds all multi-rail logic: how a transfer
+// is validated, sharded across rails and coalesced into fabric operations. Planning runs
+// on the submitting thread and only reads immutable rail capabilities, so the progress
+// worker is left with posting and completions.
+#pragma once
+
+#include <sys/uio.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "descriptors.hpp"
+#include "engine_types.hpp"
+#include "fabric_rail.hpp"
+
+namespace kvxfer {
+
+// Most local/remote segments one write carries; providers here allow 4.
+constexpr size_t kMaxIov = 4;
+
+enum class OpKind : uint8_t {
+  kWrite,    // one-sided write, maybe with remote CQ data
+  kImmOnly,  // zero-byte send carrying remote CQ data (immediate-only, deferred immediates)
+  kSend,     // two-sided control message
+};
+
+struct WorkBatch;
+
+// One fabric operation. Its address is the libfabric context, so it must not move while
+// posted: batches keep ops in a vector that is never resized after planning.
+// Every libfabric context the engine hands out starts with this header, so a completion's
+// op_context tells which kind of object it is.
+enum class ContextTag : uint32_t { kRailOp = 0x6f70, kRecvSlot = 0x7276 };
+
+struct RailOp {
+  struct fi_context2 fi_ctx;  // first member: providers with FI_CONTEXT write here
+  ContextTag tag = ContextTag::kRailOp;
+  WorkBatch* batch = nullptr;
+  fi_addr_t dest = FI_ADDR_UNSPEC;  // resolved by the worker when the batch arrives
+  OpKind kind = OpKind::kWrite;
+  uint16_t rail = 0;
+  uint8_t iov_count = 0;
+  bool has_cq_data = false;
+  bool delivery_complete = false;
+  uint64_t cq_data = 0;
+  uint64_t bytes = 0;
+  struct iovec iov[kMaxIov];
+  void* desc[kMaxIov];
+  struct fi_rma_iov rma[kMaxIov];
+};
+
+// The one request type: everything the worker needs to carry out a transfer.
+struct WorkBatch {
+  TransferStatePtr transfer;
+  std::shared_ptr<const EngineAddress> peer;
+  std::vector<RailOp> ops;
+  std::unique_ptr<RailOp> deferred_imm;  // posted once every op above was delivered
+  std::string payload;                   // owned bytes of a control message
+  std::vector<RailRegistration> payload_registration;
+  size_t ops_remaining = 0;
+  bool failed = false;
+  bool deferred_imm_posted = false;
+};
+
+// Immediates travel in the 64-bit CQ data word: low 32 bits the user's immediate, high
+// 32 bits how many units this arrival is worth (pages coalesced into one op). The
+// receiver's count then does not depend on how the sender coalesced or sharded.
+inline uint64_t encode_imm(uint32_t imm, uint32_t weight) {
+  return static_cast<uint64_t>(imm) | (static_cast<uint64_t>(weight) << 32);
+}
+
+// Tunables of the planner, set once at engine start.
+struct PlannerSettings {
+  // Single writes at least this large are split across rails; smaller ones are not worth
+  // the extra round trip of the deferred immediate.
+  uint64_t shard_min_bytes = 512 * 1024;
+  // Coalesced page runs stop at this size so one op cannot starve the other rails.
+  uint64_t max_coalesce_bytes = 4 * 1024 * 1024;
+};
+
+class RailGroup {
+ public:
+  RailGroup(const std::string& provider, const std::string& bind_host, size_t rails,
+            PlannerSettings settings);
+
+  size_t size() const { return rails_.size(); }
+  FabricRail& rail(size_t i) { return *rails_[i]; }
+  const RailCapabilities& caps() const { return rails_[0]->caps(); }
+  // Weighted immediates need 8 bytes of CQ data; without them every page is its own op.
+  bool weighted_imm() const { return caps().cq_data_size >= 8; }
+  std::vector<std::string> rail_addresses() const;
+
+  void plan_write(WorkBatch& batch, const MemoryRegion& local, uint64_t src_offset,
+                  const MemoryDescriptor& remote, uint64_t dst_offset, uint64_t length,
+                  std::optional<uint32_t> imm) const;
+
+  void plan_paged_write(WorkBatch& batch, const MemoryRegion& local, const int64_t* src_pages,
+                        const int64_t* dst_pages, size_t count, uint64_t page_size,
+                        uint64_t src_stride, uint64_t dst_stride, uint64_t src_offset,
+                        uint64_t dst_offset, const MemoryDescriptor& remote,
+                        std::optional<uint32_t> imm) const;
+
+  void plan_imm_only(WorkBatch& batch, uint32_t imm) const;
+
+ private:
+  // Remote rail that local rail `r` talks to (peers may have a different rail count).
+  static size_t remote_rail(size_t r, const MemoryDescriptor& remote) {
+    return r % remote.rails.size();
+  }
+
+  std::vector<std::unique_ptr<FabricRail>> rails_;
+  PlannerSettings settings_;
+};
+
+}  // namespace kvxfer

@@ -1,0 +1,218 @@
+#include "transfer_engine.hpp"
+
+#include <random>
+
+#include "futex_wait.hpp"
+
+namespace kvxfer {
+namespace {
+
+// "auto" prefers RDMA-capable NICs, then libfabric's native TCP RDM provider ("net" in
+// 1.17; later releases call it "tcp"), then rxm over TCP. shm reaches only this host, so
+// it is never picked implicitly.
+const char* const kAutoOrder[] = {"efa", "verbs", "net", "tcp", "sockets"};
+
+uint64_t random_engine_id() {
+  std::random_device rd;
+  return (static_cast<uint64_t>(rd()) << 32) ^ rd() ^ static_cast<uint64_t>(monotonic_ns());
+}
+
+}  // namespace
+
+std::string resolve_provider(const std::string& requested) {
+  auto present = available_providers();
+  auto has = [&](const std::string& p) {
+    for (const auto& q : present)
+      if (q == p) return true;
+    return false;
+  };
+  if (requested != "auto") {
+    if (!has(requested)) {
+      std::string list;
+      for (const auto& p : present) list += (list.empty() ? "" : ", ") + p;
+      throw EngineError("unknown or unavailable libfabric provider '" + requested +
+                        "' (available here: " + list + ")");
+    }
+    return requested;
+  }
+  for (const char* p : kAutoOrder)
+    if (has(p)) return p;
+  throw EngineError("no usable libfabric provider found (is libfabric installed?)");
+}
+
+TransferEngine::TransferEngine(EngineSettings settings) : settings_(std::move(settings)) {
+  provider_ = resolve_provider(settings_.provider);
+  rails_ = std::make_unique<RailGroup>(provider_, settings_.bind_host, settings_.rails, settings_.planner);
+  address_.engine_id = random_engine_id();
+  address_.provider = provider_;
+  address_.rail_addresses = rails_->rail_addresses();
+  address_blob_ = address_.serialize();
+  worker_ = std::make_unique<ProgressWorker>(*rails_, settings_.worker);
+}
+
+TransferEngine::~TransferEngine() { close(); }
+
+void TransferEngine::close() {
+  if (closed_) return;
+  closed_ = true;
+  worker_->stop();
+  {
+    std::lock_guard<std::mutex> lock(regions_mutex_);
+    for (auto& [id, region] : regions_)
+      for (size_t r = 0; r < region->rails.size(); ++r) rails_->rail(r).deregister(region->rails[r]);
+    regions_.clear();
+  }
+  // The worker and rails objects live on until destruction: threads still blocked in
+  // wait_imm or recv wake up, see the worker stopped and return without touching freed memory.
+}
+
+void TransferEngine::check_open() const {
+  if (closed_) throw EngineError("engine is closed");
+}
+
+MemoryRegionPtr TransferEngine::register_memory(uintptr_t addr, uint64_t length) {
+  check_open();
+  if (addr == 0 || length == 0) throw BoundsError("cannot register an empty buffer");
+  auto region = std::make_shared<MemoryRegion>();
+  region->id = next_region_id_.fetch_add(1);
+  region->addr = addr;
+  region->length = length;
+  // MR calls touch the domain, which belongs to the worker thread.
+  worker_->run_on_worker(
+      [&] {
+        for (size_t r = 0; r < rails_->size(); ++r)
+          region->rails.push_back(rails_->rail(r).register_region(
+              reinterpret_cast<void*>(addr), length, (region->id << 8) | r));
+      },
+      30'000'000'000LL);
+  std::lock_guard<std::mutex> lock(regions_mutex_);
+  regions_[region->id] = region;
+  return region;
+}
+
+void TransferEngine::deregister(const MemoryRegionPtr& region) {
+  check_open();
+  {
+    std::lock_guard<std::mutex> lock(regions_mutex_);
+    if (regions_.erase(region->id) == 0) throw EngineError("memory region is not registered");
+  }
+  worker_->run_on_worker(
+      [&] {
+        for (size_t r = 0; r < region->rails.size(); ++r) rails_->rail(r).deregister(region->rails[r]);
+      },
+      30'000'000'000LL);
+}
+
+std::string TransferEngine::descriptor(const MemoryRegion& region) const {
+  MemoryDescriptor d;
+  d.owner = address_;
+  d.region_id = region.id;
+  d.length = region.length;
+  for (const auto& r : region.rails) d.rails.push_back({r.remote_base, r.key});
+  return d.serialize();
+}
+
+void TransferEngine::check_peer(const EngineAddress& peer) const {
+  if (peer.provider != provider_)
+    throw DescriptorError("peer uses provider '" + peer.provider + "' but this engine uses '" +
+                          provider_ + "': they cannot talk");
+}
+
+RemoteRegionPtr TransferEngine::parse_remote(const std::string& blob) const {
+  auto remote = std::make_shared<RemoteRegion>();
+  remote->descriptor = MemoryDescriptor::parse(blob);
+  check_peer(remote->descriptor.owner);
+  remote->owner = std::make_shared<const EngineAddress>(remote->descriptor.owner);
+  return remote;
+}
+
+std::shared_ptr<const EngineAddress> TransferEngine::parse_peer(const std::string& blob) const {
+  auto peer = std::make_shared<const EngineAddress>(EngineAddress::parse(blob));
+  check_peer(*peer);
+  return peer;
+}
+
+TransferStatePtr TransferEngine::start(std::unique_ptr<WorkBatch> batch) {
+  auto transfer = batch->transfer;
+  worker_->submit(std::move(batch));
+  return transfer;
+}
+
+static std::unique_ptr<WorkBatch> new_batch(std::atomic<uint64_t>& ids,
+                                            std::shared_ptr<const EngineAddress> peer) {
+  auto batch = std::make_unique<WorkBatch>();
+  batch->transfer = std::make_shared<TransferState>();
+  batch->transfer->id = ids.fetch_add(1);
+  batch->peer = std::move(peer);
+  return batch;
+}
+
+static void check_local(const MemoryRegionPtr& local) {
+  if (!local || local->rails.empty()) throw EngineError("local memory region is not registered");
+}
+
+TransferStatePtr TransferEngine::write(const MemoryRegionPtr& local, uint64_t src_offset,
+                                       const RemoteRegionPtr& remote, uint64_t dst_offset,
+                                       uint64_t length, std::optional<uint32_t> imm) {
+  check_open();
+  check_local(local);
+  auto batch = new_batch(next_transfer_id_, remote->owner);
+  rails_->plan_write(*batch, *local, src_offset, remote->descriptor, dst_offset, length, imm);
+  return start(std::move(batch));
+}
+
+TransferStatePtr TransferEngine::write_paged(const MemoryRegionPtr& local, const int64_t* src_pages,
+                                             const int64_t* dst_pages, size_t count,
+                                             uint64_t page_size, uint64_t src_stride,
+                                             uint64_t dst_stride, uint64_t src_offset,
+                                             uint64_t dst_offset, const RemoteRegionPtr& remote,
+                                             std::optional<uint32_t> imm) {
+  check_open();
+  check_local(local);
+  auto batch = new_batch(next_transfer_id_, remote->owner);
+  rails_->plan_paged_write(*batch, *local, src_pages, dst_pages, count, page_size, src_stride,
+                           dst_stride, src_offset, dst_offset, remote->descriptor, imm);
+  return start(std::move(batch));
+}
+
+TransferStatePtr TransferEngine::write_imm(std::shared_ptr<const EngineAddress> peer, uint32_t imm) {
+  check_open();
+  auto batch = new_batch(next_transfer_id_, std::move(peer));
+  rails_->plan_imm_only(*batch, imm);
+  return start(std::move(batch));
+}
+
+TransferStatePtr TransferEngine::send(std::shared_ptr<const EngineAddress> peer, std::string payload) {
+  check_open();
+  if (payload.empty()) throw BoundsError("empty message");
+  if (payload.size() > settings_.worker.recv_slot_bytes)
+    throw BoundsError("message of " + std::to_string(payload.size()) + " bytes exceeds the " +
+                      std::to_string(settings_.worker.recv_slot_bytes) + "-byte limit");
+  auto batch = new_batch(next_transfer_id_, std::move(peer));
+  batch->payload = std::move(payload);
+  RailOp op;
+  op.kind = OpKind::kSend;
+  op.iov_count = 1;
+  op.iov[0].iov_base = batch->payload.data();
+  op.iov[0].iov_len = batch->payload.size();
+  op.desc[0] = nullptr;
+  op.bytes = batch->payload.size();
+  op.batch = batch.get();
+  batch->ops.push_back(op);
+  batch->ops_remaining = 1;
+  batch->transfer->bytes = op.bytes;
+  return start(std::move(batch));
+}
+
+void TransferEngine::connect(std::shared_ptr<const EngineAddress> peer) {
+  check_open();
+  worker_->run_on_worker([&] { worker_->peer_addresses(*peer); }, 30'000'000'000LL);
+}
+
+void TransferEngine::forget(const EngineAddress& peer) {
+  check_open();
+  uint64_t id = peer.engine_id;
+  worker_->run_on_worker([&] { worker_->forget_peer(id); }, 30'000'000'000LL);
+}
+
+}  // namespace kvxfer

@@ -1,0 +1,92 @@
+// The engine's public face: registration, the transfer calls (single write, paged write,
+// immediate-only, send/recv), the ImmCounter and events. It validates and plans on the
+// calling thread, then hands the batch to the progress worker.
+#pragma once
+
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "descriptors.hpp"
+#include "engine_types.hpp"
+#include "progress_worker.hpp"
+#include "rail_group.hpp"
+
+namespace kvxfer {
+
+struct EngineSettings {
+  std::string provider = "auto";
+  size_t rails = 1;
+  std::string bind_host;  // socket providers bind here (e.g. 127.0.0.1); empty: default
+  PlannerSettings planner;
+  WorkerSettings worker;
+};
+
+// A peer's memory region, parsed once and cached by the caller for repeated writes.
+struct RemoteRegion {
+  MemoryDescriptor descriptor;
+  std::shared_ptr<const EngineAddress> owner;
+};
+using RemoteRegionPtr = std::shared_ptr<RemoteRegion>;
+
+class TransferEngine {
+ public:
+  explicit TransferEngine(EngineSettings settings);
+  ~TransferEngine();
+
+  const std::string& address() const { return address_blob_; }
+  const std::string& provider() const { return provider_; }
+  size_t rails() const { return rails_->size(); }
+  const RailCapabilities& caps() const { return rails_->caps(); }
+  uint64_t engine_id() const { return address_.engine_id; }
+
+  MemoryRegionPtr register_memory(uintptr_t addr, uint64_t length);
+  void deregister(const MemoryRegionPtr& region);
+  std::string descriptor(const MemoryRegion& region) const;
+
+  RemoteRegionPtr parse_remote(const std::string& descriptor_blob) const;
+  std::shared_ptr<const EngineAddress> parse_peer(const std::string& address_blob) const;
+
+  TransferStatePtr write(const MemoryRegionPtr& local, uint64_t src_offset,
+                         const RemoteRegionPtr& remote, uint64_t dst_offset, uint64_t length,
+                         std::optional<uint32_t> imm);
+  TransferStatePtr write_paged(const MemoryRegionPtr& local, const int64_t* src_pages,
+                               const int64_t* dst_pages, size_t count, uint64_t page_size,
+                               uint64_t src_stride, uint64_t dst_stride, uint64_t src_offset,
+                               uint64_t dst_offset, const RemoteRegionPtr& remote,
+                               std::optional<uint32_t> imm);
+  TransferStatePtr write_imm(std::shared_ptr<const EngineAddress> peer, uint32_t imm);
+  TransferStatePtr send(std::shared_ptr<const EngineAddress> peer, std::string payload);
+
+  void connect(std::shared_ptr<const EngineAddress> peer);
+  void forget(const EngineAddress& peer);
+
+  ProgressWorker& worker() { return *worker_; }
+  void close();
+  bool closed() const { return closed_; }
+
+ private:
+  TransferStatePtr start(std::unique_ptr<WorkBatch> batch);
+  void check_peer(const EngineAddress& peer) const;
+  void check_open() const;
+
+  EngineSettings settings_;
+  std::string provider_;
+  std::unique_ptr<RailGroup> rails_;
+  std::unique_ptr<ProgressWorker> worker_;
+  EngineAddress address_;
+  std::string address_blob_;
+  std::atomic<uint64_t> next_transfer_id_{1};
+  std::atomic<uint64_t> next_region_id_{1};
+  std::mutex regions_mutex_;  // registration only, never on the transfer path
+  std::unordered_map<uint64_t, MemoryRegionPtr> regions_;
+  bool closed_ = false;
+};
+
+// Picks the best provider present for provider="auto": RDMA NICs first, then sockets.
+std::string resolve_provider(const std::string& requested);
+
+}  // namespace kvxfer
