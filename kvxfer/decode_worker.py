@@ -1,0 +1,490 @@
+"""The decode worker: reserves KV pages, admits a request when its ImmCounter says every
+pushed write landed, and decodes with continuous batching.
+
+Request states: RESERVED (pages held, KV not yet complete) -> RUNNING (in the decode batch)
+-> DONE; or FAILED/CANCELLED. A request that ends while a prefiller may still write into
+its pages (timeout, cancel) puts them in quarantine: they return to the pool only after
+`quarantine_s`, longer than any prefiller engine's transfer deadline, so no late write can
+land in a page that a new request already uses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, AsyncIterator
+
+import numpy as np
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from kvxfer.errors import TransferTimeout
+from kvxfer.kv_push import (
+    MAILBOX_SLOT_BYTES,
+    KVReservation,
+    decode_mailbox,
+    expected_imm_count,
+)
+from kvxfer.metrics import DecodeMetrics
+from kvxfer.model.tokenizer import ByteTokenizer
+from kvxfer.model.transformer import DecodeRequest, FinishReason, finish_reason_after
+from kvxfer.page_allocator import OutOfPagesError, PageAllocator, PageAllocationError
+from kvxfer.worker_runtime import WorkerCore, WorkerSettings, add_common_routes, serve
+
+log = logging.getLogger("kvxfer.decode")
+
+
+class DecodeSettings(WorkerSettings):
+    """Decode worker settings (env prefix KVXFER_)."""
+
+    port: int = 8200
+    max_requests: int = 1024
+    max_batch: int = 64
+    kv_wait_timeout_s: float = 30.0
+    quarantine_s: float = 15.0
+    reservation_ttl_s: float = 120.0
+
+
+class RequestState(str, Enum):
+    """Where a decode request is in its life."""
+
+    RESERVED = "reserved"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+@dataclass
+class DecodeJob:
+    """One request on this decode worker."""
+
+    request_id: str
+    pages: list[int]
+    slot: int
+    imm: int
+    nonce: int
+    prompt_tokens: int
+    max_tokens: int
+    expected_count: int
+    created_at: float
+    state: RequestState = RequestState.RESERVED
+    kept: list[int] = field(default_factory=list)
+    last_token: int = 0
+    position: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+    queue: "asyncio.Queue[tuple[str, Any]] | None" = None
+    loop: asyncio.AbstractEventLoop | None = None
+    admitted_at: float = 0.0
+
+
+class DecodeRuntime:
+    """State and logic of a decode worker, independent of HTTP (tests drive it directly)."""
+
+    def __init__(self, settings: DecodeSettings) -> None:
+        self.settings = settings
+        self.core = WorkerCore(settings, "decode")
+        self.tokenizer = ByteTokenizer()
+        self.allocator = PageAllocator(settings.num_pages, self.core.config.block_size)
+        self.mailbox = np.zeros(settings.max_requests * MAILBOX_SLOT_BYTES, dtype=np.uint8)
+        self.mailbox_region = self.core.engine.register(self.mailbox)
+        self.metrics = DecodeMetrics(self.core.metrics_registry)
+        self.jobs: dict[str, DecodeJob] = {}
+        self._free_slots = list(range(settings.max_requests - 1, -1, -1))
+        self._lock = threading.Lock()  # jobs and slots: control path only
+        self._admitted: list[DecodeJob] = []
+        self._deferred_release: list[DecodeJob] = []
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._batch_thread = threading.Thread(target=self._batch_loop, name="decode-batch", daemon=True)
+        self._batch_thread.start()
+        self._update_gauges()
+
+    # -- reservation ------------------------------------------------------------------
+    def reserve(self, request_id: str, prompt_tokens: int, max_tokens: int) -> KVReservation:
+        """Reserves pages for prompt + max_tokens and a mailbox slot/immediate."""
+        cfg = self.core.config
+        if self.core.draining:
+            raise HTTPException(503, "worker is draining")
+        if prompt_tokens <= 0:
+            raise HTTPException(400, "prompt is empty")
+        if max_tokens <= 0:
+            raise HTTPException(400, f"max_tokens must be positive, got {max_tokens}")
+        if prompt_tokens + max_tokens > cfg.max_context:
+            raise HTTPException(
+                400,
+                f"prompt ({prompt_tokens}) + max_tokens ({max_tokens}) exceeds the model's "
+                f"context of {cfg.max_context} tokens",
+            )
+        with self._lock:
+            if request_id in self.jobs:
+                raise HTTPException(409, f"request {request_id} already exists")
+            if not self._free_slots:
+                raise HTTPException(429, "too many requests on this decode worker")
+            try:
+                pages = self.allocator.reserve(request_id, prompt_tokens + max_tokens)
+            except OutOfPagesError as exc:
+                raise HTTPException(429, str(exc)) from None
+            slot = self._free_slots.pop()
+            job = DecodeJob(
+                request_id=request_id,
+                pages=pages,
+                slot=slot,
+                imm=slot + 1,  # imm 0 stays unused so a zeroed CQ word is never a request
+                nonce=secrets.randbits(63),
+                prompt_tokens=prompt_tokens,
+                max_tokens=max_tokens,
+                expected_count=expected_imm_count(cfg.num_layers, prompt_tokens, cfg.block_size),
+                created_at=time.monotonic(),
+            )
+            self.jobs[request_id] = job
+        self._update_gauges()
+        return KVReservation(
+            request_id=request_id,
+            descriptor=self.core.cache_region.descriptor,
+            pages=pages,
+            num_pages=self.core.cache.num_pages,
+            imm=job.imm,
+            expected_count=job.expected_count,
+            kv_layout=self.core.kv_layout,
+            meta_descriptor=self.mailbox_region.descriptor,
+            meta_offset=slot * MAILBOX_SLOT_BYTES,
+            nonce=job.nonce,
+        )
+
+    def job(self, request_id: str) -> DecodeJob:
+        """The job of a request id; 404 if unknown."""
+        job = self.jobs.get(request_id)
+        if job is None:
+            raise HTTPException(404, f"unknown request id {request_id}")
+        return job
+
+    # -- admission --------------------------------------------------------------------
+    async def wait_for_kv(self, job: DecodeJob, timeout_s: float) -> None:
+        """Waits on the ImmCounter, reads the mailbox and joins the running batch."""
+        start = time.perf_counter()
+        try:
+            await self.core.engine.wait_imm_async(job.imm, job.expected_count, timeout_s)
+        except TransferTimeout:
+            self.metrics.admission_timeouts.inc()
+            got = self.core.engine.imm_count(job.imm)
+            self.end(job, RequestState.FAILED, quarantine=True,
+                     error=f"KV for request {job.request_id} incomplete after {timeout_s} s "
+                           f"({got} of {job.expected_count} writes landed)")
+            raise
+        self.metrics.imm_wait.observe(time.perf_counter() - start)
+        if job.state is not RequestState.RESERVED:
+            raise HTTPException(409, f"request {job.request_id} was {job.state.value}")
+        offset = job.slot * MAILBOX_SLOT_BYTES
+        nonce, first_token, prompt_tokens = decode_mailbox(bytes(self.mailbox[offset : offset + MAILBOX_SLOT_BYTES]))
+        if nonce != job.nonce or prompt_tokens != job.prompt_tokens:
+            self.end(job, RequestState.FAILED, quarantine=True, error="mailbox record does not match the reservation")
+            raise HTTPException(500, f"request {job.request_id}: mailbox record does not match")
+        self._admit(job, first_token)
+
+    def _admit(self, job: DecodeJob, first_token: int) -> None:
+        job.loop = asyncio.get_running_loop()
+        job.queue = asyncio.Queue()
+        job.admitted_at = time.monotonic()
+        job.position = job.prompt_tokens
+        job.last_token = first_token
+        # The first token came from the prefiller: apply the stopping rule to it first.
+        reason = finish_reason_after(first_token, 0, job.max_tokens)
+        if reason is not FinishReason.STOP:
+            job.kept.append(first_token)
+            job.queue.put_nowait(("token", first_token))
+        if reason is not None:
+            self.end(job, RequestState.DONE, finish_reason=reason.value)
+            return
+        with self._lock:
+            job.state = RequestState.RUNNING
+            self._admitted.append(job)
+        self._wake.set()
+        self._update_gauges()
+
+    async def prefill_locally(self, job: DecodeJob, prompt: list[int]) -> None:
+        """Colocated path: prefill on this worker into the reserved pages, then decode."""
+        cfg = self.core.config
+        loop = asyncio.get_running_loop()
+        result = await loop.run_in_executor(
+            None,
+            lambda: self.core.model.prefill(
+                prompt, self.core.cache, job.pages, chunk_size=self.settings.prefill_chunk_tokens
+            ),
+        )
+        del cfg
+        self._admit(job, result.first_token)
+
+    # -- batch loop -------------------------------------------------------------------
+    def _batch_loop(self) -> None:
+        running: list[DecodeJob] = []
+        while not self._stop.is_set():
+            with self._lock:
+                room = self.settings.max_batch - len(running)
+                if room > 0 and self._admitted:
+                    running.extend(self._admitted[:room])
+                    del self._admitted[:room]
+            running = [j for j in running if j.state is RequestState.RUNNING]
+            with self._lock:
+                deferred, self._deferred_release = self._deferred_release, []
+            for j in deferred:
+                self._release(j, units=j.expected_count)
+            if deferred:
+                self._update_gauges()
+            if not running:
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            batch = [DecodeRequest(j.last_token, j.position, j.pages) for j in running]
+            try:
+                tokens = self.core.model.decode_step(batch, self.core.cache)
+            except Exception as exc:  # a model error fails the batch's requests, not the worker
+                log.exception("decode step failed")
+                for j in running:
+                    self._finish_from_thread(j, RequestState.FAILED, error=f"decode step failed: {exc}")
+                running = []
+                continue
+            for j, token in zip(running, tokens):
+                if j.state is not RequestState.RUNNING:
+                    continue
+                j.position += 1
+                j.last_token = token
+                reason = finish_reason_after(token, len(j.kept), j.max_tokens)
+                if reason is not FinishReason.STOP:
+                    j.kept.append(token)
+                    self._emit(j, ("token", token))
+                if reason is not None:
+                    self._finish_from_thread(j, RequestState.DONE, finish_reason=reason.value)
+
+    def _emit(self, job: DecodeJob, item: tuple[str, Any]) -> None:
+        if job.loop is not None and job.queue is not None:
+            job.loop.call_soon_threadsafe(job.queue.put_nowait, item)
+
+    def _finish_from_thread(self, job: DecodeJob, state: RequestState, **kw: Any) -> None:
+        self.end(job, state, **kw)
+
+    # -- ending -----------------------------------------------------------------------
+    def end(
+        self,
+        job: DecodeJob,
+        state: RequestState,
+        *,
+        quarantine: bool = False,
+        finish_reason: str | None = None,
+        error: str | None = None,
+    ) -> None:
+        """Ends a job once; frees or quarantines its pages and mailbox slot."""
+        with self._lock:
+            if job.state in (RequestState.DONE, RequestState.FAILED, RequestState.CANCELLED):
+                return
+            in_batch = job.state is RequestState.RUNNING and job not in self._admitted
+            job.state = state
+            job.finish_reason = finish_reason
+            job.error = error
+            if job in self._admitted:
+                self._admitted.remove(job)
+            # The batch thread may be writing this job's K/V right now: it frees the pages
+            # itself after its current step.
+            defer = in_batch and threading.current_thread() is not self._batch_thread
+            if defer:
+                self._deferred_release.append(job)
+        if defer:
+            pass
+        elif quarantine:
+            self.allocator.release_after_quiesce(job.request_id)
+            threading.Timer(self.settings.quarantine_s, self._release_quarantine, args=(job,)).start()
+        else:
+            self._release(job, units=job.expected_count)
+        self._emit(job, ("end", state))
+        self._update_gauges()
+
+    def _release_quarantine(self, job: DecodeJob) -> None:
+        # No prefiller write can still be in flight: its engine deadline has passed.
+        self.allocator.confirm_quiesced(job.request_id)
+        self._release(job, units=self.core.engine.imm_count(job.imm), quarantined=True)
+        self._update_gauges()
+
+    def _release(self, job: DecodeJob, units: int, quarantined: bool = False) -> None:
+        if not quarantined:
+            self.allocator.free(job.request_id)
+        if units:
+            self.core.engine.consume_imm(job.imm, units)
+        with self._lock:
+            self.jobs.pop(job.request_id, None)
+            self._free_slots.append(job.slot)
+
+    def cancel(self, request_id: str) -> dict[str, Any]:
+        """Cancels a request; its pages wait in quarantine unless it never got KV writes."""
+        job = self.job(request_id)
+        was_reserved = job.state is RequestState.RESERVED
+        self.end(job, RequestState.CANCELLED, quarantine=was_reserved)
+        return {"request_id": request_id, "state": job.state.value, "quarantined": was_reserved}
+
+    # -- load -------------------------------------------------------------------------
+    def load(self) -> dict[str, Any]:
+        """Load fields published in etcd and /info."""
+        with self._lock:
+            running = sum(1 for j in self.jobs.values() if j.state is RequestState.RUNNING)
+            waiting = sum(1 for j in self.jobs.values() if j.state is RequestState.RESERVED)
+        return {
+            "total_pages": self.allocator.total_pages,
+            "free_pages": self.allocator.free_pages,
+            "running": running,
+            "queue_depth": waiting,
+        }
+
+    def in_flight(self) -> int:
+        """Requests not yet finished."""
+        with self._lock:
+            return len(self.jobs) - sum(1 for j in self.jobs.values() if j.state is RequestState.CANCELLED)
+
+    def _update_gauges(self) -> None:
+        load = self.load()
+        self.metrics.set_pages(self.allocator.total_pages, self.allocator.free_pages)
+        self.metrics.pages_reserved.set(self.allocator.reserved_pages)
+        self.metrics.requests_running.set(load["running"])
+        self.metrics.requests_waiting_for_kv.set(load["queue_depth"])
+        self.core.update_load(**load)
+
+    def close(self) -> None:
+        """Stops the batch loop and the engine."""
+        self._stop.set()
+        self._wake.set()
+        self._batch_thread.join(timeout=5)
+        self.core.close()
+
+
+async def _stream_tokens(runtime: DecodeRuntime, job: DecodeJob) -> AsyncIterator[dict[str, Any]]:
+    assert job.queue is not None
+    while True:
+        kind, value = await job.queue.get()
+        if kind == "token":
+            yield {"token": value, "text": runtime.tokenizer.decode([value])}
+        else:
+            break
+    usage = {"prompt_tokens": job.prompt_tokens, "completion_tokens": len(job.kept)}
+    if job.state is RequestState.DONE:
+        yield {"done": True, "finish_reason": job.finish_reason, "usage": usage}
+    else:
+        yield {"done": True, "finish_reason": "error", "error": job.error or job.state.value, "usage": usage}
+
+
+async def _respond(runtime: DecodeRuntime, job: DecodeJob, stream: bool) -> Any:
+    if stream:
+        import json
+
+        async def lines() -> AsyncIterator[bytes]:
+            try:
+                async for item in _stream_tokens(runtime, job):
+                    yield (json.dumps(item) + "\n").encode()
+            finally:
+                # Client went away mid-stream: stop decoding for it.
+                if job.state is RequestState.RUNNING:
+                    runtime.end(job, RequestState.CANCELLED)
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+    items = [item async for item in _stream_tokens(runtime, job)]
+    tokens = [i["token"] for i in items if "token" in i]
+    last = items[-1]
+    if last.get("finish_reason") == "error":
+        raise HTTPException(500, last.get("error", "generation failed"))
+    return {
+        "request_id": job.request_id,
+        "tokens": tokens,
+        "text": runtime.tokenizer.decode(tokens),
+        "finish_reason": last["finish_reason"],
+        "usage": last["usage"],
+    }
+
+
+def _body_field(body: dict[str, Any], name: str, kind: type, default: Any = ...) -> Any:
+    if name not in body:
+        if default is ...:
+            raise HTTPException(422, f"missing field {name!r}")
+        return default
+    value = body[name]
+    if kind is int and isinstance(value, bool) or not isinstance(value, kind):
+        raise HTTPException(422, f"field {name!r} must be {kind.__name__}")
+    return value
+
+
+def _token_list(body: dict[str, Any], vocab: int) -> list[int]:
+    tokens = _body_field(body, "prompt_tokens", list)
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens):
+        raise HTTPException(422, f"prompt_tokens must be integers in [0, {vocab})")
+    return tokens
+
+
+def create_decode_app(runtime: DecodeRuntime) -> FastAPI:
+    """The decode worker's HTTP API (docs/architecture.md)."""
+    app = FastAPI(title="kvxfer decode worker")
+    add_common_routes(app, runtime.core, lambda: {**runtime.core.base_info(), **runtime.load()})
+
+    async def json_body(request: Request) -> dict[str, Any]:
+        try:
+            body = await request.json()
+        except ValueError:
+            raise HTTPException(400, "malformed JSON body") from None
+        if not isinstance(body, dict):
+            raise HTTPException(400, "JSON body must be an object")
+        return body
+
+    @app.post("/reserve")
+    async def reserve(request: Request) -> dict[str, Any]:
+        body = await json_body(request)
+        request_id = str(_body_field(body, "request_id", str))
+        tokens = _token_list(body, runtime.core.config.vocab_size)
+        max_tokens = _body_field(body, "max_tokens", int)
+        return runtime.reserve(request_id, len(tokens), max_tokens).to_json()
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Any:
+        body = await json_body(request)
+        job = runtime.job(str(_body_field(body, "request_id", str)))
+        timeout_s = float(body.get("timeout_s", runtime.settings.kv_wait_timeout_s))
+        if job.state is not RequestState.RESERVED:
+            raise HTTPException(409, f"request {job.request_id} is {job.state.value}")
+        try:
+            await runtime.wait_for_kv(job, timeout_s)
+        except TransferTimeout as exc:
+            raise HTTPException(504, str(exc)) from None
+        return await _respond(runtime, job, bool(body.get("stream", False)))
+
+    @app.post("/generate_local")
+    async def generate_local(request: Request) -> Any:
+        body = await json_body(request)
+        request_id = str(_body_field(body, "request_id", str))
+        tokens = _token_list(body, runtime.core.config.vocab_size)
+        max_tokens = _body_field(body, "max_tokens", int)
+        runtime.reserve(request_id, len(tokens), max_tokens)
+        job = runtime.job(request_id)
+        await runtime.prefill_locally(job, tokens)
+        return await _respond(runtime, job, bool(body.get("stream", False)))
+
+    @app.post("/cancel")
+    async def cancel(request: Request) -> dict[str, Any]:
+        body = await json_body(request)
+        return runtime.cancel(str(_body_field(body, "request_id", str)))
+
+    @app.exception_handler(PageAllocationError)
+    async def allocation_error(_: Request, exc: PageAllocationError) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=409)
+
+    return app
+
+
+def run_decode_worker(settings: DecodeSettings) -> None:
+    """Starts a decode worker process: engine, model, HTTP API, etcd registration."""
+    runtime = DecodeRuntime(settings)
+    app = create_decode_app(runtime)
+    try:
+        serve(app, runtime.core, runtime.load, runtime.in_flight)
+    finally:
+        runtime._stop.set()
+        runtime._wake.set()

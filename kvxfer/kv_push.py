@@ -1,0 +1,251 @@
+"""The layer-by-layer KV push from a prefill worker into a decode worker's reserved pages.
+
+The decoder reserves pages and hands out a `KVReservation`: its KV cache descriptor, the
+page ids, an immediate value and how many units of it to expect. The prefiller's
+`PushSession` issues one paged write per (layer, chunk) as soon as that layer's pages are
+final, all carrying the reservation's immediate, and finally writes a small mailbox record
+(first token, prompt length, nonce) with the same immediate. It never sends "done": the
+decoder admits the request when its ImmCounter reaches `expected_count`, which is
+`num_layers * pages(prompt) + 1` whatever the engine coalesced or sharded.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvxfer.engine import RegisteredMemory, Transfer, TransferEngine
+from kvxfer.errors import TransferError
+from kvxfer.kv_cache import PagedKVCache
+
+#: Bytes of one mailbox slot on the decoder (one per concurrent request).
+MAILBOX_SLOT_BYTES = 64
+_MAILBOX_MAGIC = 0x4B564D42  # "KVMB"
+_MAILBOX_FORMAT = "<IQii"  # magic, nonce, first_token, prompt_tokens
+
+
+def pages_for_tokens(num_tokens: int, block_size: int) -> int:
+    """Pages needed to hold `num_tokens` tokens."""
+    return math.ceil(num_tokens / block_size)
+
+
+def expected_imm_count(num_layers: int, prompt_tokens: int, block_size: int) -> int:
+    """Units the decoder waits for: one per pushed page per layer, plus the mailbox write."""
+    return num_layers * pages_for_tokens(prompt_tokens, block_size) + 1
+
+
+def encode_mailbox(nonce: int, first_token: int, prompt_tokens: int) -> bytes:
+    """The record the prefiller writes last: what decode needs besides the KV pages."""
+    record = struct.pack(_MAILBOX_FORMAT, _MAILBOX_MAGIC, nonce, first_token, prompt_tokens)
+    return record.ljust(MAILBOX_SLOT_BYTES, b"\0")
+
+
+def decode_mailbox(raw: bytes) -> tuple[int, int, int]:
+    """Returns (nonce, first_token, prompt_tokens); raises ValueError on a foreign record."""
+    magic, nonce, first_token, prompt_tokens = struct.unpack_from(_MAILBOX_FORMAT, raw)
+    if magic != _MAILBOX_MAGIC:
+        raise ValueError("mailbox slot holds no kvxfer record")
+    return nonce, first_token, prompt_tokens
+
+
+@dataclass(frozen=True)
+class KVReservation:
+    """Where a prefiller must push one request's KV on a decode worker.
+
+    `descriptor` covers the decoder's whole KV cache tensor (`num_pages` pages per layer);
+    `pages` are the request's page ids in block-table order; `meta_descriptor` and
+    `meta_offset` locate its mailbox slot; `imm` and `expected_count` gate admission.
+    """
+
+    request_id: str
+    descriptor: bytes
+    pages: list[int]
+    num_pages: int
+    imm: int
+    expected_count: int
+    kv_layout: str
+    meta_descriptor: bytes
+    meta_offset: int
+    nonce: int
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON form used by the HTTP API (bytes as hex)."""
+        return {
+            "request_id": self.request_id,
+            "descriptor": self.descriptor.hex(),
+            "pages": list(self.pages),
+            "num_pages": self.num_pages,
+            "imm": self.imm,
+            "expected_count": self.expected_count,
+            "kv_layout": self.kv_layout,
+            "meta_descriptor": self.meta_descriptor.hex(),
+            "meta_offset": self.meta_offset,
+            "nonce": self.nonce,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "KVReservation":
+        """Parses the HTTP form; raises ValueError/KeyError on malformed input."""
+        return cls(
+            request_id=str(data["request_id"]),
+            descriptor=bytes.fromhex(data["descriptor"]),
+            pages=[int(p) for p in data["pages"]],
+            num_pages=int(data["num_pages"]),
+            imm=int(data["imm"]),
+            expected_count=int(data["expected_count"]),
+            kv_layout=str(data["kv_layout"]),
+            meta_descriptor=bytes.fromhex(data["meta_descriptor"]),
+            meta_offset=int(data["meta_offset"]),
+            nonce=int(data["nonce"]),
+        )
+
+
+@dataclass
+class PushStats:
+    """What one push cost: bytes moved, writes issued, and the transfer tail.
+
+    `tail_s` is the time from the end of compute to the last write's completion: the part
+    of the transfer that did not hide behind compute.
+    """
+
+    kv_bytes: int = 0
+    writes: int = 0
+    compute_done_at: float = 0.0
+    transfers_done_at: float = 0.0
+    first_write_at: float = 0.0
+    layer_push_s: list[float] = field(default_factory=list)
+
+    @property
+    def tail_s(self) -> float:
+        return max(0.0, self.transfers_done_at - self.compute_done_at)
+
+    @property
+    def transfer_s(self) -> float:
+        return max(0.0, self.transfers_done_at - self.first_write_at)
+
+
+class PushSession:
+    """Pushes one request's KV, layer by layer, into a decoder's reserved pages.
+
+    Call `on_layer_done` from the model's prefill callback, `finish` once the first token
+    is known, then `wait`. `cancel` stops further writes; `wait` still returns only when
+    nothing of this request is in flight, so the decoder may then reuse the pages.
+    """
+
+    def __init__(
+        self,
+        engine: TransferEngine,
+        cache: PagedKVCache,
+        cache_region: RegisteredMemory,
+        mailbox: np.ndarray,
+        mailbox_region: RegisteredMemory,
+        mailbox_slot: int,
+        reservation: KVReservation,
+        local_pages: list[int],
+    ) -> None:
+        if reservation.kv_layout != cache.kv_layout:
+            raise TransferError(
+                reservation.request_id,
+                f"KV layout mismatch: decoder has {reservation.kv_layout}, prefiller {cache.kv_layout}",
+            )
+        if len(local_pages) > len(reservation.pages):
+            raise TransferError(
+                reservation.request_id,
+                f"decoder reserved {len(reservation.pages)} pages, prompt needs {len(local_pages)}",
+            )
+        self._engine = engine
+        self._cache = cache
+        self._region = cache_region
+        self._mailbox = mailbox
+        self._mailbox_region = mailbox_region
+        self._slot = mailbox_slot
+        self.reservation = reservation
+        self._local = np.asarray(local_pages, dtype=np.int64)
+        self._remote = np.asarray(reservation.pages, dtype=np.int64)
+        self._transfers: list[Transfer] = []
+        self._cancelled = threading.Event()
+        self.stats = PushStats()
+
+    @property
+    def cancelled(self) -> bool:
+        """True once cancel() was called: no further writes are issued."""
+        return self._cancelled.is_set()
+
+    def cancel(self) -> None:
+        """Stops issuing writes; those already posted still complete (or fail)."""
+        self._cancelled.set()
+
+    def on_layer_done(self, layer: int, first_block: int, end_block: int) -> None:
+        """Pushes blocks [first_block, end_block) of `layer`: they are final now."""
+        if self._cancelled.is_set() or end_block <= first_block:
+            return
+        page_bytes = self._cache.page_bytes
+        start = time.perf_counter()
+        if not self.stats.first_write_at:
+            self.stats.first_write_at = start
+        transfer = self._engine.write_paged(
+            self._region,
+            self._local[first_block:end_block],
+            self.reservation.descriptor,
+            self._remote[first_block:end_block],
+            page_bytes,
+            src_offset=self._cache.layer_offset_bytes(layer),
+            dst_offset=layer * self.reservation.num_pages * page_bytes,
+            imm=self.reservation.imm,
+            request_id=self.reservation.request_id,
+        )
+        self._transfers.append(transfer)
+        self.stats.writes += 1
+        self.stats.kv_bytes += (end_block - first_block) * page_bytes
+        self.stats.layer_push_s.append(time.perf_counter() - start)
+
+    def finish(self, first_token: int, prompt_tokens: int) -> None:
+        """Writes the mailbox record (first token), the request's last write."""
+        self.stats.compute_done_at = time.perf_counter()
+        if self._cancelled.is_set():
+            return
+        offset = self._slot * MAILBOX_SLOT_BYTES
+        record = encode_mailbox(self.reservation.nonce, first_token, prompt_tokens)
+        self._mailbox[offset : offset + MAILBOX_SLOT_BYTES] = np.frombuffer(record, dtype=np.uint8)
+        self._transfers.append(
+            self._engine.write(
+                self._mailbox_region,
+                offset,
+                self.reservation.meta_descriptor,
+                self.reservation.meta_offset,
+                MAILBOX_SLOT_BYTES,
+                imm=self.reservation.imm,
+                request_id=self.reservation.request_id,
+            )
+        )
+
+    def wait(self, timeout_s: float) -> PushStats:
+        """Waits until every write completed; raises the first TransferError.
+
+        Even when one write fails, it waits for all others to finish (or hit the engine's
+        own transfer deadline) so that on return nothing of this request is in flight.
+        """
+        deadline = time.monotonic() + timeout_s
+        first_error: Exception | None = None
+        for transfer in self._transfers:
+            try:
+                transfer.wait(max(0.0, deadline - time.monotonic()))
+            except TransferError as exc:
+                first_error = first_error or exc
+                if not transfer.done():
+                    # Our deadline passed: bounded by the engine's transfer timeout.
+                    transfer._native.wait(self._engine.transfer_timeout_s + 1.0)
+        self.stats.transfers_done_at = time.perf_counter()
+        if first_error is not None:
+            raise first_error
+        return self.stats
+
+    def in_flight(self) -> bool:
+        """True while any write of this request may still land on the decoder."""
+        return any(not t.done() for t in self._transfers)
