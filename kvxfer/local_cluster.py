@@ -1,0 +1,201 @@
+"""A whole kvxfer deployment on one machine: a local etcd (unless one is given), the router
+and N prefill + M decode workers, each a real process on loopback.
+
+`LocalCluster` is what `kvxfer up`, the demo and the end-to-end tests use. It starts
+everything with deadlines, waits until the router reports every worker, and on stop drains
+the workers (SIGTERM), then stops the router and etcd. Logs go to one file per process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kvxfer.local_etcd import LocalEtcd
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class LocalCluster:
+    """Router + workers (+ etcd) as child processes on 127.0.0.1."""
+
+    def __init__(
+        self,
+        *,
+        prefill: int = 1,
+        decode: int = 1,
+        router_port: int | None = None,
+        etcd: str | None = None,
+        model: str = "tiny",
+        provider: str = "auto",
+        num_pages: int = 2048,
+        log_dir: str | None = None,
+        worker_env: dict[str, str] | None = None,
+        router_env: dict[str, str] | None = None,
+        startup_timeout_s: float = 90.0,
+    ) -> None:
+        self.n_prefill = prefill
+        self.n_decode = decode
+        self.router_port = router_port or free_port()
+        self.etcd_url = etcd
+        self.model = model
+        self.provider = provider
+        self.num_pages = num_pages
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="kvxfer-cluster-"))
+        self.worker_env = worker_env or {}
+        self.router_env = router_env or {}
+        self.startup_timeout_s = startup_timeout_s
+        self.etcd: LocalEtcd | None = None
+        self.router: subprocess.Popen[bytes] | None = None
+        self.workers: dict[str, subprocess.Popen[bytes]] = {}
+        self._counter = 0
+
+    @property
+    def router_url(self) -> str:
+        """Base URL of the router."""
+        return f"http://127.0.0.1:{self.router_port}"
+
+    def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+        log = open(self.log_dir / f"{name}.log", "wb")
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
+        # Each worker shares 2 cores with the others: one torch thread each avoids thrashing.
+        full_env.setdefault("OMP_NUM_THREADS", "1")
+        return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+
+    def start_worker(self, role: str, extra_env: dict[str, str] | None = None) -> str:
+        """Starts one more worker; returns its name (also its registry worker id)."""
+        assert self.etcd_url
+        self._counter += 1
+        name = f"{role}-{self._counter}"
+        args = [
+            sys.executable, "-m", "kvxfer.cli", role, "--port", "0", "--etcd", self.etcd_url,
+            "--provider", self.provider, "--bind-host", "127.0.0.1", "--model", self.model,
+            "--worker-id", name, "--num-pages", str(self.num_pages),
+        ]
+        self.workers[name] = self._spawn(name, args, {**self.worker_env, **(extra_env or {})})
+        return name
+
+    def start(self) -> "LocalCluster":
+        """Starts etcd (if needed), the workers and the router; waits until ready."""
+        try:
+            if self.etcd_url is None:
+                self.etcd = LocalEtcd(log_path=self.log_dir / "etcd.log")
+                self.etcd.start()
+                self.etcd_url = self.etcd.client_url
+            for _ in range(self.n_prefill):
+                self.start_worker("prefill")
+            for _ in range(self.n_decode):
+                self.start_worker("decode")
+            router_args = [
+                sys.executable, "-m", "kvxfer_router", "--host", "127.0.0.1",
+                "--port", str(self.router_port), "--etcd-endpoints", self.etcd_url,
+                "--log-level", "warning",
+            ]
+            self.router = self._spawn("router", router_args, self.router_env)
+            self.wait_ready(self.n_prefill, self.n_decode, self.startup_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def workers_seen(self) -> dict[str, int]:
+        """How many workers of each role the router knows now."""
+        try:
+            body = httpx.get(f"{self.router_url}/workers", timeout=2).json()
+        except (httpx.HTTPError, ValueError):
+            return {}
+        items = body.get("workers", body) if isinstance(body, dict) else body
+        counts: dict[str, int] = {}
+        for w in items if isinstance(items, list) else []:
+            counts[w.get("role", "?")] = counts.get(w.get("role", "?"), 0) + 1
+        return counts
+
+    def wait_ready(self, prefill: int, decode: int, timeout_s: float) -> None:
+        """Waits until the router is ready and lists the given worker counts."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for name, proc in list(self.workers.items()) + [("router", self.router)]:
+                if proc is not None and proc.poll() is not None:
+                    raise RuntimeError(f"{name} exited with {proc.returncode}: see {self.log_dir / (name + '.log')}")
+            seen = self.workers_seen()
+            if seen.get("prefill", 0) >= prefill and seen.get("decode", 0) >= decode:
+                try:
+                    if httpx.get(f"{self.router_url}/ready", timeout=2).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+            time.sleep(0.2)
+        raise TimeoutError(f"cluster not ready after {timeout_s} s (router sees {self.workers_seen()}); logs in {self.log_dir}")
+
+    def signal_worker(self, name: str, sig: int) -> None:
+        """Sends a signal to one worker (SIGTERM drains, SIGKILL crashes)."""
+        os.killpg(self.workers[name].pid, sig)
+
+    def stop(self, drain_timeout_s: float = 30.0) -> None:
+        """Drains workers (SIGTERM), stops the router and etcd; kills what does not stop."""
+        for proc in self.workers.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + drain_timeout_s
+        for proc in self.workers.values():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(5)
+        if self.router is not None and self.router.poll() is None:
+            os.killpg(self.router.pid, signal.SIGTERM)
+            try:
+                self.router.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.router.pid, signal.SIGKILL)
+                self.router.wait(5)
+        if self.etcd is not None:
+            self.etcd.stop()
+            self.etcd = None
+
+    def __enter__(self) -> "LocalCluster":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def run_up(args: argparse.Namespace) -> int:
+    """`kvxfer up`: start everything, serve until SIGINT/SIGTERM, then drain and stop."""
+    cluster = LocalCluster(
+        prefill=args.prefill, decode=args.decode, router_port=args.port, etcd=args.etcd,
+        model=args.model, provider=args.provider,
+    )
+    stop = {"now": False}
+
+    def on_signal(*_: Any) -> None:
+        stop["now"] = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    cluster.start()
+    print(f"kvxfer up: router {cluster.router_url} with {args.prefill} prefill + {args.decode} decode "
+          f"workers, etcd {cluster.etcd_url}, logs in {cluster.log_dir}", flush=True)
+    try:
+        while not stop["now"]:
+            time.sleep(0.2)
+    finally:
+        print("kvxfer up: draining and stopping", flush=True)
+        cluster.stop()
+    return 0
