@@ -1,0 +1,342 @@
+"""A real single-member etcd on loopback, for single-machine runs and tests.
+
+`LocalEtcd` runs the Debian `etcd` binary (package `etcd-server`) as a subprocess on free
+127.0.0.1 ports with its data in a temporary directory, so the registry code is exercised
+against the real server (leases, watches, revisions, restarts) rather than a fake.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import weakref
+from pathlib import Path
+from types import TracebackType
+
+__all__ = ["LocalEtcd", "LocalEtcdError"]
+
+_LOOPBACK = "127.0.0.1"
+# How often the readiness loop polls /health; etcd needs ~1 s to elect itself, so 50 ms
+# costs nothing and keeps start-up latency low.
+_HEALTH_POLL_INTERVAL_S = 0.05
+# One /health probe; a loopback server that is up answers in milliseconds.
+_HEALTH_REQUEST_TIMEOUT_S = 1.0
+# Lines of the etcd log quoted in error messages: enough to show the cause, short enough
+# to read in a test failure.
+_LOG_TAIL_LINES = 25
+
+# Probes go straight to loopback even when http_proxy is set in the environment.
+_NO_PROXY_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+# Every running instance, so that interpreter exit kills processes that a crashed test or
+# a forgotten stop() left behind; weak so the set never keeps an instance alive.
+_live_instances: "weakref.WeakSet[LocalEtcd]" = weakref.WeakSet()
+
+
+def _stop_all_at_exit() -> None:
+    for instance in list(_live_instances):
+        with contextlib.suppress(Exception):
+            instance.stop()
+
+
+atexit.register(_stop_all_at_exit)
+
+
+class LocalEtcdError(RuntimeError):
+    """Raised when the local etcd cannot be found, started or stopped.
+
+    The message says what failed and quotes the tail of the etcd log when there is one,
+    so a failing test shows the server's own explanation.
+    """
+
+
+def _free_loopback_port() -> int:
+    """Return a TCP port that is free on 127.0.0.1 right now.
+
+    The port is released before etcd binds it, so another process can take it in
+    between; `LocalEtcd.start` retries with fresh ports when that happens.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((_LOOPBACK, 0))
+        return int(sock.getsockname()[1])
+
+
+class LocalEtcd:
+    """A single-member etcd server running as a child process on loopback.
+
+    Ports are picked free on 127.0.0.1 (or given), the data directory lives in a
+    temporary directory unless one is given, and the server log goes to `log_path`.
+    `start()` waits, up to `startup_timeout_s`, until `/health` answers; `stop()` kills
+    the whole process group and removes the temporary directory; `restart()` brings the
+    server back on the same ports and data directory (optionally after some downtime),
+    which is how tests check that registrations survive an etcd restart or outage. Use
+    it as a context manager so the process and the temporary directory are always
+    cleaned up.
+    """
+
+    def __init__(
+        self,
+        *,
+        etcd_binary: str = "etcd",
+        client_port: int | None = None,
+        peer_port: int | None = None,
+        data_dir: str | os.PathLike[str] | None = None,
+        log_path: str | os.PathLike[str] | None = None,
+        name: str = "kvxfer-local",
+        startup_timeout_s: float = 15.0,
+        stop_timeout_s: float = 5.0,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
+        self._etcd_binary = etcd_binary
+        self._fixed_client_port = client_port
+        self._fixed_peer_port = peer_port
+        self._name = name
+        self._startup_timeout_s = startup_timeout_s
+        self._stop_timeout_s = stop_timeout_s
+        self._extra_args = tuple(extra_args)
+
+        # A temporary directory is created lazily and owned (removed on stop) only when
+        # the caller did not give a data directory.
+        self._owned_tmp_dir: Path | None = None
+        self._data_dir: Path | None = Path(data_dir) if data_dir is not None else None
+        self._log_path: Path | None = Path(log_path) if log_path is not None else None
+
+        self._client_port: int | None = None
+        self._peer_port: int | None = None
+        self._process: subprocess.Popen[bytes] | None = None
+
+    # ----------------------------------------------------------------- properties
+
+    @property
+    def client_url(self) -> str:
+        """URL clients connect to, e.g. ``http://127.0.0.1:41234``; set once started."""
+        if self._client_port is None:
+            raise LocalEtcdError("LocalEtcd has not been started; call start() first")
+        return f"http://{_LOOPBACK}:{self._client_port}"
+
+    @property
+    def peer_url(self) -> str:
+        """Raft peer URL of the single member; set once started."""
+        if self._peer_port is None:
+            raise LocalEtcdError("LocalEtcd has not been started; call start() first")
+        return f"http://{_LOOPBACK}:{self._peer_port}"
+
+    @property
+    def data_dir(self) -> Path:
+        """Directory holding the etcd data (kept across `restart()`)."""
+        if self._data_dir is None:
+            raise LocalEtcdError("LocalEtcd has not been started; call start() first")
+        return self._data_dir
+
+    @property
+    def log_path(self) -> Path:
+        """File receiving the server's stdout and stderr (appended across restarts)."""
+        if self._log_path is None:
+            raise LocalEtcdError("LocalEtcd has not been started; call start() first")
+        return self._log_path
+
+    @property
+    def pid(self) -> int | None:
+        """Process id of the running server, or None when stopped."""
+        process = self._process
+        return process.pid if process is not None and process.poll() is None else None
+
+    @property
+    def is_running(self) -> bool:
+        """True while the etcd child process is alive."""
+        return self._process is not None and self._process.poll() is None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> "LocalEtcd":
+        """Start etcd and block until it answers `/health`, or raise `LocalEtcdError`.
+
+        On the first start, free ports are chosen (unless given) and the data and log
+        locations are created; later starts reuse them, so the server comes back with
+        the same URLs and data. If a freshly chosen port was taken by another process
+        in the meantime, the first start retries with new ports.
+        """
+        if self.is_running:
+            return self
+        binary = shutil.which(self._etcd_binary)
+        if binary is None:
+            raise LocalEtcdError(
+                f"etcd binary {self._etcd_binary!r} not found on PATH; install the Debian "
+                "package 'etcd-server' (apt-get install etcd-server) or pass "
+                "etcd_binary=<path to etcd>"
+            )
+        self._prepare_dirs()
+        first_start = self._client_port is None
+        # Only freshly picked ports can be re-picked; fixed or reused ports get one try.
+        attempts = 3 if first_start and self._fixed_client_port is None else 1
+        last_error: LocalEtcdError | None = None
+        for _ in range(attempts):
+            if first_start:
+                self._client_port = self._fixed_client_port or _free_loopback_port()
+                self._peer_port = self._fixed_peer_port or _free_loopback_port()
+            try:
+                self._spawn_and_wait(binary)
+                _live_instances.add(self)
+                return self
+            except LocalEtcdError as exc:
+                last_error = exc
+                self._kill_process_group()
+        assert last_error is not None
+        raise last_error
+
+    def stop(self) -> None:
+        """Stop the server and clean up: SIGTERM to its process group, SIGKILL after
+        `stop_timeout_s`, then remove the temporary directory if this object made it.
+
+        Idempotent. A caller-given data directory is kept. A later `start()` reuses the
+        ports; with an owned temporary directory it starts from empty data.
+        """
+        self._kill_process_group()
+        _live_instances.discard(self)
+        if self._owned_tmp_dir is not None:
+            shutil.rmtree(self._owned_tmp_dir, ignore_errors=True)
+            self._owned_tmp_dir = None
+            self._data_dir = None
+            self._log_path = None
+
+    def restart(self, *, downtime_s: float = 0.0, wipe_data: bool = False) -> None:
+        """Kill the server and start it again on the same ports and data directory.
+
+        `downtime_s` keeps it down that long first (an outage, e.g. longer than a lease
+        TTL). With `wipe_data=True` the data directory is emptied in between, which
+        simulates etcd being replaced by a fresh cluster: leases and keys are gone and
+        revisions restart from 1.
+        """
+        if self._client_port is None or self._data_dir is None:
+            raise LocalEtcdError("restart() needs a LocalEtcd that was started")
+        self._kill_process_group()
+        if wipe_data:
+            shutil.rmtree(self._data_dir, ignore_errors=True)
+        if downtime_s > 0:
+            time.sleep(downtime_s)
+        self.start()
+
+    def __enter__(self) -> "LocalEtcd":
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        url = f"http://{_LOOPBACK}:{self._client_port}" if self._client_port else "unstarted"
+        state = "running" if self.is_running else "stopped"
+        return f"LocalEtcd({url}, {state})"
+
+    # ------------------------------------------------------------------ internals
+
+    def _prepare_dirs(self) -> None:
+        if self._data_dir is None or self._log_path is None:
+            if self._owned_tmp_dir is None:
+                self._owned_tmp_dir = Path(tempfile.mkdtemp(prefix="kvxfer-etcd-"))
+            if self._data_dir is None:
+                self._data_dir = self._owned_tmp_dir / "data"
+            if self._log_path is None:
+                self._log_path = self._owned_tmp_dir / "etcd.log"
+        self._data_dir.mkdir(parents=True, exist_ok=True)
+        # etcd refuses data directories readable by others in newer versions and warns
+        # in 3.4; 0700 keeps both quiet.
+        os.chmod(self._data_dir, 0o700)
+        self._log_path.parent.mkdir(parents=True, exist_ok=True)
+
+    def _command(self, binary: str) -> list[str]:
+        return [
+            binary,
+            "--name", self._name,
+            "--data-dir", str(self.data_dir),
+            "--listen-client-urls", self.client_url,
+            "--advertise-client-urls", self.client_url,
+            "--listen-peer-urls", self.peer_url,
+            "--initial-advertise-peer-urls", self.peer_url,
+            "--initial-cluster", f"{self._name}={self.peer_url}",
+            "--initial-cluster-state", "new",
+            "--initial-cluster-token", f"{self._name}-{self._client_port}",
+            *self._extra_args,
+        ]
+
+    def _spawn_and_wait(self, binary: str) -> None:
+        with open(self.log_path, "ab") as log_file:
+            log_file.write(f"\n=== starting etcd on {self.client_url} ===\n".encode())
+            log_file.flush()
+            # A new session makes etcd the leader of its own process group, so stop()
+            # can kill it (and anything it spawns) without touching our group.
+            self._process = subprocess.Popen(
+                self._command(binary),
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + self._startup_timeout_s
+        while True:
+            if self._process.poll() is not None:
+                raise LocalEtcdError(
+                    f"etcd exited with code {self._process.returncode} during start-up on "
+                    f"{self.client_url}; log {self.log_path}:\n{self._log_tail()}"
+                )
+            if self._is_healthy():
+                return
+            if time.monotonic() >= deadline:
+                raise LocalEtcdError(
+                    f"etcd on {self.client_url} did not answer /health within "
+                    f"{self._startup_timeout_s:.1f} s; log {self.log_path}:\n{self._log_tail()}"
+                )
+            time.sleep(_HEALTH_POLL_INTERVAL_S)
+
+    def _is_healthy(self) -> bool:
+        try:
+            with _NO_PROXY_OPENER.open(
+                f"{self.client_url}/health", timeout=_HEALTH_REQUEST_TIMEOUT_S
+            ) as resp:
+                return resp.status == 200 and b'"true"' in resp.read()
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+
+    def _kill_process_group(self) -> None:
+        process = self._process
+        if process is None:
+            return
+        self._process = None
+        if process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=self._stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                try:
+                    process.wait(timeout=self._stop_timeout_s)
+                except subprocess.TimeoutExpired as exc:
+                    raise LocalEtcdError(
+                        f"etcd (pid {process.pid}) survived SIGKILL for "
+                        f"{self._stop_timeout_s:.1f} s"
+                    ) from exc
+        # The leader may be gone while children of its group linger; sweep the group.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+
+    def _log_tail(self) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(lines[-_LOG_TAIL_LINES:])
