@@ -1,0 +1,299 @@
+"""Every Prometheus metric kvxfer exports, declared in one place.
+
+Metrics are grouped per component (router, decode worker, prefill worker, transfer engine).
+Each group is a small class built against a `CollectorRegistry` handed in by its owner, so
+tests and several components living in one process (the single-machine demo runs a router
+and workers side by side) never collide on the process-global default registry.
+
+Names follow the Prometheus conventions: `kvxfer_<component>_...`, base units in the name
+(`_seconds`, `_bytes`, `_bytes_per_second`), `_total` only on counters, and gauges that count
+things carry no unit. Label values that are known up front are initialised to zero so that
+a rate over them exists before the first event (an absent series is not a zero rate).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Union
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
+
+# --- label values known up front -------------------------------------------------------
+
+#: Final outcome of a request at the router (label `status` of
+#: `kvxfer_router_requests_total`).
+REQUEST_STATUSES: tuple[str, ...] = ("ok", "error", "rejected", "cancelled", "timeout")
+#: HTTP codes the router answers when it refuses a request (label `code`).
+REJECT_CODES: tuple[str, ...] = ("429", "503")
+#: Steps of a request the router may retry on another worker (label `stage`).
+RETRY_STAGES: tuple[str, ...] = ("reserve", "prefill", "generate")
+WORKER_ROLES: tuple[str, ...] = ("prefill", "decode")
+#: ready: registered and serving; draining: finishing in-flight work after SIGTERM;
+#: unhealthy: still registered but failing the router's checks.
+WORKER_STATES: tuple[str, ...] = ("ready", "draining", "unhealthy")
+#: Why a KV push failed at the prefill worker (label `reason`).
+TRANSFER_FAILURE_REASONS: tuple[str, ...] = (
+    "timeout",            # a write did not complete within the transfer deadline
+    "cancelled",          # the request was cancelled while its KV was in flight
+    "peer_unreachable",   # the decode engine address could not be resolved or connected
+    "completion_error",   # the fabric reported an error completion
+    "layout_mismatch",    # the decode side's kv_layout did not match ours
+)
+
+# --- histogram buckets -----------------------------------------------------------------
+# Buckets are chosen for the ranges we expect to see and to alert on; each bucket is one
+# time series per label set per target, so they are kept to about a dozen.
+
+#: Time to first token: a cached short prompt answers in a few ms, a long prompt behind a
+#: queue can take tens of seconds; 60 s is the router's default request deadline.
+TTFT_BUCKETS_SECONDS: tuple[float, ...] = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
+#: Inter-token latency: one decode step of a batch is ms-scale; seconds mean a stall.
+ITL_BUCKETS_SECONDS: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+#: End-to-end latency: up to several minutes for long generations.
+E2E_BUCKETS_SECONDS: tuple[float, ...] = (
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+#: Prefill compute per request: ms for short prompts, seconds for long ones on CPU.
+PREFILL_COMPUTE_BUCKETS_SECONDS: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+#: Per-request KV transfer: sub-ms on RDMA for small prompts, seconds when the fabric is
+#: congested; past 10 s the request has timed out anyway.
+TRANSFER_BUCKETS_SECONDS: tuple[float, ...] = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+#: Per-request transfer throughput in bytes/s (base unit; dashboards show GB/s): 0.1 GB/s
+#: is a slow TCP path, 50 GB/s a multi-rail 400G RDMA path.
+TRANSFER_THROUGHPUT_BUCKETS_BYTES_PER_SECOND: tuple[float, ...] = tuple(
+    gb * 1e9 for gb in (0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 6.0, 8.0, 12.0, 16.0, 25.0, 35.0, 50.0))
+#: Decode-side wait on the ImmCounter for a request's KV: from "already there" to the
+#: admission timeout (30 s by default).
+IMM_WAIT_BUCKETS_SECONDS: tuple[float, ...] = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+def _init_labels(metric: Union[Counter, Gauge], *label_sets: Sequence[str]) -> None:
+    """Create the child for every combination of known label values (see module doc)."""
+    combos: list[tuple[str, ...]] = [()]
+    for values in label_sets:
+        combos = [c + (v,) for c in combos for v in values]
+    for combo in combos:
+        metric.labels(*combo)
+
+
+class RouterMetrics:
+    """Metrics of the router: request outcomes, latencies, admission and the worker view.
+
+    Build one per router against the registry its `/metrics` route serves.
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "kvxfer_router_requests", "Requests finished by the router, by final outcome.",
+            ["status"], registry=registry)
+        _init_labels(self.requests, REQUEST_STATUSES)
+        self.time_to_first_token = Histogram(
+            "kvxfer_router_time_to_first_token_seconds",
+            "Time from request arrival at the router to the first token sent to the client.",
+            buckets=TTFT_BUCKETS_SECONDS, registry=registry)
+        self.inter_token_latency = Histogram(
+            "kvxfer_router_inter_token_latency_seconds",
+            "Time between consecutive tokens streamed to the client.",
+            buckets=ITL_BUCKETS_SECONDS, registry=registry)
+        self.request_duration = Histogram(
+            "kvxfer_router_request_duration_seconds",
+            "End-to-end request latency at the router, arrival to last byte.",
+            buckets=E2E_BUCKETS_SECONDS, registry=registry)
+        self.requests_in_flight = Gauge(
+            "kvxfer_router_requests_in_flight",
+            "Requests admitted and not yet finished.", registry=registry)
+        self.requests_queued = Gauge(
+            "kvxfer_router_requests_queued",
+            "Requests waiting for admission (no worker pair with capacity yet).",
+            registry=registry)
+        self.retries = Counter(
+            "kvxfer_router_retries", "Request steps retried on another worker, by step.",
+            ["stage"], registry=registry)
+        _init_labels(self.retries, RETRY_STAGES)
+        self.rejected = Counter(
+            "kvxfer_router_rejected_requests",
+            "Requests refused at admission, by HTTP code (429 overloaded, 503 no workers).",
+            ["code"], registry=registry)
+        _init_labels(self.rejected, REJECT_CODES)
+        self.workers = Gauge(
+            "kvxfer_router_workers", "Workers the router knows from the registry.",
+            ["role", "state"], registry=registry)
+        _init_labels(self.workers, WORKER_ROLES, WORKER_STATES)
+
+    def set_workers(self, counts: Mapping[tuple[str, str], int]) -> None:
+        """Replace the worker view with `{(role, state): count}`; absent pairs become 0."""
+        for role in WORKER_ROLES:
+            for state in WORKER_STATES:
+                self.workers.labels(role, state).set(counts.get((role, state), 0))
+
+
+class DecodeMetrics:
+    """Metrics of a decode worker: KV page pool, admission and the wait for pushed KV."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.pages_capacity = Gauge(
+            "kvxfer_decode_kv_pages_capacity", "KV cache pages this worker owns.",
+            registry=registry)
+        self.pages_free = Gauge(
+            "kvxfer_decode_kv_pages_free", "KV cache pages neither reserved nor in use.",
+            registry=registry)
+        self.pages_reserved = Gauge(
+            "kvxfer_decode_kv_pages_reserved",
+            "KV cache pages held by requests (waiting for KV or running).", registry=registry)
+        self.requests_waiting_for_kv = Gauge(
+            "kvxfer_decode_requests_waiting_for_kv",
+            "Requests with reserved pages whose KV has not fully arrived.", registry=registry)
+        self.requests_running = Gauge(
+            "kvxfer_decode_requests_running", "Requests in the running decode batch.",
+            registry=registry)
+        self.imm_wait = Histogram(
+            "kvxfer_decode_imm_wait_seconds",
+            "Time a request waited on its ImmCounter until all of its KV had landed.",
+            buckets=IMM_WAIT_BUCKETS_SECONDS, registry=registry)
+        self.admission_timeouts = Counter(
+            "kvxfer_decode_admission_timeouts",
+            "Requests whose KV did not arrive before their admission deadline.",
+            registry=registry)
+
+    def set_pages(self, capacity: int, free: int) -> None:
+        """Publish the page pool; reserved is derived so the three never disagree."""
+        self.pages_capacity.set(capacity)
+        self.pages_free.set(free)
+        self.pages_reserved.set(capacity - free)
+
+
+class PrefillMetrics:
+    """Metrics of a prefill worker: queue, compute time and the KV push to decoders."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.queue_depth = Gauge(
+            "kvxfer_prefill_queue_depth", "Prefill requests accepted and not yet computed.",
+            registry=registry)
+        self.compute = Histogram(
+            "kvxfer_prefill_compute_seconds", "Model compute time of one request's prefill.",
+            buckets=PREFILL_COMPUTE_BUCKETS_SECONDS, registry=registry)
+        self.kv_bytes_pushed = Counter(
+            "kvxfer_prefill_kv_pushed_bytes",
+            "KV cache bytes written to decode workers (completed writes).", registry=registry)
+        self.transfer_duration = Histogram(
+            "kvxfer_prefill_kv_transfer_seconds",
+            "Per request: first KV write posted to last write completed.",
+            buckets=TRANSFER_BUCKETS_SECONDS, registry=registry)
+        self.transfer_throughput = Histogram(
+            "kvxfer_prefill_kv_transfer_bytes_per_second",
+            "Per request: KV bytes divided by transfer time.",
+            buckets=TRANSFER_THROUGHPUT_BUCKETS_BYTES_PER_SECOND, registry=registry)
+        self.transfer_failures = Counter(
+            "kvxfer_prefill_kv_transfer_failures",
+            "Requests whose KV push failed, by reason.", ["reason"], registry=registry)
+        _init_labels(self.transfer_failures, TRANSFER_FAILURE_REASONS)
+        self.peers_connected = Gauge(
+            "kvxfer_prefill_peers_connected",
+            "Decode engines this worker has an open fabric address for.", registry=registry)
+
+    def observe_transfer(self, kv_bytes: int, seconds: float) -> None:
+        """Record one request's completed push: bytes, duration and throughput together."""
+        self.kv_bytes_pushed.inc(kv_bytes)
+        self.transfer_duration.observe(seconds)
+        if seconds > 0:  # a zero-length push (empty prompt) has no meaningful rate
+            self.transfer_throughput.observe(kv_bytes / seconds)
+
+
+#: Per-rail engine counters as the engine exposes them: `{rail: {counter: value}}`, or a
+#: sequence of per-rail dicts indexed by rail.
+EngineStats = Union[Mapping[Union[int, str], Mapping[str, int]], Sequence[Mapping[str, int]]]
+
+# (metric name, engine stats key, help). The engine keeps these as plain monotonic
+# integers on its own thread; we only read them at scrape time.
+_ENGINE_COUNTERS: tuple[tuple[str, str, str], ...] = (
+    ("kvxfer_engine_posted_bytes", "bytes_posted", "Bytes submitted to the fabric, per rail."),
+    ("kvxfer_engine_completed_bytes", "bytes_completed",
+     "Bytes whose write completed successfully, per rail."),
+    ("kvxfer_engine_posted_operations", "ops_posted",
+     "Fabric operations (writes, immediates) submitted, per rail."),
+    ("kvxfer_engine_completed_operations", "ops_completed",
+     "Fabric operations completed successfully, per rail."),
+    ("kvxfer_engine_completion_errors", "completion_errors",
+     "Error completions reported by the fabric, per rail."),
+)
+
+
+class EngineMetrics(Collector):
+    """Exports the transfer engine's per-rail counters at scrape time.
+
+    A custom collector rather than Counter objects so the engine's hot path does no
+    Prometheus work: it keeps its own integers and `stats` is called once per scrape. `stats`
+    returns per-rail dicts with keys bytes_posted, bytes_completed, ops_posted, ops_completed
+    and completion_errors, or None while no engine exists yet.
+    """
+
+    def __init__(self, registry: CollectorRegistry,
+                 stats: Callable[[], EngineStats | None]) -> None:
+        self._stats = stats
+        registry.register(self)
+
+    def describe(self) -> Iterable[Metric]:
+        # With describe() the registry learns our names without calling stats(), which may
+        # not work yet while the engine starts.
+        return [CounterMetricFamily(name, doc, labels=["rail"])
+                for name, _, doc in _ENGINE_COUNTERS]
+
+    def collect(self) -> Iterator[Metric]:
+        families = {key: CounterMetricFamily(name, doc, labels=["rail"])
+                    for name, key, doc in _ENGINE_COUNTERS}
+        try:
+            stats = self._stats()
+        except Exception:  # a broken stats source must not fail the whole scrape
+            log.exception("engine stats unavailable for this scrape")
+            stats = None
+        if stats is not None:
+            rails = stats.items() if isinstance(stats, Mapping) else enumerate(stats)
+            for rail, counters in rails:
+                for key, family in families.items():
+                    if key in counters:
+                        family.add_metric([str(rail)], counters[key])
+        yield from families.values()
+
+
+# --- helpers for the /metrics route and for tests --------------------------------------
+
+def metrics_response(registry: CollectorRegistry, accept: str | None = None) -> tuple[bytes, str]:
+    """Render `registry` for a `/metrics` route: returns `(body, content_type)`.
+
+    `accept` is the request's Accept header: Prometheus asking for OpenMetrics gets it,
+    everything else gets the classic 0.0.4 text format.
+    """
+    encoder, content_type = choose_encoder(accept or "")
+    return encoder(registry), content_type
+
+
+def exported_sample_names(registry: CollectorRegistry) -> set[str]:
+    """Names of every sample `registry` exports now (with `_bucket`, `_total`, ... suffixes)."""
+    return {sample.name for family in registry.collect() for sample in family.samples}
+
+
+def all_metric_names() -> set[str]:
+    """Every sample name kvxfer exports, from all components on a throwaway registry.
+
+    The engine collector is fed one fake rail so its families produce samples.
+    """
+    registry = CollectorRegistry()
+    RouterMetrics(registry)
+    DecodeMetrics(registry)
+    PrefillMetrics(registry)
+    EngineMetrics(registry, lambda: [{key: 0 for _, key, _ in _ENGINE_COUNTERS}])
+    return exported_sample_names(registry)
+
+
+#: Frozen snapshot of `all_metric_names()` for callers that want a constant.
+ALL_METRIC_NAMES: frozenset[str] = frozenset(all_metric_names())
