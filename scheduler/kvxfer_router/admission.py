@@ -1,0 +1,127 @@
+"""Admission control: whether a request may start, and how long it may run.
+
+A request is admitted only when (in this order) some compatible worker pair exists for its
+model (else 503: waiting would not help until a worker registers), its id is not already in
+flight (else 409: workers key their state on it), and fewer than ``max_in_flight`` requests
+are running (else 429 with ``Retry-After``). Rejection is immediate rather than queued: the
+client or its load balancer is better placed to back off than a router holding sockets.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from .directory import WorkerDirectory
+from .openai_api import RouterError
+from .policies import has_pair
+from .settings import RouterSettings
+from .telemetry import RouterTelemetry
+
+
+class Deadline:
+    """A point in monotonic time by which a request must be finished."""
+
+    def __init__(self, seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self.seconds = seconds
+        self.started_at = clock()
+        self.expires_at = self.started_at + seconds
+
+    def remaining(self) -> float:
+        """Seconds left, never negative."""
+        return max(0.0, self.expires_at - self._clock())
+
+    def elapsed(self) -> float:
+        """Seconds since the deadline was set."""
+        return self._clock() - self.started_at
+
+    @property
+    def expired(self) -> bool:
+        """Whether no time is left."""
+        return self.remaining() <= 0.0
+
+
+class AdmissionTicket:
+    """An admitted request's slot; :meth:`release` frees it (idempotent)."""
+
+    def __init__(self, controller: "AdmissionController", request_id: str, deadline: Deadline) -> None:
+        self.request_id = request_id
+        self.deadline = deadline
+        self._controller = controller
+        self._released = False
+
+    @property
+    def released(self) -> bool:
+        """Whether the slot was given back."""
+        return self._released
+
+    def release(self) -> None:
+        """Give the slot back; later calls do nothing."""
+        if not self._released:
+            self._released = True
+            self._controller._release(self.request_id)
+
+
+class AdmissionController:
+    """Bounded in-flight admission with a per-request deadline.
+
+    Used from the router's event loop only, so the bookkeeping needs no lock.
+    """
+
+    def __init__(self, settings: RouterSettings, directory: WorkerDirectory, telemetry: RouterTelemetry) -> None:
+        self._settings = settings
+        self._directory = directory
+        self._telemetry = telemetry
+        self._active: set[str] = set()
+
+    @property
+    def in_flight(self) -> int:
+        """Requests admitted and not yet released."""
+        return len(self._active)
+
+    @property
+    def capacity(self) -> int:
+        """``max_in_flight``."""
+        return self._settings.max_in_flight
+
+    def is_in_flight(self, request_id: str) -> bool:
+        """Whether ``request_id`` holds a slot now."""
+        return request_id in self._active
+
+    def admit(self, request_id: str, model: str, *, needs_prefill: bool) -> AdmissionTicket:
+        """Admit ``request_id`` or raise :class:`RouterError` (503, 409 or 429)."""
+        if not has_pair(self._directory, model, needs_prefill=needs_prefill):
+            self._telemetry.rejected(503)
+            what = "prefill+decode worker pair" if needs_prefill else "decode worker"
+            raise RouterError(
+                503,
+                f"no compatible {what} available for model {model!r}",
+                request_id=request_id,
+                type="service_unavailable",
+                code="no_worker_pair",
+            )
+        if request_id in self._active:
+            raise RouterError(
+                409,
+                "a request with this request_id is already in flight",
+                request_id=request_id,
+                param="request_id",
+                code="duplicate_request_id",
+            )
+        if len(self._active) >= self._settings.max_in_flight:
+            self._telemetry.rejected(429)
+            raise RouterError(
+                429,
+                f"router is at its limit of {self._settings.max_in_flight} requests in flight; retry later",
+                request_id=request_id,
+                type="rate_limit_error",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": str(self._settings.retry_after_s)},
+            )
+        self._active.add(request_id)
+        self._telemetry.request_admitted()
+        return AdmissionTicket(self, request_id, Deadline(self._settings.request_deadline_s))
+
+    def _release(self, request_id: str) -> None:
+        self._active.discard(request_id)

@@ -1,0 +1,398 @@
+"""The router's HTTP app: ``create_app(settings, directory, ...)`` builds it.
+
+Routes: ``POST /v1/completions`` (OpenAI-compatible, streaming as server-sent events or
+not), ``GET /v1/models``, ``GET /health``, ``GET /ready``, ``GET /workers``, ``GET /metrics``.
+Nothing happens at import time; the outgoing HTTP client is opened when the app starts
+(lifespan) and closed, after in-flight clean-up, when it stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry
+from pydantic import ValidationError
+from starlette.types import Receive, Scope, Send
+
+from .admission import AdmissionController
+from .directory import WorkerDirectory
+from .dispatch import CompletionJob, Dispatcher, ErrorEvent, Event, FinishEvent, RequestLifecycle, TokenEvent
+from .openai_api import (
+    REQUEST_ID_PATTERN,
+    SSE_DONE,
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    PromptEncoder,
+    RouterError,
+    completion_id,
+    default_prompt_encoder,
+    models_list,
+    now_s,
+    sse_event,
+    validation_error,
+)
+from .policies import PairPolicy, has_pair, make_policy
+from .settings import RouterSettings
+from .telemetry import RouterTelemetry, default_router_metrics
+
+log = logging.getLogger(__name__)
+
+_REQUEST_ID_RE = re.compile(REQUEST_ID_PATTERN)
+
+
+class RouterService:
+    """Everything one router app holds: settings, directory, policy, admission, dispatcher.
+
+    Reachable as ``app.state.router`` (tests and the CLI use it to inspect in-flight work).
+    """
+
+    def __init__(
+        self,
+        settings: RouterSettings,
+        directory: WorkerDirectory,
+        *,
+        policy: PairPolicy,
+        telemetry: RouterTelemetry,
+        metrics_registry: CollectorRegistry,
+        http_client: httpx.AsyncClient | None,
+        prompt_encoder: PromptEncoder,
+    ) -> None:
+        self.settings = settings
+        self.directory = directory
+        self.policy = policy
+        self.telemetry = telemetry
+        self.metrics_registry = metrics_registry
+        self.encode_prompt = prompt_encoder
+        self.admission = AdmissionController(settings, directory, telemetry)
+        self._client = http_client
+        self._owns_client = http_client is None
+        self._dispatcher: Dispatcher | None = None
+
+    @property
+    def dispatcher(self) -> Dispatcher:
+        """The dispatcher; created on first use if the app was run without lifespan."""
+        if self._dispatcher is None:
+            if self._client is None:
+                s = self.settings
+                self._client = httpx.AsyncClient(
+                    timeout=httpx.Timeout(s.control_timeout_s, connect=s.connect_timeout_s),
+                    limits=httpx.Limits(max_connections=s.http_max_connections,
+                                        max_keepalive_connections=s.http_max_connections),
+                    # Workers are reached directly; an HTTP(S)_PROXY in the environment
+                    # must not reroute loopback or pod-to-pod calls.
+                    trust_env=False,
+                )
+            self._dispatcher = Dispatcher(self.settings, self.directory, self.policy, self._client, self.telemetry)
+        return self._dispatcher
+
+    async def start(self) -> None:
+        """Open the outgoing HTTP client."""
+        _ = self.dispatcher
+
+    async def stop(self) -> None:
+        """Cancel in-flight requests (bounded by ``shutdown_timeout_s``), close the client."""
+        if self._dispatcher is not None:
+            await self._dispatcher.aclose()
+        if self._owns_client and self._client is not None:
+            await self._client.aclose()
+            self._client = None
+            self._dispatcher = None
+
+    def known_models(self) -> set[str]:
+        """Models served by at least one registered worker (draining ones included)."""
+        return {w.model for w in self.directory.workers()}
+
+    async def parse_completion(self, request: Request) -> tuple[CompletionJob, CompletionRequest]:
+        """Validate a ``/v1/completions`` request into a job, or raise a 4xx
+        :class:`RouterError`. Nothing is reserved or sent anywhere before this passes."""
+        header_rid = request.headers.get("x-request-id")
+        rid: str | None = header_rid if header_rid and _REQUEST_ID_RE.match(header_rid) else None
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.settings.max_request_bytes:
+            raise RouterError(413, f"request body exceeds {self.settings.max_request_bytes} bytes",
+                              request_id=rid, code="request_too_large")
+        raw = await request.body()
+        if len(raw) > self.settings.max_request_bytes:
+            raise RouterError(413, f"request body exceeds {self.settings.max_request_bytes} bytes",
+                              request_id=rid, code="request_too_large")
+        try:
+            obj = json.loads(raw)
+        except ValueError as exc:
+            raise RouterError(400, f"request body is not valid JSON: {exc}", request_id=rid, code="invalid_json") from None
+        if not isinstance(obj, dict):
+            raise RouterError(400, "request body must be a JSON object", request_id=rid, code="invalid_json")
+        if isinstance(obj.get("request_id"), str) and _REQUEST_ID_RE.match(obj["request_id"]):
+            rid = obj["request_id"]
+        try:
+            req = CompletionRequest.model_validate(obj)
+        except ValidationError as exc:
+            raise validation_error(exc, rid) from None
+        request_id = rid or f"cmpl-{uuid.uuid4().hex}"
+        if req.model not in self.known_models():
+            raise RouterError(404, f"model {req.model!r} is not served by any registered worker",
+                              request_id=request_id, param="model", code="model_not_found")
+        max_tokens = req.max_tokens if req.max_tokens is not None else self.settings.default_max_tokens
+        if max_tokens > self.settings.max_tokens_limit:
+            raise RouterError(400, f"max_tokens is {max_tokens}, the limit is {self.settings.max_tokens_limit}",
+                              request_id=request_id, param="max_tokens", code="invalid_value")
+        tokens = self.encode_prompt(req.prompt)
+        if not tokens:
+            raise RouterError(400, "prompt is empty", request_id=request_id, param="prompt", code="invalid_value")
+        limit = self.settings.prompt_limit(req.model)
+        if len(tokens) > limit:
+            raise RouterError(
+                400, f"prompt is {len(tokens)} tokens, model {req.model!r} accepts at most {limit}",
+                request_id=request_id, param="prompt", code="context_length_exceeded",
+            )
+        job = CompletionJob(
+            request_id=request_id, model=req.model, prompt_tokens=tokens, max_tokens=max_tokens,
+            needs_prefill=len(tokens) >= self.settings.disaggregation_min_prompt_tokens,
+        )
+        return job, req
+
+
+def create_app(
+    settings: RouterSettings | None = None,
+    directory: WorkerDirectory | None = None,
+    *,
+    metrics: Any | None = None,
+    metrics_registry: CollectorRegistry | None = None,
+    http_client: httpx.AsyncClient | None = None,
+    prompt_encoder: PromptEncoder | None = None,
+) -> FastAPI:
+    """Build the router app.
+
+    ``settings`` default to ``RouterSettings()`` (environment); ``directory`` is required
+    (an :class:`~kvxfer_router.directory.EtcdWorkerDirectory` in production, a
+    :class:`~kvxfer_router.directory.StaticWorkerDirectory` in tests). ``metrics`` is a
+    ``kvxfer.metrics.RouterMetrics`` (or same-shaped object) registered on
+    ``metrics_registry``, which ``GET /metrics`` serves; when both are left out a fresh
+    registry with a ``RouterMetrics`` is made. ``http_client`` replaces the router's own
+    client towards workers (it is then not closed by the app). ``prompt_encoder`` maps a
+    prompt to token ids; by default the model's byte tokenizer (with BOS).
+    Raises ``ValueError`` for an unknown ``settings.policy``.
+    """
+    settings = settings or RouterSettings()
+    if directory is None:
+        raise ValueError("create_app needs a WorkerDirectory (EtcdWorkerDirectory or StaticWorkerDirectory)")
+    policy = make_policy(settings.policy)
+    if metrics_registry is None:
+        metrics_registry = CollectorRegistry()
+        if metrics is None:
+            metrics = default_router_metrics(metrics_registry)
+    service = RouterService(
+        settings, directory, policy=policy, telemetry=RouterTelemetry(metrics),
+        metrics_registry=metrics_registry, http_client=http_client,
+        prompt_encoder=prompt_encoder or default_prompt_encoder(),
+    )
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        await service.start()
+        try:
+            yield
+        finally:
+            await service.stop()
+
+    app = FastAPI(title="kvxfer router", lifespan=lifespan)
+    app.state.router = service
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        """The process is alive."""
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        """200 once some compatible prefill+decode pair is registered, else 503."""
+        if has_pair(directory, needs_prefill=True):
+            return JSONResponse({"ready": True})
+        return JSONResponse({"ready": False, "detail": "no compatible prefill+decode worker pair registered"},
+                            status_code=503)
+
+    @app.get("/workers")
+    async def workers() -> dict[str, Any]:
+        """Known workers with their registry records and this router's load on each."""
+        load = service.dispatcher.load
+        return {
+            "in_flight": service.admission.in_flight,
+            "max_in_flight": service.admission.capacity,
+            "policy": settings.policy,
+            "workers": [dict(w.as_dict(), router_in_flight=load.get(w.worker_id)) for w in directory.workers()],
+        }
+
+    @app.get("/metrics")
+    async def metrics_endpoint(request: Request) -> Response:
+        """Prometheus exposition of ``metrics_registry``."""
+        service.telemetry.workers(directory.workers())
+        body, content_type = _render_metrics(metrics_registry, request.headers.get("accept"))
+        return Response(body, media_type=content_type)
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        """Models served by registered workers, in OpenAI's list shape."""
+        return models_list(list(service.known_models()))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        """OpenAI-compatible completion; see the module docs of ``dispatch``."""
+        try:
+            job, req = await service.parse_completion(request)
+            ticket = service.admission.admit(job.request_id, job.model, needs_prefill=job.needs_prefill)
+        except RouterError as exc:
+            return exc.to_response()
+        lifecycle = service.dispatcher.start(job, ticket)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        if req.stream:
+            return await _stream_response(request, lifecycle, include_usage)
+        return await _full_response(request, lifecycle)
+
+    return app
+
+
+def _render_metrics(registry: CollectorRegistry, accept: str | None) -> tuple[bytes, str]:
+    try:
+        from kvxfer.metrics import metrics_response
+    except Exception:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return generate_latest(registry), CONTENT_TYPE_LATEST
+    return metrics_response(registry, accept)
+
+
+async def _until_disconnect(receive: Receive) -> None:
+    """Return when the client closes the connection (the body has been read already)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _first_or_disconnect(request: Request, lifecycle: RequestLifecycle, waiter: Any) -> Any | None:
+    """Await ``waiter`` (a coroutine on the lifecycle) unless the client leaves first, in
+    which case the request is abandoned (both legs cancelled) and ``None`` returned."""
+    work = asyncio.ensure_future(waiter)
+    watcher = asyncio.ensure_future(_until_disconnect(request.receive))
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if work.done():
+            return work.result()
+        log.info("request %s: client disconnected before the response started", lifecycle.request_id)
+        lifecycle.abandon()
+        return None
+    finally:
+        watcher.cancel()
+        if not work.done():
+            work.cancel()
+            lifecycle.abandon()
+
+
+def _headers(request_id: str) -> dict[str, str]:
+    return {"X-Request-Id": request_id}
+
+
+async def _full_response(request: Request, lifecycle: RequestLifecycle) -> Response:
+    async def collect() -> tuple[list[TokenEvent], Event]:
+        tokens: list[TokenEvent] = []
+        while True:
+            ev = await lifecycle.next_event()
+            if isinstance(ev, TokenEvent):
+                tokens.append(ev)
+            else:
+                return tokens, ev
+
+    result = await _first_or_disconnect(request, lifecycle, collect())
+    if result is None:
+        return Response(status_code=499)  # nobody is listening; the status is for logs only
+    tokens, end = result
+    if isinstance(end, ErrorEvent):
+        return end.error.to_response()
+    assert isinstance(end, FinishEvent)
+    body = Completion(
+        id=completion_id(lifecycle.request_id), created=now_s(), model=lifecycle.job.model,
+        choices=[CompletionChoice(text="".join(t.text for t in tokens), finish_reason=end.finish_reason)],
+        usage=end.usage,
+    )
+    return Response(body.model_dump_json(), media_type="application/json", headers=_headers(lifecycle.request_id))
+
+
+async def _stream_response(request: Request, lifecycle: RequestLifecycle, include_usage: bool) -> Response:
+    # The status line waits for the first event so that a request failing before its first
+    # token (after the retry) still gets a proper 5xx instead of a 200 with an error event.
+    first = await _first_or_disconnect(request, lifecycle, lifecycle.next_event())
+    if first is None:
+        return Response(status_code=499)
+    if isinstance(first, ErrorEvent):
+        return first.error.to_response()
+    return CompletionEventStream(lifecycle, first, include_usage)
+
+
+class CompletionEventStream(StreamingResponse):
+    """Server-sent events of one completion: a chunk per token, a final chunk with
+    ``finish_reason`` (and usage if asked), then ``data: [DONE]``. An error after the first
+    token becomes a ``data: {"error": ...}`` event and the stream ends without ``[DONE]``.
+
+    Unlike a plain ``StreamingResponse`` it guarantees that a client going away abandons the
+    request (so both legs are cancelled) however the stream ends.
+    """
+
+    def __init__(self, lifecycle: RequestLifecycle, first: Event, include_usage: bool) -> None:
+        self._lifecycle = lifecycle
+        self._first = first
+        self._include_usage = include_usage
+        self._cid = completion_id(lifecycle.request_id)
+        self._created = now_s()
+        super().__init__(
+            self._events(), media_type="text/event-stream",
+            headers={**_headers(lifecycle.request_id), "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    def _chunk(self, text: str, finish_reason: str | None) -> bytes:
+        return sse_event(Completion(
+            id=self._cid, created=self._created, model=self._lifecycle.job.model,
+            choices=[CompletionChoice(text=text, finish_reason=finish_reason)],
+        ))
+
+    async def _events(self) -> AsyncIterator[bytes]:
+        ev = self._first
+        while True:
+            if isinstance(ev, TokenEvent):
+                yield self._chunk(ev.text, None)
+            elif isinstance(ev, FinishEvent):
+                yield self._chunk("", ev.finish_reason)
+                if self._include_usage:
+                    yield sse_event(Completion(
+                        id=self._cid, created=self._created, model=self._lifecycle.job.model,
+                        choices=[], usage=ev.usage,
+                    ))
+                yield SSE_DONE
+                return
+            else:
+                yield sse_event(ev.error.body())
+                return
+            ev = await self._lifecycle.next_event()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def watch() -> None:
+            await _until_disconnect(receive)
+            log.info("request %s: client disconnected mid-stream", self._lifecycle.request_id)
+            self._lifecycle.abandon()
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await self.stream_response(send)
+        except OSError:
+            pass  # ASGI 2.4 servers raise on send once the client is gone
+        finally:
+            watcher.cancel()
+            self._lifecycle.abandon()  # no-op when the outcome was delivered

@@ -1,0 +1,118 @@
+"""Command line: ``python -m kvxfer_router [--flag value ...]`` runs the router.
+
+Every ``RouterSettings`` field is a flag (``max_in_flight`` -> ``--max-in-flight``); a flag
+overrides its ``KVXFER_ROUTER_*`` environment variable, which overrides the default. Workers
+come from the etcd registry, or from ``--workers-file`` (a JSON list of worker records) for
+runs without etcd.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from pydantic import ValidationError
+
+from .directory import EtcdWorkerDirectory, StaticWorkerDirectory, WorkerDirectory
+from .policies import policy_names
+from .settings import RouterSettings
+
+log = logging.getLogger("kvxfer_router")
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser, one flag per ``RouterSettings`` field plus ``--workers-file``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m kvxfer_router",
+        description="kvxfer router: OpenAI-compatible /v1/completions over disaggregated prefill/decode "
+        "workers. Each setting can also be given as environment variable KVXFER_ROUTER_<NAME>.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    for name, field in RouterSettings.model_fields.items():
+        env = f"KVXFER_ROUTER_{name.upper()}"
+        default = field.get_default(call_default_factory=True)
+        help_text = f"{field.description} (env {env}; default {json.dumps(default)})"
+        kind: Callable[[str], Any]
+        if field.annotation in (int, float, str):
+            kind = field.annotation  # type: ignore[assignment]
+        else:
+            kind = _json_object
+        extra: dict[str, Any] = {}
+        if name == "policy":
+            extra["choices"] = policy_names()
+        # SUPPRESS: a flag left out must not shadow the environment variable.
+        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=argparse.SUPPRESS,
+                            help=help_text, **extra)
+    parser.add_argument(
+        "--workers-file", type=Path, default=None,
+        help="JSON list of worker records (registry WorkerRecord fields) to route to instead of "
+        "reading etcd; for single-machine runs and debugging.",
+    )
+    return parser
+
+
+def settings_from_args(args: argparse.Namespace) -> RouterSettings:
+    """Settings from parsed flags over the environment; ``ValidationError`` if invalid."""
+    given = {k: v for k, v in vars(args).items() if k in RouterSettings.model_fields}
+    return RouterSettings(**given)
+
+
+def open_directory(settings: RouterSettings, workers_file: Path | None) -> tuple[WorkerDirectory, Callable[[], None]]:
+    """The worker directory to route with, and how to close it.
+
+    With ``workers_file``: a static list. Otherwise an etcd ``RegistryWatcher`` that is
+    started here (blocking until its first sync, so the router starts ready when workers
+    are registered) and closed by the returned callable.
+    """
+    if workers_file is not None:
+        records = json.loads(workers_file.read_text())
+        if not isinstance(records, list):
+            raise ValueError(f"{workers_file}: expected a JSON list of worker records")
+        return StaticWorkerDirectory(records), lambda: None
+    from kvxfer.registry import RegistrySettings, RegistryWatcher
+
+    watcher = RegistryWatcher(RegistrySettings(endpoints=settings.etcd_endpoints, prefix=settings.registry_prefix))
+    watcher.start()
+    return EtcdWorkerDirectory(watcher), watcher.close
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv``, open the worker directory, and serve until interrupted; exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        settings = settings_from_args(args)
+    except ValidationError as exc:
+        parser.error(f"invalid settings:\n{exc}")
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    import uvicorn
+
+    from .app import create_app
+
+    try:
+        directory, close_directory = open_directory(settings, args.workers_file)
+    except Exception as exc:
+        log.error("cannot open the worker directory: %s", exc)
+        return 2
+    try:
+        app = create_app(settings, directory)
+        uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower())
+    finally:
+        close_directory()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

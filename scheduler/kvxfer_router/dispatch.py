@@ -1,0 +1,483 @@
+"""One request's lifecycle: pick a pair, reserve, run both legs, stream tokens, clean up.
+
+Disaggregated path (prompt of at least ``disaggregation_min_prompt_tokens`` tokens)::
+
+    decode POST /reserve  ->  concurrently: prefill POST /prefill (with the reservation)
+                                            decode  POST /generate (stream, NDJSON lines)
+
+Short prompts go to decode ``POST /generate_local`` alone. Either leg failing cancels the
+other and sends ``POST /cancel`` to every worker contacted (which also frees the decode
+reservation); a client going away does the same. A failure before the first token reached
+the client is retried (``max_retries``, default once) on another pair that excludes the
+failed worker; after the first token the client gets an error event instead, since tokens
+already sent cannot be taken back.
+
+Each request runs in its own asyncio task that hands events (tokens, finish, error) to the
+HTTP side through a queue. That keeps cancellation plain: the HTTP side cancels the task
+once, and the task's own ``finally`` blocks run the clean-up, which no outer cancel scope
+can interrupt because it runs shielded in a separate task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Union
+
+import httpx
+
+from .admission import AdmissionTicket
+from .directory import WorkerDirectory, WorkerView, layout_key
+from .openai_api import RouterError, Usage, usage_from
+from .policies import LocalLoad, PairPolicy, WorkerPair, select_pair
+from .settings import RouterSettings
+from .telemetry import RouterTelemetry
+
+log = logging.getLogger(__name__)
+
+# Only the first bytes of a worker's error body go into our error message: enough for
+# FastAPI's {"detail": ...}, and a misbehaving worker cannot blow up our logs.
+_MAX_DETAIL_CHARS = 300
+
+
+class RequestState(enum.Enum):
+    """Where a request is in its lifecycle."""
+
+    ADMITTED = "admitted"
+    RESERVING = "reserving"          # decode POST /reserve in flight
+    TRANSFERRING = "transferring"    # prefill and decode legs both running, no token yet
+    GENERATING = "generating"        # short prompt on decode alone, no token yet
+    STREAMING = "streaming"          # tokens are reaching the client: no retry any more
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+@dataclass(frozen=True)
+class CompletionJob:
+    """What the router was asked to do, already validated and tokenized."""
+
+    request_id: str
+    model: str
+    prompt_tokens: list[int]
+    max_tokens: int
+    needs_prefill: bool
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token, as the decode worker streamed it."""
+
+    token: int
+    text: str
+
+
+@dataclass(frozen=True)
+class FinishEvent:
+    """The generation ended normally."""
+
+    finish_reason: str
+    usage: Usage
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    """The request failed; ``error`` says how, for the client."""
+
+    error: RouterError
+
+
+Event = Union[TokenEvent, FinishEvent, ErrorEvent]
+
+
+class LegFailure(Exception):
+    """One leg (a call to one worker) failed. ``stage`` is ``reserve``, ``prefill`` or
+    ``generate`` (``kvxfer.metrics.RETRY_STAGES``); ``timed_out`` marks a timeout."""
+
+    def __init__(self, request_id: str, worker: WorkerView, stage: str, reason: str, *, timed_out: bool = False) -> None:
+        super().__init__(f"request {request_id}: {worker.role} worker {worker.worker_id} failed at {stage}: {reason}")
+        self.request_id = request_id
+        self.worker = worker
+        self.stage = stage
+        self.reason = reason
+        self.timed_out = timed_out
+
+
+class Dispatcher:
+    """Runs requests against workers; owns the HTTP client use, the local load count and
+    the background clean-up tasks. One per router app."""
+
+    def __init__(
+        self,
+        settings: RouterSettings,
+        directory: WorkerDirectory,
+        policy: PairPolicy,
+        client: httpx.AsyncClient,
+        telemetry: RouterTelemetry,
+    ) -> None:
+        self.settings = settings
+        self.directory = directory
+        self.policy = policy
+        self.client = client
+        self.telemetry = telemetry
+        self.load = LocalLoad()
+        self._live: set[RequestLifecycle] = set()
+        self._background: set[asyncio.Task[Any]] = set()
+
+    def start(self, job: CompletionJob, ticket: AdmissionTicket) -> "RequestLifecycle":
+        """Start ``job`` in its own task; the ticket is released when the task ends."""
+        lifecycle = RequestLifecycle(self, job, ticket)
+        self._live.add(lifecycle)
+        lifecycle._task.add_done_callback(lambda _t: self._live.discard(lifecycle))
+        return lifecycle
+
+    @property
+    def live(self) -> int:
+        """Requests whose task has not finished (including clean-up still running)."""
+        return len(self._live)
+
+    def spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
+        """Run ``coro`` as a tracked background task (kept referenced until it ends)."""
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    async def aclose(self) -> None:
+        """Cancel live requests and wait (at most ``shutdown_timeout_s``) for their clean-up."""
+        for lifecycle in list(self._live):
+            lifecycle.abandon()
+        pending = [lc._task for lc in self._live] + list(self._background)
+        if pending:
+            await asyncio.wait(pending, timeout=self.settings.shutdown_timeout_s)
+
+    # --- worker calls, shared by all lifecycles -------------------------------------------
+
+    async def post_json(
+        self, worker: WorkerView, path: str, body: dict[str, Any], *, stage: str, request_id: str, total_timeout_s: float
+    ) -> dict[str, Any]:
+        """POST ``body`` to ``worker``; the JSON object it answers, or :class:`LegFailure`.
+
+        Bounded twice: httpx's per-operation timeouts and ``total_timeout_s`` for the whole
+        call, because a worker trickling bytes would otherwise reset the read timeout.
+        """
+        timeout = httpx.Timeout(total_timeout_s, connect=self.settings.connect_timeout_s)
+        try:
+            resp = await asyncio.wait_for(
+                self.client.post(worker.url(path), json=body, timeout=timeout), total_timeout_s
+            )
+        except (httpx.TimeoutException, asyncio.TimeoutError):
+            raise LegFailure(request_id, worker, stage, f"POST {path} timed out after {total_timeout_s}s", timed_out=True) from None
+        except httpx.HTTPError as exc:
+            raise LegFailure(request_id, worker, stage, f"POST {path}: {type(exc).__name__}: {exc}") from exc
+        if resp.status_code >= 400:
+            raise LegFailure(request_id, worker, stage, f"POST {path} answered {resp.status_code}: {_detail(resp.text)}")
+        try:
+            data = resp.json()
+        except ValueError:
+            data = None
+        if not isinstance(data, dict):
+            raise LegFailure(request_id, worker, stage, f"POST {path} answered a non-object body: {_detail(resp.text)}")
+        return data
+
+    async def cancel_legs(self, request_id: str, workers: list[WorkerView]) -> None:
+        """``POST /cancel`` to each of ``workers`` concurrently; failures are logged only,
+        since clean-up must never turn into a second error for the client."""
+
+        async def one(worker: WorkerView) -> None:
+            try:
+                await self.post_json(
+                    worker, "/cancel", {"request_id": request_id}, stage="cancel",
+                    request_id=request_id, total_timeout_s=self.settings.cancel_timeout_s,
+                )
+            except LegFailure as exc:
+                log.warning("cancel not confirmed: %s", exc)
+
+        await asyncio.gather(*(one(w) for w in workers))
+
+
+class RequestLifecycle:
+    """One admitted request, running in its own task.
+
+    The HTTP side reads events with :meth:`next_event` until a :class:`FinishEvent` or
+    :class:`ErrorEvent`, and calls :meth:`abandon` if the client goes away.
+    """
+
+    def __init__(self, dispatcher: Dispatcher, job: CompletionJob, ticket: AdmissionTicket) -> None:
+        self.job = job
+        self.state = RequestState.ADMITTED
+        self.tokens_sent = 0
+        self.attempts: list[WorkerPair] = []
+        self._d = dispatcher
+        self._s = dispatcher.settings
+        self._ticket = ticket
+        # Unbounded on purpose: at most max_tokens + 2 small events, and the producer must
+        # never block on a consumer that stopped reading.
+        self._events: asyncio.Queue[Event] = asyncio.Queue()
+        self._terminal_sent = False
+        self._last_token_at: float | None = None
+        self._task = asyncio.ensure_future(self._run())
+
+    @property
+    def request_id(self) -> str:
+        """The client-facing request id."""
+        return self.job.request_id
+
+    @property
+    def finished(self) -> bool:
+        """Whether the task (including clean-up) has ended."""
+        return self._task.done()
+
+    async def next_event(self) -> Event:
+        """The next event; after a finish or error event there are no more."""
+        return await self._events.get()
+
+    async def wait(self) -> None:
+        """Wait until the task, including its clean-up, has ended."""
+        await asyncio.wait({self._task})
+
+    def abandon(self) -> None:
+        """The client is gone: cancel both legs, unless the outcome was already delivered
+        (then the task only waits for the prefill reply and ends by itself)."""
+        if not self._terminal_sent and not self._task.done():
+            self._task.cancel()
+
+    # --- the lifecycle ---------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        status = "error"
+        deadline = self._ticket.deadline
+        try:
+            await asyncio.wait_for(self._attempts(), deadline.remaining())
+            status = "ok"
+            self.state = RequestState.DONE
+        except asyncio.TimeoutError:
+            status = "timeout"
+            self._fail(RouterError(
+                504, f"deadline of {self._s.request_deadline_s}s exceeded (request_deadline_s)",
+                request_id=self.request_id, type="timeout", code="deadline_exceeded",
+            ))
+        except RouterError as exc:
+            self._fail(exc)
+        except asyncio.CancelledError:
+            # Only abandon() or shutdown cancel this task; the legs were cancelled by the
+            # finally blocks below us. Not re-raised: this is our own top-level task.
+            status = "cancelled"
+            self.state = RequestState.CANCELLED
+            self._fail(RouterError(499, "cancelled: client went away", request_id=self.request_id, code="client_closed"))
+        except Exception as exc:  # a bug; the client still gets an answer
+            log.exception("request %s: unexpected error", self.request_id)
+            self._fail(RouterError(500, f"internal router error: {exc!r}", request_id=self.request_id, type="server_error"))
+        finally:
+            self._ticket.release()
+            self._d.telemetry.request_finished(status, deadline.elapsed())
+
+    async def _attempts(self) -> None:
+        exclude: set[str] = set()
+        last: LegFailure | None = None
+        for attempt in range(self._s.max_retries + 1):
+            pair = select_pair(
+                self._d.directory, self.job.model, needs_prefill=self.job.needs_prefill,
+                policy=self._d.policy, load=self._d.load, exclude=exclude,
+            )
+            if pair is None:
+                if last is None:
+                    raise RouterError(503, f"no compatible worker pair for model {self.job.model!r}",
+                                      request_id=self.request_id, type="service_unavailable", code="no_worker_pair")
+                break
+            if last is not None:
+                self._d.telemetry.retry(last.stage)
+                log.info("request %s: retrying on %s after: %s", self.request_id, pair.worker_ids, last)
+            # Each attempt has its own id towards the workers: the failed pair may still
+            # hold state under the previous one while its cancel completes.
+            worker_rid = self.request_id if attempt == 0 else f"{self.request_id}.retry{attempt}"
+            self.attempts.append(pair)
+            self._d.load.acquire(pair)
+            try:
+                if pair.prefill is None:
+                    await self._local(pair.decode, worker_rid)
+                else:
+                    await self._disaggregated(pair.decode, pair.prefill, worker_rid)
+                return
+            except LegFailure as failure:
+                log.warning("%s", failure)
+                last = failure
+                if self.tokens_sent:
+                    raise self._upstream_error(failure, "after streaming had started") from failure
+                exclude.add(failure.worker.worker_id)
+            finally:
+                self._d.load.release(pair)
+        assert last is not None
+        suffix = "after a retry" if len(self.attempts) > 1 else "and no other worker pair was available"
+        raise self._upstream_error(last, suffix)
+
+    async def _disaggregated(self, decode: WorkerView, prefill: WorkerView, wrid: str) -> None:
+        contacted = [decode]
+        completed = False
+        try:
+            self.state = RequestState.RESERVING
+            reservation = await self._reserve(decode, prefill, wrid)
+            self.state = RequestState.TRANSFERRING
+            contacted.append(prefill)
+            prefill_leg = asyncio.ensure_future(self._prefill(prefill, decode, reservation, wrid))
+            generate_leg = asyncio.ensure_future(self._stream(
+                decode, "/generate", {"request_id": wrid, "stream": True, "timeout_s": self._s.kv_wait_timeout_s}, wrid,
+            ))
+            try:
+                await asyncio.wait({prefill_leg, generate_leg}, return_when=asyncio.FIRST_EXCEPTION)
+                if generate_leg.done() and generate_leg.exception() is None:
+                    # The client has its answer; a late prefill error cannot change it (its
+                    # KV had all landed, or decode could not have produced tokens).
+                    if prefill_leg.exception() is not None:
+                        log.warning("request %s: prefill reply failed after decode finished: %s",
+                                    self.request_id, prefill_leg.exception())
+                    completed = True
+                    return
+                # Blame the leg that failed first; the other's error is usually a consequence.
+                failed = prefill_leg if prefill_leg.done() and prefill_leg.exception() else generate_leg
+                raise failed.exception()  # type: ignore[misc]
+            finally:
+                for leg in (prefill_leg, generate_leg):
+                    leg.cancel()
+                await asyncio.gather(prefill_leg, generate_leg, return_exceptions=True)
+        finally:
+            if not completed:
+                await self._cleanup(wrid, contacted)
+
+    async def _local(self, decode: WorkerView, wrid: str) -> None:
+        completed = False
+        try:
+            self.state = RequestState.GENERATING
+            await self._stream(decode, "/generate_local", {
+                "request_id": wrid, "prompt_tokens": self.job.prompt_tokens,
+                "max_tokens": self.job.max_tokens, "stream": True,
+            }, wrid)
+            completed = True
+        finally:
+            if not completed:
+                await self._cleanup(wrid, [decode])
+
+    async def _cleanup(self, wrid: str, workers: list[WorkerView]) -> None:
+        # A separate task, awaited through shield: a second cancel of this task (shutdown
+        # racing a disconnect) must not cut the cancels short and leak decode pages. That
+        # cancel still propagates, so a cancelled request never goes on to a retry.
+        await asyncio.shield(self._d.spawn(self._d.cancel_legs(wrid, workers)))
+
+    # --- legs ------------------------------------------------------------------------------
+
+    async def _reserve(self, decode: WorkerView, prefill: WorkerView, wrid: str) -> dict[str, Any]:
+        reservation = await self._d.post_json(
+            decode, "/reserve",
+            {"request_id": wrid, "prompt_tokens": self.job.prompt_tokens, "max_tokens": self.job.max_tokens},
+            stage="reserve", request_id=wrid, total_timeout_s=self._s.control_timeout_s,
+        )
+        missing = [k for k in ("descriptor", "pages", "imm") if k not in reservation]
+        if missing:
+            raise LegFailure(wrid, decode, "reserve", f"reply lacks {', '.join(missing)}")
+        if "kv_layout" in reservation and layout_key(reservation["kv_layout"]) != prefill.layout_key:
+            # The registry said compatible, the live reservation disagrees: never push KV
+            # in a layout the decoder would misread.
+            raise LegFailure(wrid, decode, "reserve", f"reserved kv_layout {reservation['kv_layout']!r} "
+                             f"does not match prefill worker {prefill.worker_id}'s {prefill.kv_layout!r}")
+        return reservation
+
+    async def _prefill(self, prefill: WorkerView, decode: WorkerView, reservation: dict[str, Any], wrid: str) -> dict[str, Any]:
+        # The contract: the reservation goes to the prefiller whole and untouched (it carries
+        # fields such as the mailbox slot and nonce that only the two workers interpret);
+        # the router adds only the decode engine address from the registry if it is absent.
+        return await self._d.post_json(prefill, "/prefill", {
+            "request_id": wrid,
+            "prompt_tokens": self.job.prompt_tokens,
+            "decode": {"engine_address": decode.engine_address, **reservation},
+        }, stage="prefill", request_id=wrid, total_timeout_s=self._s.prefill_timeout_s)
+
+    async def _stream(self, decode: WorkerView, path: str, body: dict[str, Any], wrid: str) -> None:
+        """Read a decode NDJSON stream, emitting tokens and the finish event."""
+        stage = "generate"
+        s = self._s
+        timeout = httpx.Timeout(s.first_token_timeout_s, connect=s.connect_timeout_s, write=s.control_timeout_s)
+        try:
+            async with self._d.client.stream("POST", decode.url(path), json=body, timeout=timeout) as resp:
+                if resp.status_code >= 400:
+                    text = (await asyncio.wait_for(resp.aread(), s.control_timeout_s)).decode(errors="replace")
+                    raise LegFailure(wrid, decode, stage, f"POST {path} answered {resp.status_code}: {_detail(text)}")
+                lines = resp.aiter_lines()
+                wait_s = s.first_token_timeout_s
+                while True:
+                    try:
+                        line = await asyncio.wait_for(lines.__anext__(), wait_s)
+                    except StopAsyncIteration:
+                        raise LegFailure(wrid, decode, stage, "stream ended before its done line") from None
+                    except asyncio.TimeoutError:
+                        raise LegFailure(wrid, decode, stage, f"no stream line within {wait_s}s", timed_out=True) from None
+                    wait_s = s.token_idle_timeout_s
+                    if not line.strip():
+                        continue
+                    try:
+                        msg = json.loads(line)
+                    except ValueError:
+                        raise LegFailure(wrid, decode, stage, f"unreadable stream line {_detail(line)!r}") from None
+                    if not isinstance(msg, dict):
+                        raise LegFailure(wrid, decode, stage, f"unexpected stream line {_detail(line)!r}")
+                    if msg.get("done"):
+                        if msg.get("finish_reason") == "error" or msg.get("error"):
+                            # Decode ends a failed generation with an error done line, not
+                            # a broken stream; it is a leg failure like any other.
+                            raise LegFailure(wrid, decode, stage, f"generation failed: {_detail(str(msg.get('error')))}")
+                        self._finish(msg)
+                        return
+                    if "token" not in msg:
+                        raise LegFailure(wrid, decode, stage, f"unexpected stream line {_detail(line)!r}")
+                    self._token(int(msg["token"]), str(msg.get("text", "")))
+        except (httpx.TimeoutException, asyncio.TimeoutError) as exc:
+            raise LegFailure(wrid, decode, stage, f"POST {path} timed out: {type(exc).__name__}", timed_out=True) from exc
+        except httpx.HTTPError as exc:
+            raise LegFailure(wrid, decode, stage, f"POST {path}: {type(exc).__name__}: {exc}") from exc
+
+    # --- events ----------------------------------------------------------------------------
+
+    def _token(self, token: int, text: str) -> None:
+        now = time.monotonic()
+        if self._last_token_at is None:
+            self.state = RequestState.STREAMING
+            self._d.telemetry.first_token(self._ticket.deadline.elapsed())
+        else:
+            self._d.telemetry.inter_token(now - self._last_token_at)
+        self._last_token_at = now
+        self.tokens_sent += 1
+        self._events.put_nowait(TokenEvent(token, text))
+
+    def _finish(self, msg: dict[str, Any]) -> None:
+        usage = usage_from(msg.get("usage"), len(self.job.prompt_tokens), self.tokens_sent)
+        self._terminal_sent = True
+        self._events.put_nowait(FinishEvent(str(msg.get("finish_reason") or "stop"), usage))
+
+    def _fail(self, error: RouterError) -> None:
+        if self.state is not RequestState.CANCELLED:
+            self.state = RequestState.FAILED
+        if not self._terminal_sent:
+            self._terminal_sent = True
+            self._events.put_nowait(ErrorEvent(error))
+
+    def _upstream_error(self, failure: LegFailure, context: str) -> RouterError:
+        status, code = (504, "worker_timeout") if failure.timed_out else (502, "worker_failed")
+        return RouterError(
+            status, f"{failure.worker.role} worker {failure.worker.worker_id} failed at {failure.stage} "
+            f"({failure.reason}) {context}",
+            request_id=self.request_id, type="server_error", code=code,
+        )
+
+
+def _detail(text: str) -> str:
+    """A worker's error body, shortened; FastAPI's ``{"detail": ...}`` is unwrapped."""
+    try:
+        parsed = json.loads(text)
+        if isinstance(parsed, dict) and "detail" in parsed:
+            text = str(parsed["detail"])
+    except ValueError:
+        pass
+    return text[:_MAX_DETAIL_CHARS]

@@ -1,0 +1,202 @@
+"""The OpenAI-compatible surface: request and response models, error bodies, prompt encoding.
+
+Only ``/v1/completions`` with a string prompt is served. Unknown extra fields (temperature,
+top_p, ...) are accepted and ignored, as the workers sample greedily; fields the router does
+read are validated strictly so that a bad request gets a clear 4xx instead of a surprise.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import time
+from typing import Any, Callable, Literal, Mapping
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+log = logging.getLogger(__name__)
+
+# Request ids travel to workers, into logs and metrics: keep them short and printable.
+REQUEST_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
+
+PromptEncoder = Callable[[str], list[int]]
+
+
+class RouterError(Exception):
+    """An error answered to the client in OpenAI's shape, carrying the request id.
+
+    ``status`` is the HTTP status; ``type``/``code``/``param`` fill OpenAI's error object;
+    ``headers`` are added to the response (``Retry-After`` on a 429).
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        request_id: str | None = None,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        prefix = f"request {request_id}: " if request_id else ""
+        super().__init__(prefix + message)
+        self.status = status
+        self.message = message
+        self.request_id = request_id
+        self.type = type
+        self.code = code
+        self.param = param
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        """OpenAI error body: ``{"error": {message, type, param, code, request_id}}``."""
+        return {
+            "error": {
+                "message": str(self),
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+                "request_id": self.request_id,
+            }
+        }
+
+    def to_response(self) -> JSONResponse:
+        """This error as a JSON response with its status and headers."""
+        headers = dict(self.headers)
+        if self.request_id:
+            headers.setdefault("X-Request-Id", self.request_id)
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+class StreamOptions(BaseModel):
+    """OpenAI ``stream_options``: ``include_usage`` adds a final chunk with usage."""
+
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = Field(False, strict=True)
+
+
+class CompletionRequest(BaseModel):
+    """Body of ``POST /v1/completions``. ``request_id`` is a kvxfer extension: the client's
+    own id, used towards the workers and echoed in ``X-Request-Id``."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str = Field(min_length=1)
+    prompt: str = Field(strict=True)
+    max_tokens: int | None = Field(None, strict=True, gt=0)
+    stream: bool = Field(False, strict=True)
+    stream_options: StreamOptions | None = None
+    request_id: str | None = Field(None, pattern=REQUEST_ID_PATTERN)
+
+
+def validation_error(exc: ValidationError, request_id: str | None) -> RouterError:
+    """A 400 naming the first offending field of a request body."""
+    first = exc.errors()[0]
+    loc = ".".join(str(p) for p in first.get("loc", ())) or "body"
+    msg = first.get("msg", "invalid value")
+    if first.get("type") == "missing":
+        msg = "is required"
+    return RouterError(400, f"{loc}: {msg}", request_id=request_id, param=loc, code="invalid_value")
+
+
+class Usage(BaseModel):
+    """Token counts of one completion."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    """One choice of a completion or chunk (the router always has exactly one)."""
+
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class Completion(BaseModel):
+    """A non-streaming completion, and (with ``object`` unchanged, as OpenAI does) one
+    streamed chunk."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+def completion_id(request_id: str) -> str:
+    """The ``id`` OpenAI clients see for ``request_id``."""
+    return request_id if request_id.startswith("cmpl-") else f"cmpl-{request_id}"
+
+
+def now_s() -> int:
+    """Unix time in whole seconds, for ``created``."""
+    return int(time.time())
+
+
+def usage_from(worker_usage: Mapping[str, Any] | None, prompt_tokens: int, completion_tokens: int) -> Usage:
+    """Usage from the decode worker's figures when it gave them, else from the router's count."""
+    u = dict(worker_usage or {})
+    p = int(u.get("prompt_tokens", prompt_tokens))
+    c = int(u.get("completion_tokens", completion_tokens))
+    return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=int(u.get("total_tokens", p + c)))
+
+
+def models_list(models: list[str]) -> dict[str, Any]:
+    """Body of ``GET /v1/models``."""
+    return {
+        "object": "list",
+        "data": [{"id": m, "object": "model", "created": 0, "owned_by": "kvxfer"} for m in sorted(models)],
+    }
+
+
+def sse_event(payload: BaseModel | Mapping[str, Any] | str) -> bytes:
+    """One server-sent event: ``data: <json>`` and a blank line."""
+    if isinstance(payload, BaseModel):
+        data = payload.model_dump_json(exclude_none=False)
+    elif isinstance(payload, str):
+        data = payload
+    else:
+        data = json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def bytes_prompt_encoder(prompt: str) -> list[int]:
+    """Fallback encoder: the prompt's UTF-8 bytes as token ids, no BOS. Used only when
+    ``kvxfer.model.tokenizer`` cannot be imported."""
+    return list(prompt.encode("utf-8"))
+
+
+def default_prompt_encoder() -> PromptEncoder:
+    """The model's byte tokenizer if importable, so that BOS handling matches the workers;
+    else :func:`bytes_prompt_encoder`.
+
+    The tokenizer is found duck-typed: a module-level ``encode(text)`` or a class
+    (``ByteTokenizer``/``Tokenizer``) whose instance has ``encode(text)``.
+    """
+    try:
+        mod = importlib.import_module("kvxfer.model.tokenizer")
+    except Exception as exc:  # torch missing, module not written yet, ...
+        log.warning("kvxfer.model.tokenizer unavailable (%s); encoding prompts as raw bytes", exc)
+        return bytes_prompt_encoder
+    for cls_name in ("ByteTokenizer", "Tokenizer"):
+        cls = getattr(mod, cls_name, None)
+        if cls is not None:
+            encode = cls().encode
+            return lambda prompt: list(encode(prompt))
+    fn = getattr(mod, "encode", None)
+    if callable(fn):
+        return lambda prompt: list(fn(prompt))
+    log.warning("kvxfer.model.tokenizer has no encoder; encoding prompts as raw bytes")
+    return bytes_prompt_encoder

@@ -1,0 +1,116 @@
+"""Router settings: one pydantic-settings object, read from ``KVXFER_ROUTER_*`` variables.
+
+Every timeout is a named setting whose name ends in its unit (``_s``). The defaults suit a
+single machine; a deployment overrides them through the environment or ``kvxfer_router``
+command-line flags (``python -m kvxfer_router --help`` lists them all).
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class RouterSettings(BaseSettings):
+    """Configuration of the router process and of every request it dispatches.
+
+    Each field reads from ``KVXFER_ROUTER_<FIELD NAME IN CAPITALS>``;
+    ``model_max_prompt_tokens`` takes JSON (``{"kvxfer-tiny": 1024}``).
+    """
+
+    model_config = SettingsConfigDict(env_prefix="KVXFER_ROUTER_", extra="ignore")
+
+    # --- process -------------------------------------------------------------------------
+    host: str = Field("0.0.0.0", description="Address the HTTP server binds.")
+    port: int = Field(8000, ge=0, le=65535, description="Port the HTTP server binds (0: any free port).")
+    log_level: str = Field("info", description="Log level: debug, info, warning, error.")
+    etcd_endpoints: str = Field(
+        "http://127.0.0.1:2379", description="Comma-separated etcd endpoints the registry watcher reads."
+    )
+    registry_prefix: str = Field("/kvxfer", description="Key prefix of worker records in etcd.")
+
+    # --- scheduling ----------------------------------------------------------------------
+    policy: str = Field(
+        "least_loaded",
+        description="Pair-selection policy: least_loaded (decode by running batch and free pages, "
+        "prefill by queue depth) or round_robin.",
+    )
+    disaggregation_min_prompt_tokens: int = Field(
+        32,
+        ge=0,
+        description="Prompts with fewer tokens skip disaggregation and run on the decode worker "
+        "alone (POST /generate_local): for them a KV transfer costs more than the prefill.",
+    )
+    max_retries: int = Field(
+        1,
+        ge=0,
+        le=3,
+        description="Retries on another pair when an attempt fails before any token was streamed.",
+    )
+
+    # --- admission -----------------------------------------------------------------------
+    max_in_flight: int = Field(
+        256, ge=1, description="Requests dispatched at once; beyond it the router answers 429."
+    )
+    retry_after_s: int = Field(1, ge=0, description="Retry-After (seconds) sent with a 429.")
+    request_deadline_s: float = Field(
+        300.0, gt=0, description="Whole-request deadline, admission to last token; past it: 504."
+    )
+
+    # --- validation ----------------------------------------------------------------------
+    max_prompt_tokens: int = Field(
+        2048, ge=1, description="Longest prompt accepted, in tokens, unless the model has its own limit."
+    )
+    model_max_prompt_tokens: dict[str, int] = Field(
+        default_factory=dict, description="Per-model prompt limit in tokens (JSON object), overriding max_prompt_tokens."
+    )
+    max_tokens_limit: int = Field(2048, ge=1, description="Largest max_tokens a request may ask for.")
+    default_max_tokens: int = Field(16, ge=1, description="max_tokens when a request leaves it out (OpenAI's default).")
+    max_request_bytes: int = Field(1 << 20, ge=1024, description="Largest request body accepted; beyond it: 413.")
+
+    # --- worker calls (httpx) ------------------------------------------------------------
+    connect_timeout_s: float = Field(2.0, gt=0, description="TCP connect timeout to a worker.")
+    control_timeout_s: float = Field(
+        10.0, gt=0, description="Whole-call timeout of POST /reserve (and other short control calls)."
+    )
+    prefill_timeout_s: float = Field(
+        120.0, gt=0, description="Timeout of POST /prefill: queueing, prefill compute and the KV push."
+    )
+    kv_wait_timeout_s: float = Field(
+        120.0, gt=0, description="timeout_s sent with decode POST /generate: how long decode waits for the KV."
+    )
+    first_token_timeout_s: float = Field(
+        150.0,
+        gt=0,
+        description="Longest wait for the first line of a decode stream (covers the KV wait and one step).",
+    )
+    token_idle_timeout_s: float = Field(
+        30.0, gt=0, description="Longest gap between two lines of a decode stream after the first."
+    )
+    cancel_timeout_s: float = Field(5.0, gt=0, description="Timeout of one POST /cancel during clean-up.")
+    shutdown_timeout_s: float = Field(
+        10.0, gt=0, description="On shutdown, how long in-flight clean-up (cancels) may still run."
+    )
+    http_max_connections: int = Field(512, ge=1, description="Connection pool size towards all workers together.")
+
+    @model_validator(mode="after")
+    def _check_consistency(self) -> "RouterSettings":
+        # Fail at start-up with a clear message rather than on the first unlucky request.
+        if self.default_max_tokens > self.max_tokens_limit:
+            raise ValueError(
+                f"default_max_tokens ({self.default_max_tokens}) exceeds max_tokens_limit ({self.max_tokens_limit})"
+            )
+        if self.first_token_timeout_s < self.kv_wait_timeout_s:
+            # Otherwise the router gives up on a stream that decode is still allowed to serve.
+            raise ValueError(
+                f"first_token_timeout_s ({self.first_token_timeout_s}) is shorter than "
+                f"kv_wait_timeout_s ({self.kv_wait_timeout_s})"
+            )
+        for model, limit in self.model_max_prompt_tokens.items():
+            if limit < 1:
+                raise ValueError(f"model_max_prompt_tokens[{model!r}] must be >= 1, got {limit}")
+        return self
+
+    def prompt_limit(self, model: str) -> int:
+        """Longest prompt, in tokens, accepted for ``model``."""
+        return self.model_max_prompt_tokens.get(model, self.max_prompt_tokens)

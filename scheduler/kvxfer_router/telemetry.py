@@ -1,0 +1,84 @@
+"""The router's metric events, mapped onto ``kvxfer.metrics.RouterMetrics``.
+
+The metric objects themselves are declared in ``kvxfer/metrics.py`` (one place for every
+name); this module only says *when* they move, so dispatch and admission code call
+``telemetry.retry("prefill")`` instead of reaching into Prometheus objects. The wrapped
+object is duck-typed (attributes ``requests``, ``time_to_first_token``,
+``inter_token_latency``, ``request_duration``, ``requests_in_flight``, ``retries``,
+``rejected``, ``set_workers``); with ``None`` every event is a no-op.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any, Iterable
+
+from .directory import WorkerView
+
+log = logging.getLogger(__name__)
+
+
+class RouterTelemetry:
+    """Records router events on a ``RouterMetrics``-shaped object (or nowhere).
+
+    Outcome labels follow ``kvxfer.metrics.REQUEST_STATUSES`` (ok, error, rejected,
+    cancelled, timeout); retry stages ``RETRY_STAGES`` (reserve, prefill, generate);
+    rejection codes ``REJECT_CODES`` ("429", "503").
+    """
+
+    def __init__(self, metrics: Any | None = None) -> None:
+        self.metrics = metrics
+
+    def request_admitted(self) -> None:
+        """A request got an in-flight slot."""
+        if self.metrics is not None:
+            self.metrics.requests_in_flight.inc()
+
+    def request_finished(self, status: str, duration_s: float) -> None:
+        """An admitted request ended with ``status`` after ``duration_s`` seconds."""
+        if self.metrics is not None:
+            self.metrics.requests_in_flight.dec()
+            self.metrics.requests.labels(status).inc()
+            self.metrics.request_duration.observe(duration_s)
+
+    def rejected(self, code: int) -> None:
+        """A request was refused at admission with HTTP ``code`` (429 or 503)."""
+        if self.metrics is not None:
+            self.metrics.rejected.labels(str(code)).inc()
+            self.metrics.requests.labels("rejected").inc()
+
+    def first_token(self, seconds: float) -> None:
+        """The first token reached the client ``seconds`` after arrival."""
+        if self.metrics is not None:
+            self.metrics.time_to_first_token.observe(seconds)
+
+    def inter_token(self, seconds: float) -> None:
+        """``seconds`` passed between two consecutive tokens of one stream."""
+        if self.metrics is not None:
+            self.metrics.inter_token_latency.observe(seconds)
+
+    def retry(self, stage: str) -> None:
+        """A request is retried on another pair after failing at ``stage``."""
+        if self.metrics is not None:
+            self.metrics.retries.labels(stage).inc()
+
+    def workers(self, views: Iterable[WorkerView]) -> None:
+        """Publish how many workers of each role are ready or draining."""
+        if self.metrics is None or not hasattr(self.metrics, "set_workers"):
+            return
+        counts: Counter[tuple[str, str]] = Counter(
+            (v.role, "draining" if v.draining else "ready") for v in views
+        )
+        self.metrics.set_workers(dict(counts))
+
+
+def default_router_metrics(registry: Any) -> Any | None:
+    """A ``kvxfer.metrics.RouterMetrics`` on ``registry``, or ``None`` when that module
+    cannot be imported (the router still serves; ``/metrics`` is then empty)."""
+    try:
+        from kvxfer.metrics import RouterMetrics
+    except Exception as exc:
+        log.warning("kvxfer.metrics unavailable (%s); router metrics disabled", exc)
+        return None
+    return RouterMetrics(registry)
