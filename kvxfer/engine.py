@@ -93,6 +93,7 @@ class RegisteredMemory:
         self._engine = engine
         self._native = native
         self._owner = owner
+        self._registered = True
         self.descriptor: bytes = engine._native.descriptor(native)
 
     @property
@@ -126,6 +127,18 @@ class Transfer:
     def bytes(self) -> int:
         """Payload bytes this transfer moves."""
         return int(self._native.bytes)
+
+    @property
+    def duration_s(self) -> float | None:
+        """Seconds from submission to completion (None while pending)."""
+        end = int(self._native.completed_ns)
+        return None if end == 0 else (end - int(self._native.submitted_ns)) / 1e9
+
+    @property
+    def completed_at_s(self) -> float | None:
+        """CLOCK_MONOTONIC time of completion in seconds (compare with time.monotonic())."""
+        end = int(self._native.completed_ns)
+        return None if end == 0 else end / 1e9
 
     def done(self) -> bool:
         """True once the transfer finished, successfully or not."""
@@ -259,7 +272,21 @@ class TransferEngine:
     def deregister(self, region: RegisteredMemory) -> None:
         """Releases a registration; the buffer must not be the target of writes any more."""
         self._native.deregister(region._native)
+        region._registered = False
         self._regions.remove(region)
+
+    def _local(self, mr: Any) -> Any:
+        # The native layer trusts its region handle: a raw buffer, another engine's region or
+        # a deregistered one would be posted with keys this engine's rails do not hold.
+        if not isinstance(mr, RegisteredMemory):
+            raise EngineError(
+                f"source must be a RegisteredMemory returned by register(), got {type(mr).__name__}"
+            )
+        if mr._engine is not self:
+            raise EngineError(f"{mr!r} is registered with another engine")
+        if not mr._registered:
+            raise EngineError(f"{mr!r} was deregistered")
+        return mr._native
 
     def _remote(self, descriptor: bytes) -> Any:
         if not isinstance(descriptor, (bytes, bytearray, memoryview)):
@@ -304,7 +331,7 @@ class TransferEngine:
         landed, however the engine sharded the write across rails.
         """
         native = self._native.write(
-            mr._native, src_offset, self._remote(remote_descriptor), dst_offset, length, imm
+            self._local(mr), src_offset, self._remote(remote_descriptor), dst_offset, length, imm
         )
         return Transfer(self, native, request_id)
 
@@ -332,7 +359,7 @@ class TransferEngine:
         src = _pages(src_pages, "src_pages")
         dst = _pages(dst_pages, "dst_pages")
         native = self._native.write_paged(
-            mr._native,
+            self._local(mr),
             src,
             self._remote(remote_descriptor),
             dst,

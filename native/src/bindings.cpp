@@ -101,6 +101,8 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("error", [](const PyTransfer& t) -> std::string {
         return t.state->status.load() == 0 ? std::string() : t.state->error;
       })
+      .def_property_readonly("submitted_ns", [](const PyTransfer& t) { return t.state->submitted_ns; })
+      .def_property_readonly("completed_ns", [](const PyTransfer& t) { return t.state->completed_ns.load(); })
       .def("done", [](const PyTransfer& t) { return t.state->status.load() != 0; })
       .def("wait", [](PyTransfer& t, double timeout_s) {
             int64_t deadline = deadline_after(timeout_s);

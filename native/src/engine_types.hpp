@@ -58,6 +58,9 @@ struct TransferState {
   bool has_deferred_imm = false;
   uint64_t deferred_imm_data = 0;
   int64_t deadline_ns = 0;
+  // CLOCK_MONOTONIC stamps, for per-transfer timing without extra calls on the hot path.
+  int64_t submitted_ns = 0;
+  std::atomic<int64_t> completed_ns{0};
   uint64_t bytes = 0;
   std::string error;  // written by the worker before status is released
 };

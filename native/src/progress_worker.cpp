@@ -4,6 +4,7 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "futex_wait.hpp"
@@ -17,6 +18,12 @@ constexpr size_t kCqBatch = 64;
 constexpr int64_t kDeadlineCheckNs = 1'000'000;
 // The longest an idle worker sleeps: bounds how late a deadline is noticed.
 constexpr int kMaxSleepMs = 2;
+// The longest sleep with no transfer in flight: only bounds how late stop() is noticed.
+constexpr int kIdleSleepMs = 50;
+// See sleep_until_work: when a provider's CQ fd cannot be trusted to block.
+constexpr int64_t kQuietNs = 20'000'000;
+constexpr useconds_t kQuietSleepMinUs = 200;
+constexpr useconds_t kQuietSleepMaxUs = 1000;
 
 ContextTag tag_of(void* context) {
   // Both context types start with fi_context2 followed by their tag.
@@ -226,6 +233,7 @@ void ProgressWorker::flush_events() {
 void ProgressWorker::finish_transfer(TransferState& t, TransferStatus status, const std::string& error) {
   if (t.status.load(std::memory_order_relaxed) != static_cast<uint32_t>(TransferStatus::kPending)) return;
   t.error = error;
+  t.completed_ns.store(monotonic_ns(), std::memory_order_relaxed);
   // seq_cst pairs with the waiter's notify_requested store then status load: one side
   // always sees the other, so a notification is never lost.
   t.status.store(static_cast<uint32_t>(status), std::memory_order_seq_cst);
@@ -234,7 +242,7 @@ void ProgressWorker::finish_transfer(TransferState& t, TransferStatus status, co
     push_event({EventKind::kTransferDone, t.id, static_cast<uint32_t>(status)});
 }
 
-void ProgressWorker::complete_op(RailOp* op, const std::string* error) {
+void ProgressWorker::complete_op(RailOp* op, const std::string* error, bool posted) {
   WorkBatch* batch = op->batch;
   auto& st = *stats_[op->rail];
   if (error) {
@@ -243,7 +251,8 @@ void ProgressWorker::complete_op(RailOp* op, const std::string* error) {
       batch->failed = true;
       finish_transfer(*batch->transfer, TransferStatus::kFailed, *error);
     }
-  } else {
+  } else if (posted) {
+    // Ops dropped unposted (their transfer had already failed) are not completions.
     st.ops_completed.fetch_add(1, std::memory_order_relaxed);
     st.bytes_completed.fetch_add(op->bytes, std::memory_order_relaxed);
   }
@@ -264,6 +273,12 @@ void ProgressWorker::complete_op(RailOp* op, const std::string* error) {
     where_.erase(it);
     owner->erase(position);
   }
+}
+
+void ProgressWorker::release_slot(RailOp* op) {
+  if (!op->holds_slot) return;
+  op->holds_slot = false;
+  --inflight_[op->rail];
 }
 
 bool ProgressWorker::drain_submissions() {
@@ -321,7 +336,7 @@ bool ProgressWorker::post_pending(size_t r) {
     if (op->batch->failed) {
       // Its transfer already failed or timed out: never post the rest of it.
       queue.pop_front();
-      complete_op(op, nullptr);
+      complete_op(op, nullptr, /*posted=*/false);
       did = true;
       continue;
     }
@@ -360,6 +375,7 @@ bool ProgressWorker::post_pending(size_t r) {
       complete_op(op, &why);
       continue;
     }
+    op->holds_slot = true;
     ++inflight_[r];
     st.ops_posted.fetch_add(1, std::memory_order_relaxed);
     st.bytes_posted.fetch_add(op->bytes, std::memory_order_relaxed);
@@ -413,7 +429,7 @@ bool ProgressWorker::poll_rail(size_t r) {
       did = true;
       if (err.op_context && tag_of(err.op_context) == ContextTag::kRailOp) {
         auto* op = static_cast<RailOp*>(err.op_context);
-        --inflight_[op->rail];
+        release_slot(op);
         complete_op(op, &why);
       } else if (err.op_context && tag_of(err.op_context) == ContextTag::kRecvSlot) {
         if (!stopping_.load()) repost(static_cast<RecvSlot*>(err.op_context));
@@ -435,7 +451,7 @@ bool ProgressWorker::poll_rail(size_t r) {
           repost(static_cast<RecvSlot*>(e.op_context));
       } else if (e.op_context) {
         auto* op = static_cast<RailOp*>(e.op_context);
-        --inflight_[op->rail];
+        release_slot(op);
         complete_op(op, nullptr);
       }
     }
@@ -454,7 +470,11 @@ void ProgressWorker::check_deadlines(int64_t now) {
                           std::to_string(settings_.transfer_timeout_ns / 1000000) +
                           " ms (peer dead or unreachable?)");
     }
-    // Its posted ops may still complete; keep the batch alive until they do.
+    // Its posted ops may still complete; keep the batch alive until they do. Their inflight
+    // slots go back now: ops to a dead peer may never complete, and holding their slots
+    // would stall every other peer on the rail once a dead peer had used up the budget.
+    for (auto& op : batch->ops) release_slot(&op);
+    if (batch->deferred_imm) release_slot(batch->deferred_imm.get());
     WorkBatch* key = batch.get();
     expired_.splice(expired_.end(), live_, live_.begin());
     where_[key] = {&expired_, std::prev(expired_.end())};
@@ -467,7 +487,9 @@ void ProgressWorker::sleep_until_work() {
   for (size_t r = 0; can_block && r < rails_.size(); ++r)
     if (!pending_[r].empty()) can_block = false;
   if (can_block) {
-    int timeout_ms = kMaxSleepMs;
+    // Deadlines need a look every few ms only while transfers are live; an engine with
+    // nothing in flight sleeps longer (new work and arrivals wake it through the fds).
+    int timeout_ms = (live_.empty() && expired_.empty()) ? kIdleSleepMs : kMaxSleepMs;
     if (all_rails_have_wait_fd_) {
       for (size_t r = 0; r < rails_.size(); ++r)
         if (!rails_.rail(r).try_wait()) timeout_ms = 0;
@@ -477,12 +499,23 @@ void ProgressWorker::sleep_until_work() {
     if (timeout_ms > 0) {
       struct epoll_event evs[8];
       int n = epoll_wait(epoll_fd_, evs, 8, timeout_ms);
-      for (int i = 0; i < n; ++i)
+      bool woken_by_submitter = false;
+      for (int i = 0; i < n; ++i) {
         if (evs[i].data.fd == wake_fd_) {
           uint64_t v;
           ssize_t ignored = read(wake_fd_, &v, sizeof v);
           (void)ignored;
+          woken_by_submitter = true;
         }
+      }
+      // libfabric 1.17's net provider keeps its CQ fd readable once a connection exists,
+      // so epoll returns at once with nothing to do. After a long quiet spell (no
+      // completion for kQuietNs) such wake-ups are spurious: sleep in growing steps
+      // instead of spinning. A busy stream is never quiet that long, so it keeps polling.
+      if (n > 0 && !woken_by_submitter && monotonic_ns() - last_activity_ns_ > kQuietNs) {
+        int64_t quiet_ms = (monotonic_ns() - last_activity_ns_) / 1000000;
+        usleep(quiet_ms > 200 ? kQuietSleepMaxUs : kQuietSleepMinUs);
+      }
     } else if (!all_rails_have_wait_fd_) {
       usleep(20);
     }
@@ -539,6 +572,7 @@ void ProgressWorker::loop() {
     }
     if (did) {
       idle_since = 0;
+      last_activity_ns_ = now;
       continue;
     }
     if (idle_since == 0) idle_since = now;

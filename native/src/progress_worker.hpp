@@ -103,7 +103,8 @@ class ProgressWorker {
   void on_arrival(uint64_t cq_data);
   void on_message(RecvSlot* slot, size_t len);
   void repost(RecvSlot* slot);
-  void complete_op(RailOp* op, const std::string* error);
+  void complete_op(RailOp* op, const std::string* error, bool posted = true);
+  void release_slot(RailOp* op);
   void finish_transfer(TransferState& t, TransferStatus status, const std::string& error);
   void check_deadlines(int64_t now);
   void sleep_until_work();
@@ -148,6 +149,7 @@ class ProgressWorker {
   int event_fd_ = -1;  // eventfd: the worker tells asyncio loops that events wait
   int epoll_fd_ = -1;
   bool all_rails_have_wait_fd_ = true;
+  int64_t last_activity_ns_ = 0;  // worker only: last round that did something
   std::thread thread_;
 };
 

@@ -15,6 +15,21 @@ void check_range(const char* side, uint64_t off, uint64_t len, uint64_t size) {
     throw BoundsError(std::string(side) + " range " + range_text(off, len, size));
 }
 
+// True when [offset + index * stride, +page_size) lies inside a region of `length` bytes.
+// Every step is checked, so no choice of offset, stride or index can wrap around 64 bits.
+bool page_fits(uint64_t offset, uint64_t index, uint64_t stride, uint64_t page_size,
+               uint64_t length) {
+  if (offset > length || page_size > length - offset) return false;
+  uint64_t room = length - offset - page_size;  // what index * stride may add
+  return index == 0 || stride <= room / index;
+}
+
+std::string page_text(uint64_t offset, uint64_t stride, uint64_t page_size, uint64_t size) {
+  return "page of " + std::to_string(page_size) + " bytes at offset " + std::to_string(offset) +
+         " + index * " + std::to_string(stride) + " falls outside region of " +
+         std::to_string(size) + " bytes";
+}
+
 void finish_batch(WorkBatch& batch) {
   batch.ops_remaining = batch.ops.size();
   uint64_t bytes = 0;
@@ -103,15 +118,13 @@ void RailGroup::plan_paged_write(WorkBatch& batch, const MemoryRegion& local,
     if (src_pages[i] < 0 || dst_pages[i] < 0)
       throw BoundsError("negative page index at position " + std::to_string(i));
     uint64_t s = static_cast<uint64_t>(src_pages[i]), d = static_cast<uint64_t>(dst_pages[i]);
-    if (s > (local.length / src_stride) + 1 ||
-        src_offset + s * src_stride + page_size > local.length)
+    if (!page_fits(src_offset, s, src_stride, page_size, local.length))
       throw BoundsError("source page " + std::to_string(s) + " at position " + std::to_string(i) +
-                        ": " + range_text(src_offset + s * src_stride, page_size, local.length));
-    if (d > (remote.length / dst_stride) + 1 ||
-        dst_offset + d * dst_stride + page_size > remote.length)
+                        ": " + page_text(src_offset, src_stride, page_size, local.length));
+    if (!page_fits(dst_offset, d, dst_stride, page_size, remote.length))
       throw BoundsError("destination page " + std::to_string(d) + " at position " +
                         std::to_string(i) + ": " +
-                        range_text(dst_offset + d * dst_stride, page_size, remote.length));
+                        page_text(dst_offset, dst_stride, page_size, remote.length));
   }
   if (count == 0) throw BoundsError("paged write with no pages");
 

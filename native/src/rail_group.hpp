@@ -44,6 +44,9 @@ struct RailOp {
   uint8_t iov_count = 0;
   bool has_cq_data = false;
   bool delivery_complete = false;
+  // Posted and counted in the worker's inflight budget of its rail until it completes or
+  // its transfer expires (see ProgressWorker::release_slot).
+  bool holds_slot = false;
   uint64_t cq_data = 0;
   uint64_t bytes = 0;
   struct iovec iov[kMaxIov];

@@ -134,6 +134,7 @@ std::shared_ptr<const EngineAddress> TransferEngine::parse_peer(const std::strin
 
 TransferStatePtr TransferEngine::start(std::unique_ptr<WorkBatch> batch) {
   auto transfer = batch->transfer;
+  transfer->submitted_ns = monotonic_ns();
   worker_->submit(std::move(batch));
   return transfer;
 }

@@ -1,0 +1,235 @@
+"""A kvxfer engine in its own process, driven by JSON lines on stdin/stdout.
+
+tests/test_engine.py starts one of these as the far side of every two-process transfer:
+it is a target (it registers memory and hands out descriptors) and an initiator (it
+writes into memory the test process registered), so both directions cross a real
+process boundary. Bytes travel as hex; big buffers are compared through `dump`, which
+writes a region to a file the test reads back.
+
+Start-up line, then one reply per request:
+    {"ok": true, "address": hex, "descriptor": hex, "provider": str, "rails": int, "pid": int}
+    request  {"op": name, ...arguments}
+    reply    {"ok": true, ...} or {"ok": false, "error": ExceptionClassName, "message": str}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from kvxfer.engine import RegisteredMemory, Transfer, TransferEngine
+from kvxfer.errors import KvxferError
+
+
+def seeded_bytes(seed: int, length: int) -> np.ndarray:
+    """`length` pseudo-random bytes from numpy's default_rng(seed): the same on both sides.
+
+    Drawn as full-range 64-bit words, numpy's fastest path: 64 MiB costs a fraction of a
+    second even on the shared 2-core test machine.
+    """
+    words = np.random.default_rng(seed).integers(
+        0, 2**64 - 1, (length + 7) // 8, dtype=np.uint64, endpoint=True
+    )
+    return words.view(np.uint8)[:length]
+
+
+class EnginePeer:
+    """Serves test requests against one engine and the regions it registered."""
+
+    def __init__(self, engine: TransferEngine, size: int) -> None:
+        self.engine = engine
+        self.buffers: list[np.ndarray] = []
+        self.regions: list[RegisteredMemory] = []
+        self.stream: list[Transfer] = []
+        self.add_region(size)
+
+    def add_region(self, size: int) -> dict[str, Any]:
+        buf = np.zeros(size, dtype=np.uint8)
+        self.buffers.append(buf)
+        self.regions.append(self.engine.register(buf))
+        return {"region": len(self.regions) - 1, "descriptor": self.regions[-1].descriptor.hex()}
+
+    # -- requests -------------------------------------------------------------------------
+    def op_register(self, size: int) -> dict[str, Any]:
+        return self.add_region(size)
+
+    def op_fill(
+        self, region: int = 0, seed: int | None = None, length: int | None = None
+    ) -> dict[str, Any]:
+        """Sets the first `length` bytes of a region (all by default) to seeded random
+        bytes, or to zeros when seed is None."""
+        buf = self.buffers[region][:length]
+        if seed is None:
+            buf[:] = 0
+        else:
+            buf[:] = seeded_bytes(seed, buf.size)
+        return {}
+
+    def op_dump(
+        self, path: str, offset: int = 0, length: int | None = None, region: int = 0
+    ) -> dict[str, Any]:
+        buf = self.buffers[region]
+        buf[offset : buf.size if length is None else offset + length].tofile(path)
+        return {}
+
+    def op_read(self, offset: int, length: int, region: int = 0) -> dict[str, Any]:
+        return {"data": self.buffers[region][offset : offset + length].tobytes().hex()}
+
+    def op_write(
+        self,
+        descriptor: str,
+        src_offset: int,
+        dst_offset: int,
+        length: int,
+        imm: int | None = None,
+        region: int = 0,
+        timeout: float = 20.0,
+    ) -> dict[str, Any]:
+        t = self.engine.write(
+            self.regions[region], src_offset, bytes.fromhex(descriptor), dst_offset, length, imm
+        )
+        t.wait(timeout)
+        return {}
+
+    def op_write_paged(
+        self,
+        descriptor: str,
+        src_pages: list[int],
+        dst_pages: list[int],
+        page_size: int,
+        imm: int | None = None,
+        region: int = 0,
+        timeout: float = 20.0,
+    ) -> dict[str, Any]:
+        remote = bytes.fromhex(descriptor)
+        t = self.engine.write_paged(
+            self.regions[region], src_pages, remote, dst_pages, page_size, imm=imm
+        )
+        t.wait(timeout)
+        return {}
+
+    def op_recv(self, timeout: float) -> dict[str, Any]:
+        msg = self.engine.recv(timeout)
+        return {"payload": None if msg is None else msg.hex()}
+
+    def op_echo(self, timeout: float) -> dict[str, Any]:
+        """Receives one control message '<address hex>|<payload hex>' and sends the payload
+        back to that address reversed, so the test sees a round trip it can check."""
+        msg = self.engine.recv(timeout)
+        if msg is None:
+            return {"echoed": False}
+        address, payload = msg.split(b"|", 1)
+        reply = bytes.fromhex(payload.decode())[::-1]
+        self.engine.send(bytes.fromhex(address.decode()), reply).wait(timeout)
+        return {"echoed": True}
+
+    def op_imm_count(self, imm: int) -> dict[str, Any]:
+        return {"count": self.engine.imm_count(imm)}
+
+    def op_wait_imm(self, imm: int, count: int, timeout: float) -> dict[str, Any]:
+        self.engine.wait_imm(imm, count, timeout)
+        return {"count": self.engine.imm_count(imm)}
+
+    def op_stream(
+        self, descriptor: str, count: int, length: int, wait_first: int, timeout: float = 20.0
+    ) -> dict[str, Any]:
+        """Submits `count` writes of region 0 without waiting for them, then waits for the
+        first `wait_first` only, so the caller knows the stream is under way."""
+        remote = bytes.fromhex(descriptor)
+        self.stream = [
+            self.engine.write(self.regions[0], 0, remote, 0, length, request_id=i)
+            for i in range(count)
+        ]
+        for t in self.stream[:wait_first]:
+            t.wait(timeout)
+        return {"submitted": count, "done": sum(t.done() for t in self.stream)}
+
+    def op_settle(self, timeout: float) -> dict[str, Any]:
+        """Waits until every streamed write finished or `timeout` passed; counts outcomes.
+
+        "pending" counts writes the engine had not finished by then: its own deadline
+        (transfer_timeout_s) should have failed them first.
+        """
+        start = time.monotonic()
+        deadline = start + timeout
+        outcomes: dict[str, int] = {}
+        messages: dict[str, str] = {}
+        for t in self.stream:
+            try:
+                t.wait(max(0.0, deadline - time.monotonic()))
+                kind = "ok"
+            except KvxferError as e:
+                # A wait that gave up leaves the transfer pending; the engine's failures end it.
+                kind = type(e).__name__ if t.done() else "pending"
+                messages.setdefault(kind, str(e))
+            outcomes[kind] = outcomes.get(kind, 0) + 1
+        return {"outcomes": outcomes, "messages": messages, "elapsed_s": time.monotonic() - start}
+
+    def op_exit(self) -> dict[str, Any]:
+        return {}
+
+    # -- loop -----------------------------------------------------------------------------
+    def serve(self, requests: Any, reply: Callable[[dict[str, Any]], None]) -> None:
+        for line in requests:
+            if not line.strip():
+                continue
+            request = json.loads(line)
+            name = request.pop("op")
+            try:
+                result = {"ok": True, **getattr(self, "op_" + name)(**request)}
+            except Exception as e:  # the test decides whether this error was expected
+                result = {"ok": False, "error": type(e).__name__, "message": str(e)}
+            reply(result)
+            if name == "exit":
+                return
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--provider", required=True)
+    parser.add_argument("--rails", type=int, default=1)
+    parser.add_argument("--size", type=int, required=True, help="bytes of region 0")
+    parser.add_argument("--transfer-timeout-s", type=float, default=30.0)
+    args = parser.parse_args()
+
+    # Replies go through the original stdout only; anything else written to fd 1 (print,
+    # libfabric's own logging) goes to stderr, the test's log of this peer.
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+
+    def reply(obj: dict[str, Any]) -> None:
+        out.write(json.dumps(obj) + "\n")
+        out.flush()
+
+    engine = TransferEngine(
+        args.provider,
+        rails=args.rails,
+        bind_host="127.0.0.1",
+        transfer_timeout_s=args.transfer_timeout_s,
+    )
+    try:
+        peer = EnginePeer(engine, args.size)
+        reply(
+            {
+                "ok": True,
+                "address": engine.address.hex(),
+                "descriptor": peer.regions[0].descriptor.hex(),
+                "provider": engine.provider,
+                "rails": engine.rails,
+                "pid": os.getpid(),
+            }
+        )
+        peer.serve(sys.stdin, reply)
+    finally:
+        engine.close()
+
+
+if __name__ == "__main__":
+    main()
