@@ -11,6 +11,7 @@ land in a page that a new request already uses.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import logging
 import secrets
 import threading
@@ -174,10 +175,10 @@ class DecodeRuntime:
         except TransferTimeout:
             self.metrics.admission_timeouts.inc()
             got = self.core.engine.imm_count(job.imm)
-            self.end(job, RequestState.FAILED, quarantine=True,
-                     error=f"KV for request {job.request_id} incomplete after {timeout_s} s "
-                           f"({got} of {job.expected_count} writes landed)")
-            raise
+            reason = f"KV incomplete after {timeout_s} s ({got} of {job.expected_count} writes landed)"
+            self.end(job, RequestState.FAILED, quarantine=True, error=f"request {job.request_id}: {reason}")
+            # The engine's own exception names only the immediate: the 504 must name the request.
+            raise TransferTimeout(job.request_id, reason) from None
         self.metrics.imm_wait.observe(time.perf_counter() - start)
         if job.state is not RequestState.RESERVED:
             raise HTTPException(409, f"request {job.request_id} was {job.state.value}")
@@ -362,15 +363,23 @@ class DecodeRuntime:
 
 async def _stream_tokens(runtime: DecodeRuntime, job: DecodeJob) -> AsyncIterator[dict[str, Any]]:
     assert job.queue is not None
+    # Byte tokens of one UTF-8 character arrive one by one: decode incrementally so a
+    # multi-byte character is emitted whole with its last byte, not as U+FFFD per byte.
+    text = codecs.getincrementaldecoder("utf-8")(errors="replace")
     while True:
         kind, value = await job.queue.get()
         if kind == "token":
-            yield {"token": value, "text": runtime.tokenizer.decode([value])}
+            piece = text.decode(bytes([value])) if 0 <= value < 256 else ""
+            yield {"token": value, "text": piece}
         else:
             break
+    # Bytes of an unfinished character at the very end become U+FFFD, as in
+    # ByteTokenizer.decode (the non-streaming answer): the done line carries that rest, so
+    # the text lines plus the done line's text always equal decode(tokens).
+    rest = text.decode(b"", final=True)
     usage = {"prompt_tokens": job.prompt_tokens, "completion_tokens": len(job.kept)}
     if job.state is RequestState.DONE:
-        yield {"done": True, "finish_reason": job.finish_reason, "usage": usage}
+        yield {"done": True, "finish_reason": job.finish_reason, "text": rest, "usage": usage}
     else:
         yield {"done": True, "finish_reason": "error", "error": job.error or job.state.value, "usage": usage}
 
@@ -447,7 +456,9 @@ def create_decode_app(runtime: DecodeRuntime) -> FastAPI:
     async def generate(request: Request) -> Any:
         body = await json_body(request)
         job = runtime.job(str(_body_field(body, "request_id", str)))
-        timeout_s = float(body.get("timeout_s", runtime.settings.kv_wait_timeout_s))
+        timeout_s = body.get("timeout_s", runtime.settings.kv_wait_timeout_s)
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise HTTPException(422, f"timeout_s must be a positive number, got {timeout_s!r}")
         if job.state is not RequestState.RESERVED:
             raise HTTPException(409, f"request {job.request_id} is {job.state.value}")
         try:

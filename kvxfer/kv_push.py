@@ -112,6 +112,13 @@ class PushStats:
 
     `tail_s` is the time from the end of compute to the last write's completion: the part
     of the transfer that did not hide behind compute.
+
+    Per-write timings come from the engine (`Transfer.duration_s`, submission to
+    completion, so a write queued behind earlier ones counts its wait): `write_s` holds
+    one entry per KV write, i.e. per (layer, chunk), in issue order; `mailbox_write_s` is
+    the final mailbox write. `last_completed_at` (engine completion time) and
+    `compute_done_monotonic` are CLOCK_MONOTONIC seconds, so `engine_tail_s` is the tail
+    without the cost of waking the waiting thread.
     """
 
     kv_bytes: int = 0
@@ -120,6 +127,27 @@ class PushStats:
     transfers_done_at: float = 0.0
     first_write_at: float = 0.0
     layer_push_s: list[float] = field(default_factory=list)
+    write_s: list[float] = field(default_factory=list)
+    mailbox_write_s: float = 0.0
+    compute_done_monotonic: float = 0.0
+    last_completed_at: float = 0.0
+
+    @property
+    def layer_transfer_s_mean(self) -> float:
+        """Mean engine duration of one KV write (one layer of one chunk)."""
+        return sum(self.write_s) / len(self.write_s) if self.write_s else 0.0
+
+    @property
+    def layer_transfer_s_max(self) -> float:
+        """Longest engine duration of one KV write."""
+        return max(self.write_s, default=0.0)
+
+    @property
+    def engine_tail_s(self) -> float:
+        """End of compute to the last write's completion, by the engine's clock."""
+        if not self.last_completed_at or not self.compute_done_monotonic:
+            return 0.0
+        return max(0.0, self.last_completed_at - self.compute_done_monotonic)
 
     @property
     def tail_s(self) -> float:
@@ -169,6 +197,7 @@ class PushSession:
         self._local = np.asarray(local_pages, dtype=np.int64)
         self._remote = np.asarray(reservation.pages, dtype=np.int64)
         self._transfers: list[Transfer] = []
+        self._mailbox_transfer: Transfer | None = None
         self._cancelled = threading.Event()
         self.stats = PushStats()
 
@@ -208,22 +237,22 @@ class PushSession:
     def finish(self, first_token: int, prompt_tokens: int) -> None:
         """Writes the mailbox record (first token), the request's last write."""
         self.stats.compute_done_at = time.perf_counter()
+        self.stats.compute_done_monotonic = time.monotonic()
         if self._cancelled.is_set():
             return
         offset = self._slot * MAILBOX_SLOT_BYTES
         record = encode_mailbox(self.reservation.nonce, first_token, prompt_tokens)
         self._mailbox[offset : offset + MAILBOX_SLOT_BYTES] = np.frombuffer(record, dtype=np.uint8)
-        self._transfers.append(
-            self._engine.write(
-                self._mailbox_region,
-                offset,
-                self.reservation.meta_descriptor,
-                self.reservation.meta_offset,
-                MAILBOX_SLOT_BYTES,
-                imm=self.reservation.imm,
-                request_id=self.reservation.request_id,
-            )
+        self._mailbox_transfer = self._engine.write(
+            self._mailbox_region,
+            offset,
+            self.reservation.meta_descriptor,
+            self.reservation.meta_offset,
+            MAILBOX_SLOT_BYTES,
+            imm=self.reservation.imm,
+            request_id=self.reservation.request_id,
         )
+        self._transfers.append(self._mailbox_transfer)
 
     def wait(self, timeout_s: float) -> PushStats:
         """Waits until every write completed; raises the first TransferError.
@@ -242,9 +271,25 @@ class PushSession:
                     # Our deadline passed: bounded by the engine's transfer timeout.
                     transfer._native.wait(self._engine.transfer_timeout_s + 1.0)
         self.stats.transfers_done_at = time.perf_counter()
+        self._collect_write_times()
         if first_error is not None:
             raise first_error
         return self.stats
+
+    def _collect_write_times(self) -> None:
+        """Fills the per-write engine timings of `stats` from the finished transfers."""
+        write_s: list[float] = []
+        for transfer in self._transfers:
+            duration = transfer.duration_s
+            if duration is None:
+                continue
+            if transfer is self._mailbox_transfer:
+                self.stats.mailbox_write_s = duration
+            else:
+                write_s.append(duration)
+            completed = transfer.completed_at_s or 0.0
+            self.stats.last_completed_at = max(self.stats.last_completed_at, completed)
+        self.stats.write_s = write_s
 
     def in_flight(self) -> bool:
         """True while any write of this request may still land on the decoder."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import math
 import threading
 import time
 from typing import Any
@@ -140,6 +141,10 @@ class PrefillRuntime:
         self.metrics.compute.observe(compute_s)
         self.metrics.observe_transfer(stats.kv_bytes, max(stats.transfer_s, 1e-9))
         self.metrics.peers_connected.set(len(self._peers))
+        # The push is one write per (layer, chunk): per-layer compute is the compute time
+        # spread over those steps, per-layer transfer the engine's duration of those writes.
+        chunks = math.ceil(len(prompt) / self.settings.prefill_chunk_tokens)
+        steps = self.core.config.num_layers * chunks
         return {
             "request_id": request_id,
             "first_token": result.first_token,
@@ -148,6 +153,13 @@ class PrefillRuntime:
             "transfer_ms": stats.transfer_s * 1e3,
             "kv_bytes": stats.kv_bytes,
             "writes": stats.writes,
+            "chunks": chunks,
+            "layer_compute_ms_mean": compute_s * 1e3 / steps,
+            "layer_transfer_ms_mean": stats.layer_transfer_s_mean * 1e3,
+            "layer_transfer_ms_max": stats.layer_transfer_s_max * 1e3,
+            "layer_submit_ms_mean": sum(stats.layer_push_s) * 1e3 / max(1, len(stats.layer_push_s)),
+            "mailbox_write_ms": stats.mailbox_write_s * 1e3,
+            "transfer_tail_engine_ms": stats.engine_tail_s * 1e3,
         }
 
     async def cancel(self, request_id: str) -> dict[str, Any]:
@@ -193,10 +205,21 @@ def create_prefill_app(runtime: PrefillRuntime) -> FastAPI:
             raise HTTPException(422, f"prompt_tokens must be integers in [0, {vocab})")
         try:
             reservation = KVReservation.from_json({"request_id": request_id, **decode})
-            runtime.core.engine._remote(reservation.descriptor)
-            runtime.core.engine._remote(reservation.meta_descriptor)
+            kv_region = runtime.core.engine._remote(reservation.descriptor)
+            meta_region = runtime.core.engine._remote(reservation.meta_descriptor)
         except (KeyError, ValueError, TypeError) as exc:
             raise HTTPException(422, f"malformed decode reservation: {exc}") from None
+        # Out-of-range pages, offsets or immediates are the caller's error (422), found
+        # before any compute, not a failed push (502) half-way through the writes.
+        layer_bytes = reservation.num_pages * runtime.core.cache.page_bytes
+        if (
+            reservation.num_pages <= 0
+            or runtime.core.config.num_layers * layer_bytes > kv_region.length
+            or not all(0 <= p < reservation.num_pages for p in reservation.pages)
+            or not 0 <= reservation.meta_offset <= meta_region.length - MAILBOX_SLOT_BYTES
+            or not 0 <= reservation.imm < 2**32
+        ):
+            raise HTTPException(422, "malformed decode reservation: pages, meta_offset or imm outside the decoder's regions")
         return await runtime.prefill(request_id, prompt, reservation)
 
     @app.post("/cancel")

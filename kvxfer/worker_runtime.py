@@ -30,6 +30,10 @@ from kvxfer.model.transformer import Transformer
 
 log = logging.getLogger("kvxfer.worker")
 
+#: Seconds a worker keeps an idle HTTP keep-alive connection open; longer than any client
+#: pool's idle expiry (the router's httpx pool: 5 s), so only the client closes idle ones.
+KEEP_ALIVE_S = 75
+
 
 class WorkerSettings(BaseSettings):
     """Settings common to prefill and decode workers (env prefix KVXFER_)."""
@@ -173,7 +177,11 @@ def serve(
     port = sock.getsockname()[1]
     advertise = settings.advertise_host or settings.host
     core.http_url = f"http://{advertise}:{port}"
-    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
+    # Keep idle connections open well past the router's pool expiry (httpx: 5 s). With
+    # uvicorn's default of 5 s both sides expire together, and a router reusing a connection
+    # the worker is just closing gets a ReadError (a spurious failure and retry).
+    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5,
+                            timeout_keep_alive=KEEP_ALIVE_S)
     server = uvicorn.Server(config)
 
     async def drain() -> None:

@@ -1,0 +1,203 @@
+"""Real prefill and decode worker processes for the KV-path tests.
+
+Each worker is started with the `kvxfer` console script of the running interpreter's
+environment, in its own session (process group) so that teardown can kill it together with
+anything it spawned. Its stdout and stderr go to a log file under the test's tmp dir; the
+HTTP port is chosen by the worker (`--port 0`) and read back from its "serving on" line, so
+two tests or two sessions on the same machine never race for a port. Every wait has a
+deadline, and a worker that dies or does not come up fails the test with its log attached.
+
+    workers = WorkerSet(tmp_path)
+    decode = workers.start("decode", env={"KVXFER_QUARANTINE_S": "1"})
+    prefill = workers.start("prefill")
+    ...
+    workers.close()            # SIGKILL every process group still alive
+
+The `workers` fixture of tests/test_kv_path.py wraps this and prints every log when the
+test failed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import httpx
+
+#: The console script installed next to the interpreter running the tests (.venv/bin).
+KVXFER = str(Path(sys.executable).with_name("kvxfer"))
+_SERVING = re.compile(r"serving on (http://[0-9.]+:\d+)")
+
+START_TIMEOUT_S = 60.0
+
+
+class WorkerStartError(RuntimeError):
+    """A worker exited or did not answer /health before its deadline."""
+
+
+class WorkerProc:
+    """One `kvxfer prefill|decode` process: its URL, log file and process group."""
+
+    def __init__(self, role: str, args: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.role = role
+        self.args = args
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(
+            [KVXFER, role, *args],
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,  # own process group: killpg reaches every child
+        )
+        self.url = ""
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError as exc:
+            return f"<log unreadable: {exc}>"
+
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> str:
+        """Waits for the "serving on" line and a 200 from GET /health; returns the URL."""
+        deadline = time.monotonic() + timeout_s
+        while not self.url:
+            match = _SERVING.search(self.log_text())
+            if match:
+                self.url = match.group(1)
+                break
+            self._check(deadline, "print its 'serving on' line")
+            time.sleep(0.05)
+        with httpx.Client(timeout=2.0) as client:
+            while True:
+                try:
+                    if client.get(f"{self.url}/health").status_code == 200:
+                        return self.url
+                except httpx.TransportError:
+                    pass
+                self._check(deadline, "answer GET /health")
+                time.sleep(0.05)
+
+    def _check(self, deadline: float, what: str) -> None:
+        if not self.alive():
+            raise WorkerStartError(
+                f"{self.role} worker (pid {self.pid}) exited with {self.proc.returncode} before it "
+                f"could {what}; log:\n{self.log_text()}"
+            )
+        if time.monotonic() > deadline:
+            raise WorkerStartError(f"{self.role} worker (pid {self.pid}) did not {what} in time; log:\n{self.log_text()}")
+
+    def kill(self) -> None:
+        """SIGKILL to the whole process group (no drain, no cleanup: a crash)."""
+        self._signal_group(signal.SIGKILL)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # pragma: no cover - a process SIGKILL cannot end
+            pass
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """SIGTERM (the worker drains), then SIGKILL after `grace_s`; reaps the process."""
+        if self.alive():
+            self._signal_group(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()
+        self._log.close()
+
+    def _signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)  # pgid == pid: started with start_new_session
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+class WorkerSet:
+    """The worker processes of one test; `close()` ends them all."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = Path(log_dir)
+        self.procs: list[WorkerProc] = []
+
+    def spawn(
+        self,
+        role: str,
+        *,
+        provider: str = "net",
+        num_pages: int = 512,
+        extra: list[str] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> WorkerProc:
+        """Starts a worker without waiting for it (see `WorkerProc.wait_ready`)."""
+        args = [
+            "--port", "0",
+            "--provider", provider,
+            "--bind-host", "127.0.0.1",
+            "--num-pages", str(num_pages),
+            *(extra or []),
+        ]
+        full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVXFER_")}
+        # Two cores shared by every worker and the test: one torch thread per process keeps
+        # them from oversubscribing the machine (and keeps timings steady).
+        full_env.setdefault("OMP_NUM_THREADS", "1")
+        full_env.setdefault("MKL_NUM_THREADS", "1")
+        full_env["PYTHONUNBUFFERED"] = "1"
+        full_env.update(env or {})
+        index = len(self.procs)
+        proc = WorkerProc(role, args, full_env, self.log_dir / f"{index:02d}-{role}.log")
+        self.procs.append(proc)
+        return proc
+
+    def start(self, role: str, **kw: Any) -> WorkerProc:
+        """Starts a worker and waits until it serves HTTP."""
+        proc = self.spawn(role, **kw)
+        proc.wait_ready()
+        return proc
+
+    def start_many(self, specs: list[tuple[str, dict[str, Any]]]) -> list[WorkerProc]:
+        """Starts several workers in parallel (their imports overlap), then waits for each."""
+        procs = [self.spawn(role, **kw) for role, kw in specs]
+        for proc in procs:
+            proc.wait_ready()
+        return procs
+
+    def logs(self) -> str:
+        parts = []
+        for proc in self.procs:
+            state = "running" if proc.alive() else f"exit {proc.proc.returncode}"
+            parts.append(f"----- {proc.log_path.name} (pid {proc.pid}, {state}, {proc.url or 'no url'}) -----\n"
+                         f"{proc.log_text()}")
+        return "\n".join(parts)
+
+    def close(self) -> None:
+        for proc in self.procs:
+            proc.kill()
+            proc._log.close()
+
+
+def wait_until(predicate: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.05) -> Any:
+    """Polls `predicate` until it returns something truthy; AssertionError after the deadline."""
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while True:
+        last = predicate()
+        if last:
+            return last
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what} (last value: {last!r})")
+        time.sleep(interval_s)
