@@ -40,49 +40,74 @@ class ServerHost:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="fake-workers", daemon=True)
         self._thread.start()
-        self._servers: list[tuple[uvicorn.Server, asyncio.Future[None]]] = []
+        self._servers: dict[str, tuple[uvicorn.Server, Any]] = {}
 
     def serve(self, app: Any) -> str:
         """Serve ``app`` on a free loopback port; its base URL once it accepts connections."""
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         config = uvicorn.Config(app, log_level="critical", lifespan="on", timeout_graceful_shutdown=1)
         server = uvicorn.Server(config)
         fut = asyncio.run_coroutine_threadsafe(server.serve(sockets=[sock]), self.loop)
-        self._servers.append((server, fut))  # type: ignore[arg-type]
+        self._servers[url] = (server, fut)
         deadline = time.monotonic() + 10
         while not server.started:
             if fut.done():
                 fut.result()
             if time.monotonic() > deadline:
-                raise TimeoutError("fake server did not start")
+                raise TimeoutError("server did not start")
             time.sleep(0.005)
-        return f"http://127.0.0.1:{port}"
+        return url
 
-    def call(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` on the loop thread and return its result (for touching loop state)."""
-
-        async def run() -> Any:
-            return fn()
-
-        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(5)
+    def stop(self, url: str) -> None:
+        """Shut the server at ``url`` down (lifespan shutdown included) and wait for it."""
+        server, fut = self._servers.pop(url)
+        server.should_exit = True
+        fut.result(15)
 
     def close(self) -> None:
-        """Stop the newest server first (the router, so its shutdown can still reach the
-        workers), then all the others at once, then the loop."""
-        servers = list(reversed(self._servers))
-        for batch in (servers[:1], servers[1:]):
-            for server, _ in batch:
-                server.should_exit = True
-            for _, fut in batch:
-                try:
-                    fut.result(10)
-                except Exception:
-                    pass
+        """Stop every server, then the loop."""
+        for url in list(self._servers):
+            try:
+                self.stop(url)
+            except Exception:
+                pass
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(5)
+
+
+class WorkerMux:
+    """One ASGI app that serves many fake workers, each under its own path prefix
+    (``/<key>/reserve``), so a test adds workers without starting a server per worker.
+    Each worker still sees plain contract paths (``/reserve``) and real HTTP connections."""
+
+    def __init__(self) -> None:
+        self._apps: dict[str, Any] = {}
+        self._keys = itertools.count(1)
+
+    def add(self, app: Any) -> str:
+        """Mount ``app``; returns its path prefix (``/w<n>``)."""
+        key = f"w{next(self._keys)}"
+        self._apps[key] = app
+        return "/" + key
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                await send({"type": message["type"] + ".complete"})
+                if message["type"] == "lifespan.shutdown":
+                    return
+        key, _, rest = scope["path"].lstrip("/").partition("/")
+        app = self._apps.get(key)
+        if app is None:
+            await send({"type": "http.response.start", "status": 404, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        path = "/" + rest
+        await app({**scope, "path": path, "raw_path": path.encode()}, receive, send)
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0, what: str = "condition") -> None:

@@ -21,6 +21,7 @@ from fake_workers import (  # noqa: E402
     FakeDecodeWorker,
     FakePrefillWorker,
     ServerHost,
+    WorkerMux,
     wait_until,
 )
 
@@ -59,8 +60,10 @@ TEST_SETTINGS: dict[str, Any] = dict(
 class Cluster:
     """Fake workers plus a router on loopback, registered in a static directory."""
 
-    def __init__(self, host: ServerHost) -> None:
+    def __init__(self, host: ServerHost, mux: WorkerMux, mux_url: str) -> None:
         self.host = host
+        self.mux = mux
+        self.mux_url = mux_url
         self.fabric = Fabric()
         self.directory = StaticWorkerDirectory()
         self.decoders: dict[str, FakeDecodeWorker] = {}
@@ -69,28 +72,31 @@ class Cluster:
         self.app: Any = None
         self.client = httpx.Client(timeout=10, trust_env=False)
 
+    def _add(self, worker: Any, register: bool, record: dict[str, Any]) -> Any:
+        worker.url = self.mux_url + self.mux.add(worker.app)
+        if register:
+            self.directory.put(worker.record(**record))
+        return worker
+
     def decode(self, worker_id: str, register: bool = True, **record: Any) -> FakeDecodeWorker:
         kw = {k: record.pop(k) for k in ("model", "kv_layout") if k in record}
-        w = FakeDecodeWorker(worker_id, self.fabric, **kw)
-        w.url = self.host.serve(w.app)
-        self.decoders[worker_id] = w
-        if register:
-            self.directory.put(w.record(**record))
-        return w
+        w = self.decoders[worker_id] = FakeDecodeWorker(worker_id, self.fabric, **kw)
+        return self._add(w, register, record)
 
     def prefill(self, worker_id: str, register: bool = True, **record: Any) -> FakePrefillWorker:
         kw = {k: record.pop(k) for k in ("model", "kv_layout") if k in record}
-        w = FakePrefillWorker(worker_id, self.fabric, **kw)
-        w.url = self.host.serve(w.app)
-        self.prefillers[worker_id] = w
-        if register:
-            self.directory.put(w.record(**record))
-        return w
+        w = self.prefillers[worker_id] = FakePrefillWorker(worker_id, self.fabric, **kw)
+        return self._add(w, register, record)
 
     def start_router(self, **overrides: Any) -> None:
         settings = RouterSettings(**{**TEST_SETTINGS, **overrides})
         self.app = create_app(settings, self.directory)
         self.url = self.host.serve(self.app)
+
+    def close(self) -> None:
+        self.client.close()
+        if self.url:
+            self.host.stop(self.url)
 
     @property
     def service(self) -> Any:
@@ -106,15 +112,25 @@ class Cluster:
         return [*self.decoders.values(), *self.prefillers.values()]
 
 
+@pytest.fixture(scope="module")
+def host() -> Iterator[tuple[ServerHost, WorkerMux, str]]:
+    """One event loop and one fake-worker server for the whole module (fast); each test
+    mounts its own workers on it and starts its own router."""
+    h = ServerHost()
+    mux = WorkerMux()
+    try:
+        yield h, mux, h.serve(mux)
+    finally:
+        h.close()
+
+
 @pytest.fixture
-def cluster() -> Iterator[Cluster]:
-    host = ServerHost()
-    c = Cluster(host)
+def cluster(host: tuple[ServerHost, WorkerMux, str]) -> Iterator[Cluster]:
+    c = Cluster(*host)
     try:
         yield c
     finally:
-        c.client.close()
-        host.close()
+        c.close()
 
 
 def completion(prompt: str = LONG_PROMPT, **kw: Any) -> dict[str, Any]:
@@ -635,9 +651,24 @@ def test_etcd_directory_adapts_watcher_records_and_skips_unreadable_ones() -> No
         def workers(self, role: str | None = None) -> list[Any]:
             return [good, broken]
 
-    views = EtcdWorkerDirectory(Watcher()).workers("decode")
+    directory = EtcdWorkerDirectory(Watcher())
+    views = directory.workers("decode")
 
     assert [(v.worker_id, v.free_pages, v.layout_key) for v in views] == [("d1", 4, LAYOUT_A)]
+    assert directory.workers("decode")[0] is views[0]  # unchanged record: cached view
+
+
+def test_etcd_directory_reads_real_registry_records() -> None:
+    registry = pytest.importorskip("kvxfer.registry")
+    record = registry.WorkerRecord(worker_id="p1", role="prefill", http_url="http://p1", engine_address="ab01",
+                                   model=MODEL, kv_layout=LAYOUT_A, total_pages=8, queue_depth=2)
+
+    class Watcher:
+        def workers(self, role: str | None = None) -> list[Any]:
+            return [record]
+
+    (view_,) = EtcdWorkerDirectory(Watcher()).workers("prefill")
+    assert (view_.worker_id, view_.queue_depth, view_.kv_layout, view_.draining) == ("p1", 2, LAYOUT_A, False)
 
 
 def test_object_kv_layouts_compare_by_content_not_key_order() -> None:
@@ -659,3 +690,15 @@ def test_settings_read_environment_and_flags_override_it(monkeypatch: pytest.Mon
 def test_settings_reject_inconsistent_timeouts() -> None:
     with pytest.raises(ValueError, match="first_token_timeout_s"):
         RouterSettings(kv_wait_timeout_s=10, first_token_timeout_s=5)
+
+
+def test_cli_help_documents_every_setting(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvxfer_router.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    missing = [n for n in RouterSettings.model_fields if f"--{n.replace('_', '-')}" not in out]
+    assert missing == [] and "KVXFER_ROUTER_REQUEST_DEADLINE_S" in out

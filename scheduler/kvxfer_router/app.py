@@ -320,7 +320,7 @@ async def _full_response(request: Request, lifecycle: RequestLifecycle) -> Respo
     assert isinstance(end, FinishEvent)
     body = Completion(
         id=completion_id(lifecycle.request_id), created=now_s(), model=lifecycle.job.model,
-        choices=[CompletionChoice(text="".join(t.text for t in tokens), finish_reason=end.finish_reason)],
+        choices=[CompletionChoice(text="".join(t.text for t in tokens) + end.text, finish_reason=end.finish_reason)],
         usage=end.usage,
     )
     return Response(body.model_dump_json(), media_type="application/json", headers=_headers(lifecycle.request_id))
@@ -369,7 +369,7 @@ class CompletionEventStream(StreamingResponse):
             if isinstance(ev, TokenEvent):
                 yield self._chunk(ev.text, None)
             elif isinstance(ev, FinishEvent):
-                yield self._chunk("", ev.finish_reason)
+                yield self._chunk(ev.text, ev.finish_reason)
                 if self._include_usage:
                     yield sse_event(Completion(
                         id=self._cid, created=self._created, model=self._lifecycle.job.model,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -108,7 +109,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         app = create_app(settings, directory)
-        uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower())
+        # In-flight requests end within their deadline, so that bounds a graceful shutdown
+        # (SIGTERM); the app's own clean-up then takes at most shutdown_timeout_s.
+        uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
+                    timeout_graceful_shutdown=math.ceil(settings.request_deadline_s))
     finally:
         close_directory()
     return 0

@@ -172,7 +172,10 @@ class EtcdWorkerDirectory:
 
     def __init__(self, watcher: _RecordSource) -> None:
         self._watcher = watcher
-        self._warned: set[str] = set()
+        self._warned: set[tuple[str, str]] = set()
+        # The directory is read on every request; the watcher replaces a record object on
+        # each update, so a view is rebuilt only when its record object changed.
+        self._views: dict[tuple[str, str], tuple[Any, WorkerView]] = {}
 
     @property
     def watcher(self) -> _RecordSource:
@@ -182,12 +185,31 @@ class EtcdWorkerDirectory:
     def workers(self, role: Role | None = None) -> list[WorkerView]:
         """Live workers of ``role`` from the watcher's cache, as views."""
         views: list[WorkerView] = []
+        seen: set[tuple[str, str]] = set()
         for record in self._watcher.workers(role):
+            key = (str(_field(record, "role")), str(_field(record, "worker_id")))
+            seen.add(key)
+            cached = self._views.get(key)
+            if cached is not None and cached[0] is record:
+                views.append(cached[1])
+                continue
             try:
-                views.append(WorkerView.from_record(record))
+                view = WorkerView.from_record(record)
             except (ValueError, TypeError) as exc:
-                key = repr(getattr(record, "worker_id", None) or record)
                 if key not in self._warned:
                     self._warned.add(key)
                     log.warning("skipping unreadable worker record: %s", exc)
+                continue
+            self._views[key] = (record, view)
+            views.append(view)
+        # Forget views of workers that left, so churn (pods coming and going) does not grow
+        # the cache.
+        for key in [k for k in self._views if (role is None or k[0] == role) and k not in seen]:
+            del self._views[key]
         return [v for v in views if role is None or v.role == role]
+
+
+def _field(record: Any, name: str) -> Any:
+    if isinstance(record, Mapping):
+        return record.get(name)
+    return getattr(record, name, None)

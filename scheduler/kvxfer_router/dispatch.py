@@ -43,6 +43,13 @@ log = logging.getLogger(__name__)
 # FastAPI's {"detail": ...}, and a misbehaving worker cannot blow up our logs.
 _MAX_DETAIL_CHARS = 300
 
+# Statuses with which a worker refuses the request's own content (prompt too long for the
+# model's context, max_tokens out of range...) on the calls that carry it: decode POST
+# /reserve and POST /generate_local. Every worker would answer the same, so such a refusal
+# is the client's 400, never retried; other 4xx (409, 429), 5xx and connection errors are
+# the worker's trouble and go to another pair.
+_REQUEST_REJECTED_STATUSES = (400, 422)
+
 
 class RequestState(enum.Enum):
     """Where a request is in its lifecycle."""
@@ -78,10 +85,12 @@ class TokenEvent:
 
 @dataclass(frozen=True)
 class FinishEvent:
-    """The generation ended normally."""
+    """The generation ended normally. ``text`` is what the decode worker's done line still
+    carried (the rest of an unfinished UTF-8 character, as U+FFFD); usually empty."""
 
     finish_reason: str
     usage: Usage
+    text: str = ""
 
 
 @dataclass(frozen=True)
@@ -96,15 +105,18 @@ Event = Union[TokenEvent, FinishEvent, ErrorEvent]
 
 class LegFailure(Exception):
     """One leg (a call to one worker) failed. ``stage`` is ``reserve``, ``prefill`` or
-    ``generate`` (``kvxfer.metrics.RETRY_STAGES``); ``timed_out`` marks a timeout."""
+    ``generate`` (``kvxfer.metrics.RETRY_STAGES``); ``timed_out`` marks a timeout;
+    ``rejected`` marks a worker refusing the request's own content (a client error: no retry)."""
 
-    def __init__(self, request_id: str, worker: WorkerView, stage: str, reason: str, *, timed_out: bool = False) -> None:
+    def __init__(self, request_id: str, worker: WorkerView, stage: str, reason: str, *, timed_out: bool = False,
+                 rejected: bool = False) -> None:
         super().__init__(f"request {request_id}: {worker.role} worker {worker.worker_id} failed at {stage}: {reason}")
         self.request_id = request_id
         self.worker = worker
         self.stage = stage
         self.reason = reason
         self.timed_out = timed_out
+        self.rejected = rejected
 
 
 class Dispatcher:
@@ -170,12 +182,16 @@ class Dispatcher:
             resp = await asyncio.wait_for(
                 self.client.post(worker.url(path), json=body, timeout=timeout), total_timeout_s
             )
-        except (httpx.TimeoutException, asyncio.TimeoutError):
-            raise LegFailure(request_id, worker, stage, f"POST {path} timed out after {total_timeout_s}s", timed_out=True) from None
+        except (httpx.TimeoutException, asyncio.TimeoutError) as exc:
+            # Say which limit hit: a connect timeout is not the whole call's.
+            limit = (f"connecting took over {self.settings.connect_timeout_s}s" if isinstance(exc, httpx.ConnectTimeout)
+                     else f"after {total_timeout_s}s")
+            raise LegFailure(request_id, worker, stage, f"POST {path} timed out ({limit})", timed_out=True) from None
         except httpx.HTTPError as exc:
             raise LegFailure(request_id, worker, stage, f"POST {path}: {type(exc).__name__}: {exc}") from exc
         if resp.status_code >= 400:
-            raise LegFailure(request_id, worker, stage, f"POST {path} answered {resp.status_code}: {_detail(resp.text)}")
+            raise LegFailure(request_id, worker, stage, f"POST {path} answered {resp.status_code}: {_detail(resp.text)}",
+                             rejected=path == "/reserve" and resp.status_code in _REQUEST_REJECTED_STATUSES)
         try:
             data = resp.json()
         except ValueError:
@@ -306,6 +322,12 @@ class RequestLifecycle:
             except LegFailure as failure:
                 log.warning("%s", failure)
                 last = failure
+                if failure.rejected:
+                    raise RouterError(
+                        400, f"{failure.worker.role} worker {failure.worker.worker_id} rejected the request at "
+                        f"{failure.stage}: {failure.reason}",
+                        request_id=self.request_id, code="rejected_by_worker",
+                    ) from failure
                 if self.tokens_sent:
                     raise self._upstream_error(failure, "after streaming had started") from failure
                 exclude.add(failure.worker.worker_id)
@@ -404,7 +426,8 @@ class RequestLifecycle:
             async with self._d.client.stream("POST", decode.url(path), json=body, timeout=timeout) as resp:
                 if resp.status_code >= 400:
                     text = (await asyncio.wait_for(resp.aread(), s.control_timeout_s)).decode(errors="replace")
-                    raise LegFailure(wrid, decode, stage, f"POST {path} answered {resp.status_code}: {_detail(text)}")
+                    raise LegFailure(wrid, decode, stage, f"POST {path} answered {resp.status_code}: {_detail(text)}",
+                                     rejected=path == "/generate_local" and resp.status_code in _REQUEST_REJECTED_STATUSES)
                 lines = resp.aiter_lines()
                 wait_s = s.first_token_timeout_s
                 while True:
@@ -454,7 +477,9 @@ class RequestLifecycle:
     def _finish(self, msg: dict[str, Any]) -> None:
         usage = usage_from(msg.get("usage"), len(self.job.prompt_tokens), self.tokens_sent)
         self._terminal_sent = True
-        self._events.put_nowait(FinishEvent(str(msg.get("finish_reason") or "stop"), usage))
+        rest = msg.get("text")
+        self._events.put_nowait(FinishEvent(str(msg.get("finish_reason") or "stop"), usage,
+                                            rest if isinstance(rest, str) else ""))
 
     def _fail(self, error: RouterError) -> None:
         if self.state is not RequestState.CANCELLED:
