@@ -205,6 +205,9 @@ class TransferEngine:
     bind_host: address socket providers bind to; default from KVXFER_BIND_HOST, else the
         provider's choice. Tests use 127.0.0.1.
     transfer_timeout_s: a transfer not complete by then fails (dead or stuck peer).
+    delivery_complete: a write completes only once the target holds its bytes (default);
+        False completes it when the bytes left this host's buffers (faster on sockets, but
+        a completed write may still be in flight).
     """
 
     def __init__(
@@ -217,6 +220,7 @@ class TransferEngine:
         max_inflight_per_rail: int = 256,
         idle_spin_us: float = 30.0,
         shard_min_bytes: int = 512 * 1024,
+        delivery_complete: bool = True,
     ) -> None:
         if not isinstance(rails, int) or rails < 1:
             raise EngineError(f"rails must be a positive integer, got {rails!r}")
@@ -231,6 +235,7 @@ class TransferEngine:
             max_inflight_per_rail=int(max_inflight_per_rail),
             idle_spin_us=float(idle_spin_us),
             shard_min_bytes=int(shard_min_bytes),
+            delivery_complete=bool(delivery_complete),
         )
         self.transfer_timeout_s = float(transfer_timeout_s)
         self._remote_cache: dict[bytes, Any] = {}

@@ -118,7 +118,7 @@ PYBIND11_MODULE(_native, m) {
   py::class_<TransferEngine, std::shared_ptr<TransferEngine>>(m, "Engine")
       .def(py::init([](const std::string& provider, size_t rails, const std::string& bind_host,
                        double transfer_timeout_s, size_t max_inflight_per_rail, double idle_spin_us,
-                       uint64_t shard_min_bytes) {
+                       uint64_t shard_min_bytes, bool delivery_complete) {
              EngineSettings s;
              s.provider = provider;
              s.rails = rails;
@@ -127,11 +127,13 @@ PYBIND11_MODULE(_native, m) {
              s.worker.max_inflight_per_rail = max_inflight_per_rail;
              s.worker.idle_spin_ns = static_cast<int64_t>(idle_spin_us * 1e3);
              s.planner.shard_min_bytes = shard_min_bytes;
+             s.planner.delivery_complete = delivery_complete;
              py::gil_scoped_release release;
              return std::make_shared<TransferEngine>(s);
            }),
            py::arg("provider"), py::arg("rails"), py::arg("bind_host"), py::arg("transfer_timeout_s"),
-           py::arg("max_inflight_per_rail"), py::arg("idle_spin_us"), py::arg("shard_min_bytes"))
+           py::arg("max_inflight_per_rail"), py::arg("idle_spin_us"), py::arg("shard_min_bytes"),
+           py::arg("delivery_complete") = true)
       .def_property_readonly("address", [](const TransferEngine& e) { return py::bytes(e.address()); })
       .def_property_readonly("provider", &TransferEngine::provider)
       .def_property_readonly("rails", &TransferEngine::rails)

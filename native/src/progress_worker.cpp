@@ -80,16 +80,16 @@ void ProgressWorker::stop() {
 }
 
 void ProgressWorker::post_recv_slots() {
+  recv_slots_.resize(rails_.size() * settings_.recv_slots_per_rail);
   for (size_t r = 0; r < rails_.size(); ++r) {
     recv_buffers_.emplace_back(settings_.recv_slots_per_rail * settings_.recv_slot_bytes);
     auto& buf = recv_buffers_.back();
     recv_registrations_.push_back(rails_.rail(r).register_region(buf.data(), buf.size(), 0xfff0 + r));
     for (size_t i = 0; i < settings_.recv_slots_per_rail; ++i) {
-      auto slot = std::make_unique<RecvSlot>();
-      slot->rail = static_cast<uint16_t>(r);
-      slot->buf = buf.data() + i * settings_.recv_slot_bytes;
-      repost(slot.get());
-      recv_slots_.push_back(std::move(slot));
+      RecvSlot& slot = recv_slots_[r * settings_.recv_slots_per_rail + i];
+      slot.rail = static_cast<uint16_t>(r);
+      slot.buf = buf.data() + i * settings_.recv_slot_bytes;
+      repost(&slot);
     }
   }
 }
@@ -427,12 +427,14 @@ bool ProgressWorker::poll_rail(size_t r) {
       std::string why;
       if (!rail.read_error(&err, &why)) break;
       did = true;
-      if (err.op_context && tag_of(err.op_context) == ContextTag::kRailOp) {
+      if (is_recv_slot(err.op_context)) {
+        if (!stopping_.load()) repost(static_cast<RecvSlot*>(err.op_context));
+      } else if (err.flags & (FI_RECV | FI_REMOTE_WRITE)) {
+        stats_[r]->completion_errors.fetch_add(1, std::memory_order_relaxed);  // not ours to complete
+      } else if (err.op_context && tag_of(err.op_context) == ContextTag::kRailOp) {
         auto* op = static_cast<RailOp*>(err.op_context);
         release_slot(op);
         complete_op(op, &why);
-      } else if (err.op_context && tag_of(err.op_context) == ContextTag::kRecvSlot) {
-        if (!stopping_.load()) repost(static_cast<RecvSlot*>(err.op_context));
       }
       continue;
     }
@@ -444,11 +446,10 @@ bool ProgressWorker::poll_rail(size_t r) {
         if (e.flags & FI_REMOTE_CQ_DATA) {
           on_arrival(e.data);
           stats_[r]->imm_received.fetch_add(1, std::memory_order_relaxed);
-        } else if (e.op_context) {
+        } else if (is_recv_slot(e.op_context)) {
           on_message(static_cast<RecvSlot*>(e.op_context), e.len);
         }
-        if (e.op_context && tag_of(e.op_context) == ContextTag::kRecvSlot)
-          repost(static_cast<RecvSlot*>(e.op_context));
+        if (is_recv_slot(e.op_context)) repost(static_cast<RecvSlot*>(e.op_context));
       } else if (e.op_context) {
         auto* op = static_cast<RailOp*>(e.op_context);
         release_slot(op);

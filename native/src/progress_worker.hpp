@@ -133,7 +133,14 @@ class ProgressWorker {
   std::vector<RecvSlot*> recv_retry_;
   std::unordered_map<uint64_t, std::vector<fi_addr_t>> peers_;
   std::unordered_map<uint32_t, std::vector<Expectation>> expectations_;
-  std::vector<std::unique_ptr<RecvSlot>> recv_slots_;
+  // One contiguous array, sized once: a completion's op_context is trusted as a receive
+  // slot only if it points into it (providers may hand back stale contexts on remote
+  // writes; libfabric 1.17's net provider did, and dereferencing one crashed the worker).
+  std::vector<RecvSlot> recv_slots_;
+  bool is_recv_slot(const void* context) const {
+    return !recv_slots_.empty() && context >= static_cast<const void*>(recv_slots_.data()) &&
+           context < static_cast<const void*>(recv_slots_.data() + recv_slots_.size());
+  }
   std::vector<std::vector<char>> recv_buffers_;
   std::vector<RailRegistration> recv_registrations_;
   std::vector<std::unique_ptr<RailStats>> stats_;

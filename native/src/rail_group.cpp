@@ -30,11 +30,12 @@ std::string page_text(uint64_t offset, uint64_t stride, uint64_t page_size, uint
          std::to_string(size) + " bytes";
 }
 
-void finish_batch(WorkBatch& batch) {
+void finish_batch(WorkBatch& batch, bool delivery_complete) {
   batch.ops_remaining = batch.ops.size();
   uint64_t bytes = 0;
   for (auto& op : batch.ops) {
     op.batch = &batch;
+    if (delivery_complete && op.kind == OpKind::kWrite) op.delivery_complete = true;
     bytes += op.bytes;
   }
   if (batch.deferred_imm) batch.deferred_imm->batch = &batch;
@@ -101,7 +102,7 @@ void RailGroup::plan_write(WorkBatch& batch, const MemoryRegion& local, uint64_t
       batch.ops.pop_back();
     }
   }
-  finish_batch(batch);
+  finish_batch(batch, settings_.delivery_complete);
 }
 
 void RailGroup::plan_paged_write(WorkBatch& batch, const MemoryRegion& local,
@@ -191,7 +192,7 @@ void RailGroup::plan_paged_write(WorkBatch& batch, const MemoryRegion& local,
       op->cq_data = encode_imm(*imm, weight);
     }
   }
-  finish_batch(batch);
+  finish_batch(batch, settings_.delivery_complete);
 }
 
 void RailGroup::plan_imm_only(WorkBatch& batch, uint32_t imm) const {
@@ -202,7 +203,7 @@ void RailGroup::plan_imm_only(WorkBatch& batch, uint32_t imm) const {
   op.has_cq_data = true;
   op.cq_data = encode_imm(imm, 1);
   batch.ops.push_back(op);
-  finish_batch(batch);
+  finish_batch(batch, settings_.delivery_complete);
 }
 
 }  // namespace kvxfer

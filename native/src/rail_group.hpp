@@ -81,6 +81,10 @@ struct PlannerSettings {
   uint64_t shard_min_bytes = 512 * 1024;
   // Coalesced page runs stop at this size so one op cannot starve the other rails.
   uint64_t max_coalesce_bytes = 4 * 1024 * 1024;
+  // Complete a write at the initiator only once the target has the data (an ack from the
+  // target on socket providers). Then "the prefiller saw every write complete" means no
+  // byte of the request can still land, which is what page reuse on cancel relies on.
+  bool delivery_complete = true;
 };
 
 class RailGroup {
