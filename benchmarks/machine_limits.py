@@ -1,0 +1,150 @@
+"""What this machine allows, as ceilings for the transfer benchmarks.
+
+- memcpy: numpy copy between two preallocated buffers (1 GiB by default), GB/s. Any
+  same-host transfer moves each byte at least once, so this is the same-host ceiling.
+- one loopback TCP stream: two processes, `sendall` of a preallocated buffer to a
+  `recv_into` of another over 127.0.0.1, GB/s. This is the ceiling of one TCP connection,
+  which is what the TCP-class transports (kvxfer tcp/net, Mooncake TCP, UCX tcp) ride on.
+
+Reusable: `memcpy_gbps(...)` and `tcp_stream_gbps(...)` return a `Measurement` dict
+{median, min, max, samples, unit}; compare_peers.py calls them in the same run.
+Run alone: `python benchmarks/machine_limits.py [--size 1G] [--repeats 5] [--json PATH]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+# Receiver reads at most this much per recv_into call: large enough that syscall cost
+# does not bound the rate, small enough to stay inside the socket buffer autotuning.
+_RECV_CHUNK = 4 << 20
+_STREAM_TIMEOUT_S = 120.0
+
+
+def _summary(samples: list[float], unit: str = "GB/s") -> dict[str, Any]:
+    return {
+        "median": statistics.median(samples),
+        "min": min(samples),
+        "max": max(samples),
+        "samples": samples,
+        "unit": unit,
+    }
+
+
+def parse_size(text: str) -> int:
+    """'1G', '512M', '64K' or a plain byte count -> bytes (binary units)."""
+    t = text.strip().upper().rstrip("IB").rstrip("B")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
+    return int(float(t[:-1] if mult > 1 else t) * mult)
+
+
+def memcpy_gbps(nbytes: int = 1 << 30, repeats: int = 5) -> dict[str, Any]:
+    """Copy of `nbytes` between two preallocated, pre-faulted buffers; GB/s (1e9 B/s)."""
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.zeros(nbytes, dtype=np.uint8)
+    np.copyto(dst, src)  # warm-up: fault pages, settle the allocator
+    samples = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        samples.append(nbytes / (time.perf_counter() - t) / 1e9)
+    return _summary(samples)
+
+
+def _tcp_sink(nbytes: int, rounds: int) -> None:
+    """Receiver process: prints its port, then per round reads nbytes and acks 1 byte."""
+    buf = bytearray(nbytes)
+    view = memoryview(buf)
+    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    print(srv.getsockname()[1], flush=True)
+    srv.settimeout(_STREAM_TIMEOUT_S)
+    conn, _ = srv.accept()
+    conn.settimeout(_STREAM_TIMEOUT_S)
+    for _ in range(rounds):
+        got = 0
+        while got < nbytes:
+            n = conn.recv_into(view[got:], min(_RECV_CHUNK, nbytes - got))
+            if n == 0:
+                raise ConnectionError("sender closed early")
+            got += n
+        conn.sendall(b"k")
+    conn.close()
+
+
+def tcp_stream_gbps(nbytes: int = 1 << 30, repeats: int = 5) -> dict[str, Any]:
+    """One TCP stream over 127.0.0.1 between two processes; GB/s per round of `nbytes`.
+
+    Each round is timed from the first sendall byte to the receiver's 1-byte ack after it
+    holds all `nbytes`, so the figure is delivered bytes, not bytes queued in the kernel.
+    """
+    rounds = repeats + 1  # first one warms up (socket buffer autotuning, page faults)
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "_tcp_sink", str(nbytes), str(rounds)],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        line = proc.stdout.readline() if proc.stdout else ""
+        if not line.strip():
+            raise RuntimeError("tcp sink did not start")
+        port = int(line)
+        src = np.ones(nbytes, dtype=np.uint8)
+        view = memoryview(src).cast("B")
+        sock = socket.create_connection(("127.0.0.1", port), timeout=_STREAM_TIMEOUT_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        samples = []
+        for r in range(rounds):
+            t = time.perf_counter()
+            sock.sendall(view)
+            if sock.recv(1) != b"k":
+                raise ConnectionError("no ack from the tcp sink")
+            if r:
+                samples.append(nbytes / (time.perf_counter() - t) / 1e9)
+        sock.close()
+        proc.wait(timeout=_STREAM_TIMEOUT_S)
+        return _summary(samples)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def measure_all(nbytes: int = 1 << 30, repeats: int = 5) -> dict[str, dict[str, Any]]:
+    """Both limits, by name."""
+    return {
+        "memcpy": memcpy_gbps(nbytes, repeats),
+        "tcp_loopback_1_stream": tcp_stream_gbps(nbytes, repeats),
+    }
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "_tcp_sink":
+        _tcp_sink(int(sys.argv[2]), int(sys.argv[3]))
+        return
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", default="1G", help="bytes per copy / per stream round (default 1G)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--json", help="also write the results here")
+    a = p.parse_args()
+    res = measure_all(parse_size(a.size), a.repeats)
+    for name, m in res.items():
+        print(f"{name:24s} {m['median']:7.2f} GB/s  (min {m['min']:.2f}, max {m['max']:.2f}, n={len(m['samples'])})")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
