@@ -235,7 +235,7 @@ class DecodeRuntime:
             with self._lock:
                 deferred, self._deferred_release = self._deferred_release, []
             for j in deferred:
-                self._release(j, units=j.expected_count)
+                self._release(j)
             if deferred:
                 self._update_gauges()
             if not running:
@@ -301,21 +301,23 @@ class DecodeRuntime:
             self.allocator.release_after_quiesce(job.request_id)
             threading.Timer(self.settings.quarantine_s, self._release_quarantine, args=(job,)).start()
         else:
-            self._release(job, units=job.expected_count)
+            self._release(job)
         self._emit(job, ("end", state))
         self._update_gauges()
 
     def _release_quarantine(self, job: DecodeJob) -> None:
         # No prefiller write can still be in flight: its engine deadline has passed.
         self.allocator.confirm_quiesced(job.request_id)
-        self._release(job, units=self.core.engine.imm_count(job.imm), quarantined=True)
+        self._release(job, quarantined=True)
         self._update_gauges()
 
-    def _release(self, job: DecodeJob, units: int, quarantined: bool = False) -> None:
+    def _release(self, job: DecodeJob, quarantined: bool = False) -> None:
         if not quarantined:
             self.allocator.free(job.request_id)
-        if units:
-            self.core.engine.consume_imm(job.imm, units)
+        # Whatever this slot's immediate counted (all of its KV, or part of it from a push
+        # that was cut off) is forgotten: no write for this job can arrive any more, and the
+        # next request on the slot must start from zero.
+        self.core.engine.reset_imm(job.imm)
         with self._lock:
             self.jobs.pop(job.request_id, None)
             self._free_slots.append(job.slot)

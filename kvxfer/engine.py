@@ -424,6 +424,14 @@ class TransferEngine:
         """Subtracts a finished request's units so the immediate value can be reused."""
         self._native.consume_imm(imm, count)
 
+    def reset_imm(self, imm: int) -> None:
+        """Forgets everything counted for `imm`, partial shards included.
+
+        Only for an immediate no write can still arrive for (its sender finished, failed
+        or passed its transfer deadline); otherwise use consume_imm.
+        """
+        self._native.reset_imm(imm)
+
     async def wait_imm_async(self, imm: int, count: int, timeout: float) -> None:
         """Awaitable wait_imm: no thread is parked while waiting."""
         if self.imm_count(imm) >= count:

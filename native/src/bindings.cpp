@@ -226,6 +226,7 @@ PYBIND11_MODULE(_native, m) {
           }, py::arg("timeout_s"))
       .def("imm_count", [](TransferEngine& e, int64_t imm) { return e.worker().imm_counters().get(*to_imm(imm)); })
       .def("consume_imm", [](TransferEngine& e, int64_t imm, uint64_t units) { e.worker().consume_imm(*to_imm(imm), units); })
+      .def("reset_imm", [](TransferEngine& e, int64_t imm) { e.worker().reset_imm(*to_imm(imm)); })
       .def("wait_imm", [](TransferEngine& e, int64_t imm, uint64_t count, double timeout_s) {
             auto i = to_imm(imm);
             int64_t deadline = deadline_after(timeout_s);

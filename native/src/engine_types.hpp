@@ -53,10 +53,6 @@ struct TransferState {
   std::atomic<uint32_t> notify_requested{0};
   // Ops still outstanding on the fabric; touched only by the worker thread.
   uint32_t ops_outstanding = 0;
-  // Shards of a sharded single write whose immediate is sent once all of them landed.
-  uint32_t deferred_imm_shards = 0;
-  bool has_deferred_imm = false;
-  uint64_t deferred_imm_data = 0;
   int64_t deadline_ns = 0;
   // CLOCK_MONOTONIC stamps, for per-transfer timing without extra calls on the hot path.
   int64_t submitted_ns = 0;

@@ -8,6 +8,7 @@
 #include <memory>
 
 #include "engine_types.hpp"
+#include "rail_group.hpp"
 
 namespace kvxfer {
 
@@ -16,7 +17,8 @@ class ImmCounterTable {
   explicit ImmCounterTable(size_t capacity_pow2)
       : mask_(capacity_pow2 - 1), slots_(new Slot[capacity_pow2]) {}
 
-  // Worker thread only.
+  // Counts are kept in fixed point (kImmUnit per unit, see encode_imm); add() takes and
+  // returns fixed-point units, get() and consume() whole units. Worker thread only.
   uint64_t add(uint32_t imm, uint64_t units) {
     Slot* s = find(imm, /*claim=*/true);
     if (!s) {
@@ -28,13 +30,20 @@ class ImmCounterTable {
 
   uint64_t get(uint32_t imm) const {
     const Slot* s = const_cast<ImmCounterTable*>(this)->find(imm, /*claim=*/false);
-    return s ? s->count.load(std::memory_order_acquire) : 0;
+    return s ? s->count.load(std::memory_order_acquire) / kImmUnit : 0;
   }
 
   // Subtracts what a finished request consumed, keeping arrivals that came after it.
   void consume(uint32_t imm, uint64_t units) {
     Slot* s = find(imm, /*claim=*/false);
-    if (s) s->count.fetch_sub(std::min<uint64_t>(units, s->count.load()), std::memory_order_acq_rel);
+    if (s) s->count.fetch_sub(std::min<uint64_t>(units * kImmUnit, s->count.load()), std::memory_order_acq_rel);
+  }
+
+  // Forgets everything counted for imm, fractions of sharded writes included. Only for a
+  // value no write can still arrive for (its sender finished, failed or timed out).
+  void reset(uint32_t imm) {
+    Slot* s = find(imm, /*claim=*/false);
+    if (s) s->count.store(0, std::memory_order_release);
   }
 
   uint64_t overflowed() const { return overflowed_.load(std::memory_order_relaxed); }

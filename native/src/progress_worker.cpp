@@ -21,7 +21,7 @@ constexpr int kMaxSleepMs = 2;
 // The longest sleep with no transfer in flight: only bounds how late stop() is noticed.
 constexpr int kIdleSleepMs = 50;
 // See sleep_until_work: when a provider's CQ fd cannot be trusted to block.
-constexpr int64_t kQuietNs = 20'000'000;
+constexpr int64_t kQuietNs = 250'000'000;
 constexpr useconds_t kQuietSleepMinUs = 200;
 constexpr useconds_t kQuietSleepMaxUs = 1000;
 
@@ -257,13 +257,6 @@ void ProgressWorker::complete_op(RailOp* op, const std::string* error, bool post
     st.bytes_completed.fetch_add(op->bytes, std::memory_order_relaxed);
   }
   if (--batch->ops_remaining > 0) return;
-  if (!batch->failed && batch->deferred_imm && !batch->deferred_imm_posted) {
-    // Every shard is delivered: now the immediate may tell the receiver.
-    batch->deferred_imm_posted = true;
-    batch->ops_remaining = 1;
-    pending_[batch->deferred_imm->rail].push_back(batch->deferred_imm.get());
-    return;
-  }
   if (!batch->failed) finish_transfer(*batch->transfer, TransferStatus::kDone, "");
   for (size_t r = 0; r < batch->payload_registration.size(); ++r)
     rails_.rail(r).deregister(batch->payload_registration[r]);
@@ -305,7 +298,6 @@ bool ProgressWorker::drain_submissions() {
       if (batch->peer) {
         auto& addrs = peer_addresses(*batch->peer);
         for (auto& op : batch->ops) op.dest = addrs[op.rail];
-        if (batch->deferred_imm) batch->deferred_imm->dest = addrs[batch->deferred_imm->rail];
       }
       if (rails_.caps().mr_local && !batch->payload.empty()) {
         for (size_t r = 0; r < rails_.size(); ++r)
@@ -387,7 +379,7 @@ void ProgressWorker::on_arrival(uint64_t cq_data) {
   uint32_t imm = static_cast<uint32_t>(cq_data);
   uint32_t weight = static_cast<uint32_t>(cq_data >> 32);
   // A peer whose provider has 4-byte CQ data sends no weight: each arrival is one unit.
-  uint64_t total = imm_.add(imm, weight ? weight : 1);
+  uint64_t total = imm_.add(imm, weight ? weight : kImmUnit) / kImmUnit;
   imm_arrived_ = true;
   if (expectations_.empty()) return;
   auto it = expectations_.find(imm);
@@ -475,7 +467,6 @@ void ProgressWorker::check_deadlines(int64_t now) {
     // slots go back now: ops to a dead peer may never complete, and holding their slots
     // would stall every other peer on the rail once a dead peer had used up the budget.
     for (auto& op : batch->ops) release_slot(&op);
-    if (batch->deferred_imm) release_slot(batch->deferred_imm.get());
     WorkBatch* key = batch.get();
     expired_.splice(expired_.end(), live_, live_.begin());
     where_[key] = {&expired_, std::prev(expired_.end())};
@@ -515,7 +506,7 @@ void ProgressWorker::sleep_until_work() {
       // instead of spinning. A busy stream is never quiet that long, so it keeps polling.
       if (n > 0 && !woken_by_submitter && monotonic_ns() - last_activity_ns_ > kQuietNs) {
         int64_t quiet_ms = (monotonic_ns() - last_activity_ns_) / 1000000;
-        usleep(quiet_ms > 200 ? kQuietSleepMaxUs : kQuietSleepMinUs);
+        usleep(quiet_ms > 1000 ? kQuietSleepMaxUs : kQuietSleepMinUs);
       }
     } else if (!all_rails_have_wait_fd_) {
       usleep(20);

@@ -62,6 +62,7 @@ class ProgressWorker {
 
   const ImmCounterTable& imm_counters() const { return imm_; }
   void consume_imm(uint32_t imm, uint64_t units) { imm_.consume(imm, units); }
+  void reset_imm(uint32_t imm) { imm_.reset(imm); }
   bool wait_imm(uint32_t imm, uint64_t count, int64_t deadline_ns);
   void expect_imm(uint32_t imm, uint64_t count, uint64_t token);
 

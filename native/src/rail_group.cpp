@@ -38,7 +38,6 @@ void finish_batch(WorkBatch& batch, bool delivery_complete) {
     if (delivery_complete && op.kind == OpKind::kWrite) op.delivery_complete = true;
     bytes += op.bytes;
   }
-  if (batch.deferred_imm) batch.deferred_imm->batch = &batch;
   batch.transfer->bytes = bytes;
 }
 
@@ -65,9 +64,18 @@ void RailGroup::plan_write(WorkBatch& batch, const MemoryRegion& local, uint64_t
   check_range("source", src_offset, length, local.length);
   check_range("destination", dst_offset, length, remote.length);
 
+  const bool weighted = weighted_imm();
   size_t shards = 1;
-  if (rails_.size() > 1 && length >= settings_.shard_min_bytes) shards = rails_.size();
-  // Shards end on 4 KiB boundaries so no page is split between two NICs.
+  // Without weighted immediates (4-byte CQ data) a shard could not carry a fraction of
+  // the write's one unit, so such providers send each single write as one op.
+  if (weighted || !imm) {
+    if (rails_.size() > 1 && length >= settings_.shard_min_bytes) shards = rails_.size();
+    uint64_t by_size = (length + settings_.max_op_bytes - 1) / settings_.max_op_bytes;
+    // Keep whole rounds over the rails so each rail gets the same share.
+    shards = std::max<uint64_t>(shards, (by_size + shards - 1) / shards * shards);
+    shards = std::min<uint64_t>(shards, kImmUnit);
+  }
+  // Shards end on 4 KiB boundaries so no page is split between two ops.
   uint64_t shard_len = ((length / shards) + 4095) & ~uint64_t(4095);
   batch.ops.reserve(shards);
   for (size_t s = 0; s < shards; ++s) {
@@ -76,9 +84,9 @@ void RailGroup::plan_write(WorkBatch& batch, const MemoryRegion& local, uint64_t
     if (begin >= end) continue;
     RailOp op;
     op.kind = OpKind::kWrite;
-    op.rail = static_cast<uint16_t>(s);
-    const auto& lreg = local.rails[s];
-    const auto& rkey = remote.rails[remote_rail(s, remote)];
+    op.rail = static_cast<uint16_t>(s % rails_.size());
+    const auto& lreg = local.rails[op.rail];
+    const auto& rkey = remote.rails[remote_rail(op.rail, remote)];
     op.iov_count = 1;
     op.iov[0].iov_base = reinterpret_cast<void*>(local.addr + src_offset + begin);
     op.iov[0].iov_len = end - begin;
@@ -90,16 +98,11 @@ void RailGroup::plan_write(WorkBatch& batch, const MemoryRegion& local, uint64_t
     batch.ops.push_back(op);
   }
   if (imm) {
-    if (batch.ops.size() == 1) {
-      batch.ops[0].has_cq_data = true;
-      batch.ops[0].cq_data = encode_imm(*imm, 1);
-    } else {
-      // Shards land in any order on different NICs, so no shard may carry the immediate:
-      // each is delivery-complete, and one immediate follows once all of them landed.
-      for (auto& op : batch.ops) op.delivery_complete = true;
-      plan_imm_only(batch, *imm);
-      batch.deferred_imm = std::make_unique<RailOp>(batch.ops.back());
-      batch.ops.pop_back();
+    const uint32_t n = static_cast<uint32_t>(batch.ops.size());
+    for (uint32_t i = 0; i < n; ++i) {
+      uint32_t weight = weighted ? kImmUnit / n + (i + 1 == n ? kImmUnit % n : 0) : 0;
+      batch.ops[i].has_cq_data = true;
+      batch.ops[i].cq_data = encode_imm(*imm, weight);
     }
   }
   finish_batch(batch, settings_.delivery_complete);
@@ -149,14 +152,15 @@ void RailGroup::plan_paged_write(WorkBatch& batch, const MemoryRegion& local,
         auto& last_rma = op->rma[op->iov_count - 1];
         bool adjacent = reinterpret_cast<uintptr_t>(last_iov.iov_base) + last_iov.iov_len == src &&
                         last_rma.addr + last_rma.len == dst;
-        if (adjacent && op->bytes + page_size <= settings_.max_coalesce_bytes) {
+        const bool room = weight < kMaxPagesPerOp;
+        if (adjacent && room && op->bytes + page_size <= settings_.max_coalesce_bytes) {
           last_iov.iov_len += page_size;
           last_rma.len += page_size;
           op->bytes += page_size;
           ++weight;
           continue;
         }
-        if (op->iov_count < max_iov && op->bytes + page_size <= settings_.max_coalesce_bytes) {
+        if (room && op->iov_count < max_iov && op->bytes + page_size <= settings_.max_coalesce_bytes) {
           size_t k = op->iov_count++;
           op->iov[k].iov_base = reinterpret_cast<void*>(src);
           op->iov[k].iov_len = page_size;
@@ -171,7 +175,7 @@ void RailGroup::plan_paged_write(WorkBatch& batch, const MemoryRegion& local,
       }
       if (op && imm) {
         op->has_cq_data = true;
-        op->cq_data = encode_imm(*imm, weight);
+        op->cq_data = encode_imm(*imm, weighted ? weight * kImmUnit : 0);
       }
       batch.ops.emplace_back();
       op = &batch.ops.back();
@@ -189,7 +193,7 @@ void RailGroup::plan_paged_write(WorkBatch& batch, const MemoryRegion& local,
     }
     if (op && imm) {
       op->has_cq_data = true;
-      op->cq_data = encode_imm(*imm, weight);
+      op->cq_data = encode_imm(*imm, weighted ? weight * kImmUnit : 0);
     }
   }
   finish_batch(batch, settings_.delivery_complete);
@@ -201,7 +205,7 @@ void RailGroup::plan_imm_only(WorkBatch& batch, uint32_t imm) const {
   op.rail = 0;
   op.iov_count = 0;
   op.has_cq_data = true;
-  op.cq_data = encode_imm(imm, 1);
+  op.cq_data = encode_imm(imm, weighted_imm() ? kImmUnit : 0);
   batch.ops.push_back(op);
   finish_batch(batch, settings_.delivery_complete);
 }
