@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("prefill", help="run a prefill worker")
     _add_worker_flags(p, 8100)
+    p.add_argument("--emulated-layer-compute-ms", type=float,
+                   help="extra time per layer and chunk, to emulate a larger model (default 0)")
     p = sub.add_parser("decode", help="run a decode worker")
     _add_worker_flags(p, 8200)
     p.add_argument("--max-batch", type=int, help="running batch size (default 64)")

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 from fastapi import FastAPI, HTTPException, Request
+from pydantic import Field
 
 from kvxfer.errors import EngineError, TransferError
 from kvxfer.kv_push import MAILBOX_SLOT_BYTES, KVReservation, PushSession
@@ -34,6 +35,12 @@ class PrefillSettings(WorkerSettings):
     port: int = 8100
     max_queue: int = 256
     mailbox_slots: int = 256
+    emulated_layer_compute_ms: float = Field(
+        0.0,
+        ge=0.0,
+        description="extra time spent after each layer of each chunk, to emulate a larger "
+        "model's compute on a small one (overlap benchmarks, failure drills); 0: off",
+    )
 
 
 class PrefillRuntime:
@@ -126,12 +133,19 @@ class PrefillRuntime:
         t0 = time.perf_counter()
         peer = session.reservation.descriptor
         self._peers.add(peer[:64])
+        extra_s = self.settings.emulated_layer_compute_ms / 1e3
+
+        def on_layer_done(layer: int, chunk: Any) -> None:
+            if extra_s:
+                time.sleep(extra_s)  # the layer "computes" longer, then its pages go out
+            session.on_layer_done(layer, chunk.first_block, chunk.end_block)
+
         result = self.core.model.prefill(
             prompt,
             self.core.cache,
             local_pages,
             chunk_size=self.settings.prefill_chunk_tokens,
-            on_layer_done=lambda layer, chunk: session.on_layer_done(layer, chunk.first_block, chunk.end_block),
+            on_layer_done=on_layer_done,
         )
         session.finish(result.first_token, len(prompt))
         compute_s = time.perf_counter() - t0

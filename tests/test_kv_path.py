@@ -49,7 +49,10 @@ NUM_PAGES = 512
 QUARANTINE_S = 1.0
 CHUNK = 256  # PrefillSettings.prefill_chunk_tokens default: what the workers use
 LONG = 1000  # tokens; 1000 + MAX_TOKENS fits the tiny model's 1024 context
-SLOW_PUSH_ENV = {"KVXFER_PREFILL_CHUNK_TOKENS": "16"}
+# 16-token chunks spread a long prompt's writes over 63 chunks x 2 layers, and 5 ms of
+# emulated compute per layer and chunk makes that push last over half a second whatever
+# the machine's speed, so an event timed after its first writes falls in its middle.
+SLOW_PUSH_ENV = {"KVXFER_PREFILL_CHUNK_TOKENS": "16", "KVXFER_EMULATED_LAYER_COMPUTE_MS": "5"}
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -113,9 +116,9 @@ def reference(prompt_tokens: list[int], max_tokens: int = MAX_TOKENS) -> Generat
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[dict[str, WorkerProc]]:
     """Workers shared by the module: a decode worker (quarantine 1 s), a prefill worker, and
-    a "slow" prefill worker that pushes in 16-token chunks (63 chunks x 2 layers of writes
-    for a long prompt, spread over its whole compute) so that an event timed after its
-    first completed writes reliably falls in the middle of a push. The last test kills it."""
+    a "slow" prefill worker (SLOW_PUSH_ENV) whose push of a long prompt lasts over half a
+    second, so that an event timed after its first completed writes reliably falls in the
+    middle of a push. The last test kills it."""
     workers = WorkerSet(tmp_path_factory.mktemp("kv_path_workers"))
     failed_before = request.session.testsfailed
     try:
