@@ -27,6 +27,9 @@ def _add_worker_flags(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--provider", help="libfabric provider: auto (default), net, tcp, shm, efa, verbs")
     p.add_argument("--rails", type=int, help="endpoints (NICs) used as one (default 1)")
     p.add_argument("--bind-host", help="address the transfer engine binds (e.g. 127.0.0.1)")
+    p.add_argument("--same-host", action=argparse.BooleanOptionalAction, default=None,
+                   help="copy KV process to process (process_vm_writev) with workers on this "
+                        "machine instead of through the provider (default on)")
     p.add_argument("--num-pages", type=int, help="KV cache pages (default 4096)")
     p.add_argument("--transfer-timeout-s", type=float, help="a write not complete by then fails (default 10)")
     p.add_argument("--etcd", help="comma-separated etcd endpoints; omitted: no registry")

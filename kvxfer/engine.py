@@ -208,6 +208,10 @@ class TransferEngine:
     delivery_complete: a write completes only once the target holds its bytes (default);
         False completes it when the bytes left this host's buffers (faster on sockets, but
         a completed write may still be in flight).
+    same_host: writes to a peer process on this machine (same kernel and PID namespace,
+        allowed by ptrace rules) are copied straight into its registered memory with one
+        process_vm_writev, and only their immediates use the provider (default True; it
+        must be on at both ends). `path_to(descriptor)` tells which path a region takes.
     """
 
     def __init__(
@@ -221,6 +225,7 @@ class TransferEngine:
         idle_spin_us: float = 30.0,
         shard_min_bytes: int = 512 * 1024,
         delivery_complete: bool = True,
+        same_host: bool = True,
     ) -> None:
         if not isinstance(rails, int) or rails < 1:
             raise EngineError(f"rails must be a positive integer, got {rails!r}")
@@ -236,6 +241,7 @@ class TransferEngine:
             idle_spin_us=float(idle_spin_us),
             shard_min_bytes=int(shard_min_bytes),
             delivery_complete=bool(delivery_complete),
+            same_host=bool(same_host),
         )
         self.transfer_timeout_s = float(transfer_timeout_s)
         self._remote_cache: dict[bytes, Any] = {}
@@ -317,6 +323,11 @@ class TransferEngine:
                 self._peer_cache.clear()
             self._peer_cache[key] = peer
         return peer
+
+    def path_to(self, remote_descriptor: bytes) -> str:
+        """"same_host" when writes to that region are copied process to process on this
+        machine, "fabric" when they go through the libfabric provider."""
+        return "same_host" if self._remote(remote_descriptor).same_host else "fabric"
 
     # -- transfers --------------------------------------------------------------------
     def write(
@@ -485,6 +496,19 @@ class TransferEngine:
     def stats(self) -> list[dict[str, int]]:
         """Per-rail counters: bytes/ops posted and completed, completion errors, imms."""
         return [dict(s) for s in self._native.stats()]
+
+    def same_host_stats(self) -> dict[str, int]:
+        """The same-host path's counters (one op per copy slice), keyed like a rail's."""
+        stats = self._native.same_host_stats()
+        return {} if stats is None else dict(stats)
+
+    def path_stats(self) -> dict[str, dict[str, int]]:
+        """Counters of every path: rails by index ("0", "1", ...) and "same_host"."""
+        out: dict[str, dict[str, int]] = {str(i): s for i, s in enumerate(self.stats())}
+        same_host = self.same_host_stats()
+        if same_host:
+            out["same_host"] = same_host
+        return out
 
     def close(self) -> None:
         """Stops the progress thread; pending transfers fail with 'engine closed'."""

@@ -210,7 +210,8 @@ class PrefillMetrics:
 
 
 #: Per-rail engine counters as the engine exposes them: `{rail: {counter: value}}`, or a
-#: sequence of per-rail dicts indexed by rail.
+#: sequence of per-rail dicts indexed by rail. The same-host path (process-to-process
+#: copies on one machine) reports as rail "same_host".
 EngineStats = Union[Mapping[Union[int, str], Mapping[str, int]], Sequence[Mapping[str, int]]]
 
 # (metric name, engine stats key, help). The engine keeps these as plain monotonic

@@ -48,6 +48,9 @@ class WorkerSettings(BaseSettings):
     provider: str = "auto"
     rails: int = 1
     bind_host: str | None = Field(None, description="engine endpoints bind here")
+    same_host: bool = Field(
+        True, description="copy KV straight into decode workers on this machine (process_vm_writev)"
+    )
     num_pages: int = 4096
     transfer_timeout_s: float = 10.0
     etcd: str | None = Field(None, description="comma-separated etcd endpoints; none: no registry")
@@ -72,10 +75,11 @@ class WorkerCore:
             rails=settings.rails,
             bind_host=settings.bind_host,
             transfer_timeout_s=settings.transfer_timeout_s,
+            same_host=settings.same_host,
         )
         self.cache_region = self.engine.register(self.cache.tensor)
         self.metrics_registry = CollectorRegistry()
-        EngineMetrics(self.metrics_registry, self.engine.stats)
+        EngineMetrics(self.metrics_registry, self.engine.path_stats)
         self.http_url = ""
         self.registration: Any = None
         self.draining = False

@@ -27,6 +27,26 @@ from kvxfer.engine import RegisteredMemory, Transfer, TransferEngine
 from kvxfer.errors import KvxferError
 
 
+#: The test mode that takes the same-host path (process_vm_writev); every other mode is a
+#: libfabric provider name, tested with the same-host path off.
+SAME_HOST = "same-host"
+
+
+def provider_of(mode: str) -> str:
+    """The libfabric provider a test mode runs on: same-host sends its immediates over net
+    (or tcp where libfabric has no net provider)."""
+    if mode != SAME_HOST:
+        return mode
+    from kvxfer.engine import available_providers
+
+    return "net" if "net" in available_providers() else "tcp"
+
+
+def engine_options(mode: str) -> dict[str, Any]:
+    """TransferEngine arguments of a test mode."""
+    return {"provider": provider_of(mode), "same_host": mode == SAME_HOST}
+
+
 def seeded_bytes(seed: int, length: int) -> np.ndarray:
     """`length` pseudo-random bytes from numpy's default_rng(seed): the same on both sides.
 
@@ -53,11 +73,20 @@ class EnginePeer:
         buf = np.zeros(size, dtype=np.uint8)
         self.buffers.append(buf)
         self.regions.append(self.engine.register(buf))
-        return {"region": len(self.regions) - 1, "descriptor": self.regions[-1].descriptor.hex()}
+        return {
+            "region": len(self.regions) - 1,
+            "descriptor": self.regions[-1].descriptor.hex(),
+            "address": self.regions[-1].address,
+        }
 
     # -- requests -------------------------------------------------------------------------
     def op_register(self, size: int) -> dict[str, Any]:
         return self.add_region(size)
+
+    def op_deregister(self, region: int) -> dict[str, Any]:
+        """Withdraws a region from the engine; its buffer stays allocated for reads."""
+        self.engine.deregister(self.regions[region])
+        return {}
 
     def op_fill(
         self, region: int = 0, seed: int | None = None, length: int | None = None
@@ -192,7 +221,7 @@ class EnginePeer:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--provider", required=True)
+    parser.add_argument("--provider", required=True, help=f"a libfabric provider or {SAME_HOST!r}")
     parser.add_argument("--rails", type=int, default=1)
     parser.add_argument("--size", type=int, required=True, help="bytes of region 0")
     parser.add_argument("--transfer-timeout-s", type=float, default=30.0)
@@ -209,7 +238,7 @@ def main() -> None:
         out.flush()
 
     engine = TransferEngine(
-        args.provider,
+        **engine_options(args.provider),
         rails=args.rails,
         bind_host="127.0.0.1",
         transfer_timeout_s=args.transfer_timeout_s,

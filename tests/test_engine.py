@@ -2,8 +2,9 @@
 
 The initiator engine lives in this process; the far side is tests/engine_peer.py, a
 separate process driven over JSON lines, which also writes back into memory registered
-here. Every provider present among net, tcp and shm is tested, with 1 and 2 rails where
-sharding matters. Payloads are seeded (numpy default_rng) and compared byte for byte,
+here. Every provider present among net, tcp and shm is tested (with the same-host path
+off), and so is the same-host path ("same-host": bytes by process_vm_writev, immediates
+over net), with 1 and 2 rails where sharding matters. Payloads are seeded (numpy default_rng) and compared byte for byte,
 together with the bytes around each destination, which must stay zero. Data is checked
 only after the receiver counted the write's immediate: that is the engine's contract for
 "every byte landed" (an initiator's completion is not, on socket providers).
@@ -27,12 +28,14 @@ from typing import Any, Iterator
 import numpy as np
 import pytest
 
-from engine_peer import seeded_bytes
+from engine_peer import SAME_HOST, engine_options, provider_of, seeded_bytes
 from kvxfer.engine import TransferEngine, available_providers
 from kvxfer.errors import BoundsError, DescriptorError, EngineError, TransferError, TransferTimeout
 
 PEER_PROGRAM = Path(__file__).with_name("engine_peer.py")
 PROVIDERS = [p for p in ("net", "tcp", "shm") if p in available_providers()]
+# Test modes: each provider with the same-host path off, and the same-host path itself.
+MODES = PROVIDERS + ([SAME_HOST] if {"net", "tcp"} & set(PROVIDERS) else [])
 LOOPBACK = "127.0.0.1"
 KIB, MIB = 1024, 1024 * 1024
 # Region 0 of each pair's target and the initiator's source; rails=1 holds the 64 MiB write.
@@ -196,7 +199,7 @@ class EnginePair:
         self.target = PeerProcess(provider, rails, PAIR_BYTES[rails], work_dir)
         try:
             self.engine = TransferEngine(
-                provider, rails=rails, bind_host=LOOPBACK, transfer_timeout_s=WAIT_S
+                **engine_options(provider), rails=rails, bind_host=LOOPBACK, transfer_timeout_s=WAIT_S
             )
         except BaseException:
             self.target.close()
@@ -321,11 +324,29 @@ def assert_zero(actual: np.ndarray, what: str) -> None:
 
 
 def ops_posted(engine: TransferEngine) -> int:
-    return sum(rail["ops_posted"] for rail in engine.stats())
+    """Fabric ops and same-host copies posted so far."""
+    return sum(path["ops_posted"] for path in engine.path_stats().values())
 
 
-def bytes_completed_per_rail(engine: TransferEngine) -> list[int]:
-    return [rail["bytes_completed"] for rail in engine.stats()]
+def bytes_completed_per_path(engine: TransferEngine) -> dict[str, int]:
+    """Bytes completed so far by each rail ("0", "1", ...) and by "same_host"."""
+    return {name: path["bytes_completed"] for name, path in engine.path_stats().items()}
+
+
+def assert_carried_by_every_rail(
+    engine: TransferEngine, before: dict[str, int], size: int, mode: str
+) -> None:
+    """Each rail carried a share of `size` bytes and together exactly `size`; in same-host
+    mode the process-to-process copy carried all of them and the rails none."""
+    after = bytes_completed_per_path(engine)
+    carried = {name: after[name] - before.get(name, 0) for name in after}
+    if mode == SAME_HOST:
+        assert carried.pop("same_host") == size, carried
+        assert not any(carried.values()), f"fabric rails carried payload: {carried}"
+        return
+    carried.pop("same_host", None)
+    assert all(c > 0 for c in carried.values()), f"per-rail bytes {carried}: a rail carried nothing"
+    assert sum(carried.values()) == size
 
 
 def assert_still_delivers(pair: EnginePair, seed: int = 99) -> None:
@@ -366,8 +387,9 @@ class NothingPosted:
 # -- fixtures ---------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=PROVIDERS)
+@pytest.fixture(scope="module", params=MODES)
 def provider(request: pytest.FixtureRequest) -> str:
+    """The test mode: a libfabric provider, or SAME_HOST."""
     return request.param
 
 
@@ -454,13 +476,13 @@ def test_64_mib_write_lands_byte_for_byte(pairs: PairPool) -> None:
 
 
 def test_single_write_over_two_rails_is_sharded_yet_counts_exactly_one_immediate(
-    pairs: PairPool,
+    pairs: PairPool, provider: str
 ) -> None:
     pair = pairs.get(2)
     imm, size = fresh_imm(), 8 * MIB
     data = seeded_bytes(8, size)
     pair.src[:size] = data
-    before = bytes_completed_per_rail(pair.engine)
+    before = bytes_completed_per_path(pair.engine)
 
     pair.engine.write(pair.mr, 0, pair.descriptor, 0, size, imm).wait(WAIT_S)
 
@@ -468,9 +490,7 @@ def test_single_write_over_two_rails_is_sharded_yet_counts_exactly_one_immediate
     landed = pair.target_bytes(0, size + 64 * KIB)
     assert_same_bytes(landed[:size], data, "sharded write")
     assert_zero(landed[size:], "bytes after the sharded write")
-    carried = [a - b for a, b in zip(bytes_completed_per_rail(pair.engine), before)]
-    assert all(c > 0 for c in carried), f"per-rail bytes {carried}: a rail carried nothing"
-    assert sum(carried) == size
+    assert_carried_by_every_rail(pair.engine, before, size, provider)
 
 
 # -- paged writes -----------------------------------------------------------------------
@@ -493,7 +513,7 @@ def page_lists(seed: int, pages_per_side: int, count: int) -> tuple[np.ndarray, 
 
 @pytest.mark.parametrize("rails", [1, 2])
 def test_paged_write_with_random_permutations_lands_every_page_and_counts_one_per_page(
-    pairs: PairPool, rails: int
+    pairs: PairPool, provider: str, rails: int
 ) -> None:
     pair = pairs.get(rails)
     imm, page, pages_per_side, count = fresh_imm(), 16 * KIB, 512, 300
@@ -501,7 +521,7 @@ def test_paged_write_with_random_permutations_lands_every_page_and_counts_one_pe
     region = pages_per_side * page
     data = seeded_bytes(100 + rails, region)
     pair.src[:region] = data
-    before = bytes_completed_per_rail(pair.engine)
+    before = bytes_completed_per_path(pair.engine)
 
     transfer = pair.engine.write_paged(
         pair.mr, src_pages, pair.descriptor, dst_pages, page, imm=imm
@@ -514,9 +534,7 @@ def test_paged_write_with_random_permutations_lands_every_page_and_counts_one_pe
     for s, d in zip(src_pages, dst_pages):
         expected[d * page : (d + 1) * page] = data[s * page : (s + 1) * page]
     assert_same_bytes(pair.target_bytes(0, expected.size), expected, "paged target")
-    carried = [a - b for a, b in zip(bytes_completed_per_rail(pair.engine), before)]
-    assert all(c > 0 for c in carried), f"per-rail bytes {carried}: a rail carried nothing"
-    assert sum(carried) == len(src_pages) * page
+    assert_carried_by_every_rail(pair.engine, before, len(src_pages) * page, provider)
 
 
 @pytest.mark.parametrize("rails", [1, 2])
@@ -733,7 +751,7 @@ def test_foreign_descriptors_are_refused_with_descriptor_error(
     pair: EnginePair, provider: str
 ) -> None:
     imm = fresh_imm()
-    other = next((p for p in PROVIDERS if p != provider), None)
+    other = next((p for p in PROVIDERS if p != provider_of(provider)), None)
     with NothingPosted(pair, imm):
         with pytest.raises(DescriptorError, match="wrong magic"):
             # An engine address is a valid blob of the wrong kind.
@@ -749,6 +767,116 @@ def test_foreign_descriptors_are_refused_with_descriptor_error(
                     pair.engine.write(pair.mr, 0, foreign, 0, 64, imm)
                 with pytest.raises(DescriptorError, match=f"provider '{other}'"):
                     pair.engine.write_imm(stranger.address, imm)
+
+
+# -- the same-host path -----------------------------------------------------------------
+
+only_same_host = pytest.mark.parametrize("provider", [SAME_HOST], indirect=True)
+
+
+def fnv1a32(data: bytes) -> int:
+    h = 2166136261
+    for byte in data:
+        h = ((h ^ byte) * 16777619) & 0xFFFFFFFF
+    return h
+
+
+def with_region_address(descriptor: bytes, old: int, new: int) -> bytes:
+    """The descriptor with its region's virtual address replaced, checksum made valid again:
+    a forgery that only the owner's region table can expose."""
+    old_bytes, new_bytes = old.to_bytes(8, "little"), new.to_bytes(8, "little")
+    body = descriptor[:-4]
+    assert body.count(old_bytes) == 1, "cannot locate the region address in the descriptor"
+    body = body.replace(old_bytes, new_bytes)
+    return body + fnv1a32(body).to_bytes(4, "little")
+
+
+@only_same_host
+def test_same_host_writes_copy_process_to_process_and_only_immediates_use_the_fabric(
+    pair: EnginePair,
+) -> None:
+    imm, page, count = fresh_imm(), 4 * KIB, 64
+    data = seeded_bytes(61, count * page)
+    pair.src[: data.size] = data
+    fabric_before = [rail["bytes_completed"] for rail in pair.engine.stats()]
+    assert pair.engine.path_to(pair.descriptor) == "same_host"
+
+    pair.engine.write_paged(
+        pair.mr, np.arange(count), pair.descriptor, np.arange(count)[::-1] * 2, page, imm=imm
+    ).wait(WAIT_S)
+
+    pair.wait_target_count(imm, count)
+    landed = pair.target_bytes(0, 2 * count * page)
+    for i in range(count):
+        d = (count - 1 - i) * 2
+        assert_same_bytes(landed[d * page : (d + 1) * page], data[i * page : (i + 1) * page], f"page {i}")
+        assert_zero(landed[(d + 1) * page : (d + 2) * page], f"gap after page {i}")
+    # The immediates (64 pages as one weighted message) are all the fabric carried.
+    assert [rail["bytes_completed"] for rail in pair.engine.stats()] == fabric_before
+
+
+@only_same_host
+def test_same_host_write_into_a_region_its_owner_deregistered_fails_and_lands_nothing(
+    pair: EnginePair,
+) -> None:
+    imm = fresh_imm()
+    region = pair.target.call("register", size=64 * KIB)
+    descriptor = bytes.fromhex(region["descriptor"])
+    pair.engine.write(pair.mr, 0, descriptor, 0, 8, imm).wait(WAIT_S)  # parsed, path cached
+    assert pair.engine.path_to(descriptor) == "same_host"
+    pair.target.call("fill", region=region["region"], seed=None)
+    pair.target.call("deregister", region=region["region"])
+    pair.src[: 4 * KIB] = seeded_bytes(62, 4 * KIB)
+
+    with pytest.raises(TransferError, match="no longer registered"):
+        pair.engine.write(pair.mr, 0, descriptor, 0, 4 * KIB, imm).wait(WAIT_S)
+
+    assert_zero(pair.target_bytes(0, 64 * KIB, region=region["region"]), "deregistered region")
+    assert_still_delivers(pair)
+
+
+@only_same_host
+def test_forged_same_host_descriptor_is_not_trusted_for_process_to_process_copies(
+    pair: EnginePair,
+) -> None:
+    imm = fresh_imm()
+    victim = pair.target.call("register", size=64 * KIB)
+    decoy = pair.target.call("register", size=64 * KIB)
+    # Names the decoy's region id and size, but the victim's memory.
+    forged = with_region_address(
+        bytes.fromhex(decoy["descriptor"]), decoy["address"], victim["address"]
+    )
+    pair.target.call("fill", region=victim["region"], seed=None)
+
+    assert pair.engine.path_to(forged) == "fabric"
+    pair.src[: 4 * KIB] = seeded_bytes(63, 4 * KIB)
+    try:
+        pair.engine.write(pair.mr, 0, forged, 0, 4 * KIB, imm).wait(WAIT_S)
+    except TransferError:
+        pass  # a provider with virtual addressing refuses the forged address: also fine
+
+    time.sleep(STRAY_ARRIVAL_GRACE_S)
+    assert_zero(pair.target_bytes(0, 64 * KIB, region=victim["region"]), "the forged target")
+
+
+@only_same_host
+def test_engine_with_same_host_off_writes_over_the_fabric_to_a_same_host_peer(
+    pair: EnginePair,
+) -> None:
+    imm, size = fresh_imm(), 256 * KIB
+    data = seeded_bytes(64, size)
+    with TransferEngine(provider_of(SAME_HOST), bind_host=LOOPBACK, same_host=False) as engine:
+        src = np.zeros(size, dtype=np.uint8)
+        src[:] = data
+        mr = engine.register(src)
+        assert engine.path_to(pair.descriptor) == "fabric"
+
+        engine.write(mr, 0, pair.descriptor, 0, size, imm).wait(WAIT_S)
+
+        pair.wait_target_count(imm, 1)
+        assert sum(rail["bytes_completed"] for rail in engine.stats()) == size
+        assert engine.same_host_stats()["bytes_completed"] == 0
+    assert_same_bytes(pair.target_bytes(0, size), data, "fabric write to a same-host peer")
 
 
 # -- bounds -----------------------------------------------------------------------------
@@ -883,7 +1011,7 @@ def test_writing_from_a_buffer_this_engine_has_not_registered_raises_engine_erro
     imm = fresh_imm()
     dropped = pair.engine.register(np.zeros(4 * KIB, dtype=np.uint8))
     pair.engine.deregister(dropped)
-    with TransferEngine(provider, bind_host=LOOPBACK) as other:
+    with TransferEngine(**engine_options(provider), bind_host=LOOPBACK) as other:
         elsewhere = other.register(np.zeros(4 * KIB, dtype=np.uint8))
         with NothingPosted(pair, imm):
             for source, message in [
@@ -934,7 +1062,8 @@ def test_transfers_to_a_peer_that_is_gone_or_frozen_fail_in_bounded_time_and_oth
     frozen = peers.spare() if freezable(provider) else None
     imm, size = fresh_imm(), 64 * KIB
     quick = {"bind_host": LOOPBACK, "transfer_timeout_s": DEAD_PEER_TIMEOUT_S}
-    with TransferEngine(provider, **quick) as engine, TransferEngine(provider, **quick) as stranger:
+    options = {**engine_options(provider), **quick}
+    with TransferEngine(**options) as engine, TransferEngine(**options) as stranger:
         src = np.zeros(1 * MIB, dtype=np.uint8)
         src[:] = seeded_bytes(47, src.size)
         mr = engine.register(src)

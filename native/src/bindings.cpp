@@ -50,6 +50,17 @@ bool wait_transfer(TransferState& t, int64_t deadline_ns) {
   }
 }
 
+py::dict stats_dict(const RailStats& s) {
+  py::dict d;
+  d["bytes_posted"] = s.bytes_posted.load();
+  d["bytes_completed"] = s.bytes_completed.load();
+  d["ops_posted"] = s.ops_posted.load();
+  d["ops_completed"] = s.ops_completed.load();
+  d["completion_errors"] = s.completion_errors.load();
+  d["imm_received"] = s.imm_received.load();
+  return d;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
@@ -87,6 +98,7 @@ PYBIND11_MODULE(_native, m) {
   py::class_<RemoteRegion, RemoteRegionPtr>(m, "RemoteRegion")
       .def_property_readonly("length", [](const RemoteRegion& r) { return r.descriptor.length; })
       .def_property_readonly("engine_id", [](const RemoteRegion& r) { return r.owner->engine_id; })
+      .def_property_readonly("same_host", [](const RemoteRegion& r) { return static_cast<bool>(r.same_host); })
       .def_property_readonly("owner_address", [](const RemoteRegion& r) { return py::bytes(r.owner->serialize()); });
 
   py::class_<EngineAddress, std::shared_ptr<EngineAddress>>(m, "PeerAddress")
@@ -118,7 +130,7 @@ PYBIND11_MODULE(_native, m) {
   py::class_<TransferEngine, std::shared_ptr<TransferEngine>>(m, "Engine")
       .def(py::init([](const std::string& provider, size_t rails, const std::string& bind_host,
                        double transfer_timeout_s, size_t max_inflight_per_rail, double idle_spin_us,
-                       uint64_t shard_min_bytes, bool delivery_complete) {
+                       uint64_t shard_min_bytes, bool delivery_complete, bool same_host) {
              EngineSettings s;
              s.provider = provider;
              s.rails = rails;
@@ -128,12 +140,13 @@ PYBIND11_MODULE(_native, m) {
              s.worker.idle_spin_ns = static_cast<int64_t>(idle_spin_us * 1e3);
              s.planner.shard_min_bytes = shard_min_bytes;
              s.planner.delivery_complete = delivery_complete;
+             s.same_host = same_host;
              py::gil_scoped_release release;
              return std::make_shared<TransferEngine>(s);
            }),
            py::arg("provider"), py::arg("rails"), py::arg("bind_host"), py::arg("transfer_timeout_s"),
            py::arg("max_inflight_per_rail"), py::arg("idle_spin_us"), py::arg("shard_min_bytes"),
-           py::arg("delivery_complete") = true)
+           py::arg("delivery_complete") = true, py::arg("same_host") = true)
       .def_property_readonly("address", [](const TransferEngine& e) { return py::bytes(e.address()); })
       .def_property_readonly("provider", &TransferEngine::provider)
       .def_property_readonly("rails", &TransferEngine::rails)
@@ -257,17 +270,12 @@ PYBIND11_MODULE(_native, m) {
       .def("stats", [](TransferEngine& e) {
             py::list out;
             if (e.closed()) return out;
-            for (const auto& s : e.worker().stats()) {
-              py::dict d;
-              d["bytes_posted"] = s->bytes_posted.load();
-              d["bytes_completed"] = s->bytes_completed.load();
-              d["ops_posted"] = s->ops_posted.load();
-              d["ops_completed"] = s->ops_completed.load();
-              d["completion_errors"] = s->completion_errors.load();
-              d["imm_received"] = s->imm_received.load();
-              out.append(d);
-            }
+            for (const auto& s : e.worker().stats()) out.append(stats_dict(*s));
             return out;
+          })
+      .def("same_host_stats", [](TransferEngine& e) -> py::object {
+            if (e.closed()) return py::none();
+            return stats_dict(e.worker().same_host_stats());
           })
       .def("close", [](TransferEngine& e) {
             py::gil_scoped_release release;

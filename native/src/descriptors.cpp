@@ -9,7 +9,8 @@ namespace {
 
 constexpr char kAddressMagic[4] = {'K', 'V', 'X', 'A'};
 constexpr char kDescriptorMagic[4] = {'K', 'V', 'X', 'D'};
-constexpr uint16_t kWireVersion = 1;
+// 2: addresses carry a same-host identity, descriptors the region's virtual address.
+constexpr uint16_t kWireVersion = 2;
 // Generous bounds that still stop a corrupt length from allocating gigabytes.
 constexpr size_t kMaxRails = 64;
 constexpr size_t kMaxRailAddressBytes = 4096;
@@ -94,6 +95,10 @@ void write_address(Writer& w, const EngineAddress& a) {
     w.put<uint16_t>(static_cast<uint16_t>(r.size()));
     w.put_bytes(r);
   }
+  w.put<uint8_t>(static_cast<uint8_t>(a.same_host.host_key.size()));
+  w.put_bytes(a.same_host.host_key);
+  w.put<uint32_t>(a.same_host.pid);
+  w.put<uint64_t>(a.same_host.table_addr);
 }
 
 EngineAddress read_address(Reader& r) {
@@ -107,6 +112,9 @@ EngineAddress read_address(Reader& r) {
     if (n == 0 || n > kMaxRailAddressBytes) r.fail("rail address length " + std::to_string(n));
     a.rail_addresses.push_back(r.get_bytes(n));
   }
+  a.same_host.host_key = r.get_bytes(r.get<uint8_t>());
+  a.same_host.pid = r.get<uint32_t>();
+  a.same_host.table_addr = r.get<uint64_t>();
   return a;
 }
 
@@ -134,6 +142,7 @@ std::string MemoryDescriptor::serialize() const {
   w.put<uint16_t>(kWireVersion);
   write_address(w, owner);
   w.put<uint64_t>(region_id);
+  w.put<uint64_t>(addr);
   w.put<uint64_t>(length);
   w.put<uint16_t>(static_cast<uint16_t>(rails.size()));
   for (const auto& k : rails) {
@@ -149,6 +158,7 @@ MemoryDescriptor MemoryDescriptor::parse(const std::string& blob) {
   MemoryDescriptor d;
   d.owner = read_address(r);
   d.region_id = r.get<uint64_t>();
+  d.addr = r.get<uint64_t>();
   d.length = r.get<uint64_t>();
   uint16_t rails = r.get<uint16_t>();
   if (rails != d.owner.rail_addresses.size())

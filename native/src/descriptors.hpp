@@ -10,10 +10,19 @@
 
 namespace kvxfer {
 
+// Where an engine's process lives, for peers that may reach it without the fabric (see
+// same_host_path.hpp). Empty host_key: the engine offers no same-host path.
+struct SameHostIdentity {
+  std::string host_key;     // boot id and PID namespace: equal only where pids mean the same
+  uint32_t pid = 0;
+  uint64_t table_addr = 0;  // the owner's RegionTable, in its own address space
+};
+
 struct EngineAddress {
   uint64_t engine_id = 0;
   std::string provider;
   std::vector<std::string> rail_addresses;  // raw fi_getname() bytes, one per rail
+  SameHostIdentity same_host;
 
   std::string serialize() const;
   static EngineAddress parse(const std::string& blob);
@@ -27,6 +36,7 @@ struct RemoteRailKey {
 struct MemoryDescriptor {
   EngineAddress owner;
   uint64_t region_id = 0;
+  uint64_t addr = 0;  // the region's virtual address in its owner's process
   uint64_t length = 0;
   std::vector<RemoteRailKey> rails;
 

@@ -243,20 +243,24 @@ void ProgressWorker::finish_transfer(TransferState& t, TransferStatus status, co
 }
 
 void ProgressWorker::complete_op(RailOp* op, const std::string* error, bool posted) {
-  WorkBatch* batch = op->batch;
   auto& st = *stats_[op->rail];
   if (error) {
     st.completion_errors.fetch_add(1, std::memory_order_relaxed);
-    if (!batch->failed) {
-      batch->failed = true;
-      finish_transfer(*batch->transfer, TransferStatus::kFailed, *error);
-    }
   } else if (posted) {
     // Ops dropped unposted (their transfer had already failed) are not completions.
     st.ops_completed.fetch_add(1, std::memory_order_relaxed);
     st.bytes_completed.fetch_add(op->bytes, std::memory_order_relaxed);
   }
-  if (--batch->ops_remaining > 0) return;
+  retire(op->batch, 1, error);
+}
+
+void ProgressWorker::retire(WorkBatch* batch, size_t parts, const std::string* error) {
+  if (error && !batch->failed) {
+    batch->failed = true;
+    finish_transfer(*batch->transfer, TransferStatus::kFailed, *error);
+  }
+  batch->ops_remaining -= parts;
+  if (batch->ops_remaining > 0) return;
   if (!batch->failed) finish_transfer(*batch->transfer, TransferStatus::kDone, "");
   for (size_t r = 0; r < batch->payload_registration.size(); ++r)
     rails_.rail(r).deregister(batch->payload_registration[r]);
@@ -266,6 +270,33 @@ void ProgressWorker::complete_op(RailOp* op, const std::string* error, bool post
     where_.erase(it);
     owner->erase(position);
   }
+}
+
+bool ProgressWorker::run_copies() {
+  if (copies_.empty()) return false;
+  WorkBatch* batch = copies_.front();
+  std::string why;
+  uint64_t copied = 0;
+  if (!batch->failed) why = batch->copy->run_slice(&copied);
+  if (copied) {
+    // A copy is posted and completed in the same system call.
+    same_host_stats_.ops_posted.fetch_add(1, std::memory_order_relaxed);
+    same_host_stats_.bytes_posted.fetch_add(copied, std::memory_order_relaxed);
+    same_host_stats_.ops_completed.fetch_add(1, std::memory_order_relaxed);
+    same_host_stats_.bytes_completed.fetch_add(copied, std::memory_order_relaxed);
+  }
+  if (!why.empty()) same_host_stats_.completion_errors.fetch_add(1, std::memory_order_relaxed);
+  if (batch->failed || !why.empty()) {
+    // Failed or past its deadline: its immediates are never posted.
+    copies_.pop_front();
+    retire(batch, batch->ops.size() + 1, why.empty() ? nullptr : &why);
+  } else if (batch->copy->done()) {
+    // Every byte is in the peer's memory: now the immediates may tell it so.
+    copies_.pop_front();
+    for (auto& op : batch->ops) pending_[op.rail].push_back(&op);
+    retire(batch, 1, nullptr);
+  }
+  return true;
 }
 
 void ProgressWorker::release_slot(RailOp* op) {
@@ -310,7 +341,10 @@ bool ProgressWorker::drain_submissions() {
                       std::string("cannot reach peer: ") + e.what());
       continue;
     }
-    for (auto& op : batch->ops) pending_[op.rail].push_back(&op);
+    if (batch->copy)
+      copies_.push_back(batch.get());
+    else
+      for (auto& op : batch->ops) pending_[op.rail].push_back(&op);
     WorkBatch* key = batch.get();
     live_.push_back(std::move(batch));
     where_[key] = {&live_, std::prev(live_.end())};
@@ -475,7 +509,7 @@ void ProgressWorker::check_deadlines(int64_t now) {
 
 void ProgressWorker::sleep_until_work() {
   sleeping_.store(1, std::memory_order_seq_cst);
-  bool can_block = submissions_.empty() && controls_.empty();
+  bool can_block = submissions_.empty() && controls_.empty() && copies_.empty();
   for (size_t r = 0; can_block && r < rails_.size(); ++r)
     if (!pending_[r].empty()) can_block = false;
   if (can_block) {
@@ -551,6 +585,7 @@ void ProgressWorker::loop() {
       did |= poll_rail(r);
       did |= post_pending(r);
     }
+    did |= run_copies();
     if (imm_arrived_) {
       imm_arrived_ = false;
       imm_epoch_.fetch_add(1, std::memory_order_seq_cst);

@@ -73,6 +73,7 @@ class ProgressWorker {
   std::vector<EngineEvent> take_events();
 
   const std::vector<std::unique_ptr<RailStats>>& stats() const { return stats_; }
+  const RailStats& same_host_stats() const { return same_host_stats_; }
   void stop();
 
   // Worker-thread-only peer table, used from run_on_worker tasks too.
@@ -105,6 +106,11 @@ class ProgressWorker {
   void on_message(RecvSlot* slot, size_t len);
   void repost(RecvSlot* slot);
   void complete_op(RailOp* op, const std::string* error, bool posted = true);
+  // Finishes `parts` parts of a batch (failing it with `error` if given); the last one
+  // completes the transfer and frees the batch.
+  void retire(WorkBatch* batch, size_t parts, const std::string* error);
+  // Copies one slice of the oldest same-host write; true if there was one.
+  bool run_copies();
   void release_slot(RailOp* op);
   void finish_transfer(TransferState& t, TransferStatus status, const std::string& error);
   void check_deadlines(int64_t now);
@@ -126,6 +132,7 @@ class ProgressWorker {
 
   // Worker-only state.
   std::vector<std::deque<RailOp*>> pending_;
+  std::deque<WorkBatch*> copies_;  // same-host writes in submission order
   std::vector<size_t> inflight_;
   std::list<std::unique_ptr<WorkBatch>> live_;     // in deadline order
   std::list<std::unique_ptr<WorkBatch>> expired_;  // timed out, ops still on the fabric
@@ -145,6 +152,7 @@ class ProgressWorker {
   std::vector<std::vector<char>> recv_buffers_;
   std::vector<RailRegistration> recv_registrations_;
   std::vector<std::unique_ptr<RailStats>> stats_;
+  RailStats same_host_stats_;
   bool imm_arrived_ = false;
   bool events_pending_ = false;
 

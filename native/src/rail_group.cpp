@@ -2,33 +2,10 @@
 
 #include <algorithm>
 
+#include "write_bounds.hpp"
+
 namespace kvxfer {
 namespace {
-
-std::string range_text(uint64_t off, uint64_t len, uint64_t size) {
-  return "[" + std::to_string(off) + ", " + std::to_string(off) + "+" + std::to_string(len) +
-         ") outside region of " + std::to_string(size) + " bytes";
-}
-
-void check_range(const char* side, uint64_t off, uint64_t len, uint64_t size) {
-  if (off > size || len > size - off)
-    throw BoundsError(std::string(side) + " range " + range_text(off, len, size));
-}
-
-// True when [offset + index * stride, +page_size) lies inside a region of `length` bytes.
-// Every step is checked, so no choice of offset, stride or index can wrap around 64 bits.
-bool page_fits(uint64_t offset, uint64_t index, uint64_t stride, uint64_t page_size,
-               uint64_t length) {
-  if (offset > length || page_size > length - offset) return false;
-  uint64_t room = length - offset - page_size;  // what index * stride may add
-  return index == 0 || stride <= room / index;
-}
-
-std::string page_text(uint64_t offset, uint64_t stride, uint64_t page_size, uint64_t size) {
-  return "page of " + std::to_string(page_size) + " bytes at offset " + std::to_string(offset) +
-         " + index * " + std::to_string(stride) + " falls outside region of " +
-         std::to_string(size) + " bytes";
-}
 
 void finish_batch(WorkBatch& batch, bool delivery_complete) {
   batch.ops_remaining = batch.ops.size();
@@ -60,9 +37,7 @@ std::vector<std::string> RailGroup::rail_addresses() const {
 void RailGroup::plan_write(WorkBatch& batch, const MemoryRegion& local, uint64_t src_offset,
                            const MemoryDescriptor& remote, uint64_t dst_offset, uint64_t length,
                            std::optional<uint32_t> imm) const {
-  if (length == 0) throw BoundsError("write of 0 bytes: use write_imm for an immediate alone");
-  check_range("source", src_offset, length, local.length);
-  check_range("destination", dst_offset, length, remote.length);
+  check_write_bounds(src_offset, local.length, dst_offset, remote.length, length);
 
   const bool weighted = weighted_imm();
   size_t shards = 1;
@@ -114,23 +89,8 @@ void RailGroup::plan_paged_write(WorkBatch& batch, const MemoryRegion& local,
                                  uint64_t src_offset, uint64_t dst_offset,
                                  const MemoryDescriptor& remote,
                                  std::optional<uint32_t> imm) const {
-  if (page_size == 0) throw BoundsError("page_size must be > 0");
-  if (src_stride < page_size || dst_stride < page_size)
-    throw BoundsError("strides must be >= page_size (pages would overlap)");
-  // Validate every index before anything is planned, so a bad list posts nothing.
-  for (size_t i = 0; i < count; ++i) {
-    if (src_pages[i] < 0 || dst_pages[i] < 0)
-      throw BoundsError("negative page index at position " + std::to_string(i));
-    uint64_t s = static_cast<uint64_t>(src_pages[i]), d = static_cast<uint64_t>(dst_pages[i]);
-    if (!page_fits(src_offset, s, src_stride, page_size, local.length))
-      throw BoundsError("source page " + std::to_string(s) + " at position " + std::to_string(i) +
-                        ": " + page_text(src_offset, src_stride, page_size, local.length));
-    if (!page_fits(dst_offset, d, dst_stride, page_size, remote.length))
-      throw BoundsError("destination page " + std::to_string(d) + " at position " +
-                        std::to_string(i) + ": " +
-                        page_text(dst_offset, dst_stride, page_size, remote.length));
-  }
-  if (count == 0) throw BoundsError("paged write with no pages");
+  check_paged_bounds(src_pages, dst_pages, count, page_size, src_stride, dst_stride, src_offset,
+                     dst_offset, local.length, remote.length);
 
   const bool weighted = weighted_imm();
   const size_t max_iov = weighted ? std::min(kMaxIov, caps().iov_limit) : 1;
@@ -199,14 +159,24 @@ void RailGroup::plan_paged_write(WorkBatch& batch, const MemoryRegion& local,
   finish_batch(batch, settings_.delivery_complete);
 }
 
-void RailGroup::plan_imm_only(WorkBatch& batch, uint32_t imm) const {
-  RailOp op;
-  op.kind = OpKind::kImmOnly;
-  op.rail = 0;
-  op.iov_count = 0;
-  op.has_cq_data = true;
-  op.cq_data = encode_imm(imm, weighted_imm() ? kImmUnit : 0);
-  batch.ops.push_back(op);
+void RailGroup::plan_imm_only(WorkBatch& batch, uint32_t imm, uint64_t units) const {
+  if (units == 0) throw BoundsError("an immediate must be worth at least one unit");
+  // One arrival is worth at most kMaxPagesPerOp units; without weighted immediates (4-byte
+  // CQ data) every unit is its own message.
+  const bool weighted = weighted_imm();
+  const uint64_t per_op = weighted ? kMaxPagesPerOp : 1;
+  batch.ops.reserve(batch.ops.size() + (units + per_op - 1) / per_op);
+  for (uint64_t left = units; left > 0;) {
+    const uint64_t n = std::min(left, per_op);
+    RailOp op;
+    op.kind = OpKind::kImmOnly;
+    op.rail = 0;
+    op.iov_count = 0;
+    op.has_cq_data = true;
+    op.cq_data = encode_imm(imm, weighted ? static_cast<uint32_t>(n * kImmUnit) : 0);
+    batch.ops.push_back(op);
+    left -= n;
+  }
   finish_batch(batch, settings_.delivery_complete);
 }
 

@@ -14,6 +14,7 @@
 #include "descriptors.hpp"
 #include "engine_types.hpp"
 #include "fabric_rail.hpp"
+#include "same_host_path.hpp"
 
 namespace kvxfer {
 
@@ -61,6 +62,9 @@ struct WorkBatch {
   std::vector<RailOp> ops;
   std::string payload;                   // owned bytes of a control message
   std::vector<RailRegistration> payload_registration;
+  // A same-host write: copied first, then `ops` (its immediates, if any) are posted.
+  std::unique_ptr<SameHostCopy> copy;
+  // Parts still to finish: each op, plus one for the copy.
   size_t ops_remaining = 0;
   bool failed = false;
 };
@@ -117,7 +121,8 @@ class RailGroup {
                         uint64_t dst_offset, const MemoryDescriptor& remote,
                         std::optional<uint32_t> imm) const;
 
-  void plan_imm_only(WorkBatch& batch, uint32_t imm) const;
+  // Immediate-only messages that together add `units` to the receiver's count of imm.
+  void plan_imm_only(WorkBatch& batch, uint32_t imm, uint64_t units = 1) const;
 
  private:
   // Remote rail that local rail `r` talks to (peers may have a different rail count).

@@ -46,6 +46,10 @@ TransferEngine::TransferEngine(EngineSettings settings) : settings_(std::move(se
   address_.engine_id = random_engine_id();
   address_.provider = provider_;
   address_.rail_addresses = rails_->rail_addresses();
+  if (settings_.same_host) {
+    region_table_ = std::make_unique<RegionTable>(address_.engine_id);
+    address_.same_host = local_same_host_identity(region_table_->address());
+  }
   address_blob_ = address_.serialize();
   worker_ = std::make_unique<ProgressWorker>(*rails_, settings_.worker);
 }
@@ -87,6 +91,7 @@ MemoryRegionPtr TransferEngine::register_memory(uintptr_t addr, uint64_t length)
       30'000'000'000LL);
   std::lock_guard<std::mutex> lock(regions_mutex_);
   regions_[region->id] = region;
+  if (region_table_) region_table_->publish(*region);
   return region;
 }
 
@@ -95,6 +100,8 @@ void TransferEngine::deregister(const MemoryRegionPtr& region) {
   {
     std::lock_guard<std::mutex> lock(regions_mutex_);
     if (regions_.erase(region->id) == 0) throw EngineError("memory region is not registered");
+    // Withdrawn first: same-host peers check the table before every slice they copy.
+    if (region_table_) region_table_->withdraw(*region);
   }
   worker_->run_on_worker(
       [&] {
@@ -107,6 +114,7 @@ std::string TransferEngine::descriptor(const MemoryRegion& region) const {
   MemoryDescriptor d;
   d.owner = address_;
   d.region_id = region.id;
+  d.addr = region.addr;
   d.length = region.length;
   for (const auto& r : region.rails) d.rails.push_back({r.remote_base, r.key});
   return d.serialize();
@@ -123,7 +131,28 @@ RemoteRegionPtr TransferEngine::parse_remote(const std::string& blob) const {
   remote->descriptor = MemoryDescriptor::parse(blob);
   check_peer(remote->descriptor.owner);
   remote->owner = std::make_shared<const EngineAddress>(remote->descriptor.owner);
+  if (auto peer = same_host_peer(*remote->owner)) {
+    const auto& d = remote->descriptor;
+    // Only a region its owner lists takes this path; anything else goes over the fabric,
+    // whose provider checks the key.
+    if (peer->check_region(d.region_id, d.addr, d.length).empty()) remote->same_host = peer;
+  }
   return remote;
+}
+
+SameHostPeerPtr TransferEngine::same_host_peer(const EngineAddress& owner) const {
+  if (!settings_.same_host || address_.same_host.host_key.empty()) return nullptr;
+  if (owner.same_host.host_key != address_.same_host.host_key) return nullptr;
+  std::lock_guard<std::mutex> lock(same_host_mutex_);
+  auto it = same_host_peers_.find(owner.engine_id);
+  if (it != same_host_peers_.end()) return it->second;
+  // Bounded: forget peers that were never reachable before caching another one.
+  if (same_host_peers_.size() >= 1024)
+    for (auto i = same_host_peers_.begin(); i != same_host_peers_.end();)
+      i = i->second ? std::next(i) : same_host_peers_.erase(i);
+  auto peer = SameHostPeer::open(owner, address_.same_host);
+  same_host_peers_.emplace(owner.engine_id, peer);
+  return peer;
 }
 
 std::shared_ptr<const EngineAddress> TransferEngine::parse_peer(const std::string& blob) const {
@@ -158,6 +187,11 @@ TransferStatePtr TransferEngine::write(const MemoryRegionPtr& local, uint64_t sr
   check_open();
   check_local(local);
   auto batch = new_batch(next_transfer_id_, remote->owner);
+  if (remote->same_host)
+    return start_copy(std::move(batch),
+                      plan_same_host_write(remote->same_host, *local, src_offset, remote->descriptor,
+                                           dst_offset, length),
+                      imm, 1);
   rails_->plan_write(*batch, *local, src_offset, remote->descriptor, dst_offset, length, imm);
   return start(std::move(batch));
 }
@@ -171,8 +205,25 @@ TransferStatePtr TransferEngine::write_paged(const MemoryRegionPtr& local, const
   check_open();
   check_local(local);
   auto batch = new_batch(next_transfer_id_, remote->owner);
+  if (remote->same_host)
+    return start_copy(std::move(batch),
+                      plan_same_host_paged(remote->same_host, *local, src_pages, dst_pages, count,
+                                           page_size, src_stride, dst_stride, src_offset,
+                                           dst_offset, remote->descriptor),
+                      imm, count);
   rails_->plan_paged_write(*batch, *local, src_pages, dst_pages, count, page_size, src_stride,
                            dst_stride, src_offset, dst_offset, remote->descriptor, imm);
+  return start(std::move(batch));
+}
+
+TransferStatePtr TransferEngine::start_copy(std::unique_ptr<WorkBatch> batch,
+                                            std::unique_ptr<SameHostCopy> copy,
+                                            std::optional<uint32_t> imm, uint64_t units) {
+  // A write counts like its fabric twin: one unit per page, one for a single write.
+  if (imm) rails_->plan_imm_only(*batch, *imm, units);
+  batch->transfer->bytes = copy->bytes;
+  batch->ops_remaining = batch->ops.size() + 1;
+  batch->copy = std::move(copy);
   return start(std::move(batch));
 }
 
@@ -213,6 +264,10 @@ void TransferEngine::connect(std::shared_ptr<const EngineAddress> peer) {
 void TransferEngine::forget(const EngineAddress& peer) {
   check_open();
   uint64_t id = peer.engine_id;
+  {
+    std::lock_guard<std::mutex> lock(same_host_mutex_);
+    same_host_peers_.erase(id);
+  }
   worker_->run_on_worker([&] { worker_->forget_peer(id); }, 30'000'000'000LL);
 }
 

@@ -21,6 +21,8 @@ struct EngineSettings {
   std::string provider = "auto";
   size_t rails = 1;
   std::string bind_host;  // socket providers bind here (e.g. 127.0.0.1); empty: default
+  // Offer and use the same-host path (same_host_path.hpp) with peers on this kernel.
+  bool same_host = true;
   PlannerSettings planner;
   WorkerSettings worker;
 };
@@ -29,6 +31,8 @@ struct EngineSettings {
 struct RemoteRegion {
   MemoryDescriptor descriptor;
   std::shared_ptr<const EngineAddress> owner;
+  // Set when writes to this region take the same-host path (its owner's table confirmed it).
+  SameHostPeerPtr same_host;
 };
 using RemoteRegionPtr = std::shared_ptr<RemoteRegion>;
 
@@ -70,6 +74,10 @@ class TransferEngine {
 
  private:
   TransferStatePtr start(std::unique_ptr<WorkBatch> batch);
+  // Hands a planned same-host copy to a batch, with the immediates that follow it.
+  TransferStatePtr start_copy(std::unique_ptr<WorkBatch> batch, std::unique_ptr<SameHostCopy> copy,
+                              std::optional<uint32_t> imm, uint64_t units);
+  SameHostPeerPtr same_host_peer(const EngineAddress& owner) const;
   void check_peer(const EngineAddress& peer) const;
   void check_open() const;
 
@@ -83,6 +91,9 @@ class TransferEngine {
   std::atomic<uint64_t> next_region_id_{1};
   std::mutex regions_mutex_;  // registration only, never on the transfer path
   std::unordered_map<uint64_t, MemoryRegionPtr> regions_;
+  std::unique_ptr<RegionTable> region_table_;  // what same-host peers may write into
+  mutable std::mutex same_host_mutex_;          // peer lookups at descriptor parse, not per write
+  mutable std::unordered_map<uint64_t, std::shared_ptr<SameHostPeer>> same_host_peers_;
   bool closed_ = false;
 };
 

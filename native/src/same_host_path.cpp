@@ -1,0 +1,223 @@
+#include "same_host_path.hpp"
+
+#include <poll.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <climits>
+#include <cstring>
+#include <fstream>
+
+#include "write_bounds.hpp"
+
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434  // same number on every architecture since Linux 5.3
+#endif
+
+namespace kvxfer {
+namespace {
+
+std::string read_first_line(const char* path) {
+  std::ifstream in(path);
+  std::string line;
+  std::getline(in, line);
+  return line;
+}
+
+// Reads `len` bytes at `remote_addr` of process `pid`; false on any error (errno set).
+bool read_remote(pid_t pid, uint64_t remote_addr, void* out, size_t len) {
+  struct iovec l = {out, len};
+  struct iovec r = {reinterpret_cast<void*>(remote_addr), len};
+  return process_vm_readv(pid, &l, 1, &r, 1, 0) == static_cast<ssize_t>(len);
+}
+
+bool header_names(pid_t pid, uint64_t table_addr, uint64_t engine_id) {
+  RegionTable::Header h;
+  return read_remote(pid, table_addr, &h, sizeof h) && h.magic == RegionTable::kMagic &&
+         h.engine_id == engine_id && h.slots == RegionTable::kSlots;
+}
+
+}  // namespace
+
+SameHostIdentity local_same_host_identity(uint64_t table_addr) {
+  SameHostIdentity id;
+  std::string boot = read_first_line("/proc/sys/kernel/random/boot_id");
+  char ns[128];
+  ssize_t n = readlink("/proc/self/ns/pid", ns, sizeof ns - 1);
+  if (boot.empty() || n <= 0) return id;  // no /proc: offer nothing
+  id.host_key = boot + "/" + std::string(ns, static_cast<size_t>(n));
+  if (id.host_key.size() > 255) id.host_key.resize(255);
+  id.pid = static_cast<uint32_t>(getpid());
+  id.table_addr = table_addr;
+  return id;
+}
+
+// -- RegionTable --------------------------------------------------------------------------
+
+RegionTable::RegionTable(uint64_t engine_id) : layout_(new Layout) {
+  layout_->header = {kMagic, engine_id, kSlots};
+}
+
+void RegionTable::publish(const MemoryRegion& region) {
+  Entry& e = layout_->entries[region.id % kSlots];
+  if (e.region_id.load(std::memory_order_relaxed) != 0) return;  // taken: fabric only
+  e.addr.store(region.addr, std::memory_order_relaxed);
+  e.length.store(region.length, std::memory_order_relaxed);
+  e.region_id.store(region.id, std::memory_order_release);
+}
+
+void RegionTable::withdraw(const MemoryRegion& region) {
+  Entry& e = layout_->entries[region.id % kSlots];
+  if (e.region_id.load(std::memory_order_relaxed) == region.id)
+    e.region_id.store(0, std::memory_order_seq_cst);
+}
+
+// -- SameHostPeer -------------------------------------------------------------------------
+
+std::shared_ptr<SameHostPeer> SameHostPeer::open(const EngineAddress& peer,
+                                                 const SameHostIdentity& self) {
+  const auto& id = peer.same_host;
+  if (self.host_key.empty() || id.host_key != self.host_key || id.pid == 0 || id.table_addr == 0)
+    return nullptr;
+  const pid_t pid = static_cast<pid_t>(id.pid);
+  // Reading the owner's table proves both permission and identity: only the engine the
+  // address names has its id at that address of that pid.
+  if (!header_names(pid, id.table_addr, peer.engine_id)) return nullptr;
+  int pidfd = static_cast<int>(syscall(SYS_pidfd_open, pid, 0));
+  if (pidfd < 0) return nullptr;  // kernel without pidfds: cannot rule out pid reuse
+  // Read again now that the pidfd pins the process: it names the engine we checked.
+  if (!header_names(pid, id.table_addr, peer.engine_id)) {
+    close(pidfd);
+    return nullptr;
+  }
+  return std::shared_ptr<SameHostPeer>(new SameHostPeer(pid, pidfd, id.table_addr));
+}
+
+SameHostPeer::~SameHostPeer() { close(pidfd_); }
+
+bool SameHostPeer::exited() const {
+  struct pollfd p = {pidfd_, POLLIN, 0};
+  return poll(&p, 1, 0) != 0;  // readable (or an error) once the process is gone
+}
+
+std::string SameHostPeer::errno_text(int err, const char* doing) const {
+  const std::string who = "peer process " + std::to_string(pid_);
+  if (err == ESRCH) return who + " exited";
+  if (err == EFAULT) return doing + std::string(" failed: range not mapped in ") + who;
+  if (err == EPERM) return who + " no longer allows writes (ptrace rules)";
+  return doing + std::string(" into ") + who + " failed: " + std::strerror(err);
+}
+
+std::string SameHostPeer::check_region(uint64_t region_id, uint64_t addr, uint64_t length) const {
+  if (exited()) return "peer process " + std::to_string(pid_) + " exited";
+  RegionTable::EntryImage e;
+  if (!read_remote(pid_, table_addr_ + RegionTable::entry_offset(region_id), &e, sizeof e))
+    return errno_text(errno, "reading the region table");
+  if (e.region_id != region_id || e.addr != addr || e.length != length)
+    return "region " + std::to_string(region_id) + " is no longer registered by peer process " +
+           std::to_string(pid_);
+  return "";
+}
+
+std::string SameHostPeer::copy(const struct iovec* local, const struct iovec* remote,
+                               size_t count) const {
+  uint64_t want = 0;
+  for (size_t i = 0; i < count; ++i) want += local[i].iov_len;
+  ssize_t n = process_vm_writev(pid_, local, count, remote, count, 0);
+  if (n == static_cast<ssize_t>(want)) return "";
+  if (n < 0) return errno_text(errno, "process_vm_writev");
+  if (n == 0) return errno_text(EFAULT, "process_vm_writev");
+  // Partial: the kernel stopped at a fault. Retry the rest, which copies more or says why.
+  std::vector<struct iovec> l(local, local + count), r(remote, remote + count);
+  size_t done = static_cast<size_t>(n), k = 0;
+  while (k < count && done >= l[k].iov_len) done -= l[k++].iov_len;
+  if (k == count) return "";
+  for (auto* v : {&l[k], &r[k]}) {
+    v->iov_base = static_cast<char*>(v->iov_base) + done;
+    v->iov_len -= done;
+  }
+  return copy(l.data() + k, r.data() + k, count - k);
+}
+
+// -- SameHostCopy -------------------------------------------------------------------------
+
+std::string SameHostCopy::run_slice(uint64_t* copied) {
+  *copied = 0;
+  std::string why = peer->check_region(region_id, region_addr, region_length);
+  if (!why.empty()) return why;
+  size_t end = next;
+  uint64_t slice = 0;
+  while (end < local.size() && end - next < kSlicePieces &&
+         (slice == 0 || slice + local[end].iov_len <= kSliceBytes))
+    slice += local[end++].iov_len;
+  why = peer->copy(local.data() + next, remote.data() + next, end - next);
+  if (!why.empty()) return why;
+  next = end;
+  *copied = slice;
+  return "";
+}
+
+namespace {
+
+std::unique_ptr<SameHostCopy> new_copy(SameHostPeerPtr peer, const MemoryDescriptor& remote) {
+  auto copy = std::make_unique<SameHostCopy>();
+  copy->peer = std::move(peer);
+  copy->region_id = remote.region_id;
+  copy->region_addr = remote.addr;
+  copy->region_length = remote.length;
+  return copy;
+}
+
+// Appends [src, dst) x len, cut into pieces of at most kSliceBytes.
+void add_piece(SameHostCopy& copy, uint64_t src, uint64_t dst, uint64_t len) {
+  for (uint64_t off = 0; off < len; off += SameHostCopy::kSliceBytes) {
+    uint64_t n = std::min<uint64_t>(SameHostCopy::kSliceBytes, len - off);
+    copy.local.push_back({reinterpret_cast<void*>(src + off), n});
+    copy.remote.push_back({reinterpret_cast<void*>(dst + off), n});
+  }
+  copy.bytes += len;
+}
+
+}  // namespace
+
+std::unique_ptr<SameHostCopy> plan_same_host_write(SameHostPeerPtr peer, const MemoryRegion& local,
+                                                   uint64_t src_offset, const MemoryDescriptor& remote,
+                                                   uint64_t dst_offset, uint64_t length) {
+  check_write_bounds(src_offset, local.length, dst_offset, remote.length, length);
+  auto copy = new_copy(std::move(peer), remote);
+  add_piece(*copy, local.addr + src_offset, remote.addr + dst_offset, length);
+  return copy;
+}
+
+std::unique_ptr<SameHostCopy> plan_same_host_paged(SameHostPeerPtr peer, const MemoryRegion& local,
+                                                   const int64_t* src_pages, const int64_t* dst_pages,
+                                                   size_t count, uint64_t page_size,
+                                                   uint64_t src_stride, uint64_t dst_stride,
+                                                   uint64_t src_offset, uint64_t dst_offset,
+                                                   const MemoryDescriptor& remote) {
+  check_paged_bounds(src_pages, dst_pages, count, page_size, src_stride, dst_stride, src_offset,
+                     dst_offset, local.length, remote.length);
+  auto copy = new_copy(std::move(peer), remote);
+  copy->local.reserve(count);
+  copy->remote.reserve(count);
+  // Runs of pages adjacent on both sides are merged first, then cut at kSliceBytes.
+  uint64_t run_src = 0, run_dst = 0, run_len = 0;
+  for (size_t i = 0; i < count; ++i) {
+    uint64_t src = local.addr + src_offset + static_cast<uint64_t>(src_pages[i]) * src_stride;
+    uint64_t dst = remote.addr + dst_offset + static_cast<uint64_t>(dst_pages[i]) * dst_stride;
+    if (run_len && run_src + run_len == src && run_dst + run_len == dst) {
+      run_len += page_size;
+      continue;
+    }
+    if (run_len) add_piece(*copy, run_src, run_dst, run_len);
+    run_src = src;
+    run_dst = dst;
+    run_len = page_size;
+  }
+  add_piece(*copy, run_src, run_dst, run_len);
+  return copy;
+}
+
+}  // namespace kvxfer

@@ -1,0 +1,148 @@
+// The same-host path: when the target engine lives in another process on this kernel
+// (same boot, same PID namespace) and ptrace rules let us, a write is one
+// process_vm_writev straight from the source buffer into the target's registered region:
+// one copy by the sender's CPU, none by the target's, nothing through a fabric provider.
+// Only the immediate still goes over the fabric, posted after the copy returned, so the
+// receiver's ImmCounter keeps meaning "every byte is here" and the receiver cannot tell
+// the two paths apart.
+//
+// Why not libfabric's shm provider: its RMA is progressed by the target's CPU (the target
+// copies out of the sender via CMA when it polls), so a write waits for the target's
+// progress thread to wake up, and libfabric 1.17's shm hangs the initiator when a peer
+// dies at the wrong moment (see tests/test_engine.py). Here a dead peer is an ESRCH.
+//
+// Safety: a descriptor is only trusted for this path when the owner's RegionTable (in the
+// owner's memory, read with process_vm_readv) lists that very region, and it is checked
+// again before every slice of a copy, together with a pidfd that tells whether the owner
+// is still the process we probed (pids are recycled). A descriptor the table does not
+// confirm goes over the fabric, where the provider checks its key.
+#pragma once
+
+#include <sys/types.h>
+#include <sys/uio.h>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "descriptors.hpp"
+#include "engine_types.hpp"
+
+namespace kvxfer {
+
+// The identity this process offers to same-host peers; empty host_key when /proc does not
+// tell (then no peer will try the path).
+SameHostIdentity local_same_host_identity(uint64_t table_addr);
+
+// Owner side: the regions this engine registered, in a fixed table at a stable address of
+// this process, for peers to read. Written under the engine's registration mutex only.
+class RegionTable {
+ public:
+  static constexpr uint64_t kMagic = 0x316c627472667876ull;  // "vxfrtbl1"
+  static constexpr size_t kSlots = 4096;
+
+  struct Header {
+    uint64_t magic;
+    uint64_t engine_id;
+    uint64_t slots;
+  };
+  // What a reader sees of a slot (the owner writes it through atomics of the same layout).
+  struct EntryImage {
+    uint64_t region_id;
+    uint64_t addr;
+    uint64_t length;
+  };
+
+  explicit RegionTable(uint64_t engine_id);
+  uint64_t address() const { return reinterpret_cast<uint64_t>(layout_.get()); }
+
+  // A region whose slot is taken by another live region is not published: same-host writes
+  // to it fall back to the fabric.
+  void publish(const MemoryRegion& region);
+  void withdraw(const MemoryRegion& region);
+
+  static uint64_t entry_offset(uint64_t region_id) {
+    return sizeof(Header) + (region_id % kSlots) * sizeof(EntryImage);
+  }
+
+ private:
+  struct Entry {
+    std::atomic<uint64_t> region_id{0};  // 0: free; written last on publish, first on withdraw
+    std::atomic<uint64_t> addr{0};
+    std::atomic<uint64_t> length{0};
+  };
+  struct Layout {
+    Header header;
+    Entry entries[kSlots];
+  };
+  static_assert(sizeof(Entry) == sizeof(EntryImage), "readers copy entries as plain words");
+
+  std::unique_ptr<Layout> layout_;
+};
+
+// Sender side: a same-host peer we proved we can write into. Shared by every descriptor
+// of that peer; thread-safe (its state is fixed after open).
+class SameHostPeer {
+ public:
+  // Null when `peer` cannot be reached this way: no identity, another host or PID
+  // namespace, not permitted, gone, or not the engine its address names.
+  static std::shared_ptr<SameHostPeer> open(const EngineAddress& peer,
+                                            const SameHostIdentity& self);
+  ~SameHostPeer();
+  SameHostPeer(const SameHostPeer&) = delete;
+  SameHostPeer& operator=(const SameHostPeer&) = delete;
+
+  pid_t pid() const { return pid_; }
+  // "" when the owner still runs and lists this region exactly; else the reason.
+  std::string check_region(uint64_t region_id, uint64_t addr, uint64_t length) const;
+  // Writes every pair (local[i] -> remote[i], equal lengths); "" or the reason it failed.
+  std::string copy(const struct iovec* local, const struct iovec* remote, size_t count) const;
+
+ private:
+  SameHostPeer(pid_t pid, int pidfd, uint64_t table_addr)
+      : pid_(pid), pidfd_(pidfd), table_addr_(table_addr) {}
+  bool exited() const;
+  std::string errno_text(int err, const char* doing) const;
+
+  pid_t pid_;
+  int pidfd_;
+  uint64_t table_addr_;
+};
+using SameHostPeerPtr = std::shared_ptr<const SameHostPeer>;
+
+// One same-host write, planned on the submitting thread and carried out by the progress
+// worker a slice at a time, so a 64 MiB copy never keeps completions of other transfers
+// waiting for long.
+struct SameHostCopy {
+  // At most this many bytes and IOV_MAX pieces per slice: about a millisecond of copying.
+  static constexpr uint64_t kSliceBytes = 4ull << 20;
+  static constexpr size_t kSlicePieces = 1024;
+
+  SameHostPeerPtr peer;
+  uint64_t region_id = 0, region_addr = 0, region_length = 0;
+  std::vector<struct iovec> local, remote;  // pairwise equal lengths, at most kSliceBytes each
+  size_t next = 0;                           // first piece not yet copied
+  uint64_t bytes = 0;
+
+  bool done() const { return next == local.size(); }
+  // Copies the next slice (after re-checking the peer and its region). Returns "" or why
+  // it failed; `copied` gets the bytes of the slice.
+  std::string run_slice(uint64_t* copied);
+};
+
+// Plans a single write: validated like the fabric path (write_bounds.hpp).
+std::unique_ptr<SameHostCopy> plan_same_host_write(SameHostPeerPtr peer, const MemoryRegion& local,
+                                                   uint64_t src_offset, const MemoryDescriptor& remote,
+                                                   uint64_t dst_offset, uint64_t length);
+
+// Plans a paged write; runs of pages adjacent on both sides become one piece.
+std::unique_ptr<SameHostCopy> plan_same_host_paged(SameHostPeerPtr peer, const MemoryRegion& local,
+                                                   const int64_t* src_pages, const int64_t* dst_pages,
+                                                   size_t count, uint64_t page_size,
+                                                   uint64_t src_stride, uint64_t dst_stride,
+                                                   uint64_t src_offset, uint64_t dst_offset,
+                                                   const MemoryDescriptor& remote);
+
+}  // namespace kvxfer
