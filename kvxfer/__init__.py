@@ -16,6 +16,7 @@ from kvxfer.errors import (
     TransferError,
     TransferTimeout,
 )
+from kvxfer.shared_memory import SharedBuffer
 
 if TYPE_CHECKING:
     from kvxfer.engine import RegisteredMemory, Transfer, TransferEngine
@@ -26,6 +27,7 @@ __all__ = [
     "EngineError",
     "KvxferError",
     "RegisteredMemory",
+    "SharedBuffer",
     "Transfer",
     "TransferEngine",
     "TransferError",

@@ -19,6 +19,7 @@ import numpy as np
 
 from kvxfer import _native
 from kvxfer.errors import BoundsError, EngineError, TransferError, TransferTimeout
+from kvxfer.shared_memory import shared_buffer_of
 
 # Native status codes (TransferStatus in engine_types.hpp).
 _PENDING, _DONE, _FAILED, _TIMED_OUT = 0, 1, 2, 3
@@ -209,7 +210,8 @@ class TransferEngine:
         False completes it when the bytes left this host's buffers (faster on sockets, but
         a completed write may still be in flight).
     same_host: writes to a peer process on this machine (same kernel and PID namespace,
-        allowed by ptrace rules) are copied straight into its registered memory with one
+        allowed by ptrace rules) are copied straight into its registered memory, with a
+        memcpy into a mapping when the region is a `SharedBuffer`, else with one
         process_vm_writev, and only their immediates use the provider (default True; it
         must be on at both ends). `path_to(descriptor)` tells which path a region takes.
     """
@@ -274,9 +276,19 @@ class TransferEngine:
 
     # -- memory -----------------------------------------------------------------------
     def register(self, buf: Any) -> RegisteredMemory:
-        """Registers a contiguous buffer on every rail and returns its handle."""
+        """Registers a contiguous buffer on every rail and returns its handle.
+
+        A view of a `kvxfer.SharedBuffer` registers as shareable: same-host peers map it and
+        write with memcpy instead of process_vm_writev.
+        """
         addr, length, owner = _buffer_address(buf)
-        region = RegisteredMemory(self, self._native.register(addr, length), owner)
+        shared = shared_buffer_of(addr, length)
+        if shared is None:
+            native = self._native.register(addr, length)
+        else:
+            native = self._native.register(addr, length, shared.fd, addr - shared.address)
+            owner = (owner, shared)  # its memfd must stay open while peers may map it
+        region = RegisteredMemory(self, native, owner)
         self._regions.append(region)
         return region
 
@@ -325,9 +337,13 @@ class TransferEngine:
         return peer
 
     def path_to(self, remote_descriptor: bytes) -> str:
-        """"same_host" when writes to that region are copied process to process on this
-        machine, "fabric" when they go through the libfabric provider."""
-        return "same_host" if self._remote(remote_descriptor).same_host else "fabric"
+        """How writes to that region travel: "same_host_mapped" (memcpy into the owner's
+        SharedBuffer, mapped here), "same_host" (process_vm_writev), or "fabric" (the
+        libfabric provider)."""
+        remote = self._remote(remote_descriptor)
+        if remote.mapped:
+            return "same_host_mapped"
+        return "same_host" if remote.same_host else "fabric"
 
     # -- transfers --------------------------------------------------------------------
     def write(

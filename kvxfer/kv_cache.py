@@ -14,7 +14,9 @@ the attention kernel:
   computed, which is what lets the transfer hide behind the next layer's compute.
 
 The whole cache is one allocation so that the engine registers it once (by pointer,
-through `tensor`) and peers address pages by index rather than by pointer.
+through `tensor`) and peers address pages by index rather than by pointer. It lives in a
+`SharedBuffer` (a memfd), so a prefiller on the same machine maps it and writes pages with
+memcpy.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import TYPE_CHECKING, Union
 import torch
 
 from kvxfer.errors import KvxferError
+from kvxfer.shared_memory import SharedBuffer
 
 if TYPE_CHECKING:  # only for annotations: the model package imports this module
     from kvxfer.model.config import ModelConfig
@@ -101,9 +104,12 @@ class PagedKVCache:
                 raise KVCacheError(f"PagedKVCache {field_name} must be a positive int, got {value!r}")
         self._dtype_name = dtype
         torch_dtype = dtype_from_name(dtype)
-        self._tensor = torch.zeros(
-            (num_layers, num_pages, 2, block_size, num_kv_heads, head_dim), dtype=torch_dtype
-        )
+        shape = (num_layers, num_pages, 2, block_size, num_kv_heads, head_dim)
+        # A memfd-backed buffer (zeroed like torch.zeros): a prefiller on the same machine
+        # maps it and pushes pages with memcpy rather than process_vm_writev.
+        nbytes = math.prod(shape) * torch.tensor([], dtype=torch_dtype).element_size()
+        self._backing = SharedBuffer(nbytes, name="kvxfer-kv-cache")
+        self._tensor = self._backing.torch(torch_dtype, shape)
         self._num_layers = num_layers
         self._num_pages = num_pages
         self._block_size = block_size

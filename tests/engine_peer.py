@@ -23,19 +23,23 @@ from typing import Any, Callable
 
 import numpy as np
 
+from kvxfer import SharedBuffer
 from kvxfer.engine import RegisteredMemory, Transfer, TransferEngine
 from kvxfer.errors import KvxferError
 
 
-#: The test mode that takes the same-host path (process_vm_writev); every other mode is a
+#: The test modes that take the same-host path: regions in plain memory (process_vm_writev)
+#: and regions in SharedBuffers (mapped by the writer, memcpy). Every other mode is a
 #: libfabric provider name, tested with the same-host path off.
 SAME_HOST = "same-host"
+SAME_HOST_MAPPED = "same-host-mapped"
+SAME_HOST_MODES = (SAME_HOST, SAME_HOST_MAPPED)
 
 
 def provider_of(mode: str) -> str:
     """The libfabric provider a test mode runs on: same-host sends its immediates over net
     (or tcp where libfabric has no net provider)."""
-    if mode != SAME_HOST:
+    if mode not in SAME_HOST_MODES:
         return mode
     from kvxfer.engine import available_providers
 
@@ -44,7 +48,15 @@ def provider_of(mode: str) -> str:
 
 def engine_options(mode: str) -> dict[str, Any]:
     """TransferEngine arguments of a test mode."""
-    return {"provider": provider_of(mode), "same_host": mode == SAME_HOST}
+    return {"provider": provider_of(mode), "same_host": mode in SAME_HOST_MODES}
+
+
+def region_buffer(mode: str, size: int) -> np.ndarray:
+    """A zeroed buffer to register: in a SharedBuffer in the mapped mode (registration keeps
+    the SharedBuffer alive), plain numpy memory otherwise."""
+    if mode == SAME_HOST_MAPPED:
+        return SharedBuffer(size).array
+    return np.zeros(size, dtype=np.uint8)
 
 
 def seeded_bytes(seed: int, length: int) -> np.ndarray:
@@ -62,15 +74,16 @@ def seeded_bytes(seed: int, length: int) -> np.ndarray:
 class EnginePeer:
     """Serves test requests against one engine and the regions it registered."""
 
-    def __init__(self, engine: TransferEngine, size: int) -> None:
+    def __init__(self, engine: TransferEngine, size: int, mode: str) -> None:
         self.engine = engine
+        self.mode = mode
         self.buffers: list[np.ndarray] = []
         self.regions: list[RegisteredMemory] = []
         self.stream: list[Transfer] = []
         self.add_region(size)
 
     def add_region(self, size: int) -> dict[str, Any]:
-        buf = np.zeros(size, dtype=np.uint8)
+        buf = region_buffer(self.mode, size)
         self.buffers.append(buf)
         self.regions.append(self.engine.register(buf))
         return {
@@ -244,7 +257,7 @@ def main() -> None:
         transfer_timeout_s=args.transfer_timeout_s,
     )
     try:
-        peer = EnginePeer(engine, args.size)
+        peer = EnginePeer(engine, args.size, args.provider)
         reply(
             {
                 "ok": True,

@@ -3,8 +3,10 @@
 The initiator engine lives in this process; the far side is tests/engine_peer.py, a
 separate process driven over JSON lines, which also writes back into memory registered
 here. Every provider present among net, tcp and shm is tested (with the same-host path
-off), and so is the same-host path ("same-host": bytes by process_vm_writev, immediates
-over net), with 1 and 2 rails where sharding matters. Payloads are seeded (numpy default_rng) and compared byte for byte,
+off), and so is the same-host path, with immediates over net: "same-host" (regions in
+plain memory, bytes by process_vm_writev) and "same-host-mapped" (regions in
+SharedBuffers, mapped by the writer, bytes by memcpy); 1 and 2 rails where sharding
+matters. Payloads are seeded (numpy default_rng) and compared byte for byte,
 together with the bytes around each destination, which must stay zero. Data is checked
 only after the receiver counted the write's immediate: that is the engine's contract for
 "every byte landed" (an initiator's completion is not, on socket providers).
@@ -28,14 +30,22 @@ from typing import Any, Iterator
 import numpy as np
 import pytest
 
-from engine_peer import SAME_HOST, engine_options, provider_of, seeded_bytes
+from engine_peer import (
+    SAME_HOST,
+    SAME_HOST_MAPPED,
+    SAME_HOST_MODES,
+    engine_options,
+    provider_of,
+    region_buffer,
+    seeded_bytes,
+)
 from kvxfer.engine import TransferEngine, available_providers
 from kvxfer.errors import BoundsError, DescriptorError, EngineError, TransferError, TransferTimeout
 
 PEER_PROGRAM = Path(__file__).with_name("engine_peer.py")
 PROVIDERS = [p for p in ("net", "tcp", "shm") if p in available_providers()]
 # Test modes: each provider with the same-host path off, and the same-host path itself.
-MODES = PROVIDERS + ([SAME_HOST] if {"net", "tcp"} & set(PROVIDERS) else [])
+MODES = PROVIDERS + (list(SAME_HOST_MODES) if {"net", "tcp"} & set(PROVIDERS) else [])
 LOOPBACK = "127.0.0.1"
 KIB, MIB = 1024, 1024 * 1024
 # Region 0 of each pair's target and the initiator's source; rails=1 holds the 64 MiB write.
@@ -206,7 +216,7 @@ class EnginePair:
             raise
         self.src = np.zeros(PAIR_BYTES[rails], dtype=np.uint8)
         self.mr = self.engine.register(self.src)
-        self.inbox = np.zeros(INBOX_BYTES, dtype=np.uint8)
+        self.inbox = region_buffer(provider, INBOX_BYTES)
         self.inbox_mr = self.engine.register(self.inbox)
         self._dumps = itertools.count()
 
@@ -340,7 +350,7 @@ def assert_carried_by_every_rail(
     mode the process-to-process copy carried all of them and the rails none."""
     after = bytes_completed_per_path(engine)
     carried = {name: after[name] - before.get(name, 0) for name in after}
-    if mode == SAME_HOST:
+    if mode in SAME_HOST_MODES:
         assert carried.pop("same_host") == size, carried
         assert not any(carried.values()), f"fabric rails carried payload: {carried}"
         return
@@ -771,7 +781,9 @@ def test_foreign_descriptors_are_refused_with_descriptor_error(
 
 # -- the same-host path -----------------------------------------------------------------
 
-only_same_host = pytest.mark.parametrize("provider", [SAME_HOST], indirect=True)
+only_same_host = pytest.mark.parametrize("provider", list(SAME_HOST_MODES), indirect=True)
+# What TransferEngine.path_to says of a peer's region 0 in each same-host mode.
+SAME_HOST_PATH = {SAME_HOST: "same_host", SAME_HOST_MAPPED: "same_host_mapped"}
 
 
 def fnv1a32(data: bytes) -> int:
@@ -793,13 +805,13 @@ def with_region_address(descriptor: bytes, old: int, new: int) -> bytes:
 
 @only_same_host
 def test_same_host_writes_copy_process_to_process_and_only_immediates_use_the_fabric(
-    pair: EnginePair,
+    pair: EnginePair, provider: str
 ) -> None:
     imm, page, count = fresh_imm(), 4 * KIB, 64
     data = seeded_bytes(61, count * page)
     pair.src[: data.size] = data
     fabric_before = [rail["bytes_completed"] for rail in pair.engine.stats()]
-    assert pair.engine.path_to(pair.descriptor) == "same_host"
+    assert pair.engine.path_to(pair.descriptor) == SAME_HOST_PATH[provider]
 
     pair.engine.write_paged(
         pair.mr, np.arange(count), pair.descriptor, np.arange(count)[::-1] * 2, page, imm=imm
@@ -817,13 +829,13 @@ def test_same_host_writes_copy_process_to_process_and_only_immediates_use_the_fa
 
 @only_same_host
 def test_same_host_write_into_a_region_its_owner_deregistered_fails_and_lands_nothing(
-    pair: EnginePair,
+    pair: EnginePair, provider: str
 ) -> None:
     imm = fresh_imm()
     region = pair.target.call("register", size=64 * KIB)
     descriptor = bytes.fromhex(region["descriptor"])
     pair.engine.write(pair.mr, 0, descriptor, 0, 8, imm).wait(WAIT_S)  # parsed, path cached
-    assert pair.engine.path_to(descriptor) == "same_host"
+    assert pair.engine.path_to(descriptor) == SAME_HOST_PATH[provider]
     pair.target.call("fill", region=region["region"], seed=None)
     pair.target.call("deregister", region=region["region"])
     pair.src[: 4 * KIB] = seeded_bytes(62, 4 * KIB)

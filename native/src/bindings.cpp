@@ -99,6 +99,7 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("length", [](const RemoteRegion& r) { return r.descriptor.length; })
       .def_property_readonly("engine_id", [](const RemoteRegion& r) { return r.owner->engine_id; })
       .def_property_readonly("same_host", [](const RemoteRegion& r) { return static_cast<bool>(r.same_host); })
+      .def_property_readonly("mapped", [](const RemoteRegion& r) { return static_cast<bool>(r.mapping); })
       .def_property_readonly("owner_address", [](const RemoteRegion& r) { return py::bytes(r.owner->serialize()); });
 
   py::class_<EngineAddress, std::shared_ptr<EngineAddress>>(m, "PeerAddress")
@@ -169,10 +170,11 @@ PYBIND11_MODULE(_native, m) {
         d["wait_fd"] = c.has_wait_fd;
         return d;
       })
-      .def("register", [](TransferEngine& e, uintptr_t addr, uint64_t length) {
+      .def("register", [](TransferEngine& e, uintptr_t addr, uint64_t length, int share_fd,
+                          uint64_t share_offset) {
             py::gil_scoped_release release;
-            return e.register_memory(addr, length);
-          }, py::arg("addr"), py::arg("length"))
+            return e.register_memory(addr, length, share_fd, share_offset);
+          }, py::arg("addr"), py::arg("length"), py::arg("share_fd") = -1, py::arg("share_offset") = 0)
       .def("deregister", [](TransferEngine& e, const MemoryRegionPtr& r) {
             py::gil_scoped_release release;
             e.deregister(r);

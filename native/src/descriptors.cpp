@@ -9,7 +9,8 @@ namespace {
 
 constexpr char kAddressMagic[4] = {'K', 'V', 'X', 'A'};
 constexpr char kDescriptorMagic[4] = {'K', 'V', 'X', 'D'};
-// 2: addresses carry a same-host identity, descriptors the region's virtual address.
+// 2: addresses carry a same-host identity, descriptors the region's virtual address and
+// its shareable file (same_host_path.hpp).
 constexpr uint16_t kWireVersion = 2;
 // Generous bounds that still stop a corrupt length from allocating gigabytes.
 constexpr size_t kMaxRails = 64;
@@ -144,6 +145,8 @@ std::string MemoryDescriptor::serialize() const {
   w.put<uint64_t>(region_id);
   w.put<uint64_t>(addr);
   w.put<uint64_t>(length);
+  w.put<int32_t>(share_fd);
+  w.put<uint64_t>(share_offset);
   w.put<uint16_t>(static_cast<uint16_t>(rails.size()));
   for (const auto& k : rails) {
     w.put<uint64_t>(k.base);
@@ -160,6 +163,8 @@ MemoryDescriptor MemoryDescriptor::parse(const std::string& blob) {
   d.region_id = r.get<uint64_t>();
   d.addr = r.get<uint64_t>();
   d.length = r.get<uint64_t>();
+  d.share_fd = r.get<int32_t>();
+  d.share_offset = r.get<uint64_t>();
   uint16_t rails = r.get<uint16_t>();
   if (rails != d.owner.rail_addresses.size())
     r.fail("descriptor has " + std::to_string(rails) + " rail keys for " +

@@ -38,6 +38,8 @@ struct MemoryDescriptor {
   uint64_t region_id = 0;
   uint64_t addr = 0;  // the region's virtual address in its owner's process
   uint64_t length = 0;
+  int32_t share_fd = -1;  // the owner's memfd holding the region (-1: none), see RegionTable
+  uint64_t share_offset = 0;
   std::vector<RemoteRailKey> rails;
 
   std::string serialize() const;

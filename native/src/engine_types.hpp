@@ -75,6 +75,11 @@ struct MemoryRegion {
   uint64_t id = 0;
   uintptr_t addr = 0;
   uint64_t length = 0;
+  // Set when the buffer lives in a file mapping (a memfd) that same-host peers may map:
+  // the owner's descriptor number, the buffer's offset in the file, and the file's identity.
+  int share_fd = -1;
+  uint64_t share_offset = 0;
+  uint64_t share_dev = 0, share_ino = 0;
   std::vector<RailRegistration> rails;
 };
 using MemoryRegionPtr = std::shared_ptr<MemoryRegion>;

@@ -272,20 +272,31 @@ void ProgressWorker::retire(WorkBatch* batch, size_t parts, const std::string* e
   }
 }
 
-bool ProgressWorker::run_copies() {
-  if (copies_.empty()) return false;
-  WorkBatch* batch = copies_.front();
-  std::string why;
+std::string ProgressWorker::copy_slice(SameHostCopy& copy) {
   uint64_t copied = 0;
-  if (!batch->failed) why = batch->copy->run_slice(&copied);
+  std::string why = copy.run_slice(&copied);
   if (copied) {
-    // A copy is posted and completed in the same system call.
+    // A copy is posted and completed in one step.
     same_host_stats_.ops_posted.fetch_add(1, std::memory_order_relaxed);
     same_host_stats_.bytes_posted.fetch_add(copied, std::memory_order_relaxed);
     same_host_stats_.ops_completed.fetch_add(1, std::memory_order_relaxed);
     same_host_stats_.bytes_completed.fetch_add(copied, std::memory_order_relaxed);
   }
   if (!why.empty()) same_host_stats_.completion_errors.fetch_add(1, std::memory_order_relaxed);
+  return why;
+}
+
+std::string ProgressWorker::copy_inline(SameHostCopy& copy) {
+  std::string why;
+  while (why.empty() && !copy.done()) why = copy_slice(copy);
+  return why;
+}
+
+bool ProgressWorker::run_copies() {
+  if (copies_.empty()) return false;
+  WorkBatch* batch = copies_.front();
+  std::string why;
+  if (!batch->failed) why = copy_slice(*batch->copy);
   if (batch->failed || !why.empty()) {
     // Failed or past its deadline: its immediates are never posted.
     copies_.pop_front();
@@ -391,6 +402,7 @@ bool ProgressWorker::post_pending(size_t r) {
       msg.data = op->cq_data;
       uint64_t flags = FI_COMPLETION;
       if (op->has_cq_data) flags |= FI_REMOTE_CQ_DATA;
+      if (op->delivery_complete) flags |= FI_DELIVERY_COMPLETE;
       rc = rail.post_send(msg, flags);
     }
     if (rc == -FI_EAGAIN) break;  // provider queue full: read completions, then retry

@@ -74,6 +74,9 @@ class ProgressWorker {
 
   const std::vector<std::unique_ptr<RailStats>>& stats() const { return stats_; }
   const RailStats& same_host_stats() const { return same_host_stats_; }
+  // Copies all of a same-host write on the calling thread. Safe from any thread: it
+  // touches only the copy and atomic counters. Returns "" or why it failed.
+  std::string copy_inline(SameHostCopy& copy);
   void stop();
 
   // Worker-thread-only peer table, used from run_on_worker tasks too.
@@ -111,6 +114,7 @@ class ProgressWorker {
   void retire(WorkBatch* batch, size_t parts, const std::string* error);
   // Copies one slice of the oldest same-host write; true if there was one.
   bool run_copies();
+  std::string copy_slice(SameHostCopy& copy);  // one slice, counted in same_host_stats_
   void release_slot(RailOp* op);
   void finish_transfer(TransferState& t, TransferStatus status, const std::string& error);
   void check_deadlines(int64_t now);

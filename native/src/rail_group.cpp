@@ -7,12 +7,13 @@
 namespace kvxfer {
 namespace {
 
-void finish_batch(WorkBatch& batch, bool delivery_complete) {
+void finish_batch(WorkBatch& batch, DeliveryLevel delivery) {
   batch.ops_remaining = batch.ops.size();
   uint64_t bytes = 0;
   for (auto& op : batch.ops) {
     op.batch = &batch;
-    if (delivery_complete && op.kind == OpKind::kWrite) op.delivery_complete = true;
+    if ((op.kind == OpKind::kWrite && delivery.writes) || (op.kind == OpKind::kImmOnly && delivery.immediates))
+      op.delivery_complete = true;
     bytes += op.bytes;
   }
   batch.transfer->bytes = bytes;
@@ -26,6 +27,10 @@ RailGroup::RailGroup(const std::string& provider, const std::string& bind_host, 
   if (rails == 0 || rails > 16) throw EngineError("rails must be 1..16, got " + std::to_string(rails));
   for (size_t i = 0; i < rails; ++i)
     rails_.push_back(std::make_unique<FabricRail>(provider, bind_host, i));
+  delivery_.writes = settings.delivery_complete;
+  // Immediates too: a late one could bump a counter the receiver has reused. Not on shm:
+  // libfabric 1.17's shm never completes a zero-byte send flagged FI_DELIVERY_COMPLETE.
+  delivery_.immediates = settings.delivery_complete && provider != "shm";
 }
 
 std::vector<std::string> RailGroup::rail_addresses() const {
@@ -80,7 +85,7 @@ void RailGroup::plan_write(WorkBatch& batch, const MemoryRegion& local, uint64_t
       batch.ops[i].cq_data = encode_imm(*imm, weight);
     }
   }
-  finish_batch(batch, settings_.delivery_complete);
+  finish_batch(batch, delivery_);
 }
 
 void RailGroup::plan_paged_write(WorkBatch& batch, const MemoryRegion& local,
@@ -156,7 +161,7 @@ void RailGroup::plan_paged_write(WorkBatch& batch, const MemoryRegion& local,
       op->cq_data = encode_imm(*imm, weighted ? weight * kImmUnit : 0);
     }
   }
-  finish_batch(batch, settings_.delivery_complete);
+  finish_batch(batch, delivery_);
 }
 
 void RailGroup::plan_imm_only(WorkBatch& batch, uint32_t imm, uint64_t units) const {
@@ -177,7 +182,7 @@ void RailGroup::plan_imm_only(WorkBatch& batch, uint32_t imm, uint64_t units) co
     batch.ops.push_back(op);
     left -= n;
   }
-  finish_batch(batch, settings_.delivery_complete);
+  finish_batch(batch, delivery_);
 }
 
 }  // namespace kvxfer

@@ -93,10 +93,17 @@ struct PlannerSettings {
   uint64_t max_op_bytes = 4 * 1024 * 1024;
   // Coalesced page runs stop at this size so one op cannot starve the other rails.
   uint64_t max_coalesce_bytes = 4 * 1024 * 1024;
-  // Complete a write at the initiator only once the target has the data (an ack from the
-  // target on socket providers). Then "the prefiller saw every write complete" means no
-  // byte of the request can still land, which is what page reuse on cancel relies on.
+  // Complete a write (and an immediate-only message) at the initiator only once the target
+  // has it (an ack from the target on socket providers). Then "the prefiller saw every
+  // write complete" means no byte and no immediate of the request can still land, which is
+  // what page and immediate reuse on cancel rely on.
   bool delivery_complete = true;
+};
+
+// Which ops of a batch complete only once delivered (PlannerSettings::delivery_complete).
+struct DeliveryLevel {
+  bool writes = false;
+  bool immediates = false;
 };
 
 class RailGroup {
@@ -132,6 +139,7 @@ class RailGroup {
 
   std::vector<std::unique_ptr<FabricRail>> rails_;
   PlannerSettings settings_;
+  DeliveryLevel delivery_;
 };
 
 }  // namespace kvxfer

@@ -1,6 +1,9 @@
 #include "same_host_path.hpp"
 
+#include <fcntl.h>
 #include <poll.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -65,6 +68,10 @@ void RegionTable::publish(const MemoryRegion& region) {
   if (e.region_id.load(std::memory_order_relaxed) != 0) return;  // taken: fabric only
   e.addr.store(region.addr, std::memory_order_relaxed);
   e.length.store(region.length, std::memory_order_relaxed);
+  e.share_fd_plus1.store(static_cast<uint64_t>(region.share_fd + 1), std::memory_order_relaxed);
+  e.share_offset.store(region.share_offset, std::memory_order_relaxed);
+  e.share_dev.store(region.share_dev, std::memory_order_relaxed);
+  e.share_ino.store(region.share_ino, std::memory_order_relaxed);
   e.region_id.store(region.id, std::memory_order_release);
 }
 
@@ -110,15 +117,43 @@ std::string SameHostPeer::errno_text(int err, const char* doing) const {
   return doing + std::string(" into ") + who + " failed: " + std::strerror(err);
 }
 
+bool SameHostPeer::read_entry(uint64_t region_id, RegionTable::EntryImage* e) const {
+  return read_remote(pid_, table_addr_ + RegionTable::entry_offset(region_id), e, sizeof *e);
+}
+
 std::string SameHostPeer::check_region(uint64_t region_id, uint64_t addr, uint64_t length) const {
   if (exited()) return "peer process " + std::to_string(pid_) + " exited";
   RegionTable::EntryImage e;
-  if (!read_remote(pid_, table_addr_ + RegionTable::entry_offset(region_id), &e, sizeof e))
-    return errno_text(errno, "reading the region table");
+  if (!read_entry(region_id, &e)) return errno_text(errno, "reading the region table");
   if (e.region_id != region_id || e.addr != addr || e.length != length)
     return "region " + std::to_string(region_id) + " is no longer registered by peer process " +
            std::to_string(pid_);
   return "";
+}
+
+SharedMapping::~SharedMapping() { munmap(base_, length_); }
+
+SharedMappingPtr SameHostPeer::map_region(const MemoryDescriptor& d) const {
+  RegionTable::EntryImage e;
+  if (d.share_fd < 0 || !read_entry(d.region_id, &e)) return nullptr;
+  if (e.region_id != d.region_id || e.addr != d.addr || e.length != d.length ||
+      e.share_fd_plus1 != static_cast<uint64_t>(d.share_fd) + 1 || e.share_offset != d.share_offset)
+    return nullptr;
+  const std::string path = "/proc/" + std::to_string(pid_) + "/fd/" + std::to_string(d.share_fd);
+  int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+  if (fd < 0) return nullptr;
+  struct stat st;
+  void* base = MAP_FAILED;
+  // The descriptor number may have been reused for another file: only the file the owner's
+  // table names (device and inode) is mapped. MAP_POPULATE: no page faults on the hot path.
+  if (fstat(fd, &st) == 0 && static_cast<uint64_t>(st.st_dev) == e.share_dev &&
+      static_cast<uint64_t>(st.st_ino) == e.share_ino &&
+      d.share_offset + d.length <= static_cast<uint64_t>(st.st_size))
+    base = mmap(nullptr, d.length, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd,
+                static_cast<off_t>(d.share_offset));
+  ::close(fd);
+  if (base == MAP_FAILED) return nullptr;
+  return std::make_shared<SharedMapping>(base, d.length);
 }
 
 std::string SameHostPeer::copy(const struct iovec* local, const struct iovec* remote,
@@ -152,8 +187,15 @@ std::string SameHostCopy::run_slice(uint64_t* copied) {
   while (end < local.size() && end - next < kSlicePieces &&
          (slice == 0 || slice + local[end].iov_len <= kSliceBytes))
     slice += local[end++].iov_len;
-  why = peer->copy(local.data() + next, remote.data() + next, end - next);
-  if (!why.empty()) return why;
+  if (mapping) {
+    // Remote addresses are the owner's; the same bytes sit at the same offset of our mapping.
+    for (size_t i = next; i < end; ++i)
+      std::memcpy(mapping->base() + (reinterpret_cast<uint64_t>(remote[i].iov_base) - region_addr),
+                  local[i].iov_base, local[i].iov_len);
+  } else {
+    why = peer->copy(local.data() + next, remote.data() + next, end - next);
+    if (!why.empty()) return why;
+  }
   next = end;
   *copied = slice;
   return "";
@@ -161,9 +203,11 @@ std::string SameHostCopy::run_slice(uint64_t* copied) {
 
 namespace {
 
-std::unique_ptr<SameHostCopy> new_copy(SameHostPeerPtr peer, const MemoryDescriptor& remote) {
+std::unique_ptr<SameHostCopy> new_copy(SameHostPeerPtr peer, SharedMappingPtr mapping,
+                                       const MemoryDescriptor& remote) {
   auto copy = std::make_unique<SameHostCopy>();
   copy->peer = std::move(peer);
+  copy->mapping = std::move(mapping);
   copy->region_id = remote.region_id;
   copy->region_addr = remote.addr;
   copy->region_length = remote.length;
@@ -182,16 +226,18 @@ void add_piece(SameHostCopy& copy, uint64_t src, uint64_t dst, uint64_t len) {
 
 }  // namespace
 
-std::unique_ptr<SameHostCopy> plan_same_host_write(SameHostPeerPtr peer, const MemoryRegion& local,
+std::unique_ptr<SameHostCopy> plan_same_host_write(SameHostPeerPtr peer, SharedMappingPtr mapping,
+                                                   const MemoryRegion& local,
                                                    uint64_t src_offset, const MemoryDescriptor& remote,
                                                    uint64_t dst_offset, uint64_t length) {
   check_write_bounds(src_offset, local.length, dst_offset, remote.length, length);
-  auto copy = new_copy(std::move(peer), remote);
+  auto copy = new_copy(std::move(peer), std::move(mapping), remote);
   add_piece(*copy, local.addr + src_offset, remote.addr + dst_offset, length);
   return copy;
 }
 
-std::unique_ptr<SameHostCopy> plan_same_host_paged(SameHostPeerPtr peer, const MemoryRegion& local,
+std::unique_ptr<SameHostCopy> plan_same_host_paged(SameHostPeerPtr peer, SharedMappingPtr mapping,
+                                                   const MemoryRegion& local,
                                                    const int64_t* src_pages, const int64_t* dst_pages,
                                                    size_t count, uint64_t page_size,
                                                    uint64_t src_stride, uint64_t dst_stride,
@@ -199,7 +245,7 @@ std::unique_ptr<SameHostCopy> plan_same_host_paged(SameHostPeerPtr peer, const M
                                                    const MemoryDescriptor& remote) {
   check_paged_bounds(src_pages, dst_pages, count, page_size, src_stride, dst_stride, src_offset,
                      dst_offset, local.length, remote.length);
-  auto copy = new_copy(std::move(peer), remote);
+  auto copy = new_copy(std::move(peer), std::move(mapping), remote);
   copy->local.reserve(count);
   copy->remote.reserve(count);
   // Runs of pages adjacent on both sides are merged first, then cut at kSliceBytes.

@@ -11,11 +11,17 @@
 // progress thread to wake up, and libfabric 1.17's shm hangs the initiator when a peer
 // dies at the wrong moment (see tests/test_engine.py). Here a dead peer is an ESRCH.
 //
+// Mapped regions: a buffer the owner keeps in a memfd (kvxfer.SharedBuffer; the KV cache
+// does) is mapped by the sender through /proc/<pid>/fd/<n>, and the copy is a plain memcpy
+// at memory speed: no system call per write, no per-page pinning (process_vm_writev pins
+// and dirties every 4 KiB page, which halves its speed against memcpy here).
+//
 // Safety: a descriptor is only trusted for this path when the owner's RegionTable (in the
-// owner's memory, read with process_vm_readv) lists that very region, and it is checked
-// again before every slice of a copy, together with a pidfd that tells whether the owner
-// is still the process we probed (pids are recycled). A descriptor the table does not
-// confirm goes over the fabric, where the provider checks its key.
+// owner's memory, read with process_vm_readv) lists that very region (and, for a mapping,
+// the very file, by device and inode), and it is checked again before every slice of a
+// copy, together with a pidfd that tells whether the owner is still the process we probed
+// (pids are recycled). A descriptor the table does not confirm goes over the fabric, where
+// the provider checks its key.
 #pragma once
 
 #include <sys/types.h>
@@ -53,6 +59,10 @@ class RegionTable {
     uint64_t region_id;
     uint64_t addr;
     uint64_t length;
+    uint64_t share_fd_plus1;  // 0: not in a shareable file
+    uint64_t share_offset;
+    uint64_t share_dev;
+    uint64_t share_ino;
   };
 
   explicit RegionTable(uint64_t engine_id);
@@ -72,6 +82,10 @@ class RegionTable {
     std::atomic<uint64_t> region_id{0};  // 0: free; written last on publish, first on withdraw
     std::atomic<uint64_t> addr{0};
     std::atomic<uint64_t> length{0};
+    std::atomic<uint64_t> share_fd_plus1{0};
+    std::atomic<uint64_t> share_offset{0};
+    std::atomic<uint64_t> share_dev{0};
+    std::atomic<uint64_t> share_ino{0};
   };
   struct Layout {
     Header header;
@@ -81,6 +95,21 @@ class RegionTable {
 
   std::unique_ptr<Layout> layout_;
 };
+
+// A peer's region mapped into this process (unmapped when the last user lets go).
+class SharedMapping {
+ public:
+  SharedMapping(void* base, size_t length) : base_(static_cast<char*>(base)), length_(length) {}
+  ~SharedMapping();
+  SharedMapping(const SharedMapping&) = delete;
+  SharedMapping& operator=(const SharedMapping&) = delete;
+  char* base() const { return base_; }
+
+ private:
+  char* base_;
+  size_t length_;
+};
+using SharedMappingPtr = std::shared_ptr<const SharedMapping>;
 
 // Sender side: a same-host peer we proved we can write into. Shared by every descriptor
 // of that peer; thread-safe (its state is fixed after open).
@@ -97,6 +126,9 @@ class SameHostPeer {
   pid_t pid() const { return pid_; }
   // "" when the owner still runs and lists this region exactly; else the reason.
   std::string check_region(uint64_t region_id, uint64_t addr, uint64_t length) const;
+  // Maps a region that lives in a shareable file of the owner's, once the owner's table
+  // names that file; null when it does not (then process_vm_writev is used).
+  SharedMappingPtr map_region(const MemoryDescriptor& d) const;
   // Writes every pair (local[i] -> remote[i], equal lengths); "" or the reason it failed.
   std::string copy(const struct iovec* local, const struct iovec* remote, size_t count) const;
 
@@ -104,6 +136,7 @@ class SameHostPeer {
   SameHostPeer(pid_t pid, int pidfd, uint64_t table_addr)
       : pid_(pid), pidfd_(pidfd), table_addr_(table_addr) {}
   bool exited() const;
+  bool read_entry(uint64_t region_id, RegionTable::EntryImage* e) const;
   std::string errno_text(int err, const char* doing) const;
 
   pid_t pid_;
@@ -121,6 +154,7 @@ struct SameHostCopy {
   static constexpr size_t kSlicePieces = 1024;
 
   SameHostPeerPtr peer;
+  SharedMappingPtr mapping;  // set: memcpy into it; else process_vm_writev
   uint64_t region_id = 0, region_addr = 0, region_length = 0;
   std::vector<struct iovec> local, remote;  // pairwise equal lengths, at most kSliceBytes each
   size_t next = 0;                           // first piece not yet copied
@@ -133,12 +167,14 @@ struct SameHostCopy {
 };
 
 // Plans a single write: validated like the fabric path (write_bounds.hpp).
-std::unique_ptr<SameHostCopy> plan_same_host_write(SameHostPeerPtr peer, const MemoryRegion& local,
+std::unique_ptr<SameHostCopy> plan_same_host_write(SameHostPeerPtr peer, SharedMappingPtr mapping,
+                                                   const MemoryRegion& local,
                                                    uint64_t src_offset, const MemoryDescriptor& remote,
                                                    uint64_t dst_offset, uint64_t length);
 
 // Plans a paged write; runs of pages adjacent on both sides become one piece.
-std::unique_ptr<SameHostCopy> plan_same_host_paged(SameHostPeerPtr peer, const MemoryRegion& local,
+std::unique_ptr<SameHostCopy> plan_same_host_paged(SameHostPeerPtr peer, SharedMappingPtr mapping,
+                                                   const MemoryRegion& local,
                                                    const int64_t* src_pages, const int64_t* dst_pages,
                                                    size_t count, uint64_t page_size,
                                                    uint64_t src_stride, uint64_t dst_stride,

@@ -1,5 +1,7 @@
 #include "transfer_engine.hpp"
 
+#include <sys/stat.h>
+
 #include <random>
 
 #include "futex_wait.hpp"
@@ -11,6 +13,9 @@ namespace {
 // 1.17; later releases call it "tcp"), then rxm over TCP. shm reaches only this host, so
 // it is never picked implicitly.
 const char* const kAutoOrder[] = {"efa", "verbs", "net", "tcp", "sockets"};
+
+// Same-host writes up to this size are copied on the submitting thread (see start_copy).
+constexpr uint64_t kInlineCopyBytes = 64 * 1024;
 
 uint64_t random_engine_id() {
   std::random_device rd;
@@ -74,13 +79,27 @@ void TransferEngine::check_open() const {
   if (closed_) throw EngineError("engine is closed");
 }
 
-MemoryRegionPtr TransferEngine::register_memory(uintptr_t addr, uint64_t length) {
+MemoryRegionPtr TransferEngine::register_memory(uintptr_t addr, uint64_t length, int share_fd,
+                                                uint64_t share_offset) {
   check_open();
   if (addr == 0 || length == 0) throw BoundsError("cannot register an empty buffer");
   auto region = std::make_shared<MemoryRegion>();
   region->id = next_region_id_.fetch_add(1);
   region->addr = addr;
   region->length = length;
+  if (share_fd >= 0) {
+    struct stat st;
+    if (fstat(share_fd, &st) != 0) throw EngineError("share_fd " + std::to_string(share_fd) + " is not open");
+    if (share_offset > static_cast<uint64_t>(st.st_size) ||
+        length > static_cast<uint64_t>(st.st_size) - share_offset)
+      throw BoundsError("buffer of " + std::to_string(length) + " bytes at offset " +
+                        std::to_string(share_offset) + " does not fit its file of " +
+                        std::to_string(st.st_size) + " bytes");
+    region->share_fd = share_fd;
+    region->share_offset = share_offset;
+    region->share_dev = static_cast<uint64_t>(st.st_dev);
+    region->share_ino = static_cast<uint64_t>(st.st_ino);
+  }
   // MR calls touch the domain, which belongs to the worker thread.
   worker_->run_on_worker(
       [&] {
@@ -116,6 +135,8 @@ std::string TransferEngine::descriptor(const MemoryRegion& region) const {
   d.region_id = region.id;
   d.addr = region.addr;
   d.length = region.length;
+  d.share_fd = region.share_fd;
+  d.share_offset = region.share_offset;
   for (const auto& r : region.rails) d.rails.push_back({r.remote_base, r.key});
   return d.serialize();
 }
@@ -135,7 +156,10 @@ RemoteRegionPtr TransferEngine::parse_remote(const std::string& blob) const {
     const auto& d = remote->descriptor;
     // Only a region its owner lists takes this path; anything else goes over the fabric,
     // whose provider checks the key.
-    if (peer->check_region(d.region_id, d.addr, d.length).empty()) remote->same_host = peer;
+    if (peer->check_region(d.region_id, d.addr, d.length).empty()) {
+      remote->same_host = peer;
+      remote->mapping = peer->map_region(d);
+    }
   }
   return remote;
 }
@@ -189,7 +213,8 @@ TransferStatePtr TransferEngine::write(const MemoryRegionPtr& local, uint64_t sr
   auto batch = new_batch(next_transfer_id_, remote->owner);
   if (remote->same_host)
     return start_copy(std::move(batch),
-                      plan_same_host_write(remote->same_host, *local, src_offset, remote->descriptor,
+                      plan_same_host_write(remote->same_host, remote->mapping, *local, src_offset,
+                                           remote->descriptor,
                                            dst_offset, length),
                       imm, 1);
   rails_->plan_write(*batch, *local, src_offset, remote->descriptor, dst_offset, length, imm);
@@ -207,7 +232,8 @@ TransferStatePtr TransferEngine::write_paged(const MemoryRegionPtr& local, const
   auto batch = new_batch(next_transfer_id_, remote->owner);
   if (remote->same_host)
     return start_copy(std::move(batch),
-                      plan_same_host_paged(remote->same_host, *local, src_pages, dst_pages, count,
+                      plan_same_host_paged(remote->same_host, remote->mapping, *local, src_pages,
+                                           dst_pages, count,
                                            page_size, src_stride, dst_stride, src_offset,
                                            dst_offset, remote->descriptor),
                       imm, count);
@@ -221,10 +247,26 @@ TransferStatePtr TransferEngine::start_copy(std::unique_ptr<WorkBatch> batch,
                                             std::optional<uint32_t> imm, uint64_t units) {
   // A write counts like its fabric twin: one unit per page, one for a single write.
   if (imm) rails_->plan_imm_only(*batch, *imm, units);
-  batch->transfer->bytes = copy->bytes;
-  batch->ops_remaining = batch->ops.size() + 1;
-  batch->copy = std::move(copy);
-  return start(std::move(batch));
+  auto transfer = batch->transfer;
+  transfer->bytes = copy->bytes;
+  if (copy->bytes > kInlineCopyBytes) {
+    batch->ops_remaining = batch->ops.size() + 1;
+    batch->copy = std::move(copy);
+    return start(std::move(batch));
+  }
+  // Small writes are copied right here: a hand-off to the worker and back costs more than
+  // the copy, and a 4 KiB write then takes about one copy plus its checks.
+  transfer->submitted_ns = monotonic_ns();
+  std::string why = worker_->copy_inline(*copy);
+  if (why.empty() && imm) {
+    batch->ops_remaining = batch->ops.size();  // only its immediates are left to post
+    return start(std::move(batch));
+  }
+  transfer->error = why;
+  transfer->completed_ns.store(monotonic_ns(), std::memory_order_relaxed);
+  transfer->status.store(static_cast<uint32_t>(why.empty() ? TransferStatus::kDone : TransferStatus::kFailed),
+                         std::memory_order_seq_cst);
+  return transfer;
 }
 
 TransferStatePtr TransferEngine::write_imm(std::shared_ptr<const EngineAddress> peer, uint32_t imm) {

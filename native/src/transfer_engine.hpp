@@ -33,6 +33,8 @@ struct RemoteRegion {
   std::shared_ptr<const EngineAddress> owner;
   // Set when writes to this region take the same-host path (its owner's table confirmed it).
   SameHostPeerPtr same_host;
+  // Set when the region also lives in a file of the owner's that we mapped: memcpy path.
+  SharedMappingPtr mapping;
 };
 using RemoteRegionPtr = std::shared_ptr<RemoteRegion>;
 
@@ -47,7 +49,10 @@ class TransferEngine {
   const RailCapabilities& caps() const { return rails_->caps(); }
   uint64_t engine_id() const { return address_.engine_id; }
 
-  MemoryRegionPtr register_memory(uintptr_t addr, uint64_t length);
+  // share_fd >= 0: the buffer lies at share_offset of that file mapping (a memfd), which
+  // same-host peers may map to write with memcpy.
+  MemoryRegionPtr register_memory(uintptr_t addr, uint64_t length, int share_fd = -1,
+                                  uint64_t share_offset = 0);
   void deregister(const MemoryRegionPtr& region);
   std::string descriptor(const MemoryRegion& region) const;
 
