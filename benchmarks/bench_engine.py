@@ -14,7 +14,8 @@ and a verdict per target of the issue:
   T1  single writes >= 1 MiB at >= 90% of one loopback TCP stream (tcp-class providers)
   T2  paged writes of 16 KiB pages at random indices at >= 2x the bare loop (window 1)
   T3  adjacent pages at >= 90% of single-write speed (same bytes per write call)
-  T4  same host (shm) at >= 50% of memcpy (single writes >= 1 MiB)
+  T4  same host (shm, and the engine's own same-host path) at >= 50% of memcpy
+      (single writes >= 1 MiB)
 
 Method: the target is a separate process (engine_peer_process.py) that registers a
 region and publishes its descriptor. The initiator submits one case's units (a single
@@ -92,6 +93,15 @@ T1_TCP_RATIO, T2_BARE_RATIO, T3_SINGLE_RATIO, T4_MEMCPY_RATIO = 0.90, 2.0, 0.90,
 T1_MIN_SIZE = 1 * MIB
 T2_PAGE_SIZE = 16 * KIB
 TCP_CLASS_PROVIDERS = ("net", "tcp", "sockets")
+# The engine's same-host path (process_vm_writev, immediates over net): not a libfabric
+# provider, so its bare-loop baseline is libfabric's own same-host provider, shm.
+SAME_HOST = "same-host"
+SAME_HOST_CLASS = ("shm", SAME_HOST)
+
+
+def bare_provider(provider: str) -> str:
+    """The libfabric provider whose bare loop is `provider`'s baseline."""
+    return "shm" if provider == SAME_HOST else provider
 
 # Deadlines: a stuck peer fails its case instead of hanging the run.
 PEER_START_TIMEOUT_S = 60.0
@@ -568,8 +578,9 @@ def bare_settings(cases: list[tuple[str, int]], providers: list[str], repeats: i
                 if window != 1 and size not in BARE_W16_PAGE_SIZES and size != T2_PAGE_SIZE:
                     continue
                 n = repeats if rnd and size == T2_PAGE_SIZE else 1
-                if (provider, size, window, rnd, n) not in out:
-                    out.append((provider, size, window, rnd, n))
+                run = (bare_provider(provider), size, window, rnd, n)
+                if run not in out:
+                    out.append(run)
     return out
 
 
@@ -606,7 +617,7 @@ def annotate(config: dict[str, Any], limits: dict[str, Any], bare: dict[str, Any
         for window in (1, 16):
             if c["kind"] == PAGED_ADJACENT:
                 break
-            b = bare.get(bare_key(provider, c["size"], window, c["kind"] == PAGED_RANDOM))
+            b = bare.get(bare_key(bare_provider(provider), c["size"], window, c["kind"] == PAGED_RANDOM))
             if b and "gbps" in b:
                 c[f"bare_w{window}_gbps"] = b["gbps"]["median"]
                 c[f"x_bare_w{window}"] = g / b["gbps"]["median"]
@@ -644,8 +655,8 @@ def verdicts(config: dict[str, Any]) -> list[dict[str, Any]]:
             [(size_text(c["size"]), c["x_single"]) for c in rows
              if c["kind"] == PAGED_ADJACENT and c["size"] == T2_PAGE_SIZE and "x_single" in c],
             T3_SINGLE_RATIO)
-    if config["provider"] == "shm":
-        verdict("T4", f"same host (shm) single writes >= 1 MiB at >= {T4_MEMCPY_RATIO:.0%} of memcpy",
+    if config["provider"] in SAME_HOST_CLASS:
+        verdict("T4", f"same host single writes >= 1 MiB at >= {T4_MEMCPY_RATIO:.0%} of memcpy",
                 [(size_text(c["size"]), c["x_memcpy"]) for c in rows
                  if c["kind"] == SINGLE and c["size"] >= T1_MIN_SIZE], T4_MEMCPY_RATIO)
     return out
@@ -760,7 +771,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
 # --------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--providers", default="net,shm,tcp", help="comma list (default net,shm,tcp)")
+    p.add_argument("--providers", default=f"net,shm,tcp,{SAME_HOST}",
+                   help=f"comma list of libfabric providers (run with the same-host path off) and "
+                        f"{SAME_HOST!r}, the engine's process-to-process path (default net,shm,tcp,{SAME_HOST})")
     p.add_argument("--rails", default=None, help="comma list of rail counts (default 1,2; quick 1)")
     p.add_argument("--quick", action="store_true", help="few sizes, small totals: < 60 s")
     p.add_argument("--repeats", type=int, default=None, help="timed runs per case (default 3, quick 2)")
@@ -803,7 +816,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     providers = [p for p in args.providers.split(",") if p]
     present = available_providers()
-    missing = [p for p in providers if p not in present]
+    missing = [p for p in providers if p not in present and p != SAME_HOST]
     if missing:
         raise SystemExit(f"providers {missing} not available here (have {present})")
     configs = [

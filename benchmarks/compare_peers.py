@@ -11,13 +11,17 @@ verified after every repeat:
   lat-4k    4 KiB write latency, p50 / p99 in microseconds
 Systems (each peer runs in its own virtual environment):
   kvxfer-{tcp,net,shm}-r{1,2}   kvxfer on libfabric provider tcp / net / shm, 1 or 2 rails
+  kvxfer-samehost-r1            kvxfer's same-host path: the target's buffer is a SharedBuffer
+                                (as kvxfer's KV cache is), mapped and written with memcpy;
+                                immediates over net
   mooncake-tcp                  Mooncake TE, TCP transport, P2P handshake (no metadata server)
   nixl-ucx-tcp                  NIXL, UCX backend forced to TCP (UCX_TLS=tcp)
   nixl-ucx-default              NIXL, UCX backend with its default same-host transports
 Limits measured in the same run: memcpy and one loopback TCP stream (machine_limits.py).
 
 Each kvxfer row is compared with the best peer of its transport class: TCP-class
-(kvxfer tcp/net, mooncake-tcp, nixl-ucx-tcp) and same-host (kvxfer shm, nixl-ucx-default).
+(kvxfer tcp/net, mooncake-tcp, nixl-ucx-tcp) and same-host (kvxfer shm and samehost,
+nixl-ucx-default).
 The goal for the engine is >= 1.5x on every workload.
 
 Writes benchmarks/results/compare_peers.{json,png,md}, prints the table, and refreshes the
@@ -67,10 +71,16 @@ PIP_TIMEOUT_S = 900
 TCP, SAME_HOST = "TCP", "same-host"
 
 SYSTEMS: dict[str, dict[str, Any]] = {}
-for _prov, _cls in (("tcp", TCP), ("net", TCP), ("shm", SAME_HOST)):
-    for _rails in (1, 2):
-        SYSTEMS[f"kvxfer-{_prov}-r{_rails}"] = {
-            "kind": "kvxfer", "cls": _cls, "args": ["--provider", _prov, "--rails", str(_rails)],
+# kvxfer on each libfabric provider with its same-host path off, and its same-host path
+# (process_vm_writev; immediates over net) as a system of its own in the same-host class.
+# Rails only carry the same-host path's immediates, so it runs with one.
+for _prov, _cls, _same_host, _rail_counts in (("tcp", TCP, "off", (1, 2)), ("net", TCP, "off", (1, 2)),
+                                              ("shm", SAME_HOST, "off", (1, 2)),
+                                              ("net", SAME_HOST, "on", (1,))):
+    for _rails in _rail_counts:
+        SYSTEMS[f"kvxfer-{'samehost' if _same_host == 'on' else _prov}-r{_rails}"] = {
+            "kind": "kvxfer", "cls": _cls,
+            "args": ["--provider", _prov, "--rails", str(_rails), "--same-host", _same_host],
             "env": {"KVXFER_BIND_HOST": "127.0.0.1"},
         }
 SYSTEMS["mooncake-tcp"] = {"kind": "mooncake", "cls": TCP, "args": [],

@@ -149,8 +149,12 @@ def fill_pattern(region: np.ndarray, seed: int = 0) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """TransferEngine keyword arguments from the tunables both processes are given."""
+    same_host = args.provider == "same-host"
     return dict(
-        provider=args.provider,
+        # "same-host" is the engine's process-to-process path, its immediates over net;
+        # every other name is a libfabric provider measured with that path off.
+        provider="net" if same_host else args.provider,
+        same_host=same_host,
         rails=args.rails,
         bind_host="127.0.0.1",
         transfer_timeout_s=WAIT_IMM_TIMEOUT_S,
@@ -190,7 +194,13 @@ def serve(args: argparse.Namespace) -> None:
     from kvxfer import TransferEngine
 
     engine = TransferEngine(**engine_kwargs(args))
-    region = np.zeros(args.region_bytes, dtype=np.uint8)
+    if args.provider == "same-host":
+        # Where kvxfer keeps its KV cache: a SharedBuffer, mapped by same-host writers.
+        from kvxfer import SharedBuffer
+
+        region = SharedBuffer(args.region_bytes).array
+    else:
+        region = np.zeros(args.region_bytes, dtype=np.uint8)
     mr = engine.register(region)
     _reply({"ready": True, "descriptor": mr.descriptor.hex(), "provider": engine.provider,
             "rails": engine.rails, "pid": os.getpid()})

@@ -6,6 +6,7 @@ API used (docs/architecture.md): `TransferEngine(provider=..., rails=...)`,
 `.wait(timeout)`, `eng.write_paged(mr, src_pages, remote_desc, dst_pages, page_size,
 src_stride, dst_stride, src_offset, dst_offset, imm=9)`, and at the receiver
 `eng.wait_imm(imm, count, timeout)` (one unit per single write, one per page).
+With `--same-host on` the target's buffer is a `kvxfer.SharedBuffer`, as the KV cache is.
 Bulk writes keep `--depth` transfers in flight (submit, then wait the oldest). The KV
 push is one paged write per (layer, K|V), all submitted back to back, and its completion
 is the receiver's ImmCounter reaching layers x 2 x pages.
@@ -34,7 +35,8 @@ class KvxferPeer(ph.PeerSystem):
         super().__init__(args, wl)
         from kvxfer import TransferEngine
 
-        kwargs: dict[str, Any] = {"provider": args.provider, "rails": int(args.rails)}
+        kwargs: dict[str, Any] = {"provider": args.provider, "rails": int(args.rails),
+                                  "same_host": args.same_host == "on"}
         try:
             self.eng = TransferEngine(bind_host="127.0.0.1", **kwargs)
         except TypeError:  # an engine without bind_host: fall back to the environment
@@ -42,9 +44,19 @@ class KvxferPeer(ph.PeerSystem):
             self.eng = TransferEngine(**kwargs)
         self.wait_s = float(args.timeout_s)
         self.notes.update(provider=str(getattr(self.eng, "provider", args.provider)),
+                          same_host=args.same_host,
                           rails=int(getattr(self.eng, "rails", args.rails)), depth=int(args.depth))
 
     # -- target ------------------------------------------------------------------------
+    def alloc_target_buffer(self, nbytes: int) -> np.ndarray | None:
+        # With the same-host path, the destination lives where kvxfer keeps its KV cache: a
+        # SharedBuffer (memfd) that a writer on this machine maps and fills with memcpy.
+        if self.args.same_host != "on":
+            return None
+        from kvxfer import SharedBuffer
+
+        return SharedBuffer(nbytes).array
+
     def target_setup(self, dst: np.ndarray) -> dict[str, Any]:
         self.mr = self.eng.register(dst)
         return {"desc": bytes(self.mr.descriptor).hex()}
@@ -130,6 +142,8 @@ class KvxferPeer(ph.PeerSystem):
 def _extra(p: Any) -> None:
     p.add_argument("--provider", default="tcp", help="libfabric provider: tcp, net, shm, auto")
     p.add_argument("--rails", type=int, default=1)
+    p.add_argument("--same-host", choices=("on", "off"), default="off",
+                   help="on: kvxfer's process-to-process path for peers on this machine")
 
 
 if __name__ == "__main__":

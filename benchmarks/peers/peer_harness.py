@@ -295,6 +295,11 @@ class PeerSystem:
         self.notes: dict[str, Any] = {}
 
     # target
+    def alloc_target_buffer(self, nbytes: int) -> np.ndarray | None:
+        """The destination buffer, for a system that wants it in memory of its own kind
+        (zero-filled uint8); None: the harness's anonymous mapping."""
+        return None
+
     def target_setup(self, dst: np.ndarray) -> dict[str, Any]:
         raise NotImplementedError
 
@@ -339,7 +344,9 @@ def _write_result(path: str, obj: dict[str, Any]) -> None:
 
 def _run_target(sys_: PeerSystem, args: argparse.Namespace, wl: Workload) -> dict[str, Any]:
     to = args.timeout_s
-    dst = alloc_buffer(wl.dst_bytes)
+    dst = sys_.alloc_target_buffer(wl.dst_bytes)
+    if dst is None:
+        dst = alloc_buffer(wl.dst_bytes)
     dst.fill(0)  # fault the pages in before registration, as a real KV pool would be
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind(("127.0.0.1", 0))
