@@ -118,6 +118,8 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("completed_ns", [](const PyTransfer& t) { return t.state->completed_ns.load(); })
       .def("done", [](const PyTransfer& t) { return t.state->status.load() != 0; })
       .def("wait", [](PyTransfer& t, double timeout_s) {
+            // Small same-host writes finish inside write(): no GIL round trip for them.
+            if (t.state->status.load(std::memory_order_acquire) != 0) return true;
             int64_t deadline = deadline_after(timeout_s);
             py::gil_scoped_release release;
             return wait_transfer(*t.state, deadline);

@@ -100,6 +100,7 @@ void write_address(Writer& w, const EngineAddress& a) {
   w.put_bytes(a.same_host.host_key);
   w.put<uint32_t>(a.same_host.pid);
   w.put<uint64_t>(a.same_host.table_addr);
+  w.put<int32_t>(a.same_host.table_fd);
 }
 
 EngineAddress read_address(Reader& r) {
@@ -116,6 +117,7 @@ EngineAddress read_address(Reader& r) {
   a.same_host.host_key = r.get_bytes(r.get<uint8_t>());
   a.same_host.pid = r.get<uint32_t>();
   a.same_host.table_addr = r.get<uint64_t>();
+  a.same_host.table_fd = r.get<int32_t>();
   return a;
 }
 

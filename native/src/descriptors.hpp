@@ -16,6 +16,7 @@ struct SameHostIdentity {
   std::string host_key;     // boot id and PID namespace: equal only where pids mean the same
   uint32_t pid = 0;
   uint64_t table_addr = 0;  // the owner's RegionTable, in its own address space
+  int32_t table_fd = -1;    // the memfd holding that table, for peers to map (-1: none)
 };
 
 struct EngineAddress {

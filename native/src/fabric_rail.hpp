@@ -7,6 +7,7 @@
 
 #include <rdma/fabric.h>
 #include <rdma/fi_cm.h>
+#include <rdma/fi_eq.h>
 #include <rdma/fi_domain.h>
 #include <rdma/fi_endpoint.h>
 #include <rdma/fi_errno.h>
@@ -68,6 +69,10 @@ class FabricRail {
   // Reads one error entry and formats the provider's message.
   bool read_error(struct fi_cq_err_entry* entry, std::string* message);
 
+  // Incoming RMA writes counted by the provider (FI_RMA_EVENT), including those without
+  // CQ data, which leave no completion; 0 forever where the provider has no such counter.
+  uint64_t remote_writes() const;
+
   int wait_fd() const { return wait_fd_; }
   // True when it is safe to block on wait_fd() (nothing left to progress).
   bool try_wait();
@@ -83,6 +88,7 @@ class FabricRail {
   struct fid_av* av_ = nullptr;
   struct fid_cq* cq_ = nullptr;
   struct fid_ep* ep_ = nullptr;
+  struct fid_cntr* remote_write_cntr_ = nullptr;
   std::string address_;
   int wait_fd_ = -1;
 };

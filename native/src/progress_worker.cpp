@@ -550,6 +550,14 @@ void ProgressWorker::sleep_until_work() {
       // so epoll returns at once with nothing to do. After a long quiet spell (no
       // completion for kQuietNs) such wake-ups are spurious: sleep in growing steps
       // instead of spinning. A busy stream is never quiet that long, so it keeps polling.
+      // Incoming writes without immediates complete nothing here but are traffic all the
+      // same (their initiators wait for our acknowledgement): they end a quiet spell.
+      uint64_t remote_writes = 0;
+      for (size_t r = 0; r < rails_.size(); ++r) remote_writes += rails_.rail(r).remote_writes();
+      if (remote_writes != remote_writes_seen_) {
+        remote_writes_seen_ = remote_writes;
+        last_activity_ns_ = monotonic_ns();
+      }
       if (n > 0 && !woken_by_submitter && monotonic_ns() - last_activity_ns_ > kQuietNs) {
         int64_t quiet_ms = (monotonic_ns() - last_activity_ns_) / 1000000;
         usleep(quiet_ms > 1000 ? kQuietSleepMaxUs : kQuietSleepMinUs);

@@ -170,6 +170,7 @@ class ProgressWorker {
   int epoll_fd_ = -1;
   bool all_rails_have_wait_fd_ = true;
   int64_t last_activity_ns_ = 0;  // worker only: last round that did something
+  uint64_t remote_writes_seen_ = 0;  // worker only: rails' remote-write counters, summed
   std::thread thread_;
 };
 

@@ -1,6 +1,7 @@
 #include "same_host_path.hpp"
 
 #include <fcntl.h>
+#include <linux/memfd.h>
 #include <poll.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -12,6 +13,7 @@
 #include <climits>
 #include <cstring>
 #include <fstream>
+#include <new>
 
 #include "write_bounds.hpp"
 
@@ -42,9 +44,27 @@ bool header_names(pid_t pid, uint64_t table_addr, uint64_t engine_id) {
          h.engine_id == engine_id && h.slots == RegionTable::kSlots;
 }
 
+// Maps the owner's region table read-only (it is in the owner's memfd `table_fd`), or null
+// when that fails or the file is not the table of `engine_id` (a reused fd number).
+const char* map_table(pid_t pid, int table_fd, uint64_t engine_id) {
+  if (table_fd < 0) return nullptr;
+  const std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(table_fd);
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return nullptr;
+  void* mem = mmap(nullptr, RegionTable::kBytes, PROT_READ, MAP_SHARED, fd, 0);
+  ::close(fd);
+  if (mem == MAP_FAILED) return nullptr;
+  const auto* h = static_cast<const RegionTable::Header*>(mem);
+  if (h->magic != RegionTable::kMagic || h->engine_id != engine_id || h->slots != RegionTable::kSlots) {
+    munmap(mem, RegionTable::kBytes);
+    return nullptr;
+  }
+  return static_cast<const char*>(mem);
+}
+
 }  // namespace
 
-SameHostIdentity local_same_host_identity(uint64_t table_addr) {
+SameHostIdentity local_same_host_identity(uint64_t table_addr, int table_fd) {
   SameHostIdentity id;
   std::string boot = read_first_line("/proc/sys/kernel/random/boot_id");
   char ns[128];
@@ -54,13 +74,32 @@ SameHostIdentity local_same_host_identity(uint64_t table_addr) {
   if (id.host_key.size() > 255) id.host_key.resize(255);
   id.pid = static_cast<uint32_t>(getpid());
   id.table_addr = table_addr;
+  id.table_fd = table_fd;
   return id;
 }
 
 // -- RegionTable --------------------------------------------------------------------------
 
-RegionTable::RegionTable(uint64_t engine_id) : layout_(new Layout) {
+RegionTable::RegionTable(uint64_t engine_id) {
+  fd_ = static_cast<int>(syscall(SYS_memfd_create, "kvxfer-region-table", MFD_CLOEXEC));
+  void* mem = MAP_FAILED;
+  if (fd_ >= 0 && ftruncate(fd_, kBytes) == 0)
+    mem = mmap(nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
+  if (mem == MAP_FAILED) {
+    // No memfd: peers read the table with process_vm_readv instead of mapping it.
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
+    mem = mmap(nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (mem == MAP_FAILED) throw EngineError("cannot allocate the region table");
+  }
+  layout_ = new (mem) Layout();  // zeroed pages; the constructor only sets the header
   layout_->header = {kMagic, engine_id, kSlots};
+}
+
+RegionTable::~RegionTable() {
+  layout_->~Layout();
+  munmap(layout_, kBytes);
+  if (fd_ >= 0) ::close(fd_);
 }
 
 void RegionTable::publish(const MemoryRegion& region) {
@@ -99,10 +138,14 @@ std::shared_ptr<SameHostPeer> SameHostPeer::open(const EngineAddress& peer,
     close(pidfd);
     return nullptr;
   }
-  return std::shared_ptr<SameHostPeer>(new SameHostPeer(pid, pidfd, id.table_addr));
+  return std::shared_ptr<SameHostPeer>(
+      new SameHostPeer(pid, pidfd, id.table_addr, map_table(pid, id.table_fd, peer.engine_id)));
 }
 
-SameHostPeer::~SameHostPeer() { close(pidfd_); }
+SameHostPeer::~SameHostPeer() {
+  if (table_map_) munmap(const_cast<char*>(table_map_), RegionTable::kBytes);
+  close(pidfd_);
+}
 
 bool SameHostPeer::exited() const {
   struct pollfd p = {pidfd_, POLLIN, 0};
@@ -118,7 +161,17 @@ std::string SameHostPeer::errno_text(int err, const char* doing) const {
 }
 
 bool SameHostPeer::read_entry(uint64_t region_id, RegionTable::EntryImage* e) const {
-  return read_remote(pid_, table_addr_ + RegionTable::entry_offset(region_id), e, sizeof *e);
+  if (!table_map_)
+    return read_remote(pid_, table_addr_ + RegionTable::entry_offset(region_id), e, sizeof *e);
+  // The owner writes region_id last on publish and first on withdraw; reading it before
+  // and after the other words gives a consistent entry or a mismatch (which fails safe).
+  const auto* words = reinterpret_cast<const uint64_t*>(table_map_ + RegionTable::entry_offset(region_id));
+  auto* out = reinterpret_cast<uint64_t*>(e);
+  constexpr size_t n = sizeof *e / sizeof(uint64_t);
+  out[0] = __atomic_load_n(&words[0], __ATOMIC_ACQUIRE);
+  for (size_t i = 1; i < n; ++i) out[i] = __atomic_load_n(&words[i], __ATOMIC_RELAXED);
+  if (__atomic_load_n(&words[0], __ATOMIC_ACQUIRE) != out[0]) out[0] = 0;
+  return true;
 }
 
 std::string SameHostPeer::check_region(uint64_t region_id, uint64_t addr, uint64_t length) const {

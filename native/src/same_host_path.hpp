@@ -40,10 +40,12 @@ namespace kvxfer {
 
 // The identity this process offers to same-host peers; empty host_key when /proc does not
 // tell (then no peer will try the path).
-SameHostIdentity local_same_host_identity(uint64_t table_addr);
+SameHostIdentity local_same_host_identity(uint64_t table_addr, int table_fd);
 
 // Owner side: the regions this engine registered, in a fixed table at a stable address of
-// this process, for peers to read. Written under the engine's registration mutex only.
+// this process, for peers to read. Written under the engine's registration mutex only. It
+// lives in a memfd (when the kernel has them) so that same-host peers map it read-only and
+// check a region with a few loads instead of a process_vm_readv per write.
 class RegionTable {
  public:
   static constexpr uint64_t kMagic = 0x316c627472667876ull;  // "vxfrtbl1"
@@ -66,7 +68,11 @@ class RegionTable {
   };
 
   explicit RegionTable(uint64_t engine_id);
-  uint64_t address() const { return reinterpret_cast<uint64_t>(layout_.get()); }
+  ~RegionTable();
+  RegionTable(const RegionTable&) = delete;
+  RegionTable& operator=(const RegionTable&) = delete;
+  uint64_t address() const { return reinterpret_cast<uint64_t>(layout_); }
+  int fd() const { return fd_; }  // -1 when the table is on the heap
 
   // A region whose slot is taken by another live region is not published: same-host writes
   // to it fall back to the fabric.
@@ -76,6 +82,7 @@ class RegionTable {
   static uint64_t entry_offset(uint64_t region_id) {
     return sizeof(Header) + (region_id % kSlots) * sizeof(EntryImage);
   }
+  static constexpr size_t kBytes = sizeof(Header) + kSlots * sizeof(EntryImage);
 
  private:
   struct Entry {
@@ -92,8 +99,10 @@ class RegionTable {
     Entry entries[kSlots];
   };
   static_assert(sizeof(Entry) == sizeof(EntryImage), "readers copy entries as plain words");
+  static_assert(sizeof(Layout) == kBytes, "peers map exactly this many bytes");
 
-  std::unique_ptr<Layout> layout_;
+  Layout* layout_ = nullptr;
+  int fd_ = -1;
 };
 
 // A peer's region mapped into this process (unmapped when the last user lets go).
@@ -133,8 +142,8 @@ class SameHostPeer {
   std::string copy(const struct iovec* local, const struct iovec* remote, size_t count) const;
 
  private:
-  SameHostPeer(pid_t pid, int pidfd, uint64_t table_addr)
-      : pid_(pid), pidfd_(pidfd), table_addr_(table_addr) {}
+  SameHostPeer(pid_t pid, int pidfd, uint64_t table_addr, const char* table_map)
+      : pid_(pid), pidfd_(pidfd), table_addr_(table_addr), table_map_(table_map) {}
   bool exited() const;
   bool read_entry(uint64_t region_id, RegionTable::EntryImage* e) const;
   std::string errno_text(int err, const char* doing) const;
@@ -142,6 +151,7 @@ class SameHostPeer {
   pid_t pid_;
   int pidfd_;
   uint64_t table_addr_;
+  const char* table_map_;  // the owner's table mapped read-only here, or null: read it by CMA
 };
 using SameHostPeerPtr = std::shared_ptr<const SameHostPeer>;
 

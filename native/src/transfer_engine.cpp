@@ -53,7 +53,7 @@ TransferEngine::TransferEngine(EngineSettings settings) : settings_(std::move(se
   address_.rail_addresses = rails_->rail_addresses();
   if (settings_.same_host) {
     region_table_ = std::make_unique<RegionTable>(address_.engine_id);
-    address_.same_host = local_same_host_identity(region_table_->address());
+    address_.same_host = local_same_host_identity(region_table_->address(), region_table_->fd());
   }
   address_blob_ = address_.serialize();
   worker_ = std::make_unique<ProgressWorker>(*rails_, settings_.worker);
