@@ -94,7 +94,8 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 class Worker:
     """One `kvxfer prefill|decode` process in its own process group, logging to a file."""
 
-    def __init__(self, role: str, num_pages: int, provider: str, threads: int, log_dir: Path) -> None:
+    def __init__(self, role: str, num_pages: int, provider: str, threads: int, log_dir: Path,
+                 same_host: bool) -> None:
         self.role = role
         self.log_path = log_dir / f"{role}.log"
         self._log = open(self.log_path, "wb")
@@ -108,6 +109,7 @@ class Worker:
             KVXFER, role, "--port", "0", "--model", MODEL, "--provider", provider,
             "--bind-host", "127.0.0.1", "--num-pages", str(num_pages),
             "--worker-id", f"bench-{role}-{os.getpid()}",
+            "--same-host" if same_host else "--no-same-host",
         ]
         if role == "decode":
             # A long prompt may take minutes of compute: the decoder must not give up on its KV.
@@ -528,6 +530,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1,
                         help="OMP/MKL threads of each worker, the same for both modes (default 1)")
     parser.add_argument("--provider", default="net", help="libfabric provider of both workers (default net)")
+    parser.add_argument("--same-host", action="store_true",
+                        help="let the workers use the engine's same-host path (memcpy into the "
+                             "decoder's mapped KV cache) instead of the provider, as co-located "
+                             "workers do by default; off here so the push crosses the provider "
+                             "as it would between machines")
     parser.add_argument("--request-timeout-s", type=float, default=1800.0,
                         help="read timeout of /prefill, /generate and /generate_local (default 1800)")
     parser.add_argument("--control-timeout-s", type=float, default=30.0,
@@ -572,9 +579,9 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (e.g. `timeout`) must still reach the finally below that kills the workers.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
-        prefill = Worker("prefill", num_pages, args.provider, args.threads, log_dir)
+        prefill = Worker("prefill", num_pages, args.provider, args.threads, log_dir, args.same_host)
         workers.append(prefill)
-        decode = Worker("decode", num_pages, args.provider, args.threads, log_dir)
+        decode = Worker("decode", num_pages, args.provider, args.threads, log_dir, args.same_host)
         workers.append(decode)
         for w in workers:
             w.wait_ready(args.startup_timeout_s)
@@ -611,6 +618,7 @@ def main(argv: list[str] | None = None) -> int:
         "kv": {"layers": 32, "kv_heads": 8, "head_dim": 128, "dtype": "float32", "block_size": 16,
                "page_bytes": 128 * 1024, "chunk_tokens": CHUNK_TOKENS},
         "provider": args.provider,
+        "same_host": args.same_host,
         "threads_per_worker": args.threads,
         "num_pages_per_layer": num_pages,
         "kv_cache_bytes_per_worker": per_worker,
