@@ -20,9 +20,13 @@ constexpr int64_t kDeadlineCheckNs = 1'000'000;
 constexpr int kMaxSleepMs = 2;
 // The longest sleep with no transfer in flight: only bounds how late stop() is noticed.
 constexpr int kIdleSleepMs = 50;
-// See sleep_until_work: when a provider's CQ fd cannot be trusted to block.
-constexpr int64_t kQuietNs = 250'000'000;
-constexpr useconds_t kQuietSleepMinUs = 200;
+// See sleep_until_work: when a provider's CQ fd cannot be trusted to block. Quiet means no
+// completion and no incoming write for 2 ms: a prefiller writing once per layer (every
+// ~100 ms) must not spin a core between layers, which it did with 250 ms here (twice the
+// CPU and TTFT in bench_disagg_prefill). Then it polls every 100 us (a completion is seen
+// at most that late), and every 1 ms after a second of silence.
+constexpr int64_t kQuietNs = 2'000'000;
+constexpr useconds_t kQuietSleepMinUs = 100;
 constexpr useconds_t kQuietSleepMaxUs = 1000;
 
 ContextTag tag_of(void* context) {
