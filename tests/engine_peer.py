@@ -234,7 +234,7 @@ class EnginePeer:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--provider", required=True, help=f"a libfabric provider or {SAME_HOST!r}")
+    parser.add_argument("--provider", required=True, help=f"a libfabric provider, or one of {', '.join(SAME_HOST_MODES)}")
     parser.add_argument("--rails", type=int, default=1)
     parser.add_argument("--size", type=int, required=True, help="bytes of region 0")
     parser.add_argument("--transfer-timeout-s", type=float, default=30.0)

@@ -214,8 +214,7 @@ TransferStatePtr TransferEngine::write(const MemoryRegionPtr& local, uint64_t sr
   if (remote->same_host)
     return start_copy(std::move(batch),
                       plan_same_host_write(remote->same_host, remote->mapping, *local, src_offset,
-                                           remote->descriptor,
-                                           dst_offset, length),
+                                           remote->descriptor, dst_offset, length),
                       imm, 1);
   rails_->plan_write(*batch, *local, src_offset, remote->descriptor, dst_offset, length, imm);
   return start(std::move(batch));
@@ -233,9 +232,8 @@ TransferStatePtr TransferEngine::write_paged(const MemoryRegionPtr& local, const
   if (remote->same_host)
     return start_copy(std::move(batch),
                       plan_same_host_paged(remote->same_host, remote->mapping, *local, src_pages,
-                                           dst_pages, count,
-                                           page_size, src_stride, dst_stride, src_offset,
-                                           dst_offset, remote->descriptor),
+                                           dst_pages, count, page_size, src_stride, dst_stride,
+                                           src_offset, dst_offset, remote->descriptor),
                       imm, count);
   rails_->plan_paged_write(*batch, *local, src_pages, dst_pages, count, page_size, src_stride,
                            dst_stride, src_offset, dst_offset, remote->descriptor, imm);
