@@ -522,6 +522,33 @@ def page_lists(seed: int, pages_per_side: int, count: int) -> tuple[np.ndarray, 
 
 
 @pytest.mark.parametrize("rails", [1, 2])
+def test_writes_without_an_immediate_land_and_count_nothing_not_even_immediate_0(
+    pairs: PairPool, rails: int
+) -> None:
+    # Such writes still carry CQ data (a marker that keeps the target's worker polling,
+    # rail_group.hpp): it must never reach a counter. Its immediate field is 0.
+    pair = pairs.get(rails)
+    page, count = 16 * KIB, 64
+    data = seeded_bytes(7 + rails, 2 * MIB)
+    pair.src[: data.size] = data
+    single = pair.engine.write(pair.mr, 0, pair.descriptor, 0, 1 * MIB)
+    paged = pair.engine.write_paged(
+        pair.mr, list(range(64, 64 + count)), pair.descriptor,
+        list(range(count - 1, -1, -1)), page, dst_offset=1 * MIB,
+    )
+    single.wait(WAIT_S)
+    paged.wait(WAIT_S)
+
+    expected = data.copy()
+    for i in range(count):
+        d = count - 1 - i
+        expected[MIB + d * page : MIB + (d + 1) * page] = data[(64 + i) * page : (65 + i) * page]
+    assert_same_bytes(pair.target_bytes(0, 2 * MIB), expected, "writes without immediates")
+    time.sleep(STRAY_ARRIVAL_GRACE_S)
+    assert pair.target_count(0) == 0
+
+
+@pytest.mark.parametrize("rails", [1, 2])
 def test_paged_write_with_random_permutations_lands_every_page_and_counts_one_per_page(
     pairs: PairPool, provider: str, rails: int
 ) -> None:

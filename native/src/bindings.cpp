@@ -40,16 +40,6 @@ struct PyTransfer {
   std::shared_ptr<TransferEngine> engine;  // keeps the worker alive while Python holds this
 };
 
-// Waits on the transfer's own status word only, so it stays safe while the engine closes.
-bool wait_transfer(TransferState& t, int64_t deadline_ns) {
-  for (;;) {
-    uint32_t s = t.status.load(std::memory_order_acquire);
-    if (s != static_cast<uint32_t>(TransferStatus::kPending)) return true;
-    if (monotonic_ns() >= deadline_ns) return false;
-    futex_wait_until(&t.status, s, deadline_ns);
-  }
-}
-
 py::dict stats_dict(const RailStats& s) {
   py::dict d;
   d["bytes_posted"] = s.bytes_posted.load();
@@ -122,7 +112,7 @@ PYBIND11_MODULE(_native, m) {
             if (t.state->status.load(std::memory_order_acquire) != 0) return true;
             int64_t deadline = deadline_after(timeout_s);
             py::gil_scoped_release release;
-            return wait_transfer(*t.state, deadline);
+            return t.state->wait_until(deadline);  // touches only the transfer: safe while the engine closes
           }, py::arg("timeout_s"))
       .def("request_notify", [](PyTransfer& t) {
             // Returns True if already finished (no event will be needed).

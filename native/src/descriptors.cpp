@@ -10,8 +10,9 @@ namespace {
 constexpr char kAddressMagic[4] = {'K', 'V', 'X', 'A'};
 constexpr char kDescriptorMagic[4] = {'K', 'V', 'X', 'D'};
 // 2: addresses carry a same-host identity, descriptors the region's virtual address and
-// its shareable file (same_host_path.hpp).
-constexpr uint16_t kWireVersion = 2;
+// its shareable file (same_host_path.hpp). 3: writes without an immediate carry
+// kTrafficOnlyWeight (rail_group.hpp), which a version-2 peer would count.
+constexpr uint16_t kWireVersion = 3;
 // Generous bounds that still stop a corrupt length from allocating gigabytes.
 constexpr size_t kMaxRails = 64;
 constexpr size_t kMaxRailAddressBytes = 4096;

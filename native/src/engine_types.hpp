@@ -2,12 +2,17 @@
 // request type and its variants.
 #pragma once
 
+#include <sched.h>
+
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
+
+#include "futex_wait.hpp"
 
 namespace kvxfer {
 
@@ -44,13 +49,16 @@ enum class TransferStatus : uint32_t {
   kTimedOut = 3,
 };
 
-// Shared between the submitting thread and the progress worker. The worker writes status
-// once (release); waiters futex-wait on `status`. No locks: the only other shared word is
-// the notify flag, which follows the store/load (seq_cst) handshake in progress_worker.cpp.
+// Shared between the submitting thread and the progress worker. The worker publishes the
+// status once; waiters yield, then futex-wait on `status`. No locks: the other shared
+// words (sleepers, the notify flag) follow store/load handshakes, both seq_cst, so one side
+// always sees the other.
 struct TransferState {
   uint64_t id = 0;
   std::atomic<uint32_t> status{static_cast<uint32_t>(TransferStatus::kPending)};
   std::atomic<uint32_t> notify_requested{0};
+  // Waiters inside futex_wait: the completer issues a wake (a syscall) only if there are.
+  std::atomic<uint32_t> sleepers{0};
   // Ops still outstanding on the fabric; touched only by the worker thread.
   uint32_t ops_outstanding = 0;
   int64_t deadline_ns = 0;
@@ -59,6 +67,31 @@ struct TransferState {
   std::atomic<int64_t> completed_ns{0};
   uint64_t bytes = 0;
   std::string error;  // written by the worker before status is released
+
+  bool pending() const {
+    return status.load(std::memory_order_acquire) == static_cast<uint32_t>(TransferStatus::kPending);
+  }
+  // Sets the final status (error, completed_ns first) and wakes sleeping waiters.
+  void publish(TransferStatus s) {
+    status.store(static_cast<uint32_t>(s), std::memory_order_seq_cst);
+    if (sleepers.load(std::memory_order_seq_cst)) futex_wake_all(&status);
+  }
+  // True once complete, false at the deadline. A transfer younger than kWaitSpinNs may
+  // complete any moment: its waiter yields in a loop rather than sleep, since a futex sleep
+  // and wake costs about as much as a 4 KiB round trip over loopback on a small VM (and
+  // yielding, unlike spinning, lets the progress worker run on a shared core).
+  bool wait_until(int64_t deadline_ns) {
+    constexpr int64_t kWaitSpinNs = 50'000;
+    const int64_t spin_until = std::min(deadline_ns, submitted_ns + kWaitSpinNs);
+    while (pending() && monotonic_ns() < spin_until) sched_yield();
+    for (;;) {
+      if (!pending()) return true;
+      if (monotonic_ns() >= deadline_ns) return false;
+      sleepers.fetch_add(1, std::memory_order_seq_cst);
+      if (pending()) futex_wait_until(&status, static_cast<uint32_t>(TransferStatus::kPending), deadline_ns);
+      sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    }
+  }
 };
 using TransferStatePtr = std::shared_ptr<TransferState>;
 

@@ -90,16 +90,10 @@ void FabricRail::open(const std::string& provider, const std::string& bind_host,
                       size_t device_index) {
   const bool pin_host = !bind_host.empty() && uses_socket_addresses(provider);
   struct fi_info* all = nullptr;
-  int rc = -FI_ENODATA;
-  // With FI_RMA_EVENT where the provider has it (see remote_writes), else without.
-  for (uint64_t extra : {static_cast<uint64_t>(FI_RMA_EVENT), uint64_t{0}}) {
-    struct fi_info* hints = make_hints(provider);
-    hints->caps |= extra;
-    rc = fi_getinfo(kFabricApiVersion, pin_host ? bind_host.c_str() : nullptr, nullptr,
-                    pin_host ? FI_SOURCE : 0, hints, &all);
-    fi_freeinfo(hints);
-    if (rc == 0) break;
-  }
+  struct fi_info* hints = make_hints(provider);
+  int rc = fi_getinfo(kFabricApiVersion, pin_host ? bind_host.c_str() : nullptr, nullptr,
+                      pin_host ? FI_SOURCE : 0, hints, &all);
+  fi_freeinfo(hints);
   if (rc) throw FabricError("no libfabric provider '" + provider + "' with RDM+RMA here", rc);
 
   // fi_getinfo lists one entry per NIC (and per address family): pick the n-th match.
@@ -166,18 +160,6 @@ void FabricRail::open(const std::string& provider, const std::string& bind_host,
   check(fi_endpoint(domain_, info_, &ep_, nullptr), "fi_endpoint");
   check(fi_ep_bind(ep_, &av_->fid, 0), "fi_ep_bind(av)");
   check(fi_ep_bind(ep_, &cq_->fid, FI_TRANSMIT | FI_RECV), "fi_ep_bind(cq)");
-  if (info_->caps & FI_RMA_EVENT) {
-    // Writes without CQ data leave no completion at the target, yet its progress is what
-    // acknowledges them: the worker reads this counter to tell such traffic from silence.
-    struct fi_cntr_attr cntr_attr = {};
-    cntr_attr.events = FI_CNTR_EVENTS_COMP;
-    cntr_attr.wait_obj = FI_WAIT_NONE;
-    if (fi_cntr_open(domain_, &cntr_attr, &remote_write_cntr_, nullptr) == 0 &&
-        fi_ep_bind(ep_, &remote_write_cntr_->fid, FI_REMOTE_WRITE) != 0) {
-      fi_close(&remote_write_cntr_->fid);
-      remote_write_cntr_ = nullptr;
-    }
-  }
   check(fi_enable(ep_), "fi_enable");
 
   char name[1024];
@@ -188,8 +170,6 @@ void FabricRail::open(const std::string& provider, const std::string& bind_host,
 
 void FabricRail::close_all() noexcept {
   if (ep_) fi_close(&ep_->fid);
-  if (remote_write_cntr_) fi_close(&remote_write_cntr_->fid);
-  remote_write_cntr_ = nullptr;
   if (cq_) fi_close(&cq_->fid);
   if (av_) fi_close(&av_->fid);
   if (domain_) fi_close(&domain_->fid);
@@ -264,10 +244,6 @@ bool FabricRail::read_error(struct fi_cq_err_entry* entry, std::string* message)
   const char* detail = fi_cq_strerror(cq_, entry->prov_errno, entry->err_data, nullptr, 0);
   *message = std::string(fi_strerror(entry->err)) + (detail ? std::string(" (") + detail + ")" : "");
   return true;
-}
-
-uint64_t FabricRail::remote_writes() const {
-  return remote_write_cntr_ ? fi_cntr_read(remote_write_cntr_) : 0;
 }
 
 bool FabricRail::try_wait() {

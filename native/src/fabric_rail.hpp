@@ -69,10 +69,6 @@ class FabricRail {
   // Reads one error entry and formats the provider's message.
   bool read_error(struct fi_cq_err_entry* entry, std::string* message);
 
-  // Incoming RMA writes counted by the provider (FI_RMA_EVENT), including those without
-  // CQ data, which leave no completion; 0 forever where the provider has no such counter.
-  uint64_t remote_writes() const;
-
   int wait_fd() const { return wait_fd_; }
   // True when it is safe to block on wait_fd() (nothing left to progress).
   bool try_wait();
@@ -88,7 +84,6 @@ class FabricRail {
   struct fid_av* av_ = nullptr;
   struct fid_cq* cq_ = nullptr;
   struct fid_ep* ep_ = nullptr;
-  struct fid_cntr* remote_write_cntr_ = nullptr;
   std::string address_;
   int wait_fd_ = -1;
 };

@@ -1,5 +1,6 @@
 #include "progress_worker.hpp"
 
+#include <sched.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
@@ -156,15 +157,6 @@ void ProgressWorker::forget_peer(uint64_t engine_id) {
   peers_.erase(it);
 }
 
-bool ProgressWorker::wait_transfer(TransferState& t, int64_t deadline_ns) {
-  for (;;) {
-    uint32_t s = t.status.load(std::memory_order_acquire);
-    if (s != static_cast<uint32_t>(TransferStatus::kPending)) return true;
-    if (monotonic_ns() >= deadline_ns) return false;
-    futex_wait_until(&t.status, s, deadline_ns);
-  }
-}
-
 bool ProgressWorker::wait_imm(uint32_t imm, uint64_t count, int64_t deadline_ns) {
   imm_waiters_.fetch_add(1, std::memory_order_seq_cst);
   bool reached = false;
@@ -240,8 +232,7 @@ void ProgressWorker::finish_transfer(TransferState& t, TransferStatus status, co
   t.completed_ns.store(monotonic_ns(), std::memory_order_relaxed);
   // seq_cst pairs with the waiter's notify_requested store then status load: one side
   // always sees the other, so a notification is never lost.
-  t.status.store(static_cast<uint32_t>(status), std::memory_order_seq_cst);
-  futex_wake_all(&t.status);
+  t.publish(status);
   if (t.notify_requested.load(std::memory_order_seq_cst))
     push_event({EventKind::kTransferDone, t.id, static_cast<uint32_t>(status)});
 }
@@ -428,6 +419,7 @@ bool ProgressWorker::post_pending(size_t r) {
 void ProgressWorker::on_arrival(uint64_t cq_data) {
   uint32_t imm = static_cast<uint32_t>(cq_data);
   uint32_t weight = static_cast<uint32_t>(cq_data >> 32);
+  if (weight == kTrafficOnlyWeight) return;  // a write without an immediate: traffic only
   // A peer whose provider has 4-byte CQ data sends no weight: each arrival is one unit.
   uint64_t total = imm_.add(imm, weight ? weight : kImmUnit) / kImmUnit;
   imm_arrived_ = true;
@@ -487,7 +479,8 @@ bool ProgressWorker::poll_rail(size_t r) {
       if (e.flags & (FI_RECV | FI_REMOTE_WRITE)) {
         if (e.flags & FI_REMOTE_CQ_DATA) {
           on_arrival(e.data);
-          stats_[r]->imm_received.fetch_add(1, std::memory_order_relaxed);
+          if ((e.data >> 32) != kTrafficOnlyWeight)
+            stats_[r]->imm_received.fetch_add(1, std::memory_order_relaxed);
         } else if (is_recv_slot(e.op_context)) {
           on_message(static_cast<RecvSlot*>(e.op_context), e.len);
         }
@@ -550,18 +543,12 @@ void ProgressWorker::sleep_until_work() {
           woken_by_submitter = true;
         }
       }
-      // libfabric 1.17's net provider keeps its CQ fd readable once a connection exists,
-      // so epoll returns at once with nothing to do. After a long quiet spell (no
-      // completion for kQuietNs) such wake-ups are spurious: sleep in growing steps
-      // instead of spinning. A busy stream is never quiet that long, so it keeps polling.
-      // Incoming writes without immediates complete nothing here but are traffic all the
-      // same (their initiators wait for our acknowledgement): they end a quiet spell.
-      uint64_t remote_writes = 0;
-      for (size_t r = 0; r < rails_.size(); ++r) remote_writes += rails_.rail(r).remote_writes();
-      if (remote_writes != remote_writes_seen_) {
-        remote_writes_seen_ = remote_writes;
-        last_activity_ns_ = monotonic_ns();
-      }
+      // libfabric 1.17's net provider keeps its CQ fd readable once a connection exists
+      // (its progress signal is cleared only by its own progress thread), so epoll returns
+      // at once with nothing to do. After a quiet spell (no completion and no arrival for
+      // kQuietNs) such wake-ups are spurious: sleep in growing steps instead of spinning.
+      // A busy stream is never quiet that long, so it keeps polling. Incoming writes
+      // without immediates are arrivals too: they carry kTrafficOnlyWeight.
       if (n > 0 && !woken_by_submitter && monotonic_ns() - last_activity_ns_ > kQuietNs) {
         int64_t quiet_ms = (monotonic_ns() - last_activity_ns_) / 1000000;
         usleep(quiet_ms > 1000 ? kQuietSleepMaxUs : kQuietSleepMinUs);
@@ -628,6 +615,7 @@ void ProgressWorker::loop() {
     }
     if (idle_since == 0) idle_since = now;
     if (now - idle_since >= settings_.idle_spin_ns) sleep_until_work();
+    else sched_yield();
   }
   fail_everything("engine closed");
   // Wake everyone blocked on an immediate or a message so they see the close.

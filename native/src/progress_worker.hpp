@@ -66,7 +66,6 @@ class ProgressWorker {
   bool wait_imm(uint32_t imm, uint64_t count, int64_t deadline_ns);
   void expect_imm(uint32_t imm, uint64_t count, uint64_t token);
 
-  bool wait_transfer(TransferState& t, int64_t deadline_ns);
   std::optional<std::string> recv(int64_t deadline_ns);
 
   int event_fd() const { return event_fd_; }
@@ -170,7 +169,6 @@ class ProgressWorker {
   int epoll_fd_ = -1;
   bool all_rails_have_wait_fd_ = true;
   int64_t last_activity_ns_ = 0;  // worker only: last round that did something
-  uint64_t remote_writes_seen_ = 0;  // worker only: rails' remote-write counters, summed
   std::thread thread_;
 };
 

@@ -7,11 +7,16 @@
 namespace kvxfer {
 namespace {
 
-void finish_batch(WorkBatch& batch, DeliveryLevel delivery) {
+// `mark_traffic`: writes without an immediate carry kTrafficOnlyWeight (see there).
+void finish_batch(WorkBatch& batch, DeliveryLevel delivery, bool mark_traffic) {
   batch.ops_remaining = batch.ops.size();
   uint64_t bytes = 0;
   for (auto& op : batch.ops) {
     op.batch = &batch;
+    if (mark_traffic && op.kind == OpKind::kWrite && !op.has_cq_data) {
+      op.has_cq_data = true;
+      op.cq_data = encode_imm(0, kTrafficOnlyWeight);
+    }
     if ((op.kind == OpKind::kWrite && delivery.writes) || (op.kind == OpKind::kImmOnly && delivery.immediates))
       op.delivery_complete = true;
     bytes += op.bytes;
@@ -85,7 +90,7 @@ void RailGroup::plan_write(WorkBatch& batch, const MemoryRegion& local, uint64_t
       batch.ops[i].cq_data = encode_imm(*imm, weight);
     }
   }
-  finish_batch(batch, delivery_);
+  finish_batch(batch, delivery_, weighted_imm());
 }
 
 void RailGroup::plan_paged_write(WorkBatch& batch, const MemoryRegion& local,
@@ -161,7 +166,7 @@ void RailGroup::plan_paged_write(WorkBatch& batch, const MemoryRegion& local,
       op->cq_data = encode_imm(*imm, weighted ? weight * kImmUnit : 0);
     }
   }
-  finish_batch(batch, delivery_);
+  finish_batch(batch, delivery_, weighted_imm());
 }
 
 void RailGroup::plan_imm_only(WorkBatch& batch, uint32_t imm, uint64_t units) const {
@@ -182,7 +187,7 @@ void RailGroup::plan_imm_only(WorkBatch& batch, uint32_t imm, uint64_t units) co
     batch.ops.push_back(op);
     left -= n;
   }
-  finish_batch(batch, delivery_);
+  finish_batch(batch, delivery_, weighted_imm());
 }
 
 }  // namespace kvxfer

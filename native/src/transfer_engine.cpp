@@ -262,8 +262,7 @@ TransferStatePtr TransferEngine::start_copy(std::unique_ptr<WorkBatch> batch,
   }
   transfer->error = why;
   transfer->completed_ns.store(monotonic_ns(), std::memory_order_relaxed);
-  transfer->status.store(static_cast<uint32_t>(why.empty() ? TransferStatus::kDone : TransferStatus::kFailed),
-                         std::memory_order_seq_cst);
+  transfer->publish(why.empty() ? TransferStatus::kDone : TransferStatus::kFailed);
   return transfer;
 }
 
