@@ -11,6 +11,8 @@ verified after every repeat:
   lat-4k    4 KiB write latency, p50 / p99 in microseconds
 Systems (each peer runs in its own virtual environment):
   kvxfer-{tcp,net,shm}-r{1,2}   kvxfer on libfabric provider tcp / net / shm, 1 or 2 rails
+  kvxfer-net-r1-caller          kvxfer on net, 1 rail, progress driven by the initiator's calling
+                                thread instead of a progress thread (progress="caller")
   kvxfer-samehost-r1            kvxfer's same-host path: the target's buffer is a SharedBuffer
                                 (as kvxfer's KV cache is), mapped and written with memcpy;
                                 immediates over net
@@ -83,6 +85,13 @@ for _prov, _cls, _same_host, _rail_counts in (("tcp", TCP, "off", (1, 2)), ("net
             "args": ["--provider", _prov, "--rails", str(_rails), "--same-host", _same_host],
             "env": {"KVXFER_BIND_HOST": "127.0.0.1"},
         }
+# Caller-driven progress at the initiator (TransferEngine(progress="caller")): no thread
+# hand-offs, for a thread that submits and waits.
+SYSTEMS["kvxfer-net-r1-caller"] = {
+    "kind": "kvxfer", "cls": TCP,
+    "args": ["--provider", "net", "--rails", "1", "--same-host", "off", "--progress", "caller"],
+    "env": {"KVXFER_BIND_HOST": "127.0.0.1"},
+}
 SYSTEMS["mooncake-tcp"] = {"kind": "mooncake", "cls": TCP, "args": [],
                            "env": {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}}
 SYSTEMS["nixl-ucx-tcp"] = {"kind": "nixl", "cls": TCP, "args": [], "env": {"UCX_TLS": "tcp"}}

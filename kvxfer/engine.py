@@ -214,6 +214,14 @@ class TransferEngine:
         memcpy into a mapping when the region is a `SharedBuffer`, else with one
         process_vm_writev, and only their immediates use the provider (default True; it
         must be on at both ends). `path_to(descriptor)` tells which path a region takes.
+    progress: "thread" (default): a progress thread owns the provider and moves data while
+        callers do other things; any thread may use the engine, asyncio included.
+        "caller": no progress thread; the thread that created the engine drives progress
+        inside its own calls (write, wait, wait_imm, recv) and is the only thread allowed
+        to use it. It saves the two thread hand-offs of every transfer: about a third of
+        a 4 KiB write's latency on a 2-core machine. Nothing moves between calls, so it
+        suits an initiator that submits and waits (not a passive target: its peers' writes
+        are acknowledged only while it is inside a call), and it has no asyncio support.
     """
 
     def __init__(
@@ -228,11 +236,14 @@ class TransferEngine:
         shard_min_bytes: int = 512 * 1024,
         delivery_complete: bool = True,
         same_host: bool = True,
+        progress: str = "thread",
     ) -> None:
         if not isinstance(rails, int) or rails < 1:
             raise EngineError(f"rails must be a positive integer, got {rails!r}")
         if transfer_timeout_s <= 0:
             raise EngineError("transfer_timeout_s must be > 0")
+        if progress not in ("thread", "caller"):
+            raise EngineError(f'progress must be "thread" or "caller", got {progress!r}')
         host = bind_host if bind_host is not None else os.environ.get("KVXFER_BIND_HOST", "")
         self._native = _native.Engine(
             provider=provider,
@@ -244,7 +255,9 @@ class TransferEngine:
             shard_min_bytes=int(shard_min_bytes),
             delivery_complete=bool(delivery_complete),
             same_host=bool(same_host),
+            caller_drives_progress=progress == "caller",
         )
+        self.progress = progress
         self.transfer_timeout_s = float(transfer_timeout_s)
         self._remote_cache: dict[bytes, Any] = {}
         self._peer_cache: dict[bytes, Any] = {}
@@ -461,6 +474,7 @@ class TransferEngine:
 
     async def wait_imm_async(self, imm: int, count: int, timeout: float) -> None:
         """Awaitable wait_imm: no thread is parked while waiting."""
+        self._check_async()
         if self.imm_count(imm) >= count:
             return
         bridge = self._bridge()
@@ -484,6 +498,11 @@ class TransferEngine:
         task.add_done_callback(lambda t: None if t.exception() else callback())
 
     # -- asyncio ----------------------------------------------------------------------
+    def _check_async(self) -> None:
+        if self.progress == "caller":
+            # Events come from the progress thread, and this engine has none.
+            raise EngineError('asyncio needs an engine with progress="thread"')
+
     def _bridge(self) -> _AsyncBridge:
         loop = asyncio.get_running_loop()
         bridge = self._bridges.get(id(loop))
@@ -493,6 +512,7 @@ class TransferEngine:
         return bridge
 
     async def _await_transfer(self, transfer: Transfer) -> None:
+        self._check_async()
         if not transfer.done():
             bridge = self._bridge()
             fut = bridge.future(_EVENT_TRANSFER, transfer.id)

@@ -23,6 +23,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -1091,6 +1092,102 @@ SHM_GONE_PEER_GAPS = {
     "small": "libfabric 1.17 shm: an inject-sized op (<= 4 KiB) completes once copied into the "
     "gone peer's queue, so the engine reports success for data nobody received",
 }
+
+
+# -- caller-driven progress ----------------------------------------------------------------
+
+
+def caller_engine(provider: str, **extra: Any) -> TransferEngine:
+    """An engine without a progress thread: this test's thread drives it."""
+    return TransferEngine(
+        **engine_options(provider), bind_host=LOOPBACK, progress="caller", **extra
+    )
+
+
+def test_caller_driven_engine_writes_land_byte_for_byte_and_are_counted(
+    pair: EnginePair, provider: str
+) -> None:
+    imm, page, count = fresh_imm(), 16 * KIB, 96
+    data = seeded_bytes(61, 4 * MIB)
+    with caller_engine(provider) as engine:
+        mr = engine.register(data.copy())
+        single = engine.write(mr, 0, pair.descriptor, 0, 2 * MIB, imm)
+        src_pages = np.random.default_rng(62).permutation(4 * MIB // page)[:count]
+        dst_pages = np.random.default_rng(63).permutation(count)
+        paged = engine.write_paged(
+            mr, src_pages, pair.descriptor, dst_pages, page, dst_offset=2 * MIB, imm=imm
+        )
+        # Many back-to-back small writes: each submit posts at once, waits drive the rest.
+        small = [engine.write(mr, i * 4 * KIB, pair.descriptor, 4 * MIB + i * 4 * KIB, 4 * KIB)
+                 for i in range(64)]
+        for t in [single, paged, *small]:
+            t.wait(WAIT_S)
+
+    pair.wait_target_count(imm, 1 + count)
+    expected = np.zeros(4 * MIB + 256 * KIB, dtype=np.uint8)
+    expected[: 2 * MIB] = data[: 2 * MIB]
+    for s_page, d_page in zip(src_pages, dst_pages):
+        off = 2 * MIB + d_page * page
+        expected[off : off + page] = data[s_page * page : (s_page + 1) * page]
+    expected[4 * MIB : 4 * MIB + 256 * KIB] = data[: 256 * KIB]
+    assert_same_bytes(pair.target_bytes(0, expected.size), expected, "caller-driven writes")
+
+
+def test_caller_driven_engine_refuses_other_threads_and_asyncio_with_engine_error(
+    pair: EnginePair, provider: str
+) -> None:
+    with caller_engine(provider) as engine:
+        mr = engine.register(np.zeros(64 * KIB, dtype=np.uint8))
+        errors: list[BaseException] = []
+
+        def other_thread() -> None:
+            try:
+                engine.write(mr, 0, pair.descriptor, 0, 4 * KIB).wait(WAIT_S)
+            except BaseException as e:  # noqa: BLE001 - reported to the test thread
+                errors.append(e)
+
+        worker = threading.Thread(target=other_thread)
+        worker.start()
+        worker.join(WAIT_S)
+        assert not worker.is_alive()
+        assert len(errors) == 1 and isinstance(errors[0], EngineError)
+        assert "thread that created it" in str(errors[0])
+
+        async def awaited() -> None:
+            await engine.write(mr, 0, pair.descriptor, 0, 4 * KIB)
+
+        with pytest.raises(EngineError, match="asyncio"):
+            asyncio.run(asyncio.wait_for(awaited(), WAIT_S))
+        # The owner still works after both refusals.
+        engine.write(mr, 0, pair.descriptor, 0, 4 * KIB).wait(WAIT_S)
+
+
+def test_caller_driven_waits_end_at_their_deadline_with_nothing_arriving(provider: str) -> None:
+    with caller_engine(provider) as engine:
+        started = time.monotonic()
+        assert engine.recv(0.3) is None
+        with pytest.raises(TransferTimeout):
+            engine.wait_imm(fresh_imm(), 1, 0.3)
+        elapsed = time.monotonic() - started
+        assert 0.6 <= elapsed <= 0.6 + 5.0
+
+
+def test_caller_driven_writes_to_a_gone_peer_fail_in_bounded_time(
+    provider: str, peers: OwnPeers
+) -> None:
+    if not freezable(provider):
+        pytest.skip("libfabric 1.17 shm wedges senders to dead peers (see the thread-mode test)")
+    gone = peers.spare()
+    with caller_engine(provider, transfer_timeout_s=DEAD_PEER_TIMEOUT_S) as engine:
+        src = np.zeros(1 * MIB, dtype=np.uint8)
+        mr = engine.register(src)
+        engine.write(mr, 0, gone.descriptor, 0, 4 * KIB).wait(WAIT_S)
+        descriptor = gone.descriptor
+        gone.exit()
+        started = time.monotonic()
+        doomed = [engine.write(mr, 0, descriptor, 0, 1 * MIB) for _ in range(4)]
+        for transfer in doomed:
+            assert_fails_within(transfer, FAIL_BOUND_S, started)
 
 
 def test_transfers_to_a_peer_that_is_gone_or_frozen_fail_in_bounded_time_and_others_still_work(

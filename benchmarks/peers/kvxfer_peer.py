@@ -7,6 +7,8 @@ API used (docs/architecture.md): `TransferEngine(provider=..., rails=...)`,
 src_stride, dst_stride, src_offset, dst_offset, imm=9)`, and at the receiver
 `eng.wait_imm(imm, count, timeout)` (one unit per single write, one per page).
 With `--same-host on` the target's buffer is a `kvxfer.SharedBuffer`, as the KV cache is.
+With `--progress caller` the initiator's engine has no progress thread: the thread that
+submits and waits drives it (the target keeps its thread).
 Bulk writes keep `--depth` transfers in flight (submit, then wait the oldest). The KV
 push is one paged write per (layer, K|V), all submitted back to back, and its completion
 is the receiver's ImmCounter reaching layers x 2 x pages.
@@ -37,6 +39,10 @@ class KvxferPeer(ph.PeerSystem):
 
         kwargs: dict[str, Any] = {"provider": args.provider, "rails": int(args.rails),
                                   "same_host": args.same_host == "on"}
+        if args.progress == "caller" and args.role == "initiator":
+            # The target keeps its progress thread: a passive target makes no calls, and
+            # with caller-driven progress its peers' writes would wait for one.
+            kwargs["progress"] = "caller"
         try:
             self.eng = TransferEngine(bind_host="127.0.0.1", **kwargs)
         except TypeError:  # an engine without bind_host: fall back to the environment
@@ -45,7 +51,8 @@ class KvxferPeer(ph.PeerSystem):
         self.wait_s = float(args.timeout_s)
         self.notes.update(provider=str(getattr(self.eng, "provider", args.provider)),
                           same_host=args.same_host,
-                          rails=int(getattr(self.eng, "rails", args.rails)), depth=int(args.depth))
+                          rails=int(getattr(self.eng, "rails", args.rails)), depth=int(args.depth),
+                          progress=str(getattr(self.eng, "progress", "thread")))
 
     # -- target ------------------------------------------------------------------------
     def alloc_target_buffer(self, nbytes: int) -> np.ndarray | None:
@@ -144,6 +151,9 @@ def _extra(p: Any) -> None:
     p.add_argument("--rails", type=int, default=1)
     p.add_argument("--same-host", choices=("on", "off"), default="off",
                    help="on: kvxfer's process-to-process path for peers on this machine")
+    p.add_argument("--progress", choices=("thread", "caller"), default="thread",
+                   help="the initiator's engine: a progress thread, or progress driven by the "
+                        "calling thread (TransferEngine(progress='caller')); targets use a thread")
 
 
 if __name__ == "__main__":

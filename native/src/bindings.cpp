@@ -112,7 +112,7 @@ PYBIND11_MODULE(_native, m) {
             if (t.state->status.load(std::memory_order_acquire) != 0) return true;
             int64_t deadline = deadline_after(timeout_s);
             py::gil_scoped_release release;
-            return t.state->wait_until(deadline);  // touches only the transfer: safe while the engine closes
+            return t.worker->wait_transfer(*t.state, deadline);  // the worker outlives close()
           }, py::arg("timeout_s"))
       .def("request_notify", [](PyTransfer& t) {
             // Returns True if already finished (no event will be needed).
@@ -123,7 +123,8 @@ PYBIND11_MODULE(_native, m) {
   py::class_<TransferEngine, std::shared_ptr<TransferEngine>>(m, "Engine")
       .def(py::init([](const std::string& provider, size_t rails, const std::string& bind_host,
                        double transfer_timeout_s, size_t max_inflight_per_rail, double idle_spin_us,
-                       uint64_t shard_min_bytes, bool delivery_complete, bool same_host) {
+                       uint64_t shard_min_bytes, bool delivery_complete, bool same_host,
+                       bool caller_drives_progress) {
              EngineSettings s;
              s.provider = provider;
              s.rails = rails;
@@ -134,12 +135,14 @@ PYBIND11_MODULE(_native, m) {
              s.planner.shard_min_bytes = shard_min_bytes;
              s.planner.delivery_complete = delivery_complete;
              s.same_host = same_host;
+             s.worker.caller_drives_progress = caller_drives_progress;
              py::gil_scoped_release release;
              return std::make_shared<TransferEngine>(s);
            }),
            py::arg("provider"), py::arg("rails"), py::arg("bind_host"), py::arg("transfer_timeout_s"),
            py::arg("max_inflight_per_rail"), py::arg("idle_spin_us"), py::arg("shard_min_bytes"),
-           py::arg("delivery_complete") = true, py::arg("same_host") = true)
+           py::arg("delivery_complete") = true, py::arg("same_host") = true,
+           py::arg("caller_drives_progress") = false)
       .def_property_readonly("address", [](const TransferEngine& e) { return py::bytes(e.address()); })
       .def_property_readonly("provider", &TransferEngine::provider)
       .def_property_readonly("rails", &TransferEngine::rails)

@@ -60,7 +60,8 @@ ProgressWorker::ProgressWorker(RailGroup& rails, WorkerSettings settings)
   inflight_.assign(rails_.size(), 0);
   for (size_t r = 0; r < rails_.size(); ++r) stats_.push_back(std::make_unique<RailStats>());
   post_recv_slots();
-  thread_ = std::thread([this] { loop(); });
+  owner_ = std::this_thread::get_id();
+  if (!settings_.caller_drives_progress) thread_ = std::thread([this] { loop(); });
 }
 
 ProgressWorker::~ProgressWorker() {
@@ -74,6 +75,10 @@ ProgressWorker::~ProgressWorker() {
 }
 
 void ProgressWorker::stop() {
+  if (settings_.caller_drives_progress) {
+    if (!stopping_.exchange(true)) shut_down();
+    return;
+  }
   if (stopping_.exchange(true)) {
     if (thread_.joinable()) thread_.join();
     return;
@@ -108,6 +113,13 @@ void ProgressWorker::repost(RecvSlot* slot) {
 
 void ProgressWorker::submit(std::unique_ptr<WorkBatch> batch) {
   if (stopping_.load()) throw EngineError("engine is closed");
+  if (settings_.caller_drives_progress) {
+    check_owner();
+    if (!submissions_.try_push(batch.get())) throw EngineError("engine submission queue is full");
+    batch.release();
+    run_round();  // posts it now: nobody else will
+    return;
+  }
   WorkBatch* raw = batch.release();
   int64_t deadline = monotonic_ns() + 5'000'000'000LL;
   while (!submissions_.try_push(raw)) {
@@ -127,6 +139,11 @@ void ProgressWorker::submit(std::unique_ptr<WorkBatch> batch) {
 
 void ProgressWorker::run_on_worker(std::function<void()> fn, int64_t timeout_ns) {
   if (stopping_.load()) throw EngineError("engine is closed");
+  if (settings_.caller_drives_progress) {
+    check_owner();
+    fn();  // this thread is the owner
+    return;
+  }
   auto task = std::make_shared<ControlTask>();
   task->fn = std::move(fn);
   if (!controls_.try_push(task)) throw EngineError("engine control queue is full");
@@ -157,7 +174,15 @@ void ProgressWorker::forget_peer(uint64_t engine_id) {
   peers_.erase(it);
 }
 
+bool ProgressWorker::wait_transfer(TransferState& t, int64_t deadline_ns) {
+  if (!settings_.caller_drives_progress) return t.wait_until(deadline_ns);
+  if (!t.pending()) return true;
+  return drive_until([&t] { return !t.pending(); }, deadline_ns);
+}
+
 bool ProgressWorker::wait_imm(uint32_t imm, uint64_t count, int64_t deadline_ns) {
+  if (settings_.caller_drives_progress)
+    return drive_until([&] { return imm_.get(imm) >= count; }, deadline_ns);
   imm_waiters_.fetch_add(1, std::memory_order_seq_cst);
   bool reached = false;
   for (;;) {
@@ -187,6 +212,8 @@ void ProgressWorker::expect_imm(uint32_t imm, uint64_t count, uint64_t token) {
 }
 
 std::optional<std::string> ProgressWorker::recv(int64_t deadline_ns) {
+  if (settings_.caller_drives_progress)
+    drive_until([this] { return !inbox_.empty(); }, deadline_ns);
   for (;;) {
     uint32_t seq = inbox_seq_.load(std::memory_order_seq_cst);
     std::string* msg;
@@ -516,7 +543,7 @@ void ProgressWorker::check_deadlines(int64_t now) {
   }
 }
 
-void ProgressWorker::sleep_until_work() {
+void ProgressWorker::sleep_until_work(int64_t wake_by_ns) {
   sleeping_.store(1, std::memory_order_seq_cst);
   bool can_block = submissions_.empty() && controls_.empty() && copies_.empty();
   for (size_t r = 0; can_block && r < rails_.size(); ++r)
@@ -525,6 +552,8 @@ void ProgressWorker::sleep_until_work() {
     // Deadlines need a look every few ms only while transfers are live; an engine with
     // nothing in flight sleeps longer (new work and arrivals wake it through the fds).
     int timeout_ms = (live_.empty() && expired_.empty()) ? kIdleSleepMs : kMaxSleepMs;
+    if (wake_by_ns != INT64_MAX)  // a caller's deadline: round up, so it is not spun towards
+      timeout_ms = static_cast<int>(std::clamp<int64_t>((wake_by_ns - monotonic_ns() + 999'999) / 1'000'000, 0, timeout_ms));
     if (all_rails_have_wait_fd_) {
       for (size_t r = 0; r < rails_.size(); ++r)
         if (!rails_.rail(r).try_wait()) timeout_ms = 0;
@@ -582,41 +611,80 @@ void ProgressWorker::fail_everything(const std::string& why) {
   flush_events();
 }
 
+bool ProgressWorker::run_round() {
+  bool did = drain_submissions();
+  if (!recv_retry_.empty()) {
+    std::vector<RecvSlot*> retry;
+    retry.swap(recv_retry_);
+    for (auto* slot : retry) repost(slot);
+  }
+  for (size_t r = 0; r < rails_.size(); ++r) {
+    did |= poll_rail(r);
+    did |= post_pending(r);
+  }
+  did |= run_copies();
+  if (imm_arrived_) {
+    imm_arrived_ = false;
+    imm_epoch_.fetch_add(1, std::memory_order_seq_cst);
+    if (imm_waiters_.load(std::memory_order_seq_cst)) futex_wake_all(&imm_epoch_);
+  }
+  if (events_pending_ || !event_overflow_.empty()) flush_events();
+  int64_t now = monotonic_ns();
+  if (now >= next_deadline_check_) {
+    check_deadlines(now);
+    next_deadline_check_ = now + kDeadlineCheckNs;
+  }
+  if (did) last_activity_ns_ = now;
+  return did;
+}
+
+void ProgressWorker::idle(int64_t idle_since, int64_t wake_by_ns) {
+  // Yield while the idle spell is young (the next completion is likely microseconds
+  // away, and a thread sharing this core gets it meanwhile), then sleep.
+  if (monotonic_ns() - idle_since >= settings_.idle_spin_ns)
+    sleep_until_work(wake_by_ns);
+  else
+    sched_yield();
+}
+
 void ProgressWorker::loop() {
   int64_t idle_since = 0;
-  int64_t next_deadline_check = monotonic_ns() + kDeadlineCheckNs;
   while (!stopping_.load(std::memory_order_relaxed)) {
-    bool did = drain_submissions();
-    if (!recv_retry_.empty()) {
-      std::vector<RecvSlot*> retry;
-      retry.swap(recv_retry_);
-      for (auto* slot : retry) repost(slot);
-    }
-    for (size_t r = 0; r < rails_.size(); ++r) {
-      did |= poll_rail(r);
-      did |= post_pending(r);
-    }
-    did |= run_copies();
-    if (imm_arrived_) {
-      imm_arrived_ = false;
-      imm_epoch_.fetch_add(1, std::memory_order_seq_cst);
-      if (imm_waiters_.load(std::memory_order_seq_cst)) futex_wake_all(&imm_epoch_);
-    }
-    if (events_pending_ || !event_overflow_.empty()) flush_events();
-    int64_t now = monotonic_ns();
-    if (now >= next_deadline_check) {
-      check_deadlines(now);
-      next_deadline_check = now + kDeadlineCheckNs;
-    }
-    if (did) {
+    if (run_round()) {
       idle_since = 0;
-      last_activity_ns_ = now;
       continue;
     }
-    if (idle_since == 0) idle_since = now;
-    if (now - idle_since >= settings_.idle_spin_ns) sleep_until_work();
-    else sched_yield();
+    if (idle_since == 0) idle_since = monotonic_ns();
+    idle(idle_since, INT64_MAX);
   }
+  shut_down();
+}
+
+bool ProgressWorker::drive_until(const std::function<bool()>& done, int64_t deadline_ns) {
+  check_owner();
+  int64_t idle_since = 0;
+  for (;;) {
+    bool did = run_round();
+    if (done()) return true;
+    if (stopping_.load(std::memory_order_relaxed)) return false;
+    if (monotonic_ns() >= deadline_ns) return false;
+    if (did) {
+      idle_since = 0;
+      continue;
+    }
+    if (idle_since == 0) idle_since = monotonic_ns();
+    idle(idle_since, deadline_ns);
+  }
+}
+
+void ProgressWorker::check_owner() const {
+  if (std::this_thread::get_id() != owner_)
+    throw EngineError(
+        "this engine's progress is driven by the thread that created it (progress=\"caller\"); "
+        "use progress=\"thread\" to share an engine between threads");
+}
+
+void ProgressWorker::shut_down() {
   fail_everything("engine closed");
   // Wake everyone blocked on an immediate or a message so they see the close.
   imm_epoch_.fetch_add(1);

@@ -35,6 +35,12 @@ struct WorkerSettings {
   size_t recv_slots_per_rail = 64;
   size_t recv_slot_bytes = 64 * 1024;
   size_t imm_table_capacity = 1 << 16;
+  // No progress thread: the thread that creates the engine owns its domains and makes
+  // progress inside its own calls (submit, waits, recv). Saves the two thread hand-offs
+  // of every transfer, which on a small machine are most of a 4 KiB write's latency; the
+  // price is that only that thread may use the engine, and nothing moves between calls
+  // (no asyncio events, and a passive target must call in to acknowledge writes).
+  bool caller_drives_progress = false;
 };
 
 enum class EventKind : uint32_t { kTransferDone = 1, kImmReached = 2 };
@@ -63,7 +69,14 @@ class ProgressWorker {
   const ImmCounterTable& imm_counters() const { return imm_; }
   void consume_imm(uint32_t imm, uint64_t units) { imm_.consume(imm, units); }
   void reset_imm(uint32_t imm) { imm_.reset(imm); }
+  // Waits for a transfer: on its status word, or by making progress where the caller drives.
+  bool wait_transfer(TransferState& t, int64_t deadline_ns);
   bool wait_imm(uint32_t imm, uint64_t count, int64_t deadline_ns);
+  bool caller_drives_progress() const { return settings_.caller_drives_progress; }
+  // Throws EngineError if progress is caller-driven and this is not the owner thread.
+  void check_caller() const {
+    if (settings_.caller_drives_progress) check_owner();
+  }
   void expect_imm(uint32_t imm, uint64_t count, uint64_t token);
 
   std::optional<std::string> recv(int64_t deadline_ns);
@@ -101,6 +114,16 @@ class ProgressWorker {
   };
 
   void loop();
+  // One pass over submissions, completions, posts, copies, events and deadlines; true if
+  // anything happened.
+  bool run_round();
+  // What a round that did nothing is followed by: a yield, or a sleep of at most until
+  // wake_by_ns once the idle spell is older than idle_spin_ns.
+  void idle(int64_t idle_since, int64_t wake_by_ns);
+  // Caller-driven progress: rounds until done() or the deadline.
+  bool drive_until(const std::function<bool()>& done, int64_t deadline_ns);
+  void check_owner() const;
+  void shut_down();
   bool drain_submissions();
   bool post_pending(size_t rail);
   bool poll_rail(size_t rail);
@@ -117,7 +140,7 @@ class ProgressWorker {
   void release_slot(RailOp* op);
   void finish_transfer(TransferState& t, TransferStatus status, const std::string& error);
   void check_deadlines(int64_t now);
-  void sleep_until_work();
+  void sleep_until_work(int64_t wake_by_ns);
   void push_event(const EngineEvent& e);
   void flush_events();
   void post_recv_slots();
@@ -169,6 +192,8 @@ class ProgressWorker {
   int epoll_fd_ = -1;
   bool all_rails_have_wait_fd_ = true;
   int64_t last_activity_ns_ = 0;  // worker only: last round that did something
+  int64_t next_deadline_check_ = 0;  // worker only
+  std::thread::id owner_;  // the thread that may drive progress when the caller drives it
   std::thread thread_;
 };
 

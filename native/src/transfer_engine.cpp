@@ -77,6 +77,7 @@ void TransferEngine::close() {
 
 void TransferEngine::check_open() const {
   if (closed_) throw EngineError("engine is closed");
+  worker_->check_caller();  // even calls that never reach the worker (inline copies)
 }
 
 MemoryRegionPtr TransferEngine::register_memory(uintptr_t addr, uint64_t length, int share_fd,
