@@ -106,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for url in prefill_urls:
             m = _scrape(url)
             kv_bytes += m.get("kvxfer_prefill_kv_pushed_bytes_total", 0.0)
-            transfer_s += m.get("kvxfer_prefill_kv_transfer_seconds_sum", 0.0)
+            transfer_s += m.get("kvxfer_prefill_kv_wire_seconds_total", 0.0)
         print("draining and stopping ...", flush=True)
 
     ok = [r for r in results if r["ok"]]
@@ -119,7 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ("inter-token p50 / p99 (ms)", f"{_pct(itl, .5):.1f} / {_pct(itl, .99):.1f}"),
         ("tokens generated", f"{tokens} ({tokens / wall:.1f} tok/s)"),
         ("KV bytes moved", f"{kv_bytes / 1e6:.2f} MB"),
-        ("transfer GB/s (bytes / push time)", f"{(kv_bytes / transfer_s / 1e9) if transfer_s else float('nan'):.2f}"),
+        ("transfer GB/s (bytes / time writes were in flight)", f"{(kv_bytes / transfer_s / 1e9) if transfer_s else float('nan'):.2f}"),
         ("wall time (s)", f"{wall:.1f}"),
     ]
     width = max(len(k) for k, _ in rows)

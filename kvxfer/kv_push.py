@@ -131,6 +131,9 @@ class PushStats:
     mailbox_write_s: float = 0.0
     compute_done_monotonic: float = 0.0
     last_completed_at: float = 0.0
+    # Seconds in which at least one KV write was in flight (engine clock). The push span
+    # (transfer_s) also holds the compute between layers; rates are bytes / wire_s.
+    wire_s: float = 0.0
 
     @property
     def layer_transfer_s_mean(self) -> float:
@@ -156,6 +159,16 @@ class PushStats:
     @property
     def transfer_s(self) -> float:
         return max(0.0, self.transfers_done_at - self.first_write_at)
+
+
+def _covered_seconds(spans: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) spans."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
 
 
 class PushSession:
@@ -279,17 +292,20 @@ class PushSession:
     def _collect_write_times(self) -> None:
         """Fills the per-write engine timings of `stats` from the finished transfers."""
         write_s: list[float] = []
+        spans: list[tuple[float, float]] = []
         for transfer in self._transfers:
             duration = transfer.duration_s
             if duration is None:
                 continue
+            completed = transfer.completed_at_s or 0.0
             if transfer is self._mailbox_transfer:
                 self.stats.mailbox_write_s = duration
             else:
                 write_s.append(duration)
-            completed = transfer.completed_at_s or 0.0
+                spans.append((completed - duration, completed))
             self.stats.last_completed_at = max(self.stats.last_completed_at, completed)
         self.stats.write_s = write_s
+        self.stats.wire_s = _covered_seconds(spans)
 
     def in_flight(self) -> bool:
         """True while any write of this request may still land on the decoder."""

@@ -189,9 +189,13 @@ class PrefillMetrics:
             "kvxfer_prefill_kv_transfer_seconds",
             "Per request: first KV write posted to last write completed.",
             buckets=TRANSFER_BUCKETS_SECONDS, registry=registry)
+        self.wire_seconds = Counter(
+            "kvxfer_prefill_kv_wire_seconds",
+            "Seconds in which at least one KV write of a request was in flight (the push span "
+            "without the compute between layers).", registry=registry)
         self.transfer_throughput = Histogram(
             "kvxfer_prefill_kv_transfer_bytes_per_second",
-            "Per request: KV bytes divided by transfer time.",
+            "Per request: KV bytes divided by the seconds its KV writes were in flight.",
             buckets=TRANSFER_THROUGHPUT_BUCKETS_BYTES_PER_SECOND, registry=registry)
         self.transfer_failures = Counter(
             "kvxfer_prefill_kv_transfer_failures",
@@ -201,12 +205,14 @@ class PrefillMetrics:
             "kvxfer_prefill_peers_connected",
             "Decode engines this worker has an open fabric address for.", registry=registry)
 
-    def observe_transfer(self, kv_bytes: int, seconds: float) -> None:
-        """Record one request's completed push: bytes, duration and throughput together."""
+    def observe_transfer(self, kv_bytes: int, seconds: float, wire_seconds: float) -> None:
+        """Record one request's completed push: bytes, its span (first write posted to last
+        completed) and the part of it with writes in flight, which the rate divides by."""
         self.kv_bytes_pushed.inc(kv_bytes)
         self.transfer_duration.observe(seconds)
-        if seconds > 0:  # a zero-length push (empty prompt) has no meaningful rate
-            self.transfer_throughput.observe(kv_bytes / seconds)
+        self.wire_seconds.inc(wire_seconds)
+        if wire_seconds > 0:  # a zero-length push (empty prompt) has no meaningful rate
+            self.transfer_throughput.observe(kv_bytes / wire_seconds)
 
 
 #: Per-rail engine counters as the engine exposes them: `{rail: {counter: value}}`, or a

@@ -153,7 +153,7 @@ class PrefillRuntime:
         if session.cancelled:
             raise HTTPException(409, f"request {request_id} was cancelled")
         self.metrics.compute.observe(compute_s)
-        self.metrics.observe_transfer(stats.kv_bytes, max(stats.transfer_s, 1e-9))
+        self.metrics.observe_transfer(stats.kv_bytes, max(stats.transfer_s, 1e-9), stats.wire_s)
         self.metrics.peers_connected.set(len(self._peers))
         # The push is one write per (layer, chunk): per-layer compute is the compute time
         # spread over those steps, per-layer transfer the engine's duration of those writes.

@@ -56,7 +56,7 @@ EngineMetrics(registry, lambda: spec["engine_rails"])
 for seconds in spec["ttft_s"]:
     router.time_to_first_token.observe(seconds)
 for _ in range(spec["pushed_requests"]):
-    prefill.observe_transfer(spec["pushed_request_bytes"], 0.002)
+    prefill.observe_transfer(spec["pushed_request_bytes"], 0.002, 0.001)
 decode.set_pages(capacity=1000, free=750)
 
 class Handler(BaseHTTPRequestHandler):

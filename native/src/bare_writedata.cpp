@@ -1,9 +1,12 @@
-// The "what libfabric alone does" baseline for the benchmarks: a minimal fi_writedata
+// The "what libfabric alone does" baseline for the benchmarks: a minimal fi_writemsg
 // loop between two processes (forked here), with remote CQ data counted at the target.
 // No kvxfer code: one endpoint, one write at a time unless --window says otherwise.
 //
 //   kvxfer-bare-writedata --provider net --size 16384 --count 20000 [--window 1]
 //                         [--region 268435456] [--random] [--host 127.0.0.1]
+//                         [--delivery-complete]
+// --delivery-complete: a write completes once the target holds it (as kvxfer's writes do by
+// default), so window 1 measures a full round trip: the latency floor under the engine.
 // Prints one JSON line: provider, size, count, window, seconds, gbytes_per_s, ops_per_s.
 #include <rdma/fabric.h>
 #include <rdma/fi_cm.h>
@@ -32,6 +35,7 @@ struct Options {
   size_t window = 1;
   size_t region = 256u << 20;
   bool random = false;
+  bool delivery_complete = false;
 };
 
 [[noreturn]] void die(const char* what, int rc) {
@@ -126,8 +130,10 @@ int main(int argc, char** argv) {
     else if (a == "--window") o.window = std::stoull(next());
     else if (a == "--region") o.region = std::stoull(next());
     else if (a == "--random") o.random = true;
+    else if (a == "--delivery-complete") o.delivery_complete = true;
     else {
-      std::fprintf(stderr, "usage: %s --provider P --size BYTES --count N [--window W] [--region BYTES] [--random]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s --provider P --size BYTES --count N [--window W] [--region BYTES] [--random]"
+                           " [--delivery-complete]\n", argv[0]);
       return 2;
     }
   }
@@ -151,10 +157,21 @@ int main(int argc, char** argv) {
     while (done < o.count) {
       while (posted < o.count && posted - done < o.window) {
         size_t slot = o.random ? rng() % slots : posted % slots;
-        ssize_t rc = fi_writedata(ep.ep, src.data() + slot * o.size, o.size, desc, posted, dest,
-                                  t.base + slot * o.size, t.key, nullptr);
+        struct iovec iov = {src.data() + slot * o.size, o.size};
+        struct fi_rma_iov rma = {t.base + slot * o.size, o.size, t.key};
+        struct fi_msg_rma msg = {};
+        msg.msg_iov = &iov;
+        msg.desc = &desc;
+        msg.iov_count = 1;
+        msg.addr = dest;
+        msg.rma_iov = &rma;
+        msg.rma_iov_count = 1;
+        msg.data = posted;
+        uint64_t flags = FI_COMPLETION | FI_REMOTE_CQ_DATA;
+        if (o.delivery_complete) flags |= FI_DELIVERY_COMPLETE;
+        ssize_t rc = fi_writemsg(ep.ep, &msg, flags);
         if (rc == -FI_EAGAIN) break;
-        if (rc) die("fi_writedata", static_cast<int>(rc));
+        if (rc) die("fi_writemsg", static_cast<int>(rc));
         ++posted;
       }
       done += ep.poll();
@@ -189,8 +206,10 @@ int main(int argc, char** argv) {
   waitpid(pid, &status, 0);
   double bytes = static_cast<double>(o.size) * o.count;
   std::printf("{\"provider\": \"%s\", \"size\": %zu, \"count\": %zu, \"window\": %zu, \"random\": %s, "
+              "\"delivery_complete\": %s, "
               "\"seconds\": %.6f, \"gbytes_per_s\": %.4f, \"ops_per_s\": %.1f}\n",
-              o.provider.c_str(), o.size, o.count, o.window, o.random ? "true" : "false", secs,
+              o.provider.c_str(), o.size, o.count, o.window, o.random ? "true" : "false",
+              o.delivery_complete ? "true" : "false", secs,
               bytes / secs / 1e9, o.count / secs);
   return 0;
 }

@@ -552,8 +552,11 @@ void ProgressWorker::sleep_until_work(int64_t wake_by_ns) {
     // Deadlines need a look every few ms only while transfers are live; an engine with
     // nothing in flight sleeps longer (new work and arrivals wake it through the fds).
     int timeout_ms = (live_.empty() && expired_.empty()) ? kIdleSleepMs : kMaxSleepMs;
-    if (wake_by_ns != INT64_MAX)  // a caller's deadline: round up, so it is not spun towards
-      timeout_ms = static_cast<int>(std::clamp<int64_t>((wake_by_ns - monotonic_ns() + 999'999) / 1'000'000, 0, timeout_ms));
+    if (wake_by_ns != INT64_MAX) {
+      // A caller's deadline: rounded up, so the last millisecond is slept, not spun.
+      int64_t left_ms = (wake_by_ns - monotonic_ns() + 999'999) / 1'000'000;
+      timeout_ms = static_cast<int>(std::clamp<int64_t>(left_ms, 0, timeout_ms));
+    }
     if (all_rails_have_wait_fd_) {
       for (size_t r = 0; r < rails_.size(); ++r)
         if (!rails_.rail(r).try_wait()) timeout_ms = 0;
