@@ -331,6 +331,12 @@ class TransferEngine:
         remote = self._remote_cache.get(key)
         if remote is None:
             remote = self._native.parse_remote(key)
+            # A new descriptor (rare: one per region of a peer) drops those of same-host
+            # owners that exited: a cached one keeps the dead peer's memory mapped here, and
+            # with it the whole KV cache of a worker that restarted.
+            self._remote_cache = {
+                k: v for k, v in self._remote_cache.items() if not v.owner_exited
+            }
             if len(self._remote_cache) > 4096:
                 self._remote_cache.clear()  # bounded: descriptors of finished peers go
             self._remote_cache[key] = remote

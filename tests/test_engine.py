@@ -855,6 +855,37 @@ def test_same_host_writes_copy_process_to_process_and_only_immediates_use_the_fa
     assert [rail["bytes_completed"] for rail in pair.engine.stats()] == fabric_before
 
 
+def same_host_handles() -> tuple[int, int]:
+    """(pidfds open here, kvxfer memfds mapped here): what same-host peers cost this process."""
+    pidfds = sum(os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[pidfd]"
+                 for fd in os.listdir("/proc/self/fd") if os.path.exists(f"/proc/self/fd/{fd}"))
+    with open("/proc/self/maps") as maps:
+        mapped = sum("/memfd:kvxfer" in line for line in maps)
+    return pidfds, mapped
+
+
+@only_same_host
+def test_a_same_host_peer_that_exited_is_let_go_once_a_new_peer_comes(
+    provider: str, peers: OwnPeers
+) -> None:
+    # Workers restart for the life of a service: the engine must not keep a dead peer's
+    # pidfd, region table and (mapped mode) KV memory for as long as it runs.
+    with TransferEngine(**engine_options(provider), bind_host=LOOPBACK) as engine:
+        mr = engine.register(np.ones(64 * KIB, dtype=np.uint8))
+        before = same_host_handles()
+        first = peers.spare()
+        engine.write(mr, 0, first.descriptor, 0, 4 * KIB).wait(WAIT_S)
+        with_one_peer = same_host_handles()
+        assert with_one_peer[0] > before[0]  # its pidfd
+        first.exit()
+
+        second = peers.spare()
+        engine.write(mr, 0, second.descriptor, 0, 4 * KIB).wait(WAIT_S)
+        assert same_host_handles() == with_one_peer  # the first peer's are gone
+        landed = bytes.fromhex(second.call("read", offset=0, length=4 * KIB)["data"])
+        assert landed == b"\x01" * (4 * KIB)
+
+
 @only_same_host
 def test_same_host_write_into_a_region_its_owner_deregistered_fails_and_lands_nothing(
     pair: EnginePair, provider: str

@@ -90,6 +90,9 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("engine_id", [](const RemoteRegion& r) { return r.owner->engine_id; })
       .def_property_readonly("same_host", [](const RemoteRegion& r) { return static_cast<bool>(r.same_host); })
       .def_property_readonly("mapped", [](const RemoteRegion& r) { return static_cast<bool>(r.mapping); })
+      .def_property_readonly("owner_exited", [](const RemoteRegion& r) {
+        return r.same_host && r.same_host->exited();  // only known for same-host owners
+      })
       .def_property_readonly("owner_address", [](const RemoteRegion& r) { return py::bytes(r.owner->serialize()); });
 
   py::class_<EngineAddress, std::shared_ptr<EngineAddress>>(m, "PeerAddress")

@@ -133,6 +133,8 @@ class SameHostPeer {
   SameHostPeer& operator=(const SameHostPeer&) = delete;
 
   pid_t pid() const { return pid_; }
+  // True once the owner process is gone (its pidfd is readable).
+  bool exited() const;
   // "" when the owner still runs and lists this region exactly; else the reason.
   std::string check_region(uint64_t region_id, uint64_t addr, uint64_t length) const;
   // Maps a region that lives in a shareable file of the owner's, once the owner's table
@@ -144,7 +146,6 @@ class SameHostPeer {
  private:
   SameHostPeer(pid_t pid, int pidfd, uint64_t table_addr, const char* table_map)
       : pid_(pid), pidfd_(pidfd), table_addr_(table_addr), table_map_(table_map) {}
-  bool exited() const;
   bool read_entry(uint64_t region_id, RegionTable::EntryImage* e) const;
   std::string errno_text(int err, const char* doing) const;
 

@@ -171,10 +171,11 @@ SameHostPeerPtr TransferEngine::same_host_peer(const EngineAddress& owner) const
   std::lock_guard<std::mutex> lock(same_host_mutex_);
   auto it = same_host_peers_.find(owner.engine_id);
   if (it != same_host_peers_.end()) return it->second;
-  // Bounded: forget peers that were never reachable before caching another one.
-  if (same_host_peers_.size() >= 1024)
-    for (auto i = same_host_peers_.begin(); i != same_host_peers_.end();)
-      i = i->second ? std::next(i) : same_host_peers_.erase(i);
+  // A new peer (rare: once per peer engine) sweeps out peers that were never reachable
+  // or have exited, so the cache holds no pidfds and table mappings of the dead: workers
+  // come and go for the life of a service.
+  for (auto i = same_host_peers_.begin(); i != same_host_peers_.end();)
+    i = (i->second && !i->second->exited()) ? std::next(i) : same_host_peers_.erase(i);
   auto peer = SameHostPeer::open(owner, address_.same_host);
   same_host_peers_.emplace(owner.engine_id, peer);
   return peer;
