@@ -71,8 +71,11 @@ struct TransferState {
   bool pending() const {
     return status.load(std::memory_order_acquire) == static_cast<uint32_t>(TransferStatus::kPending);
   }
-  // Sets the final status (error, completed_ns first) and wakes sleeping waiters.
-  void publish(TransferStatus s) {
+  // Ends the transfer, once: its error and completion time, then the status, which
+  // releases them to waiters; wakes the ones that sleep.
+  void finish(TransferStatus s, const std::string& why) {
+    error = why;
+    completed_ns.store(monotonic_ns(), std::memory_order_relaxed);
     status.store(static_cast<uint32_t>(s), std::memory_order_seq_cst);
     if (sleepers.load(std::memory_order_seq_cst)) futex_wake_all(&status);
   }

@@ -114,7 +114,7 @@ void ProgressWorker::repost(RecvSlot* slot) {
 void ProgressWorker::submit(std::unique_ptr<WorkBatch> batch) {
   if (stopping_.load()) throw EngineError("engine is closed");
   if (settings_.caller_drives_progress) {
-    check_owner();
+    check_caller();
     if (!submissions_.try_push(batch.get())) throw EngineError("engine submission queue is full");
     batch.release();
     run_round();  // posts it now: nobody else will
@@ -140,7 +140,7 @@ void ProgressWorker::submit(std::unique_ptr<WorkBatch> batch) {
 void ProgressWorker::run_on_worker(std::function<void()> fn, int64_t timeout_ns) {
   if (stopping_.load()) throw EngineError("engine is closed");
   if (settings_.caller_drives_progress) {
-    check_owner();
+    check_caller();
     fn();  // this thread is the owner
     return;
   }
@@ -255,11 +255,9 @@ void ProgressWorker::flush_events() {
 
 void ProgressWorker::finish_transfer(TransferState& t, TransferStatus status, const std::string& error) {
   if (t.status.load(std::memory_order_relaxed) != static_cast<uint32_t>(TransferStatus::kPending)) return;
-  t.error = error;
-  t.completed_ns.store(monotonic_ns(), std::memory_order_relaxed);
   // seq_cst pairs with the waiter's notify_requested store then status load: one side
   // always sees the other, so a notification is never lost.
-  t.publish(status);
+  t.finish(status, error);
   if (t.notify_requested.load(std::memory_order_seq_cst))
     push_event({EventKind::kTransferDone, t.id, static_cast<uint32_t>(status)});
 }
@@ -664,7 +662,7 @@ void ProgressWorker::loop() {
 }
 
 bool ProgressWorker::drive_until(const std::function<bool()>& done, int64_t deadline_ns) {
-  check_owner();
+  check_caller();
   int64_t idle_since = 0;
   for (;;) {
     bool did = run_round();
@@ -680,8 +678,8 @@ bool ProgressWorker::drive_until(const std::function<bool()>& done, int64_t dead
   }
 }
 
-void ProgressWorker::check_owner() const {
-  if (std::this_thread::get_id() != owner_)
+void ProgressWorker::check_caller() const {
+  if (settings_.caller_drives_progress && std::this_thread::get_id() != owner_)
     throw EngineError(
         "this engine's progress is driven by the thread that created it (progress=\"caller\"); "
         "use progress=\"thread\" to share an engine between threads");

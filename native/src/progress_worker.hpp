@@ -72,11 +72,8 @@ class ProgressWorker {
   // Waits for a transfer: on its status word, or by making progress where the caller drives.
   bool wait_transfer(TransferState& t, int64_t deadline_ns);
   bool wait_imm(uint32_t imm, uint64_t count, int64_t deadline_ns);
-  bool caller_drives_progress() const { return settings_.caller_drives_progress; }
   // Throws EngineError if progress is caller-driven and this is not the owner thread.
-  void check_caller() const {
-    if (settings_.caller_drives_progress) check_owner();
-  }
+  void check_caller() const;
   void expect_imm(uint32_t imm, uint64_t count, uint64_t token);
 
   std::optional<std::string> recv(int64_t deadline_ns);
@@ -122,7 +119,6 @@ class ProgressWorker {
   void idle(int64_t idle_since, int64_t wake_by_ns);
   // Caller-driven progress: rounds until done() or the deadline.
   bool drive_until(const std::function<bool()>& done, int64_t deadline_ns);
-  void check_owner() const;
   void shut_down();
   bool drain_submissions();
   bool post_pending(size_t rail);

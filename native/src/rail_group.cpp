@@ -5,10 +5,9 @@
 #include "write_bounds.hpp"
 
 namespace kvxfer {
-namespace {
-
-// `mark_traffic`: writes without an immediate carry kTrafficOnlyWeight (see there).
-void finish_batch(WorkBatch& batch, DeliveryLevel delivery, bool mark_traffic) {
+void RailGroup::finish_batch(WorkBatch& batch) const {
+  // Writes without an immediate carry kTrafficOnlyWeight (see there), where CQ data has room.
+  const bool mark_traffic = weighted_imm();
   batch.ops_remaining = batch.ops.size();
   uint64_t bytes = 0;
   for (auto& op : batch.ops) {
@@ -17,14 +16,13 @@ void finish_batch(WorkBatch& batch, DeliveryLevel delivery, bool mark_traffic) {
       op.has_cq_data = true;
       op.cq_data = encode_imm(0, kTrafficOnlyWeight);
     }
-    if ((op.kind == OpKind::kWrite && delivery.writes) || (op.kind == OpKind::kImmOnly && delivery.immediates))
+    if ((op.kind == OpKind::kWrite && delivery_.writes) ||
+        (op.kind == OpKind::kImmOnly && delivery_.immediates))
       op.delivery_complete = true;
     bytes += op.bytes;
   }
   batch.transfer->bytes = bytes;
 }
-
-}  // namespace
 
 RailGroup::RailGroup(const std::string& provider, const std::string& bind_host, size_t rails,
                      PlannerSettings settings)
@@ -90,7 +88,7 @@ void RailGroup::plan_write(WorkBatch& batch, const MemoryRegion& local, uint64_t
       batch.ops[i].cq_data = encode_imm(*imm, weight);
     }
   }
-  finish_batch(batch, delivery_, weighted_imm());
+  finish_batch(batch);
 }
 
 void RailGroup::plan_paged_write(WorkBatch& batch, const MemoryRegion& local,
@@ -166,7 +164,7 @@ void RailGroup::plan_paged_write(WorkBatch& batch, const MemoryRegion& local,
       op->cq_data = encode_imm(*imm, weighted ? weight * kImmUnit : 0);
     }
   }
-  finish_batch(batch, delivery_, weighted_imm());
+  finish_batch(batch);
 }
 
 void RailGroup::plan_imm_only(WorkBatch& batch, uint32_t imm, uint64_t units) const {
@@ -187,7 +185,7 @@ void RailGroup::plan_imm_only(WorkBatch& batch, uint32_t imm, uint64_t units) co
     batch.ops.push_back(op);
     left -= n;
   }
-  finish_batch(batch, delivery_, weighted_imm());
+  finish_batch(batch);
 }
 
 }  // namespace kvxfer

@@ -142,6 +142,9 @@ class RailGroup {
   void plan_imm_only(WorkBatch& batch, uint32_t imm, uint64_t units = 1) const;
 
  private:
+  // Links the ops to their batch and sets what every op of a batch carries: delivery
+  // level, the traffic marker; totals the bytes.
+  void finish_batch(WorkBatch& batch) const;
   // Remote rail that local rail `r` talks to (peers may have a different rail count).
   static size_t remote_rail(size_t r, const MemoryDescriptor& remote) {
     return r % remote.rails.size();

@@ -174,9 +174,11 @@ bool SameHostPeer::read_entry(uint64_t region_id, RegionTable::EntryImage* e) co
   return true;
 }
 
-std::string SameHostPeer::check_region(uint64_t region_id, uint64_t addr, uint64_t length) const {
+std::string SameHostPeer::check_region(uint64_t region_id, uint64_t addr, uint64_t length,
+                                       RegionTable::EntryImage* entry) const {
   if (exited()) return "peer process " + std::to_string(pid_) + " exited";
-  RegionTable::EntryImage e;
+  RegionTable::EntryImage local;
+  RegionTable::EntryImage& e = entry ? *entry : local;
   if (!read_entry(region_id, &e)) return errno_text(errno, "reading the region table");
   if (e.region_id != region_id || e.addr != addr || e.length != length)
     return "region " + std::to_string(region_id) + " is no longer registered by peer process " +
@@ -186,11 +188,11 @@ std::string SameHostPeer::check_region(uint64_t region_id, uint64_t addr, uint64
 
 SharedMapping::~SharedMapping() { munmap(base_, length_); }
 
-SharedMappingPtr SameHostPeer::map_region(const MemoryDescriptor& d) const {
-  RegionTable::EntryImage e;
-  if (d.share_fd < 0 || !read_entry(d.region_id, &e)) return nullptr;
-  if (e.region_id != d.region_id || e.addr != d.addr || e.length != d.length ||
-      e.share_fd_plus1 != static_cast<uint64_t>(d.share_fd) + 1 || e.share_offset != d.share_offset)
+SharedMappingPtr SameHostPeer::map_region(const MemoryDescriptor& d,
+                                          const RegionTable::EntryImage& e) const {
+  // Region id, address and length were confirmed by check_region; the file must match too.
+  if (d.share_fd < 0 || e.share_fd_plus1 != static_cast<uint64_t>(d.share_fd) + 1 ||
+      e.share_offset != d.share_offset)
     return nullptr;
   const std::string path = "/proc/" + std::to_string(pid_) + "/fd/" + std::to_string(d.share_fd);
   int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);

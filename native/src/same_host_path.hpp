@@ -135,11 +135,14 @@ class SameHostPeer {
   pid_t pid() const { return pid_; }
   // True once the owner process is gone (its pidfd is readable).
   bool exited() const;
-  // "" when the owner still runs and lists this region exactly; else the reason.
-  std::string check_region(uint64_t region_id, uint64_t addr, uint64_t length) const;
-  // Maps a region that lives in a shareable file of the owner's, once the owner's table
-  // names that file; null when it does not (then process_vm_writev is used).
-  SharedMappingPtr map_region(const MemoryDescriptor& d) const;
+  // "" when the owner still runs and lists this region exactly; else the reason. The
+  // entry it read goes to *entry when given.
+  std::string check_region(uint64_t region_id, uint64_t addr, uint64_t length,
+                           RegionTable::EntryImage* entry = nullptr) const;
+  // Maps a region that lives in a shareable file of the owner's, given the owner's table
+  // entry that check_region confirmed for it; null when that entry names no such file or
+  // the file is not that one (then process_vm_writev is used).
+  SharedMappingPtr map_region(const MemoryDescriptor& d, const RegionTable::EntryImage& e) const;
   // Writes every pair (local[i] -> remote[i], equal lengths); "" or the reason it failed.
   std::string copy(const struct iovec* local, const struct iovec* remote, size_t count) const;
 

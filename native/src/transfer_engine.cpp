@@ -157,9 +157,10 @@ RemoteRegionPtr TransferEngine::parse_remote(const std::string& blob) const {
     const auto& d = remote->descriptor;
     // Only a region its owner lists takes this path; anything else goes over the fabric,
     // whose provider checks the key.
-    if (peer->check_region(d.region_id, d.addr, d.length).empty()) {
+    RegionTable::EntryImage entry;
+    if (peer->check_region(d.region_id, d.addr, d.length, &entry).empty()) {
       remote->same_host = peer;
-      remote->mapping = peer->map_region(d);
+      remote->mapping = peer->map_region(d, entry);
     }
   }
   return remote;
@@ -262,9 +263,7 @@ TransferStatePtr TransferEngine::start_copy(std::unique_ptr<WorkBatch> batch,
     batch->ops_remaining = batch->ops.size();  // only its immediates are left to post
     return start(std::move(batch));
   }
-  transfer->error = why;
-  transfer->completed_ns.store(monotonic_ns(), std::memory_order_relaxed);
-  transfer->publish(why.empty() ? TransferStatus::kDone : TransferStatus::kFailed);
+  transfer->finish(why.empty() ? TransferStatus::kDone : TransferStatus::kFailed, why);
   return transfer;
 }
 
