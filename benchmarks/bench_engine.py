@@ -810,7 +810,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
-    from kvxfer.engine import available_providers
+    from kvxfer.transfer.engine import available_providers
 
     args = parse_args(argv)
     started = time.monotonic()

@@ -169,7 +169,7 @@ def ensure_venv(kind: str, a: argparse.Namespace, log_dir: Path) -> Path:
         if not py.exists():
             raise Skip(f"no kvxfer python at {py} (run scripts/run setup)")
         probe = subprocess.run(
-            [str(py), "-c", "import kvxfer._native, json, kvxfer.engine as e; "
+            [str(py), "-c", "import kvxfer._native, json, kvxfer.transfer.engine as e; "
                             "print(json.dumps(e.available_providers()))"],
             capture_output=True, text=True, timeout=120, cwd=str(PEERS),
         )

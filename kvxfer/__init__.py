@@ -16,10 +16,10 @@ from kvxfer.errors import (
     TransferError,
     TransferTimeout,
 )
-from kvxfer.shared_memory import SharedBuffer
+from kvxfer.transfer.shared_memory import SharedBuffer
 
 if TYPE_CHECKING:
-    from kvxfer.engine import RegisteredMemory, Transfer, TransferEngine
+    from kvxfer.transfer.engine import RegisteredMemory, Transfer, TransferEngine
 
 __all__ = [
     "BoundsError",
@@ -37,7 +37,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name in ("TransferEngine", "Transfer", "RegisteredMemory"):
-        from kvxfer import engine
+        from kvxfer.transfer import engine
 
         return getattr(engine, name)
     raise AttributeError(f"module 'kvxfer' has no attribute {name!r}")

@@ -88,15 +88,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     if args.command == "prefill":
-        from kvxfer.prefill_worker import PrefillSettings, run_prefill_worker
+        from kvxfer.workers.prefill.http import run_prefill_worker
+        from kvxfer.workers.prefill.service import PrefillSettings
 
         run_prefill_worker(_settings_from(args, PrefillSettings))
     elif args.command == "decode":
-        from kvxfer.decode_worker import DecodeSettings, run_decode_worker
+        from kvxfer.workers.decode.http import run_decode_worker
+        from kvxfer.workers.decode.service import DecodeSettings
 
         run_decode_worker(_settings_from(args, DecodeSettings))
     elif args.command == "up":
-        from kvxfer.local_cluster import run_up
+        from kvxfer.cluster.local_cluster import run_up
 
         return run_up(args)
     elif args.command == "generate":
@@ -109,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = model.generate(tok.encode(args.prompt), args.max_tokens)
         print(tok.decode(out.tokens))
     elif args.command == "providers":
-        from kvxfer.engine import available_providers
+        from kvxfer.transfer.engine import available_providers
 
         print("\n".join(available_providers()))
     return 0

@@ -35,3 +35,16 @@ class TransferError(EngineError):
 
 class TransferTimeout(TransferError, TimeoutError):
     """A transfer or an immediate count did not complete before its deadline."""
+
+
+class RegistryError(KvxferError):
+    """A registry operation failed; the message names the key or endpoints involved.
+
+    Raised for configuration mistakes (bad update fields, calling `update` before
+    `register`) and when etcd cannot be reached within the configured timeout.
+    Background threads never raise it: they log, back off and retry.
+    """
+
+
+class RegistryTimeoutError(RegistryError):
+    """A wait on the registry (first registration, first sync, `wait_for`) ran out of time."""

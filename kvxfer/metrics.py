@@ -112,10 +112,6 @@ class RouterMetrics:
         self.requests_in_flight = Gauge(
             "kvxfer_router_requests_in_flight",
             "Requests admitted and not yet finished.", registry=registry)
-        self.requests_queued = Gauge(
-            "kvxfer_router_requests_queued",
-            "Requests waiting for admission (no worker pair with capacity yet).",
-            registry=registry)
         self.retries = Counter(
             "kvxfer_router_retries", "Request steps retried on another worker, by step.",
             ["stage"], registry=registry)
@@ -204,6 +200,13 @@ class PrefillMetrics:
         self.peers_connected = Gauge(
             "kvxfer_prefill_peers_connected",
             "Decode engines this worker has an open fabric address for.", registry=registry)
+
+    def count_transfer_failure(self, reason: str) -> None:
+        """One failed push; `reason` must be one of TRANSFER_FAILURE_REASONS, so that the
+        dashboard's and alerts' series are the ones that move."""
+        if reason not in TRANSFER_FAILURE_REASONS:
+            raise ValueError(f"unknown transfer failure reason {reason!r}; known: {TRANSFER_FAILURE_REASONS}")
+        self.transfer_failures.labels(reason=reason).inc()
 
     def observe_transfer(self, kv_bytes: int, seconds: float, wire_seconds: float) -> None:
         """Record one request's completed push: bytes, its span (first write posted to last

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import numpy as np
 
 from kvxfer import SharedBuffer
-from kvxfer.engine import RegisteredMemory, Transfer, TransferEngine
+from kvxfer.transfer.engine import RegisteredMemory, Transfer, TransferEngine
 from kvxfer.errors import KvxferError
 
 
@@ -41,7 +41,7 @@ def provider_of(mode: str) -> str:
     (or tcp where libfabric has no net provider)."""
     if mode not in SAME_HOST_MODES:
         return mode
-    from kvxfer.engine import available_providers
+    from kvxfer.transfer.engine import available_providers
 
     return "net" if "net" in available_providers() else "tcp"
 

@@ -27,7 +27,7 @@ from fastapi import FastAPI, HTTPException
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt
 
-# Strings as kvxfer.kv_cache.format_kv_layout writes them (the registry also allows objects).
+# Strings as kvxfer.kv.cache.format_kv_layout writes them (the registry also allows objects).
 LAYOUT_A = "L2-H2-D8-float32-bs16"
 LAYOUT_B = "L2-H2-D8-float32-bs32"
 MODEL = "kvxfer-tiny"
@@ -148,7 +148,7 @@ class CancelBody(_Strict):
 
 class DecodeTarget(BaseModel):
     """The decode reservation as forwarded to the prefiller: the whole /reserve reply
-    (``kvxfer.kv_push.KVReservation`` JSON) plus the decoder's engine address. Opaque to the
+    (``kvxfer.kv.protocol.KVReservation`` JSON) plus the decoder's engine address. Opaque to the
     router, so extra fields are allowed; the tests check it arrives equal to the reply."""
 
     model_config = ConfigDict(extra="allow")

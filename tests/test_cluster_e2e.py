@@ -1,6 +1,6 @@
 """End to end on a real local deployment (issue 4 "Must show", issue 5's Prometheus check):
 a real etcd, the router and prefill/decode worker processes on loopback
-(`kvxfer.local_cluster.LocalCluster`), driven through the router's OpenAI API.
+(`kvxfer.cluster.local_cluster.LocalCluster`), driven through the router's OpenAI API.
 
 Every answer is compared with the colocated reference: `Transformer(tiny).generate(...)`,
 whose `ByteTokenizer().decode(tokens)` the completion text must equal.
@@ -41,8 +41,8 @@ from cluster_load import (  # noqa: E402
     worker_info,
 )
 
-from kvxfer.local_cluster import LocalCluster  # noqa: E402
-from kvxfer.prometheus_runner import PrometheusRunner, find_prometheus_binary  # noqa: E402
+from kvxfer.cluster.local_cluster import LocalCluster  # noqa: E402
+from kvxfer.cluster.prometheus_runner import PrometheusRunner, find_prometheus_binary  # noqa: E402
 
 MAX_TOKENS = 8
 #: Prompts of fewer tokens (BOS included) run on the decode worker alone in TestServing.

@@ -40,7 +40,7 @@ from engine_peer import (
     region_buffer,
     seeded_bytes,
 )
-from kvxfer.engine import TransferEngine, available_providers
+from kvxfer.transfer.engine import TransferEngine, available_providers
 from kvxfer.errors import BoundsError, DescriptorError, EngineError, TransferError, TransferTimeout
 
 PEER_PROGRAM = Path(__file__).with_name("engine_peer.py")

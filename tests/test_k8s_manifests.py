@@ -461,9 +461,9 @@ def _settings_fields(path: Path, class_names: set[str]) -> set[str]:
 
 
 def _variables_the_code_reads() -> set[str]:
-    worker = (_settings_fields(REPO / "kvxfer" / "worker_runtime.py", {"WorkerSettings"})
-              | _settings_fields(REPO / "kvxfer" / "prefill_worker.py", {"PrefillSettings"})
-              | _settings_fields(REPO / "kvxfer" / "decode_worker.py", {"DecodeSettings"}))
+    worker = (_settings_fields(REPO / "kvxfer" / "workers" / "runtime.py", {"WorkerSettings"})
+              | _settings_fields(REPO / "kvxfer" / "workers" / "prefill" / "service.py", {"PrefillSettings"})
+              | _settings_fields(REPO / "kvxfer" / "workers" / "decode" / "service.py", {"DecodeSettings"}))
     router = _settings_fields(REPO / "scheduler" / "kvxfer_router" / "settings.py",
                               {"RouterSettings"})
     return ({f"KVXFER_{f.upper()}" for f in worker}

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvxfer.errors import KvxferError
-from kvxfer.kv_cache import KVCacheError, PagedKVCache, format_kv_layout
+from kvxfer.kv.cache import KVCacheError, PagedKVCache, format_kv_layout
 from kvxfer.model.config import ModelConfig
 
 NUM_LAYERS, NUM_PAGES, BLOCK, HEADS, DIM = 3, 5, 4, 2, 8

@@ -296,10 +296,10 @@ def test_decode_pages_hold_prefilled_bytes(single_torch_thread: None) -> None:
     nonce; nothing outside the prompt pages was written."""
     import numpy as np
 
-    from kvxfer.decode_worker import DecodeRuntime, DecodeSettings
-    from kvxfer.kv_cache import PagedKVCache
-    from kvxfer.kv_push import MAILBOX_SLOT_BYTES, KVReservation, decode_mailbox
-    from kvxfer.prefill_worker import PrefillRuntime, PrefillSettings
+    from kvxfer.workers.decode.service import DecodeRuntime, DecodeSettings
+    from kvxfer.kv.cache import PagedKVCache
+    from kvxfer.kv.protocol import MAILBOX_SLOT_BYTES, KVReservation, decode_mailbox
+    from kvxfer.workers.prefill.service import PrefillRuntime, PrefillSettings
 
     common = dict(model="tiny", provider="net", bind_host="127.0.0.1", prefill_chunk_tokens=CHUNK)
     decode = DecodeRuntime(DecodeSettings(num_pages=256, quarantine_s=0.1, max_requests=16, **common))
@@ -444,7 +444,7 @@ def test_decode_cancel_mid_push(cluster: dict[str, WorkerProc]) -> None:
 # -- 5. bad requests ---------------------------------------------------------------------------------
 
 def test_bad_requests_get_4xx_and_disturb_nothing(cluster: dict[str, WorkerProc]) -> None:
-    from kvxfer.engine import TransferEngine
+    from kvxfer.transfer.engine import TransferEngine
 
     decode, prefill = cluster["decode"], cluster["prefill"]
     wait_pages_full(decode, timeout_s=QUARANTINE_S + 5)  # (a failed test before may still hold quarantined pages)

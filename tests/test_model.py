@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from kvxfer.kv_cache import KVCacheError, PagedKVCache
+from kvxfer.kv.cache import KVCacheError, PagedKVCache
 from kvxfer.model import (
     BOS_ID,
     EOS_ID,
@@ -21,7 +21,7 @@ from kvxfer.model import (
     Transformer,
     finish_reason_after,
 )
-from kvxfer.page_allocator import PageAllocator
+from kvxfer.kv.page_allocator import PageAllocator
 
 TINY = ModelConfig.preset("tiny")
 BLOCK = TINY.block_size

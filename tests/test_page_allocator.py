@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from kvxfer.errors import KvxferError
-from kvxfer.page_allocator import (
+from kvxfer.kv.page_allocator import (
     DuplicateRequestError,
     OutOfPagesError,
     PageAllocationError,

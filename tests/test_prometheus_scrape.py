@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from kvxfer.prometheus_runner import PrometheusRunner, find_prometheus_binary
+from kvxfer.cluster.prometheus_runner import PrometheusRunner, find_prometheus_binary
 
 REPO = Path(__file__).resolve().parent.parent
 DASHBOARD = REPO / "k8s" / "grafana" / "kvxfer-dashboard.json"

@@ -1,4 +1,4 @@
-"""Registry behaviour against a real etcd (kvxfer.local_etcd.LocalEtcd).
+"""Registry behaviour against a real etcd (kvxfer.cluster.local_etcd.LocalEtcd).
 
 Every test uses its own key prefix, so tests sharing an etcd never see each other's
 workers. Waits are bounded by generous deadlines; the only tight one is the contract's
@@ -21,7 +21,7 @@ import pyetcd
 import pytest
 from pydantic import SecretStr, ValidationError
 
-from kvxfer.local_etcd import LocalEtcd, LocalEtcdError, _free_loopback_port
+from kvxfer.cluster.local_etcd import LocalEtcd, LocalEtcdError, _free_loopback_port
 from kvxfer.registry import (
     RegistryError,
     RegistrySettings,

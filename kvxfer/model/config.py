@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvxfer.kv_cache import dtype_from_name, format_kv_layout
+from kvxfer.kv.layout import dtype_from_name, format_kv_layout
 
 
 @dataclass(frozen=True)

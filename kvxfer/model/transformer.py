@@ -33,7 +33,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from kvxfer.kv_cache import BlockTable, KVCacheError, PagedKVCache
+from kvxfer.kv.cache import BlockTable, KVCacheError, PagedKVCache
 from kvxfer.model.config import ModelConfig
 from kvxfer.model.tokenizer import EOS_ID, VOCAB_SIZE
 

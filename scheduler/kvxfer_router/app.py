@@ -23,6 +23,8 @@ from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
 
+from kvxfer.metrics import metrics_response
+
 from .admission import AdmissionController
 from .directory import WorkerDirectory
 from .dispatch import CompletionJob, Dispatcher, ErrorEvent, Event, FinishEvent, RequestLifecycle, TokenEvent
@@ -261,12 +263,6 @@ def create_app(
 
 
 def _render_metrics(registry: CollectorRegistry, accept: str | None) -> tuple[bytes, str]:
-    try:
-        from kvxfer.metrics import metrics_response
-    except Exception:
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
-        return generate_latest(registry), CONTENT_TYPE_LATEST
     return metrics_response(registry, accept)
 
 

@@ -14,7 +14,15 @@ import json
 import logging
 import threading
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable, Literal, Mapping, Protocol, Sequence, runtime_checkable
+from typing import (
+    Any,
+    Iterable,
+    Literal,
+    Mapping,
+    Protocol,
+    Sequence,
+    runtime_checkable,
+)
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,6 @@ read are validated strictly so that a bad request gets a clear 4xx instead of a 
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import time
@@ -15,6 +14,8 @@ from typing import Any, Callable, Literal, Mapping
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kvxfer.model.tokenizer import ByteTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -172,31 +173,9 @@ def sse_event(payload: BaseModel | Mapping[str, Any] | str) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-def bytes_prompt_encoder(prompt: str) -> list[int]:
-    """Fallback encoder: the prompt's UTF-8 bytes as token ids, no BOS. Used only when
-    ``kvxfer.model.tokenizer`` cannot be imported."""
-    return list(prompt.encode("utf-8"))
-
-
 def default_prompt_encoder() -> PromptEncoder:
-    """The model's byte tokenizer if importable, so that BOS handling matches the workers;
-    else :func:`bytes_prompt_encoder`.
-
-    The tokenizer is found duck-typed: a module-level ``encode(text)`` or a class
-    (``ByteTokenizer``/``Tokenizer``) whose instance has ``encode(text)``.
-    """
-    try:
-        mod = importlib.import_module("kvxfer.model.tokenizer")
-    except Exception as exc:  # torch missing, module not written yet, ...
-        log.warning("kvxfer.model.tokenizer unavailable (%s); encoding prompts as raw bytes", exc)
-        return bytes_prompt_encoder
-    for cls_name in ("ByteTokenizer", "Tokenizer"):
-        cls = getattr(mod, cls_name, None)
-        if cls is not None:
-            encode = cls().encode
-            return lambda prompt: list(encode(prompt))
-    fn = getattr(mod, "encode", None)
-    if callable(fn):
-        return lambda prompt: list(fn(prompt))
-    log.warning("kvxfer.model.tokenizer has no encoder; encoding prompts as raw bytes")
-    return bytes_prompt_encoder
+    """The workers' own tokenizer (BOS first), so the router counts and sends exactly the
+    tokens the model expects. Imported directly: a failure to import is a broken install,
+    and must not silently change what the model sees."""
+    encode = ByteTokenizer().encode
+    return lambda prompt: list(encode(prompt))

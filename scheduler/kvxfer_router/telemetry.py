@@ -14,6 +14,10 @@ import logging
 from collections import Counter
 from typing import Any, Iterable
 
+from prometheus_client import CollectorRegistry
+
+from kvxfer.metrics import RouterMetrics
+
 from .directory import WorkerView
 
 log = logging.getLogger(__name__)
@@ -65,7 +69,7 @@ class RouterTelemetry:
 
     def workers(self, views: Iterable[WorkerView]) -> None:
         """Publish how many workers of each role are ready or draining."""
-        if self.metrics is None or not hasattr(self.metrics, "set_workers"):
+        if self.metrics is None:
             return
         counts: Counter[tuple[str, str]] = Counter(
             (v.role, "draining" if v.draining else "ready") for v in views
@@ -73,12 +77,6 @@ class RouterTelemetry:
         self.metrics.set_workers(dict(counts))
 
 
-def default_router_metrics(registry: Any) -> Any | None:
-    """A ``kvxfer.metrics.RouterMetrics`` on ``registry``, or ``None`` when that module
-    cannot be imported (the router still serves; ``/metrics`` is then empty)."""
-    try:
-        from kvxfer.metrics import RouterMetrics
-    except Exception as exc:
-        log.warning("kvxfer.metrics unavailable (%s); router metrics disabled", exc)
-        return None
+def default_router_metrics(registry: CollectorRegistry) -> RouterMetrics:
+    """The router's ``kvxfer_router_*`` metrics on ``registry``."""
     return RouterMetrics(registry)

@@ -21,11 +21,10 @@ from enum import Enum
 from typing import Any, AsyncIterator
 
 import numpy as np
-from fastapi import FastAPI, HTTPException, Request
-from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvxfer.errors import TransferTimeout
-from kvxfer.kv_push import (
+from kvxfer.kv.page_allocator import OutOfPagesError, PageAllocator
+from kvxfer.kv.protocol import (
     MAILBOX_SLOT_BYTES,
     KVReservation,
     decode_mailbox,
@@ -34,8 +33,8 @@ from kvxfer.kv_push import (
 from kvxfer.metrics import DecodeMetrics
 from kvxfer.model.tokenizer import ByteTokenizer
 from kvxfer.model.transformer import DecodeRequest, FinishReason, finish_reason_after
-from kvxfer.page_allocator import OutOfPagesError, PageAllocator, PageAllocationError
-from kvxfer.worker_runtime import WorkerCore, WorkerSettings, add_common_routes, serve
+from kvxfer.workers.rejection import Rejection, RequestRejected
+from kvxfer.workers.runtime import WorkerCore, WorkerSettings
 
 log = logging.getLogger("kvxfer.decode")
 
@@ -112,26 +111,27 @@ class DecodeRuntime:
         """Reserves pages for prompt + max_tokens and a mailbox slot/immediate."""
         cfg = self.core.config
         if self.core.draining:
-            raise HTTPException(503, "worker is draining")
+            raise RequestRejected(Rejection.DRAINING, "worker is draining", request_id)
         if prompt_tokens <= 0:
-            raise HTTPException(400, "prompt is empty")
+            raise RequestRejected(Rejection.BAD_REQUEST, "prompt is empty", request_id)
         if max_tokens <= 0:
-            raise HTTPException(400, f"max_tokens must be positive, got {max_tokens}")
+            raise RequestRejected(Rejection.BAD_REQUEST, f"max_tokens must be positive, got {max_tokens}", request_id)
         if prompt_tokens + max_tokens > cfg.max_context:
-            raise HTTPException(
-                400,
+            raise RequestRejected(
+                Rejection.BAD_REQUEST,
                 f"prompt ({prompt_tokens}) + max_tokens ({max_tokens}) exceeds the model's "
                 f"context of {cfg.max_context} tokens",
+                request_id,
             )
         with self._lock:
             if request_id in self.jobs:
-                raise HTTPException(409, f"request {request_id} already exists")
+                raise RequestRejected(Rejection.CONFLICT, f"request {request_id} already exists", request_id)
             if not self._free_slots:
-                raise HTTPException(429, "too many requests on this decode worker")
+                raise RequestRejected(Rejection.OVERLOADED, "too many requests on this decode worker", request_id)
             try:
                 pages = self.allocator.reserve(request_id, prompt_tokens + max_tokens)
             except OutOfPagesError as exc:
-                raise HTTPException(429, str(exc)) from None
+                raise RequestRejected(Rejection.OVERLOADED, str(exc), request_id) from None
             slot = self._free_slots.pop()
             job = DecodeJob(
                 request_id=request_id,
@@ -160,10 +160,10 @@ class DecodeRuntime:
         )
 
     def job(self, request_id: str) -> DecodeJob:
-        """The job of a request id; 404 if unknown."""
+        """The job of a request id; `Rejection.UNKNOWN_REQUEST` if there is none."""
         job = self.jobs.get(request_id)
         if job is None:
-            raise HTTPException(404, f"unknown request id {request_id}")
+            raise RequestRejected(Rejection.UNKNOWN_REQUEST, f"unknown request id {request_id}", request_id)
         return job
 
     # -- admission --------------------------------------------------------------------
@@ -181,12 +181,12 @@ class DecodeRuntime:
             raise TransferTimeout(job.request_id, reason) from None
         self.metrics.imm_wait.observe(time.perf_counter() - start)
         if job.state is not RequestState.RESERVED:
-            raise HTTPException(409, f"request {job.request_id} was {job.state.value}")
+            raise RequestRejected(Rejection.CONFLICT, f"request {job.request_id} was {job.state.value}", job.request_id)
         offset = job.slot * MAILBOX_SLOT_BYTES
         nonce, first_token, prompt_tokens = decode_mailbox(bytes(self.mailbox[offset : offset + MAILBOX_SLOT_BYTES]))
         if nonce != job.nonce or prompt_tokens != job.prompt_tokens:
             self.end(job, RequestState.FAILED, quarantine=True, error="mailbox record does not match the reservation")
-            raise HTTPException(500, f"request {job.request_id}: mailbox record does not match")
+            raise RequestRejected(Rejection.FAILED, f"request {job.request_id}: mailbox record does not match", job.request_id)
         self._admit(job, first_token)
 
     def _admit(self, job: DecodeJob, first_token: int) -> None:
@@ -355,15 +355,20 @@ class DecodeRuntime:
         self.metrics.requests_waiting_for_kv.set(load["queue_depth"])
         self.core.update_load(**load)
 
-    def close(self) -> None:
-        """Stops the batch loop and the engine."""
+    def stop_batch_loop(self) -> None:
+        """Asks the batch loop to end after its current step."""
         self._stop.set()
         self._wake.set()
+
+    def close(self) -> None:
+        """Stops the batch loop and the engine."""
+        self.stop_batch_loop()
         self._batch_thread.join(timeout=5)
         self.core.close()
 
 
-async def _stream_tokens(runtime: DecodeRuntime, job: DecodeJob) -> AsyncIterator[dict[str, Any]]:
+async def token_events(job: DecodeJob) -> AsyncIterator[dict[str, Any]]:
+    """An admitted job's tokens as they come, then one `done` event with the usage."""
     assert job.queue is not None
     # Byte tokens of one UTF-8 character arrive one by one: decode incrementally so a
     # multi-byte character is emitted whole with its last byte, not as U+FFFD per byte.
@@ -384,120 +389,3 @@ async def _stream_tokens(runtime: DecodeRuntime, job: DecodeJob) -> AsyncIterato
         yield {"done": True, "finish_reason": job.finish_reason, "text": rest, "usage": usage}
     else:
         yield {"done": True, "finish_reason": "error", "error": job.error or job.state.value, "usage": usage}
-
-
-async def _respond(runtime: DecodeRuntime, job: DecodeJob, stream: bool) -> Any:
-    if stream:
-        import json
-
-        async def lines() -> AsyncIterator[bytes]:
-            try:
-                async for item in _stream_tokens(runtime, job):
-                    yield (json.dumps(item) + "\n").encode()
-            finally:
-                # Client went away mid-stream: stop decoding for it.
-                if job.state is RequestState.RUNNING:
-                    runtime.end(job, RequestState.CANCELLED)
-
-        return StreamingResponse(lines(), media_type="application/x-ndjson")
-    items = [item async for item in _stream_tokens(runtime, job)]
-    tokens = [i["token"] for i in items if "token" in i]
-    last = items[-1]
-    if last.get("finish_reason") == "error":
-        raise HTTPException(500, last.get("error", "generation failed"))
-    return {
-        "request_id": job.request_id,
-        "tokens": tokens,
-        "text": runtime.tokenizer.decode(tokens),
-        "finish_reason": last["finish_reason"],
-        "usage": last["usage"],
-    }
-
-
-def _body_field(body: dict[str, Any], name: str, kind: type, default: Any = ...) -> Any:
-    if name not in body:
-        if default is ...:
-            raise HTTPException(422, f"missing field {name!r}")
-        return default
-    value = body[name]
-    if kind is int and isinstance(value, bool) or not isinstance(value, kind):
-        raise HTTPException(422, f"field {name!r} must be {kind.__name__}")
-    return value
-
-
-def _token_list(body: dict[str, Any], vocab: int) -> list[int]:
-    tokens = _body_field(body, "prompt_tokens", list)
-    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens):
-        raise HTTPException(422, f"prompt_tokens must be integers in [0, {vocab})")
-    return tokens
-
-
-def create_decode_app(runtime: DecodeRuntime) -> FastAPI:
-    """The decode worker's HTTP API (docs/architecture.md)."""
-    app = FastAPI(title="kvxfer decode worker")
-    add_common_routes(app, runtime.core, lambda: {**runtime.core.base_info(), **runtime.load()})
-
-    async def json_body(request: Request) -> dict[str, Any]:
-        try:
-            body = await request.json()
-        except ValueError:
-            raise HTTPException(400, "malformed JSON body") from None
-        if not isinstance(body, dict):
-            raise HTTPException(400, "JSON body must be an object")
-        return body
-
-    @app.post("/reserve")
-    async def reserve(request: Request) -> dict[str, Any]:
-        body = await json_body(request)
-        request_id = str(_body_field(body, "request_id", str))
-        tokens = _token_list(body, runtime.core.config.vocab_size)
-        max_tokens = _body_field(body, "max_tokens", int)
-        return runtime.reserve(request_id, len(tokens), max_tokens).to_json()
-
-    @app.post("/generate")
-    async def generate(request: Request) -> Any:
-        body = await json_body(request)
-        job = runtime.job(str(_body_field(body, "request_id", str)))
-        timeout_s = body.get("timeout_s", runtime.settings.kv_wait_timeout_s)
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-            raise HTTPException(422, f"timeout_s must be a positive number, got {timeout_s!r}")
-        if job.state is not RequestState.RESERVED:
-            raise HTTPException(409, f"request {job.request_id} is {job.state.value}")
-        try:
-            await runtime.wait_for_kv(job, timeout_s)
-        except TransferTimeout as exc:
-            raise HTTPException(504, str(exc)) from None
-        return await _respond(runtime, job, bool(body.get("stream", False)))
-
-    @app.post("/generate_local")
-    async def generate_local(request: Request) -> Any:
-        body = await json_body(request)
-        request_id = str(_body_field(body, "request_id", str))
-        tokens = _token_list(body, runtime.core.config.vocab_size)
-        max_tokens = _body_field(body, "max_tokens", int)
-        runtime.reserve(request_id, len(tokens), max_tokens)
-        job = runtime.job(request_id)
-        await runtime.prefill_locally(job, tokens)
-        return await _respond(runtime, job, bool(body.get("stream", False)))
-
-    @app.post("/cancel")
-    async def cancel(request: Request) -> dict[str, Any]:
-        body = await json_body(request)
-        return runtime.cancel(str(_body_field(body, "request_id", str)))
-
-    @app.exception_handler(PageAllocationError)
-    async def allocation_error(_: Request, exc: PageAllocationError) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=409)
-
-    return app
-
-
-def run_decode_worker(settings: DecodeSettings) -> None:
-    """Starts a decode worker process: engine, model, HTTP API, etcd registration."""
-    runtime = DecodeRuntime(settings)
-    app = create_decode_app(runtime)
-    try:
-        serve(app, runtime.core, runtime.load, runtime.in_flight)
-    finally:
-        runtime._stop.set()
-        runtime._wake.set()

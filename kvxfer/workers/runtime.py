@@ -1,39 +1,26 @@
-"""What prefill and decode workers share: settings, the engine and model they own, the
-etcd registration, the common HTTP routes and the serve loop with graceful drain.
-
-Drain on SIGTERM: the worker marks itself `draining` in etcd (routers stop picking it),
-finishes what is in flight (bounded by `drain_timeout_s`), revokes its lease and exits.
+"""What prefill and decode workers share: settings, and the engine, model, KV cache and
+etcd registration they own (`WorkerCore`). No HTTP here: `http_server` serves it.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import signal
 import socket
 import time
 import uuid
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
-import uvicorn
-from fastapi import FastAPI, Response
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client import CollectorRegistry
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from kvxfer.engine import TransferEngine
-from kvxfer.kv_cache import PagedKVCache
+from kvxfer.kv.cache import PagedKVCache
 from kvxfer.metrics import EngineMetrics
 from kvxfer.model.config import ModelConfig
 from kvxfer.model.transformer import Transformer
+from kvxfer.transfer.engine import TransferEngine
 
 log = logging.getLogger("kvxfer.worker")
-
-#: Seconds a worker keeps an idle HTTP keep-alive connection open; longer than any client
-#: pool's idle expiry (the router's httpx pool: 5 s), so only the client closes idle ones.
-KEEP_ALIVE_S = 75
-
 
 class WorkerSettings(BaseSettings):
     """Settings common to prefill and decode workers (env prefix KVXFER_)."""
@@ -142,81 +129,3 @@ class WorkerCore:
                 log.warning("revoke failed: %s", exc)
             self.registration = None
         self.engine.close()
-
-
-def add_common_routes(app: FastAPI, core: WorkerCore, info: Callable[[], dict[str, Any]]) -> None:
-    """GET /health, /ready, /info and /metrics."""
-
-    @app.get("/health")
-    def health() -> dict[str, str]:
-        return {"status": "ok"}
-
-    @app.get("/ready")
-    def ready(response: Response) -> dict[str, Any]:
-        registered = core.registration is None or core.registration.is_registered
-        ok = registered and not core.engine.closed and not core.draining
-        response.status_code = 200 if ok else 503
-        return {"ready": ok, "registered": registered, "draining": core.draining}
-
-    @app.get("/info")
-    def get_info() -> dict[str, Any]:
-        return info()
-
-    @app.get("/metrics")
-    def metrics() -> Response:
-        return Response(generate_latest(core.metrics_registry), media_type=CONTENT_TYPE_LATEST)
-
-
-def serve(
-    app: FastAPI,
-    core: WorkerCore,
-    load: Callable[[], dict[str, Any]],
-    in_flight: Callable[[], int],
-) -> None:
-    """Runs the worker's HTTP server until SIGINT/SIGTERM, then drains and exits."""
-    settings = core.settings
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((settings.host, settings.port))
-    port = sock.getsockname()[1]
-    advertise = settings.advertise_host or settings.host
-    core.http_url = f"http://{advertise}:{port}"
-    # Keep idle connections open well past the router's pool expiry (httpx: 5 s). With
-    # uvicorn's default of 5 s both sides expire together, and a router reusing a connection
-    # the worker is just closing gets a ReadError (a spurious failure and retry).
-    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5,
-                            timeout_keep_alive=KEEP_ALIVE_S)
-    server = uvicorn.Server(config)
-
-    async def drain() -> None:
-        if core.draining:
-            return
-        core.draining = True
-        log.info("%s draining: %d requests in flight", core.worker_id, in_flight())
-        core.update_load(draining=True)
-        deadline = time.monotonic() + settings.drain_timeout_s
-        while in_flight() > 0 and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        if core.registration is not None:
-            core.registration.revoke()
-            core.registration = None
-        server.should_exit = True
-
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
-        serve_task = asyncio.create_task(server.serve(sockets=[sock]))
-        while not server.started and not serve_task.done():
-            await asyncio.sleep(0.02)
-        # Replace uvicorn's handlers: exit only after the drain.
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, lambda: asyncio.ensure_future(drain()))
-        core.register(load())
-        print(f"kvxfer {core.role} worker {core.worker_id} serving on {core.http_url} "
-              f"(engine {core.engine.provider} x{core.engine.rails})", flush=True)
-        await serve_task
-
-    try:
-        asyncio.run(main())
-    finally:
-        core.close()
-        log.info("%s stopped", core.worker_id)

@@ -27,13 +27,13 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
-import yaml
+from kvxfer.errors import KvxferError
 
 #: Environment variable naming a prometheus binary other than the one on PATH.
 PROMETHEUS_BIN_ENV = "KVXFER_PROMETHEUS_BIN"
 
 
-class PrometheusError(RuntimeError):
+class PrometheusError(KvxferError, RuntimeError):
     """Prometheus did not start, or a query failed; the message carries its log tail."""
 
 
@@ -106,7 +106,8 @@ class PrometheusRunner:
             self.workdir = Path(self._workdir_arg)
             self.workdir.mkdir(parents=True, exist_ok=True)
         config_path = self.workdir / "prometheus.yml"
-        config_path.write_text(yaml.safe_dump(self.config(), sort_keys=False))
+        # JSON is YAML, and keeps PyYAML (a test-only dependency) out of the image.
+        config_path.write_text(json.dumps(self.config(), indent=2))
         # The free port can be taken between our probe and prometheus' bind; retry a few
         # times rather than make every caller handle that race.
         last_error: Optional[PrometheusError] = None

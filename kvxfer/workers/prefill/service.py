@@ -2,7 +2,7 @@
 into a decode worker's reserved pages as soon as they are final.
 
 Compute runs on one thread (the model is CPU-bound and each request uses every core);
-HTTP handlers queue requests for it. A cancel stops a request's further writes and
+callers (the HTTP handlers of `http.py`) queue requests for it. A cancel stops a request's further writes and
 answers only once none of its writes is still in flight.
 """
 
@@ -17,14 +17,15 @@ import time
 from typing import Any
 
 import numpy as np
-from fastapi import FastAPI, HTTPException, Request
 from pydantic import Field
 
-from kvxfer.errors import EngineError, TransferError
-from kvxfer.kv_push import MAILBOX_SLOT_BYTES, KVReservation, PushSession
+from kvxfer.errors import EngineError, TransferError, TransferTimeout
+from kvxfer.kv.page_allocator import OutOfPagesError, PageAllocator
+from kvxfer.kv.protocol import MAILBOX_SLOT_BYTES, KVReservation
+from kvxfer.kv.push import PushSession
 from kvxfer.metrics import PrefillMetrics
-from kvxfer.page_allocator import OutOfPagesError, PageAllocator
-from kvxfer.worker_runtime import WorkerCore, WorkerSettings, add_common_routes, serve
+from kvxfer.workers.rejection import Rejection, RequestRejected
+from kvxfer.workers.runtime import WorkerCore, WorkerSettings
 
 log = logging.getLogger("kvxfer.prefill")
 
@@ -41,6 +42,22 @@ class PrefillSettings(WorkerSettings):
         description="extra time spent after each layer of each chunk, to emulate a larger "
         "model's compute on a small one (overlap benchmarks, failure drills); 0: off",
     )
+
+
+def transfer_failure_reason(exc: Exception, cancelled: bool) -> str:
+    """The `reason` label (metrics.TRANSFER_FAILURE_REASONS) of a failed push.
+
+    The engine types its deadline (`TransferTimeout`); the rest it reports as text, so a
+    failure to reach the peer is told from a fabric error completion by what it names.
+    """
+    if cancelled:
+        return "cancelled"
+    if isinstance(exc, TransferTimeout):
+        return "timeout"
+    text = str(exc).lower()
+    if any(word in text for word in ("address", "unreachable", "resolve", "connect", "refused")):
+        return "peer_unreachable"
+    return "completion_error"
 
 
 class PrefillRuntime:
@@ -82,24 +99,27 @@ class PrefillRuntime:
         """Computes the prompt, pushes its KV, waits until every write completed."""
         cfg = self.core.config
         if self.core.draining:
-            raise HTTPException(503, "worker is draining")
+            raise RequestRejected(Rejection.DRAINING, "worker is draining", request_id)
         if not prompt:
-            raise HTTPException(400, "prompt is empty")
+            raise RequestRejected(Rejection.BAD_REQUEST, "prompt is empty", request_id)
         if len(prompt) > cfg.max_context:
-            raise HTTPException(400, f"prompt of {len(prompt)} tokens exceeds the context of {cfg.max_context}")
+            raise RequestRejected(Rejection.BAD_REQUEST, f"prompt of {len(prompt)} tokens exceeds the context of {cfg.max_context}", request_id)
         if reservation.kv_layout != self.core.kv_layout:
-            raise HTTPException(
-                409, f"KV layout mismatch: decoder {reservation.kv_layout}, prefiller {self.core.kv_layout}"
+            self.metrics.count_transfer_failure("layout_mismatch")
+            raise RequestRejected(
+                Rejection.CONFLICT,
+                f"KV layout mismatch: decoder {reservation.kv_layout}, prefiller {self.core.kv_layout}",
+                request_id,
             )
         if self._queued >= self.settings.max_queue:
-            raise HTTPException(429, "prefill queue is full")
+            raise RequestRejected(Rejection.OVERLOADED, "prefill queue is full", request_id)
         with self._lock:
             if request_id in self.sessions:
-                raise HTTPException(409, f"request {request_id} is already being prefilled")
+                raise RequestRejected(Rejection.CONFLICT, f"request {request_id} is already being prefilled", request_id)
             try:
                 local_pages = self.allocator.reserve(request_id, len(prompt))
             except OutOfPagesError as exc:
-                raise HTTPException(429, str(exc)) from None
+                raise RequestRejected(Rejection.OVERLOADED, str(exc), request_id) from None
             slot = self._slot
             self._slot = (self._slot + 1) % self.settings.mailbox_slots
             try:
@@ -109,7 +129,7 @@ class PrefillRuntime:
                 )
             except TransferError as exc:
                 self.allocator.free(request_id)
-                raise HTTPException(409, str(exc)) from None
+                raise RequestRejected(Rejection.CONFLICT, str(exc), request_id) from None
             self.sessions[request_id] = session
             self._queued += 1
         self._update_gauges()
@@ -117,8 +137,8 @@ class PrefillRuntime:
         try:
             return await loop.run_in_executor(self._compute, self._run, request_id, prompt, session, local_pages)
         except (TransferError, EngineError) as exc:
-            self.metrics.transfer_failures.labels(reason=type(exc).__name__).inc()
-            raise HTTPException(502, f"request {request_id}: KV push failed: {exc}") from None
+            self.metrics.count_transfer_failure(transfer_failure_reason(exc, session.cancelled))
+            raise RequestRejected(Rejection.PUSH_FAILED, f"request {request_id}: KV push failed: {exc}", request_id) from None
         finally:
             with self._lock:
                 self.sessions.pop(request_id, None)
@@ -127,9 +147,36 @@ class PrefillRuntime:
                 self.allocator.free(request_id)
             self._update_gauges()
 
+    def accept_reservation(self, request_id: str, decode: dict[str, Any]) -> KVReservation:
+        """Parses a decoder's reservation and checks it against the decoder's regions.
+
+        Out-of-range pages, offsets or immediates are the caller's error, found before any
+        compute, not a failed push half-way through the writes.
+        """
+        try:
+            reservation = KVReservation.from_json({"request_id": request_id, **decode})
+            kv_region = self.core.engine._remote(reservation.descriptor)
+            meta_region = self.core.engine._remote(reservation.meta_descriptor)
+        except (KeyError, ValueError, TypeError) as exc:
+            raise RequestRejected(Rejection.INVALID, f"malformed decode reservation: {exc}", request_id) from None
+        layer_bytes = reservation.num_pages * self.core.cache.page_bytes
+        if (
+            reservation.num_pages <= 0
+            or self.core.config.num_layers * layer_bytes > kv_region.length
+            or not all(0 <= p < reservation.num_pages for p in reservation.pages)
+            or not 0 <= reservation.meta_offset <= meta_region.length - MAILBOX_SLOT_BYTES
+            or not 0 <= reservation.imm < 2**32
+        ):
+            raise RequestRejected(
+                Rejection.INVALID,
+                "malformed decode reservation: pages, meta_offset or imm outside the decoder's regions",
+                request_id,
+            )
+        return reservation
+
     def _run(self, request_id: str, prompt: list[int], session: PushSession, local_pages: list[int]) -> dict[str, Any]:
         if session.cancelled:
-            raise HTTPException(409, f"request {request_id} was cancelled before compute")
+            raise RequestRejected(Rejection.CONFLICT, f"request {request_id} was cancelled before compute", request_id)
         t0 = time.perf_counter()
         peer = session.reservation.descriptor
         self._peers.add(peer[:64])
@@ -151,7 +198,7 @@ class PrefillRuntime:
         compute_s = time.perf_counter() - t0
         stats = session.wait(self.core.engine.transfer_timeout_s)
         if session.cancelled:
-            raise HTTPException(409, f"request {request_id} was cancelled")
+            raise RequestRejected(Rejection.CONFLICT, f"request {request_id} was cancelled", request_id)
         self.metrics.compute.observe(compute_s)
         self.metrics.observe_transfer(stats.kv_bytes, max(stats.transfer_s, 1e-9), stats.wire_s)
         self.metrics.peers_connected.set(len(self._peers))
@@ -190,64 +237,3 @@ class PrefillRuntime:
     def _update_gauges(self) -> None:
         self.metrics.queue_depth.set(self._queued)
         self.core.update_load(**self.load())
-
-
-def create_prefill_app(runtime: PrefillRuntime) -> FastAPI:
-    """The prefill worker's HTTP API (docs/architecture.md)."""
-    app = FastAPI(title="kvxfer prefill worker")
-    add_common_routes(app, runtime.core, lambda: {**runtime.core.base_info(), **runtime.load()})
-
-    async def json_body(request: Request) -> dict[str, Any]:
-        try:
-            body = await request.json()
-        except ValueError:
-            raise HTTPException(400, "malformed JSON body") from None
-        if not isinstance(body, dict):
-            raise HTTPException(400, "JSON body must be an object")
-        return body
-
-    @app.post("/prefill")
-    async def prefill(request: Request) -> dict[str, Any]:
-        body = await json_body(request)
-        request_id = body.get("request_id")
-        prompt = body.get("prompt_tokens")
-        decode = body.get("decode")
-        if not isinstance(request_id, str) or not isinstance(prompt, list) or not isinstance(decode, dict):
-            raise HTTPException(422, "need request_id (str), prompt_tokens (list) and decode (object)")
-        vocab = runtime.core.config.vocab_size
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
-            raise HTTPException(422, f"prompt_tokens must be integers in [0, {vocab})")
-        try:
-            reservation = KVReservation.from_json({"request_id": request_id, **decode})
-            kv_region = runtime.core.engine._remote(reservation.descriptor)
-            meta_region = runtime.core.engine._remote(reservation.meta_descriptor)
-        except (KeyError, ValueError, TypeError) as exc:
-            raise HTTPException(422, f"malformed decode reservation: {exc}") from None
-        # Out-of-range pages, offsets or immediates are the caller's error (422), found
-        # before any compute, not a failed push (502) half-way through the writes.
-        layer_bytes = reservation.num_pages * runtime.core.cache.page_bytes
-        if (
-            reservation.num_pages <= 0
-            or runtime.core.config.num_layers * layer_bytes > kv_region.length
-            or not all(0 <= p < reservation.num_pages for p in reservation.pages)
-            or not 0 <= reservation.meta_offset <= meta_region.length - MAILBOX_SLOT_BYTES
-            or not 0 <= reservation.imm < 2**32
-        ):
-            raise HTTPException(422, "malformed decode reservation: pages, meta_offset or imm outside the decoder's regions")
-        return await runtime.prefill(request_id, prompt, reservation)
-
-    @app.post("/cancel")
-    async def cancel(request: Request) -> dict[str, Any]:
-        body = await json_body(request)
-        request_id = body.get("request_id")
-        if not isinstance(request_id, str):
-            raise HTTPException(422, "need request_id (str)")
-        return await runtime.cancel(request_id)
-
-    return app
-
-
-def run_prefill_worker(settings: PrefillSettings) -> None:
-    """Starts a prefill worker process: engine, model, HTTP API, etcd registration."""
-    runtime = PrefillRuntime(settings)
-    serve(create_prefill_app(runtime), runtime.core, runtime.load, runtime.in_flight)

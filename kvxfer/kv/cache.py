@@ -23,54 +23,22 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Union
+from typing import Union
 
 import torch
 
-from kvxfer.errors import KvxferError
-from kvxfer.shared_memory import SharedBuffer
-
-if TYPE_CHECKING:  # only for annotations: the model package imports this module
-    from kvxfer.model.config import ModelConfig
+from kvxfer.kv.layout import (
+    KVCacheError,
+    KVGeometry,
+    dtype_from_name,
+    format_kv_layout,
+    pages_for_tokens,
+)
+from kvxfer.transfer.shared_memory import SharedBuffer
 
 #: A request's block table: page ids in token order (page i holds tokens
 #: ``[i * block_size, (i + 1) * block_size)``), as a list or a 1-D integer tensor.
 BlockTable = Union[Sequence[int], torch.Tensor]
-
-# Names accepted in configs. Kept to the float types the model computes in; the name is
-# part of the kv_layout string, so it must be stable (not torch's repr, which has a prefix).
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
-
-
-class KVCacheError(KvxferError, ValueError):
-    """A KV-cache access outside the cache: bad layer, page index, position or tensor shape.
-
-    It is a KvxferError like every library error, and a ValueError because each case is a
-    caller passing an invalid argument (`errors.BoundsError` is the engine's counterpart for
-    registered regions). The message names the offending value and the valid range.
-    """
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    """Map a dtype name used in configs and layout strings ("float32", ...) to a torch dtype."""
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise KVCacheError(f"unsupported dtype {name!r}; supported: {sorted(_DTYPES)}") from None
-
-
-def format_kv_layout(num_layers: int, num_kv_heads: int, head_dim: int, dtype: str, block_size: int) -> str:
-    """Return the layout string two workers compare, e.g. ``"L32-H8-D128-float32-bs16"``.
-
-    The number of pages is deliberately not part of it: each worker sizes its own pool, and
-    page ids are per worker; only the shape of one page and the layer count must agree.
-    """
-    return f"L{num_layers}-H{num_kv_heads}-D{head_dim}-{dtype}-bs{block_size}"
-
 
 class PagedKVCache:
     """All K/V pages of one worker in one contiguous tensor, plus the byte offsets the engine needs.
@@ -122,8 +90,12 @@ class PagedKVCache:
         self._v_layers = [self._tensor[layer, :, 1] for layer in range(num_layers)]
 
     @classmethod
-    def from_config(cls, config: "ModelConfig", num_pages: int) -> "PagedKVCache":
-        """Build a cache whose pages match `config` (layers, KV heads, head dim, dtype, block size)."""
+    def from_config(cls, config: KVGeometry, num_pages: int) -> "PagedKVCache":
+        """Build a cache whose pages match `config` (layers, KV heads, head dim, dtype, block size).
+
+        Any object with the `KVGeometry` fields serves (a `ModelConfig` does), so this layer
+        never imports the model package that builds on it.
+        """
         return cls(
             num_layers=config.num_layers,
             num_pages=num_pages,
@@ -211,9 +183,7 @@ class PagedKVCache:
 
     def pages_for_tokens(self, num_tokens: int) -> int:
         """Number of pages needed to hold `num_tokens` tokens (ceiling division)."""
-        if num_tokens < 0:
-            raise KVCacheError(f"num_tokens must be >= 0, got {num_tokens}")
-        return math.ceil(num_tokens / self._block_size)
+        return pages_for_tokens(num_tokens, self._block_size)
 
     # ---- page access (transfer side and tests) ------------------------------------------
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from kvxfer.local_etcd import LocalEtcd
+from kvxfer.cluster.local_etcd import LocalEtcd
 
 
 def free_port() -> int:

@@ -2,7 +2,7 @@
 machine; a batch of streaming requests through the router; a table of TTFT, inter-token
 latency, KV bytes moved and transfer GB/s; then a clean shutdown.
 
-    python -m kvxfer.demo [--requests 24] [--concurrency 8] [--max-tokens 24] [--provider auto]
+    python -m kvxfer.cluster.demo [--requests 24] [--concurrency 8] [--max-tokens 24] [--provider auto]
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
-from kvxfer.local_cluster import LocalCluster
+from kvxfer.cluster.local_cluster import LocalCluster
 
 _WORDS = ("kv cache pages move layer by layer from prefill to decode over one sided writes "
           "while the next layer computes and the decoder counts immediates").split()
@@ -81,7 +81,7 @@ async def _drive(url: str, prompts: list[str], concurrency: int, max_tokens: int
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the demo; returns 0 when every request succeeded."""
-    parser = argparse.ArgumentParser(prog="python -m kvxfer.demo", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m kvxfer.cluster.demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=24, help="requests to send (default 24)")
     parser.add_argument("--concurrency", type=int, default=8, help="requests in flight (default 8)")

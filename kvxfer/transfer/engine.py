@@ -19,7 +19,7 @@ import numpy as np
 
 from kvxfer import _native
 from kvxfer.errors import BoundsError, EngineError, TransferError, TransferTimeout
-from kvxfer.shared_memory import shared_buffer_of
+from kvxfer.transfer.shared_memory import shared_buffer_of
 
 # Native status codes (TransferStatus in engine_types.hpp).
 _PENDING, _DONE, _FAILED, _TIMED_OUT = 0, 1, 2, 3

@@ -22,6 +22,8 @@ import weakref
 from pathlib import Path
 from types import TracebackType
 
+from kvxfer.errors import KvxferError
+
 __all__ = ["LocalEtcd", "LocalEtcdError"]
 
 _LOOPBACK = "127.0.0.1"
@@ -51,7 +53,7 @@ def _stop_all_at_exit() -> None:
 atexit.register(_stop_all_at_exit)
 
 
-class LocalEtcdError(RuntimeError):
+class LocalEtcdError(KvxferError, RuntimeError):
     """Raised when the local etcd cannot be found, started or stopped.
 
     The message says what failed and quotes the tail of the etcd log when there is one,

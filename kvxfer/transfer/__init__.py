@@ -1,0 +1,5 @@
+"""The transfer layer: the native WriteImm engine's Python face and shared memory.
+
+Imports only `kvxfer.errors` and the native extension. Everything above (KV cache, push,
+workers) moves bytes through `TransferEngine`; nothing above touches libfabric.
+"""

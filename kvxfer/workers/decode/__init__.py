@@ -1,0 +1,1 @@
+"""The decode worker: reserves pages, admits pushed KV by ImmCounter, generates tokens."""

@@ -1,0 +1,112 @@
+"""The decode worker's HTTP API (docs/architecture.md): parses bodies, calls `DecodeRuntime`,
+and streams tokens as NDJSON."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import StreamingResponse
+
+from kvxfer.errors import TransferTimeout
+from kvxfer.workers.decode.service import (
+    DecodeJob,
+    DecodeRuntime,
+    DecodeSettings,
+    RequestState,
+    token_events,
+)
+from kvxfer.workers.http_server import (
+    body_field,
+    create_worker_app,
+    json_body,
+    serve,
+    token_list,
+)
+from kvxfer.workers.rejection import Rejection, RequestRejected
+
+
+async def _respond(runtime: DecodeRuntime, job: DecodeJob, stream: bool) -> Any:
+    if stream:
+
+        async def lines() -> AsyncIterator[bytes]:
+            try:
+                async for item in token_events(job):
+                    yield (json.dumps(item) + "\n").encode()
+            finally:
+                # Client went away mid-stream: stop decoding for it.
+                if job.state is RequestState.RUNNING:
+                    runtime.end(job, RequestState.CANCELLED)
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+    items = [item async for item in token_events(job)]
+    tokens = [i["token"] for i in items if "token" in i]
+    last = items[-1]
+    if last.get("finish_reason") == "error":
+        raise HTTPException(500, last.get("error", "generation failed"))
+    return {
+        "request_id": job.request_id,
+        "tokens": tokens,
+        "text": runtime.tokenizer.decode(tokens),
+        "finish_reason": last["finish_reason"],
+        "usage": last["usage"],
+    }
+
+
+def create_decode_app(runtime: DecodeRuntime) -> FastAPI:
+    """The decode worker's HTTP API (docs/architecture.md)."""
+    app = create_worker_app(
+        "kvxfer decode worker", runtime.core, lambda: {**runtime.core.base_info(), **runtime.load()}
+    )
+
+    @app.post("/reserve")
+    async def reserve(request: Request) -> dict[str, Any]:
+        body = await json_body(request)
+        request_id = str(body_field(body, "request_id", str))
+        tokens = token_list(body, runtime.core.config.vocab_size)
+        max_tokens = body_field(body, "max_tokens", int)
+        return runtime.reserve(request_id, len(tokens), max_tokens).to_json()
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Any:
+        body = await json_body(request)
+        job = runtime.job(str(body_field(body, "request_id", str)))
+        timeout_s = body.get("timeout_s", runtime.settings.kv_wait_timeout_s)
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise HTTPException(422, f"timeout_s must be a positive number, got {timeout_s!r}")
+        if job.state is not RequestState.RESERVED:
+            raise HTTPException(409, f"request {job.request_id} is {job.state.value}")
+        try:
+            await runtime.wait_for_kv(job, timeout_s)
+        except TransferTimeout as exc:
+            raise RequestRejected(Rejection.KV_TIMEOUT, str(exc), job.request_id) from None
+        return await _respond(runtime, job, bool(body.get("stream", False)))
+
+    @app.post("/generate_local")
+    async def generate_local(request: Request) -> Any:
+        body = await json_body(request)
+        request_id = str(body_field(body, "request_id", str))
+        tokens = token_list(body, runtime.core.config.vocab_size)
+        max_tokens = body_field(body, "max_tokens", int)
+        runtime.reserve(request_id, len(tokens), max_tokens)
+        job = runtime.job(request_id)
+        await runtime.prefill_locally(job, tokens)
+        return await _respond(runtime, job, bool(body.get("stream", False)))
+
+    @app.post("/cancel")
+    async def cancel(request: Request) -> dict[str, Any]:
+        body = await json_body(request)
+        return runtime.cancel(str(body_field(body, "request_id", str)))
+
+    return app
+
+
+def run_decode_worker(settings: DecodeSettings) -> None:
+    """Starts a decode worker process: engine, model, HTTP API, etcd registration."""
+    runtime = DecodeRuntime(settings)
+    app = create_decode_app(runtime)
+    try:
+        serve(app, runtime.core, runtime.load, runtime.in_flight)
+    finally:
+        runtime.stop_batch_loop()

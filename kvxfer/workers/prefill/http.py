@@ -1,0 +1,45 @@
+"""The prefill worker's HTTP API (docs/architecture.md): parses bodies, calls `PrefillRuntime`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+
+from kvxfer.workers.http_server import (
+    body_field,
+    create_worker_app,
+    json_body,
+    serve,
+    token_list,
+)
+from kvxfer.workers.prefill.service import PrefillRuntime, PrefillSettings
+
+
+def create_prefill_app(runtime: PrefillRuntime) -> FastAPI:
+    """The prefill worker's HTTP API (docs/architecture.md)."""
+    app = create_worker_app(
+        "kvxfer prefill worker", runtime.core, lambda: {**runtime.core.base_info(), **runtime.load()}
+    )
+
+    @app.post("/prefill")
+    async def prefill(request: Request) -> dict[str, Any]:
+        body = await json_body(request)
+        request_id = body_field(body, "request_id", str)
+        prompt = token_list(body, runtime.core.config.vocab_size)
+        decode = body_field(body, "decode", dict)
+        reservation = runtime.accept_reservation(request_id, decode)
+        return await runtime.prefill(request_id, prompt, reservation)
+
+    @app.post("/cancel")
+    async def cancel(request: Request) -> dict[str, Any]:
+        body = await json_body(request)
+        return await runtime.cancel(body_field(body, "request_id", str))
+
+    return app
+
+
+def run_prefill_worker(settings: PrefillSettings) -> None:
+    """Starts a prefill worker process: engine, model, HTTP API, etcd registration."""
+    runtime = PrefillRuntime(settings)
+    serve(create_prefill_app(runtime), runtime.core, runtime.load, runtime.in_flight)

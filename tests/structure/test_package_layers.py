@@ -1,0 +1,100 @@
+"""The package follows its layers: each subpackage imports only from the layers below it.
+
+Read statically (every import statement, function-level ones too), so a lazy import
+cannot hide an upward edge. The layers, bottom up (docs/architecture.md, "Layout"):
+base (errors, metrics) -> transfer -> kv -> model -> workers; registry sits on base
+alone; cluster (developer tooling) and cli may use everything; the router uses only
+registry, the model's tokenizer, metrics and errors.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PACKAGE = REPO / "kvxfer"
+ROUTER = REPO / "scheduler" / "kvxfer_router"
+
+BASE = {"errors", "metrics", "_native"}
+#: What each layer of kvxfer may import from kvxfer (besides itself).
+ALLOWED: dict[str, set[str]] = {
+    "errors": set(),
+    "metrics": set(),
+    "transfer": {"errors", "_native"},
+    "kv": BASE | {"transfer"},
+    "model": BASE | {"kv"},
+    "registry": BASE,
+    "workers": BASE | {"transfer", "kv", "model", "registry"},
+    "cluster": BASE | {"transfer", "kv", "model", "registry", "workers"},
+    "cli": BASE | {"transfer", "kv", "model", "registry", "workers", "cluster"},
+    "__init__": BASE | {"transfer"},
+}
+ROUTER_ALLOWED = {"registry", "model.tokenizer", "metrics", "errors"}
+#: Modules that are HTTP-free by contract: services raise typed errors instead.
+HTTP_FREE = ["workers/runtime.py", "workers/prefill/service.py", "workers/decode/service.py",
+             "workers/rejection.py"]
+HTTP_PACKAGES = ("fastapi", "starlette", "uvicorn")
+
+
+def imported_modules(path: Path) -> list[str]:
+    """Absolute module names imported anywhere in `path` (relative imports resolved)."""
+    tree = ast.parse(path.read_text(), str(path))
+    rel = path.relative_to(REPO).with_suffix("")
+    package_parts = list(rel.parts[:-1])
+    names: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.extend(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package_parts[: len(package_parts) - node.level + 1]
+                names.append(".".join(base + ([node.module] if node.module else [])))
+            elif node.module:
+                names.append(node.module)
+                # `from kvxfer import engine` names a module in the alias
+                names.extend(f"{node.module}.{a.name}" for a in node.names if node.module == "kvxfer")
+    return names
+
+
+def layer_of(path: Path) -> str:
+    rel = path.relative_to(PACKAGE)
+    return rel.parts[0].removesuffix(".py")
+
+
+def kvxfer_layer(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] != "kvxfer" or len(parts) < 2:
+        return None
+    return parts[1]
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_each_module_imports_only_from_the_layers_below(path: Path) -> None:
+    layer = layer_of(path)
+    assert layer in ALLOWED, f"{path}: new top-level module or package {layer!r}: give it a layer here"
+    upward = sorted(
+        {m for m in imported_modules(path)
+         if (target := kvxfer_layer(m)) is not None and target != layer and target not in ALLOWED[layer]}
+    )
+    assert not upward, f"kvxfer/{path.relative_to(PACKAGE)} ({layer}) imports from above its layer: {upward}"
+
+
+@pytest.mark.parametrize("path", sorted(ROUTER.rglob("*.py")), ids=lambda p: p.name)
+def test_the_router_uses_only_registry_tokenizer_metrics_and_errors(path: Path) -> None:
+    used = {m.removeprefix("kvxfer.") for m in imported_modules(path) if m.startswith("kvxfer.")}
+    bad = sorted(m for m in used if not any(m == a or m.startswith(a + ".") for a in ROUTER_ALLOWED))
+    assert not bad, f"{path.name} imports {bad}: the router must not depend on the engine or the workers"
+
+
+@pytest.mark.parametrize("rel", HTTP_FREE)
+def test_worker_services_know_nothing_of_http(rel: str) -> None:
+    http = sorted(m for m in imported_modules(PACKAGE / rel) if m.split(".")[0] in HTTP_PACKAGES)
+    assert not http, f"kvxfer/{rel} imports {http}: HTTP belongs in the http modules"
+
+
+def test_kv_and_model_form_no_cycle() -> None:
+    kv_imports = {m for p in (PACKAGE / "kv").rglob("*.py") for m in imported_modules(p)}
+    assert not any(m.startswith("kvxfer.model") for m in kv_imports), "kv imports the model: a cycle"

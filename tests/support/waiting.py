@@ -1,0 +1,22 @@
+"""Bounded waiting for tests: every wait has a deadline and says what it waited for."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+
+def wait_until(predicate: Callable[[], Any], timeout_s: float = 5.0, what: str = "condition",
+               interval_s: float = 0.02) -> Any:
+    """Polls `predicate` until it returns something truthy and returns that value.
+
+    Raises AssertionError naming `what` and the last value after `timeout_s` seconds.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what} (last value: {value!r})")
+        time.sleep(interval_s)
