@@ -20,9 +20,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import httpx
+from support.waiting import wait_until
 
 #: Prompts of a few lengths (+1 token for BOS each). Short ones keep the tiny model fast.
 SHORT_PROMPTS = [
@@ -259,17 +260,6 @@ class LoadGenerator:
 
 # --- small readers ------------------------------------------------------------------------
 
-
-def wait_until(predicate: Callable[[], Any], timeout_s: float, what: str, poll_s: float = 0.1) -> Any:
-    """Polls `predicate` until truthy (returns its value); AssertionError after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(poll_s)
 
 
 def router_workers(router_url: str) -> dict[str, dict[str, Any]]:

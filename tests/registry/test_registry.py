@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pyetcd
@@ -31,10 +31,11 @@ from kvxfer.registry import (
     WorkerRegistration,
     worker_key,
 )
+from support.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 LEASE_TTL_S = 2  # etcd's minimum with default election settings; keeps expiry tests short
 VISIBLE_WITHIN_S = 1.0  # the contract: a registration shows up at routers within 1 s
 RECOVERY_WITHIN_S = 15.0  # generous bound for anything that crosses an etcd restart
@@ -57,13 +58,6 @@ def make_record(worker_id: str, role: str = "decode", **fields: object) -> Worke
     values.update(fields)
     return WorkerRecord.model_validate(values)
 
-
-def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() >= deadline:
-            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.02)
 
 
 def ids(workers: list[WorkerRecord]) -> list[str]:

@@ -1,6 +1,6 @@
 """Specification of kvxfer.TransferEngine between two processes, on every loopback provider.
 
-The initiator engine lives in this process; the far side is tests/engine_peer.py, a
+The initiator engine lives in this process; the far side is tests/support/engine_peer.py, a
 separate process driven over JSON lines, which also writes back into memory registered
 here. Every provider present among net, tcp and shm is tested (with the same-host path
 off), and so is the same-host path, with immediates over net: "same-host" (regions in
@@ -31,7 +31,7 @@ from typing import Any, Iterator
 import numpy as np
 import pytest
 
-from engine_peer import (
+from support.engine_peer import (
     SAME_HOST,
     SAME_HOST_MAPPED,
     SAME_HOST_MODES,
@@ -43,7 +43,7 @@ from engine_peer import (
 from kvxfer.transfer.engine import TransferEngine, available_providers
 from kvxfer.errors import BoundsError, DescriptorError, EngineError, TransferError, TransferTimeout
 
-PEER_PROGRAM = Path(__file__).with_name("engine_peer.py")
+PEER_PROGRAM = Path(__file__).resolve().parents[1] / "support" / "engine_peer.py"
 PROVIDERS = [p for p in ("net", "tcp", "shm") if p in available_providers()]
 # Test modes: each provider with the same-host path off, and the same-host path itself.
 MODES = PROVIDERS + (list(SAME_HOST_MODES) if {"net", "tcp"} & set(PROVIDERS) else [])

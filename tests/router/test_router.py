@@ -4,27 +4,10 @@ surface, against in-process fake workers that follow the worker HTTP API contrac
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scheduler"))
-
-from fake_workers import (  # noqa: E402
-    LAYOUT_A,
-    LAYOUT_B,
-    MODEL,
-    Fabric,
-    FakeDecodeWorker,
-    FakePrefillWorker,
-    ServerHost,
-    WorkerMux,
-    wait_until,
-)
-
 from kvxfer_router import (  # noqa: E402
     EtcdWorkerDirectory,
     RouterSettings,
@@ -35,6 +18,17 @@ from kvxfer_router import (  # noqa: E402
 )
 from kvxfer_router.cli import build_parser, settings_from_args  # noqa: E402
 from kvxfer_router.policies import LocalLoad, WorkerPair, select_pair  # noqa: E402
+from support.fake_workers import (  # noqa: E402
+    LAYOUT_A,
+    LAYOUT_B,
+    MODEL,
+    Fabric,
+    FakeDecodeWorker,
+    FakePrefillWorker,
+    ServerHost,
+    WorkerMux,
+)
+from support.waiting import wait_until
 
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog"  # disaggregated (>= 8 tokens)
 SHORT_PROMPT = "hi"  # runs on decode alone

@@ -21,7 +21,7 @@ import pytest
 
 from kvxfer.cluster.prometheus_runner import PrometheusRunner, find_prometheus_binary
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "k8s" / "grafana" / "kvxfer-dashboard.json"
 
 pytestmark = pytest.mark.skipif(

@@ -20,7 +20,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, HTTPException
@@ -109,14 +109,6 @@ class WorkerMux:
         path = "/" + rest
         await app({**scope, "path": path, "raw_path": path.encode()}, receive, send)
 
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0, what: str = "condition") -> None:
-    """Poll ``predicate`` until true; ``AssertionError`` naming ``what`` after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.01)
 
 
 class _Strict(BaseModel):

@@ -15,18 +15,13 @@ Three deployments, each torn down before the next starts (the machine has 2 core
 from __future__ import annotations
 
 import signal
-import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from cluster_load import (  # noqa: E402
+from support.cluster_load import (  # noqa: E402
     LONG_PROMPTS,
     SHORT_PROMPTS,
     LoadGenerator,
@@ -37,9 +32,9 @@ from cluster_load import (  # noqa: E402
     metric_value,
     router_workers,
     wait_pages_free,
-    wait_until,
     worker_info,
 )
+from support.waiting import wait_until
 
 from kvxfer.cluster.local_cluster import LocalCluster  # noqa: E402
 from kvxfer.cluster.prometheus_runner import PrometheusRunner, find_prometheus_binary  # noqa: E402

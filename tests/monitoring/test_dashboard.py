@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 from kvxfer.metrics import (ALL_METRIC_NAMES, DecodeMetrics, EngineMetrics, PrefillMetrics,
                             RouterMetrics, all_metric_names, exported_sample_names)
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DASHBOARD_PATH = REPO / "k8s" / "grafana" / "kvxfer-dashboard.json"
 METRIC_NAME = re.compile(r"\bkvxfer_[a-zA-Z0-9_:]*")
 #: Labels Prometheus attaches to every target (static configs and the operator's monitors);

@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 
@@ -188,16 +188,3 @@ class WorkerSet:
         for proc in self.procs:
             proc.kill()
             proc._log.close()
-
-
-def wait_until(predicate: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.05) -> Any:
-    """Polls `predicate` until it returns something truthy; AssertionError after the deadline."""
-    deadline = time.monotonic() + timeout_s
-    last: Any = None
-    while True:
-        last = predicate()
-        if last:
-            return last
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what} (last value: {last!r})")
-        time.sleep(interval_s)

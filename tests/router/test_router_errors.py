@@ -10,16 +10,13 @@ Runs against the in-process fake workers of tests/fake_workers.py (real loopback
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scheduler"))
 
-from fake_workers import MODEL, Fabric, FakeDecodeWorker, FakePrefillWorker, ServerHost, WorkerMux  # noqa: E402
+from support.fake_workers import MODEL, Fabric, FakeDecodeWorker, FakePrefillWorker, ServerHost, WorkerMux  # noqa: E402
 from fastapi.responses import StreamingResponse  # noqa: E402
 
 from kvxfer_router import RouterSettings, StaticWorkerDirectory, create_app  # noqa: E402

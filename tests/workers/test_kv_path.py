@@ -36,7 +36,8 @@ import httpx
 import pytest
 import torch
 
-from worker_procs import WorkerProc, WorkerSet, wait_until
+from support.waiting import wait_until
+from support.worker_procs import WorkerProc, WorkerSet
 
 from kvxfer.model.config import ModelConfig
 from kvxfer.model.tokenizer import ByteTokenizer
