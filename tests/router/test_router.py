@@ -8,7 +8,7 @@ from typing import Any, Iterator
 
 import httpx
 import pytest
-from kvxfer_router import (  # noqa: E402
+from kvxfer_router import (
     EtcdWorkerDirectory,
     RouterSettings,
     StaticWorkerDirectory,
@@ -16,9 +16,9 @@ from kvxfer_router import (  # noqa: E402
     create_app,
     make_policy,
 )
-from kvxfer_router.cli import build_parser, settings_from_args  # noqa: E402
-from kvxfer_router.policies import LocalLoad, WorkerPair, select_pair  # noqa: E402
-from support.fake_workers import (  # noqa: E402
+from kvxfer_router.cli import build_parser, settings_from_args
+from kvxfer_router.policies import LocalLoad, WorkerPair, select_pair
+from support.fake_workers import (
     LAYOUT_A,
     LAYOUT_B,
     MODEL,

@@ -14,12 +14,11 @@ from typing import Any, Iterator
 
 import httpx
 import pytest
+from fastapi.responses import StreamingResponse
 
+from support.fake_workers import MODEL, Fabric, FakeDecodeWorker, FakePrefillWorker, ServerHost, WorkerMux
 
-from support.fake_workers import MODEL, Fabric, FakeDecodeWorker, FakePrefillWorker, ServerHost, WorkerMux  # noqa: E402
-from fastapi.responses import StreamingResponse  # noqa: E402
-
-from kvxfer_router import RouterSettings, StaticWorkerDirectory, create_app  # noqa: E402
+from kvxfer_router import RouterSettings, StaticWorkerDirectory, create_app
 
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog"  # disaggregated (>= 8 tokens)
 SHORT_PROMPT = "hi"  # decode alone (POST /generate_local)
