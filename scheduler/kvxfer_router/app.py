@@ -18,9 +18,10 @@ from typing import Any, AsyncIterator
 
 import httpx
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.types import Receive, Scope, Send
 
 from kvxfer.metrics import metrics_response
@@ -50,6 +51,52 @@ from .telemetry import RouterTelemetry, default_router_metrics
 log = logging.getLogger(__name__)
 
 _REQUEST_ID_RE = re.compile(REQUEST_ID_PATTERN)
+
+
+async def read_body_limited(request: Request, limit_bytes: int, timeout_s: float, rid: str | None) -> bytes:
+    """The request body, counted as it streams in: 413 as soon as it passes `limit_bytes`
+    (a chunked body has no Content-Length to check first, and buffering it whole let one
+    request hold gigabytes), 408 if it has not all arrived within `timeout_s`."""
+    chunks: list[bytes] = []
+    size = 0
+
+    async def read() -> None:
+        nonlocal size
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit_bytes:
+                raise RouterError(413, f"request body exceeds {limit_bytes} bytes", request_id=rid,
+                                  code="request_too_large")
+            chunks.append(chunk)
+
+    try:
+        await asyncio.wait_for(read(), timeout_s)
+    except asyncio.TimeoutError:
+        raise RouterError(408, f"request body not received within {timeout_s} s", request_id=rid,
+                          code="request_timeout") from None
+    return b"".join(chunks)
+
+
+def parse_json_body(raw: bytes, rid: str | None) -> Any:
+    """Decodes a JSON body; every way it can be bad is a 400 in OpenAI's error shape.
+
+    Deep nesting raises RecursionError rather than ValueError in the json module, and a
+    lone UTF-16 surrogate (``"\\ud800"``) is valid JSON that no UTF-8 encoder can write
+    back: both once reached the client as a plain-text 500.
+    """
+    try:
+        obj = json.loads(raw)
+    except RecursionError:
+        raise RouterError(400, "request body is nested too deeply", request_id=rid, code="invalid_json") from None
+    except ValueError as exc:
+        raise RouterError(400, f"request body is not valid JSON: {exc}", request_id=rid, code="invalid_json") from None
+    try:
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = exc.object[exc.start:exc.end].encode("unicode_escape").decode("ascii")
+        raise RouterError(400, f"request body holds a string that is not valid Unicode (lone surrogate {bad})",
+                          request_id=rid, code="invalid_value") from None
+    return obj
 
 
 class RouterService:
@@ -123,14 +170,9 @@ class RouterService:
         if length is not None and length.isdigit() and int(length) > self.settings.max_request_bytes:
             raise RouterError(413, f"request body exceeds {self.settings.max_request_bytes} bytes",
                               request_id=rid, code="request_too_large")
-        raw = await request.body()
-        if len(raw) > self.settings.max_request_bytes:
-            raise RouterError(413, f"request body exceeds {self.settings.max_request_bytes} bytes",
-                              request_id=rid, code="request_too_large")
-        try:
-            obj = json.loads(raw)
-        except ValueError as exc:
-            raise RouterError(400, f"request body is not valid JSON: {exc}", request_id=rid, code="invalid_json") from None
+        raw = await read_body_limited(request, self.settings.max_request_bytes,
+                                      self.settings.request_body_timeout_s, rid)
+        obj = parse_json_body(raw, rid)
         if not isinstance(obj, dict):
             raise RouterError(400, "request body must be a JSON object", request_id=rid, code="invalid_json")
         if isinstance(obj.get("request_id"), str) and _REQUEST_ID_RE.match(obj["request_id"]):
@@ -245,7 +287,13 @@ def create_app(
         """Models served by registered workers, in OpenAI's list shape."""
         return models_list(list(service.known_models()))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_COMPLETIONS_OPENAPI,
+              responses={200: {"description": "A completion, or server-sent events of completion chunks "
+                                              "when `stream` is true",
+                               "content": {"application/json": {"schema": _ref(Completion)},
+                                           "text/event-stream": {"schema": {"type": "string"}}}},
+                         **{code: {"description": what, "content": {"application/json": {"schema": _ERROR_SCHEMA}}}
+                            for code, what in _ERROR_STATUSES.items()}})
     async def completions(request: Request) -> Response:
         """OpenAI-compatible completion; see the module docs of ``dispatch``."""
         try:
@@ -259,7 +307,45 @@ def create_app(
             return await _stream_response(request, lifecycle, include_usage)
         return await _full_response(request, lifecycle)
 
+    app.openapi = lambda: _openapi_with_models(app)  # type: ignore[method-assign]
     return app
+
+
+def _ref(model: type[BaseModel]) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+
+#: The body is read and validated by hand (streamed against its size limit, errors in
+#: OpenAI's shape), so FastAPI cannot infer its schema: it is declared here instead.
+_COMPLETIONS_OPENAPI: dict[str, Any] = {
+    "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(CompletionRequest)}}},
+}
+_ERROR_SCHEMA: dict[str, Any] = {
+    "type": "object", "required": ["error"],
+    "properties": {"error": {"type": "object", "required": ["message", "type"], "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"},
+        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
+}
+_ERROR_STATUSES: dict[int, str] = {
+    400: "Invalid request (bad JSON, bad value, prompt too long)", 404: "Model not served",
+    408: "Request body not received in time", 409: "Request id already in flight",
+    413: "Request body too large", 422: "Request does not match the schema",
+    429: "Overloaded; retry after Retry-After seconds", 502: "A worker failed",
+    503: "No worker pair available", 504: "Deadline passed",
+}
+
+
+def _openapi_with_models(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema plus the request and response models the completions route names."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in (CompletionRequest, Completion):
+            model_schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(model_schema.pop("$defs", {}))
+            components[model.__name__] = model_schema
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 def _render_metrics(registry: CollectorRegistry, accept: str | None) -> tuple[bytes, str]:

@@ -66,7 +66,15 @@ class RouterSettings(BaseSettings):
     )
     max_tokens_limit: int = Field(2048, ge=1, description="Largest max_tokens a request may ask for.")
     default_max_tokens: int = Field(16, ge=1, description="max_tokens when a request leaves it out (OpenAI's default).")
-    max_request_bytes: int = Field(1 << 20, ge=1024, description="Largest request body accepted; beyond it: 413.")
+    max_request_bytes: int = Field(
+        1 << 20, ge=1024,
+        description="Largest request body accepted, counted while it streams in (chunked bodies too); beyond it: 413.",
+    )
+    request_body_timeout_s: float = Field(
+        10.0, gt=0,
+        description="Seconds a client has to send the whole request body once the headers are in; a half-sent "
+        "request gets 408 and frees its slot instead of being held forever.",
+    )
 
     # --- worker calls (httpx) ------------------------------------------------------------
     connect_timeout_s: float = Field(2.0, gt=0, description="TCP connect timeout to a worker.")
