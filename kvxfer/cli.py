@@ -36,6 +36,8 @@ def _add_worker_flags(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--etcd-prefix", help="registry key prefix (default /kvxfer)")
     p.add_argument("--lease-ttl-s", type=int, help="registry lease TTL (default 5)")
     p.add_argument("--drain-timeout-s", type=float, help="SIGTERM drain bound (default 30)")
+    p.add_argument("--cluster-key-file", help="cluster key file: signs this worker's registry record "
+                   "(env KVXFER_CLUSTER_KEY_FILE; unset: unsigned, with a warning)")
 
 
 def _settings_from(args: argparse.Namespace, cls: Any) -> Any:
@@ -70,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--etcd", help="etcd endpoints; omitted: start a local etcd")
     p.add_argument("--model", default="tiny", help="model preset (default tiny)")
     p.add_argument("--provider", default="auto", help="libfabric provider for all workers")
+    p.add_argument("--insecure", action="store_true",
+                   help="no cluster key: registry records unsigned (development only; logs a warning)")
 
     p = sub.add_parser("generate", help="greedy completion in one process (the colocated reference)")
     p.add_argument("prompt")

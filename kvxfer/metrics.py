@@ -37,6 +37,13 @@ WORKER_ROLES: tuple[str, ...] = ("prefill", "decode")
 #: ready: registered and serving; draining: finishing in-flight work after SIGTERM;
 #: unhealthy: still registered but failing the router's checks.
 WORKER_STATES: tuple[str, ...] = ("ready", "draining", "unhealthy")
+#: Why the router's registry watcher did not admit a value under the workers prefix.
+REGISTRY_REJECT_REASONS: tuple[str, ...] = (
+    "malformed",      # not a worker record, or under the wrong key
+    "no_lease",       # written without a lease: it would never expire
+    "unsigned",       # no cluster-key signature while the router requires one
+    "bad_signature",  # a signature that does not verify with the cluster key
+)
 #: Why a KV push failed at the prefill worker (label `reason`).
 TRANSFER_FAILURE_REASONS: tuple[str, ...] = (
     "timeout",            # a write did not complete within the transfer deadline
@@ -97,6 +104,12 @@ class RouterMetrics:
             "kvxfer_router_requests", "Requests finished by the router, by final outcome.",
             ["status"], registry=registry)
         _init_labels(self.requests, REQUEST_STATUSES)
+        self.registry_records_rejected = Counter(
+            "kvxfer_router_registry_records_rejected",
+            "Values under the registry's workers prefix the router ignored, by reason: a fake or "
+            "stale worker someone wrote to etcd.", ["reason"], registry=registry)
+        _init_labels(self.registry_records_rejected, REGISTRY_REJECT_REASONS)
+        self._registry_rejections_seen: dict[str, int] = {}
         self.time_to_first_token = Histogram(
             "kvxfer_router_time_to_first_token_seconds",
             "Time from request arrival at the router to the first token sent to the client.",
@@ -125,6 +138,14 @@ class RouterMetrics:
             "kvxfer_router_workers", "Workers the router knows from the registry.",
             ["role", "state"], registry=registry)
         _init_labels(self.workers, WORKER_ROLES, WORKER_STATES)
+
+    def set_registry_rejections(self, totals: Mapping[str, int]) -> None:
+        """Advance the rejected-records counter to the watcher's running totals by reason."""
+        for reason, total in totals.items():
+            seen = self._registry_rejections_seen.get(reason, 0)
+            if total > seen:
+                self.registry_records_rejected.labels(reason=reason).inc(total - seen)
+                self._registry_rejections_seen[reason] = total
 
     def set_workers(self, counts: Mapping[tuple[str, str], int]) -> None:
         """Replace the worker view with `{(role, state): count}`; absent pairs become 0."""

@@ -9,7 +9,10 @@ the workers (SIGTERM), then stops the router and etcd. Logs go to one file per p
 from __future__ import annotations
 
 import argparse
+import base64
+import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -22,6 +25,8 @@ from typing import Any
 import httpx
 
 from kvxfer.cluster.local_etcd import LocalEtcd
+
+log = logging.getLogger("kvxfer.cluster")
 
 
 def free_port() -> int:
@@ -48,6 +53,7 @@ class LocalCluster:
         worker_env: dict[str, str] | None = None,
         router_env: dict[str, str] | None = None,
         startup_timeout_s: float = 90.0,
+        insecure: bool = False,
     ) -> None:
         self.n_prefill = prefill
         self.n_decode = decode
@@ -57,9 +63,21 @@ class LocalCluster:
         self.provider = provider
         self.num_pages = num_pages
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="kvxfer-cluster-"))
-        self.worker_env = worker_env or {}
-        self.router_env = router_env or {}
         self.startup_timeout_s = startup_timeout_s
+        # A fresh cluster key per run: workers sign their registry records with it and the
+        # router routes only to records that verify (docs/architecture.md, "Threat model").
+        security_env: tuple[dict[str, str], dict[str, str]] = ({}, {})
+        if insecure:
+            log.warning("kvxfer up --insecure: registry records are unsigned; anything that can write to etcd "
+                        "can add a worker. Development only.")
+        else:
+            key_path = self.log_dir / "cluster.key"
+            key_path.write_bytes(base64.b64encode(secrets.token_bytes(48)))
+            key_path.chmod(0o600)
+            security_env = ({"KVXFER_CLUSTER_KEY_FILE": str(key_path)},
+                            {"KVXFER_ROUTER_CLUSTER_KEY_FILE": str(key_path)})
+        self.worker_env = {**security_env[0], **(worker_env or {})}
+        self.router_env = {**security_env[1], **(router_env or {})}
         self.etcd: LocalEtcd | None = None
         self.router: subprocess.Popen[bytes] | None = None
         self.workers: dict[str, subprocess.Popen[bytes]] = {}
@@ -180,7 +198,7 @@ def run_up(args: argparse.Namespace) -> int:
     """`kvxfer up`: start everything, serve until SIGINT/SIGTERM, then drain and stop."""
     cluster = LocalCluster(
         prefill=args.prefill, decode=args.decode, router_port=args.port, etcd=args.etcd,
-        model=args.model, provider=args.provider,
+        model=args.model, provider=args.provider, insecure=args.insecure,
     )
     stop = {"now": False}
 

@@ -29,6 +29,7 @@ from kvxfer.registry.record import (
     worker_key,
 )
 from kvxfer.registry.settings import RegistrySettings
+from kvxfer.registry.signing import RecordSigner, load_cluster_key
 
 _log = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class WorkerRegistration:
 
     def __init__(self, settings: RegistrySettings) -> None:
         self._settings = settings
+        self._signer = RecordSigner(load_cluster_key(settings.cluster_key_path)) if settings.cluster_key_path else None
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         # Guarded by _cond: state shared with callers.
@@ -297,12 +299,12 @@ class WorkerRegistration:
         if not (self._needs_put or update_due):
             return
         stamped = record.model_copy(update={"updated_at": time.time()})
+        key = worker_key(self._settings.prefix, record.role, record.worker_id)
+        value = stamped.model_dump_json()
+        if self._signer is not None:
+            value = self._signer.seal(key, value)
         try:
-            client.put(
-                worker_key(self._settings.prefix, record.role, record.worker_id),
-                stamped.model_dump_json(),
-                lease=lease_id,
-            )
+            client.put(key, value, lease=lease_id)
         except grpc.RpcError as exc:
             if is_not_found(exc):
                 self._lease_lost("put rejected: lease not found")

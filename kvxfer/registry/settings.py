@@ -82,6 +82,10 @@ class RegistrySettings(BaseModel):
     tls_key_path: Path | None = None
     username: str | None = None
     password: SecretStr | None = None
+    # The cluster key file (docs/architecture.md, "Threat model"): workers sign their
+    # records with it and the watcher admits only records that verify. None: records are
+    # neither signed nor checked, for local development only.
+    cluster_key_path: Path | None = None
 
     @field_validator("endpoints", mode="before")
     @classmethod
@@ -121,6 +125,8 @@ class RegistrySettings(BaseModel):
         for path in (self.tls_ca_path, self.tls_cert_path, self.tls_key_path):
             if path is not None and not path.is_file():
                 raise ValueError(f"TLS file {path} does not exist")
+        if self.cluster_key_path is not None and not self.cluster_key_path.is_file():
+            raise ValueError(f"cluster key file {self.cluster_key_path} does not exist")
         if (self.username is None) != (self.password is None):
             raise ValueError("username and password must be given together")
         if self.grpc_reconnect_backoff_max_s < 0.1:

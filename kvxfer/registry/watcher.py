@@ -9,6 +9,7 @@ import logging
 import queue
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any
@@ -32,6 +33,7 @@ from kvxfer.registry.record import (
     workers_prefix,
 )
 from kvxfer.registry.settings import RegistrySettings
+from kvxfer.registry.signing import RecordRejected, RecordSigner, load_cluster_key
 
 _log = logging.getLogger(__name__)
 
@@ -65,12 +67,16 @@ class RegistryWatcher:
     ) -> None:
         self._settings = settings
         self._prefix = workers_prefix(settings.prefix)
+        self._signer = RecordSigner(load_cluster_key(settings.cluster_key_path)) if settings.cluster_key_path else None
         self._on_add = on_add
         self._on_update = on_update
         self._on_remove = on_remove
         self._cond = threading.Condition()
         # Guarded by _cond.
         self._records: dict[str, WorkerRecord] = {}
+        # Values under the prefix that were not admitted, by reason (malformed, no_lease,
+        # unsigned, bad_signature): a nonzero count is someone writing to the registry.
+        self._rejected: Counter[str] = Counter()
         self._change_count = 0
         self._synced = False
         self._last_error: str | None = None
@@ -248,7 +254,7 @@ class RegistryWatcher:
         response = client.get_prefix_response(self._prefix)
         fresh: dict[str, WorkerRecord] = {}
         for kv in response.kvs:
-            key, record = self._parse(kv.key, kv.value)
+            key, record = self._parse(kv.key, kv.value, kv.lease)
             if record is not None:
                 fresh[key] = record
         revision = int(response.header.revision)
@@ -282,13 +288,20 @@ class RegistryWatcher:
                 raise _WatchBroken("watch stream ended")
             self._notify(self._apply_watch_response(item))
 
-    def _parse(self, raw_key: bytes, raw_value: bytes) -> tuple[str, WorkerRecord | None]:
-        """Decode one key/value; a malformed one yields None and a warning."""
+    def _parse(self, raw_key: bytes, raw_value: bytes, lease: int) -> tuple[str, WorkerRecord | None]:
+        """Decode one key/value; one that is not admitted yields None, a warning and a count."""
         key = raw_key.decode("utf-8", errors="replace")
         role, _, worker_id = key[len(self._prefix):].partition("/")
         if role not in WORKER_ROLES or not worker_id or "/" in worker_id:
-            _log.warning("watcher: skipping key %s: not %s{role}/{worker_id}", key, self._prefix)
-            return key, None
+            return key, self._reject(key, "malformed", f"not {self._prefix}{{role}}/{{worker_id}}")
+        if not lease:
+            # Workers always write under a lease; a record without one would never expire.
+            return key, self._reject(key, "no_lease", "record has no lease, so it would never expire")
+        if self._signer is not None:
+            try:
+                raw_value = self._signer.open(key, raw_value).encode()
+            except RecordRejected as exc:
+                return key, self._reject(key, exc.reason, str(exc))
         try:
             record = WorkerRecord.model_validate_json(raw_value)
         except ValidationError as exc:
@@ -296,15 +309,21 @@ class RegistryWatcher:
                 f"{'.'.join(map(str, error['loc'])) or 'value'}: {error['msg']}"
                 for error in exc.errors()[:5]
             )
-            _log.warning("watcher: skipping malformed record at %s: %s", key, problems)
-            return key, None
+            return key, self._reject(key, "malformed", f"malformed record: {problems}")
         if record.role != role or record.worker_id != worker_id:
-            _log.warning(
-                "watcher: skipping record at %s: it says role=%s worker_id=%s",
-                key, record.role, record.worker_id,
-            )
-            return key, None
+            return key, self._reject(key, "malformed", f"it says role={record.role} worker_id={record.worker_id}")
         return key, record
+
+    def _reject(self, key: str, reason: str, detail: str) -> None:
+        with self._cond:
+            self._rejected[reason] += 1
+        _log.warning("watcher: ignoring %s (%s): %s", key, reason, detail)
+        return None
+
+    def rejected_records(self) -> dict[str, int]:
+        """How many registry values were not admitted since start, by reason."""
+        with self._cond:
+            return dict(self._rejected)
 
     def _replace_all(self, fresh: dict[str, WorkerRecord], revision: int) -> list[tuple[str, WorkerRecord]]:
         with self._cond:
@@ -335,7 +354,7 @@ class RegistryWatcher:
                     if old is not None:
                         changes.append(("remove", old))
                     continue
-                key, record = self._parse(event.key, event.value)
+                key, record = self._parse(event.key, event.value, event.lease)
                 old = self._records.get(key)
                 if record is None:
                     # A key we can no longer trust is treated as gone.

@@ -8,6 +8,7 @@ import logging
 import socket
 import time
 import uuid
+from pathlib import Path
 from typing import Any, Literal
 
 from prometheus_client import CollectorRegistry
@@ -43,6 +44,10 @@ class WorkerSettings(BaseSettings):
     etcd: str | None = Field(None, description="comma-separated etcd endpoints; none: no registry")
     etcd_prefix: str = "/kvxfer"
     lease_ttl_s: int = 5
+    cluster_key_file: Path | None = Field(
+        None, description="file holding the cluster key (>= 32 bytes); signs this worker's registry record "
+        "so routers admit it. Unset: the record is unsigned and a warning is logged (development only)",
+    )
     drain_timeout_s: float = 30.0
     prefill_chunk_tokens: int = 256
 
@@ -102,7 +107,11 @@ class WorkerCore:
             endpoints=self.settings.etcd.split(","),
             prefix=self.settings.etcd_prefix,
             lease_ttl_s=self.settings.lease_ttl_s,
+            cluster_key_path=self.settings.cluster_key_file,
         )
+        if self.settings.cluster_key_file is None:
+            log.warning("no cluster key (KVXFER_CLUSTER_KEY_FILE): this worker's registry record is unsigned; "
+                        "routers that require signed records will ignore it. Development only.")
         self.registration = WorkerRegistration(reg_settings)
         record = WorkerRecord(
             worker_id=self.worker_id,

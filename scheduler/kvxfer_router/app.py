@@ -279,6 +279,7 @@ def create_app(
     async def metrics_endpoint(request: Request) -> Response:
         """Prometheus exposition of ``metrics_registry``."""
         service.telemetry.workers(directory.workers())
+        service.telemetry.registry_rejections(directory.rejected_records())
         body, content_type = _render_metrics(metrics_registry, request.headers.get("accept"))
         return Response(body, media_type=content_type)
 

@@ -83,7 +83,11 @@ def open_directory(settings: RouterSettings, workers_file: Path | None) -> tuple
         return StaticWorkerDirectory(records), lambda: None
     from kvxfer.registry import RegistrySettings, RegistryWatcher
 
-    watcher = RegistryWatcher(RegistrySettings(endpoints=settings.etcd_endpoints, prefix=settings.registry_prefix))
+    if settings.cluster_key_file is None:
+        log.warning("no cluster key (KVXFER_ROUTER_CLUSTER_KEY_FILE): any record written to etcd is routed to, "
+                    "a fake worker included. Development only.")
+    watcher = RegistryWatcher(RegistrySettings(endpoints=settings.etcd_endpoints, prefix=settings.registry_prefix,
+                                               cluster_key_path=settings.cluster_key_file))
     watcher.start()
     return EtcdWorkerDirectory(watcher), watcher.close
 

@@ -132,6 +132,10 @@ class WorkerDirectory(Protocol):
         """Live workers of ``role`` (all roles when ``None``)."""
         ...
 
+    def rejected_records(self) -> dict[str, int]:
+        """Registry values not admitted so far, by reason (metrics); {} without a registry."""
+        ...
+
 
 class StaticWorkerDirectory:
     """A directory holding a hand-managed list of workers (tests, runs without etcd).
@@ -164,6 +168,10 @@ class StaticWorkerDirectory:
             views = list(self._workers.values())
         return [w for w in views if role is None or w.role == role]
 
+    def rejected_records(self) -> dict[str, int]:
+        """A hand-managed list rejects nothing."""
+        return {}
+
 
 class _RecordSource(Protocol):
     def workers(self, role: str | None = None) -> Sequence[Any]: ...
@@ -184,6 +192,11 @@ class EtcdWorkerDirectory:
         # The directory is read on every request; the watcher replaces a record object on
         # each update, so a view is rebuilt only when its record object changed.
         self._views: dict[tuple[str, str], tuple[Any, WorkerView]] = {}
+
+    def rejected_records(self) -> dict[str, int]:
+        """The watcher's counts of registry values it did not admit, by reason."""
+        counts = getattr(self._watcher, "rejected_records", None)  # record sources in tests have none
+        return counts() if counts is not None else {}
 
     @property
     def watcher(self) -> _RecordSource:

@@ -7,6 +7,8 @@ command-line flags (``python -m kvxfer_router --help`` lists them all).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -28,6 +30,10 @@ class RouterSettings(BaseSettings):
         "http://127.0.0.1:2379", description="Comma-separated etcd endpoints the registry watcher reads."
     )
     registry_prefix: str = Field("/kvxfer", description="Key prefix of worker records in etcd.")
+    cluster_key_file: Path | None = Field(
+        None, description="File holding the cluster key (>= 32 bytes): only worker records signed with it are "
+        "routed to. Unset: every well-formed record is admitted and a warning is logged (development only).",
+    )
 
     # --- scheduling ----------------------------------------------------------------------
     policy: str = Field(

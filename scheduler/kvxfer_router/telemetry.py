@@ -67,6 +67,11 @@ class RouterTelemetry:
         if self.metrics is not None:
             self.metrics.retries.labels(stage).inc()
 
+    def registry_rejections(self, totals: dict[str, int]) -> None:
+        """Publish the registry watcher's counts of values it did not admit."""
+        if self.metrics is not None:
+            self.metrics.set_registry_rejections(totals)
+
     def workers(self, views: Iterable[WorkerView]) -> None:
         """Publish how many workers of each role are ready or draining."""
         if self.metrics is None:

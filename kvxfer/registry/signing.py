@@ -1,0 +1,81 @@
+"""Registry records signed with the cluster key, so only kvxfer processes can add workers.
+
+Anyone who can write to etcd (a leaked client certificate, a misconfigured RBAC, a pod
+that reaches it) could otherwise register a fake worker: the router would send it user
+prompts and relay its forged text. With a cluster key, a worker stores its record inside
+an envelope that carries an HMAC-SHA256 over the etcd key and the record's exact bytes;
+the watcher admits only records whose tag verifies. Binding the key into the tag stops a
+genuine record from being replayed under another worker's key.
+
+Envelope (the etcd value): ``{"v": 1, "record": "<record JSON as a string>", "sig": "<hex>"}``.
+The record travels as a string so the tag covers its bytes, with no canonical form to
+agree on. The cluster key is a file of at least 32 random bytes (a Kubernetes Secret);
+the same file keys the control-plane tokens, through a different derived key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from pathlib import Path
+
+from kvxfer.errors import RegistryError
+
+ENVELOPE_VERSION = 1
+#: Shortest cluster key accepted: an HMAC key shorter than its 32-byte output wastes strength.
+MIN_CLUSTER_KEY_BYTES = 32
+
+
+class RecordRejected(RegistryError):
+    """A registry value that is not a record signed by the cluster key; `reason` says why."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        self.reason = reason
+        super().__init__(detail)
+
+
+def load_cluster_key(path: Path) -> bytes:
+    """Reads the cluster key file; refuses keys too short to be safe."""
+    key = path.read_bytes().strip()
+    if len(key) < MIN_CLUSTER_KEY_BYTES:
+        raise RegistryError(f"cluster key {path} holds {len(key)} bytes; at least {MIN_CLUSTER_KEY_BYTES} are needed "
+                            f"(e.g. `head -c 48 /dev/urandom | base64 > {path}`)")
+    return key
+
+
+def derive_key(cluster_key: bytes, purpose: str) -> bytes:
+    """One key per purpose ("registry", "control"), so a tag for one is never valid for the other."""
+    return hmac.new(cluster_key, b"kvxfer/" + purpose.encode(), hashlib.sha256).digest()
+
+
+class RecordSigner:
+    """Seals records for etcd and opens them again, with the registry key of one cluster."""
+
+    def __init__(self, cluster_key: bytes) -> None:
+        self._key = derive_key(cluster_key, "registry")
+
+    def _tag(self, etcd_key: str, record_json: str) -> str:
+        message = etcd_key.encode() + b"\n" + record_json.encode()
+        return hmac.new(self._key, message, hashlib.sha256).hexdigest()
+
+    def seal(self, etcd_key: str, record_json: str) -> str:
+        """The etcd value for `record_json` stored under `etcd_key`."""
+        return json.dumps({"v": ENVELOPE_VERSION, "record": record_json, "sig": self._tag(etcd_key, record_json)})
+
+    def open(self, etcd_key: str, value: bytes) -> str:
+        """The record JSON inside a value written by `seal`; RecordRejected otherwise."""
+        try:
+            envelope = json.loads(value)
+        except (ValueError, RecursionError):
+            raise RecordRejected("unsigned", f"{etcd_key}: value is not a signed envelope") from None
+        if not isinstance(envelope, dict) or "sig" not in envelope or "record" not in envelope:
+            raise RecordRejected("unsigned", f"{etcd_key}: record carries no signature")
+        if envelope.get("v") != ENVELOPE_VERSION:
+            raise RecordRejected("bad_signature", f"{etcd_key}: unknown envelope version {envelope.get('v')!r}")
+        record, sig = envelope["record"], envelope["sig"]
+        if not isinstance(record, str) or not isinstance(sig, str):
+            raise RecordRejected("bad_signature", f"{etcd_key}: malformed envelope")
+        if not hmac.compare_digest(sig, self._tag(etcd_key, record)):
+            raise RecordRejected("bad_signature", f"{etcd_key}: signature does not verify with the cluster key")
+        return record
