@@ -13,6 +13,7 @@ import signal
 import socket
 import time
 import uuid
+from pathlib import Path
 from typing import Any, Callable, Literal
 
 import uvicorn
@@ -55,6 +56,9 @@ class WorkerSettings(BaseSettings):
     transfer_timeout_s: float = 10.0
     etcd: str | None = Field(None, description="comma-separated etcd endpoints; none: no registry")
     etcd_prefix: str = "/kvxfer"
+    etcd_ca_file: Path | None = Field(None, description="CA bundle that verifies etcd (https:// endpoints)")
+    etcd_cert_file: Path | None = Field(None, description="client certificate presented to etcd")
+    etcd_key_file: Path | None = Field(None, description="private key of etcd_cert_file")
     lease_ttl_s: int = 5
     drain_timeout_s: float = 30.0
     prefill_chunk_tokens: int = 256
@@ -115,6 +119,9 @@ class WorkerCore:
             endpoints=self.settings.etcd.split(","),
             prefix=self.settings.etcd_prefix,
             lease_ttl_s=self.settings.lease_ttl_s,
+            tls_ca_path=self.settings.etcd_ca_file,
+            tls_cert_path=self.settings.etcd_cert_file,
+            tls_key_path=self.settings.etcd_key_file,
         )
         self.registration = WorkerRegistration(reg_settings)
         record = WorkerRecord(

@@ -83,7 +83,9 @@ def open_directory(settings: RouterSettings, workers_file: Path | None) -> tuple
         return StaticWorkerDirectory(records), lambda: None
     from kvxfer.registry import RegistrySettings, RegistryWatcher
 
-    watcher = RegistryWatcher(RegistrySettings(endpoints=settings.etcd_endpoints, prefix=settings.registry_prefix))
+    watcher = RegistryWatcher(RegistrySettings(
+        endpoints=settings.etcd_endpoints, prefix=settings.registry_prefix, tls_ca_path=settings.etcd_ca_file,
+        tls_cert_path=settings.etcd_cert_file, tls_key_path=settings.etcd_key_file))
     watcher.start()
     return EtcdWorkerDirectory(watcher), watcher.close
 

@@ -7,6 +7,8 @@ command-line flags (``python -m kvxfer_router --help`` lists them all).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -28,6 +30,9 @@ class RouterSettings(BaseSettings):
         "http://127.0.0.1:2379", description="Comma-separated etcd endpoints the registry watcher reads."
     )
     registry_prefix: str = Field("/kvxfer", description="Key prefix of worker records in etcd.")
+    etcd_ca_file: Path | None = Field(None, description="CA bundle that verifies etcd (https:// endpoints).")
+    etcd_cert_file: Path | None = Field(None, description="Client certificate presented to etcd.")
+    etcd_key_file: Path | None = Field(None, description="Private key of etcd_cert_file.")
 
     # --- scheduling ----------------------------------------------------------------------
     policy: str = Field(
