@@ -1,7 +1,9 @@
 # syntax=docker/dockerfile:1
 # kvxfer image: `kvxfer prefill|decode ...` (the entrypoint) and the router
 # (`python -m kvxfer_router`). Build from the repository root:
-#   docker build -t kvxfer:latest .
+#   docker build -t kvxfer:0.1.0 .
+# The tag is the package version (pyproject.toml), which k8s/base/kustomization.yaml deploys
+# (`images:`; tested): bump all three together.
 # Two stages: compilers and headers stay in the build stage; the runtime stage gets the
 # virtual environment (same path, same Debian python, so it runs unchanged) and the
 # libfabric runtime with the verbs/EFA providers.

@@ -271,6 +271,12 @@ class LocalEtcd:
             "--initial-cluster", f"{self._name}={self.peer_url}",
             "--initial-cluster-state", "new",
             "--initial-cluster-token", f"{self._name}-{self._client_port}",
+            # Keep one hour of revision history (registry load updates write ~1 GB/day
+            # otherwise kept forever) and cap the database at 1 GiB (NOSPACE, not a full
+            # disk). Later extra_args override these (etcd takes the last value).
+            "--auto-compaction-mode", "periodic",
+            "--auto-compaction-retention", "1h",
+            "--quota-backend-bytes", str(1 << 30),
             *self._extra_args,
         ]
 

@@ -43,6 +43,9 @@ class WorkerSettings(BaseSettings):
     transfer_timeout_s: float = 10.0
     etcd: str | None = Field(None, description="comma-separated etcd endpoints; none: no registry")
     etcd_prefix: str = "/kvxfer"
+    etcd_ca_file: Path | None = Field(None, description="CA bundle that verifies etcd (https:// endpoints)")
+    etcd_cert_file: Path | None = Field(None, description="client certificate presented to etcd")
+    etcd_key_file: Path | None = Field(None, description="private key of etcd_cert_file")
     lease_ttl_s: int = 5
     cluster_key_file: Path | None = Field(
         None, description="file holding the cluster key (>= 32 bytes); signs this worker's registry record "
@@ -108,6 +111,9 @@ class WorkerCore:
             prefix=self.settings.etcd_prefix,
             lease_ttl_s=self.settings.lease_ttl_s,
             cluster_key_path=self.settings.cluster_key_file,
+            tls_ca_path=self.settings.etcd_ca_file,
+            tls_cert_path=self.settings.etcd_cert_file,
+            tls_key_path=self.settings.etcd_key_file,
         )
         if self.settings.cluster_key_file is None:
             log.warning("no cluster key (KVXFER_CLUSTER_KEY_FILE): this worker's registry record is unsigned; "

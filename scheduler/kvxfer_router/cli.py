@@ -86,8 +86,10 @@ def open_directory(settings: RouterSettings, workers_file: Path | None) -> tuple
     if settings.cluster_key_file is None:
         log.warning("no cluster key (KVXFER_ROUTER_CLUSTER_KEY_FILE): any record written to etcd is routed to, "
                     "a fake worker included. Development only.")
-    watcher = RegistryWatcher(RegistrySettings(endpoints=settings.etcd_endpoints, prefix=settings.registry_prefix,
-                                               cluster_key_path=settings.cluster_key_file))
+    watcher = RegistryWatcher(RegistrySettings(
+        endpoints=settings.etcd_endpoints, prefix=settings.registry_prefix, tls_ca_path=settings.etcd_ca_file,
+        tls_cert_path=settings.etcd_cert_file, tls_key_path=settings.etcd_key_file,
+        cluster_key_path=settings.cluster_key_file))
     watcher.start()
     return EtcdWorkerDirectory(watcher), watcher.close
 

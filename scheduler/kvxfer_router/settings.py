@@ -30,6 +30,9 @@ class RouterSettings(BaseSettings):
         "http://127.0.0.1:2379", description="Comma-separated etcd endpoints the registry watcher reads."
     )
     registry_prefix: str = Field("/kvxfer", description="Key prefix of worker records in etcd.")
+    etcd_ca_file: Path | None = Field(None, description="CA bundle that verifies etcd (https:// endpoints).")
+    etcd_cert_file: Path | None = Field(None, description="Client certificate presented to etcd.")
+    etcd_key_file: Path | None = Field(None, description="Private key of etcd_cert_file.")
     cluster_key_file: Path | None = Field(
         None, description="File holding the cluster key (>= 32 bytes): only worker records signed with it are "
         "routed to. Unset: every well-formed record is admitted and a warning is logged (development only).",
