@@ -28,6 +28,24 @@ _EVENT_TRANSFER, _EVENT_IMM = 1, 2
 
 PageList = Sequence[int] | np.ndarray | Any
 
+# Spellings KVXFER_SAME_HOST accepts (case-insensitive), as pydantic reads booleans for the
+# workers' settings, so the variable means the same to a worker and to a bare engine.
+_ENV_TRUE = frozenset({"1", "true", "yes", "on", "y", "t"})
+_ENV_FALSE = frozenset({"0", "false", "no", "off", "n", "f"})
+
+
+def _same_host_from_env() -> bool:
+    """KVXFER_SAME_HOST as a bool: on when unset or empty; anything unknown is an error
+    rather than a silent default, since a typo would otherwise leave the path on."""
+    raw = os.environ.get("KVXFER_SAME_HOST", "").strip().lower()
+    if not raw or raw in _ENV_TRUE:
+        return True
+    if raw in _ENV_FALSE:
+        return False
+    raise EngineError(
+        f"KVXFER_SAME_HOST={os.environ['KVXFER_SAME_HOST']!r}: expected true/false (1/0, yes/no, on/off)"
+    )
+
 
 def available_providers() -> list[str]:
     """libfabric providers on this machine that support RDM endpoints with RMA."""
@@ -212,8 +230,10 @@ class TransferEngine:
     same_host: writes to a peer process on this machine (same kernel and PID namespace,
         allowed by ptrace rules) are copied straight into its registered memory, with a
         memcpy into a mapping when the region is a `SharedBuffer`, else with one
-        process_vm_writev, and only their immediates use the provider (default True; it
-        must be on at both ends). `path_to(descriptor)` tells which path a region takes.
+        process_vm_writev, and only their immediates use the provider (it must be on at
+        both ends). `path_to(descriptor)` tells which path a region takes. None (the
+        default) reads KVXFER_SAME_HOST (true/false, 1/0, yes/no, on/off; unset: on); an
+        explicit True or False wins over the environment variable.
     progress: "thread" (default): a progress thread owns the provider and moves data while
         callers do other things; any thread may use the engine, asyncio included.
         "caller": no progress thread; the thread that created the engine drives progress
@@ -235,7 +255,7 @@ class TransferEngine:
         idle_spin_us: float = 30.0,
         shard_min_bytes: int = 512 * 1024,
         delivery_complete: bool = True,
-        same_host: bool = True,
+        same_host: bool | None = None,
         progress: str = "thread",
     ) -> None:
         if not isinstance(rails, int) or rails < 1:
@@ -245,6 +265,8 @@ class TransferEngine:
         if progress not in ("thread", "caller"):
             raise EngineError(f'progress must be "thread" or "caller", got {progress!r}')
         host = bind_host if bind_host is not None else os.environ.get("KVXFER_BIND_HOST", "")
+        if same_host is None:
+            same_host = _same_host_from_env()
         self._native = _native.Engine(
             provider=provider,
             rails=rails,

@@ -931,12 +931,19 @@ def test_forged_same_host_descriptor_is_not_trusted_for_process_to_process_copie
 
 
 @only_same_host
+@pytest.mark.parametrize("turned_off_by", ["argument", "environment"])
 def test_engine_with_same_host_off_writes_over_the_fabric_to_a_same_host_peer(
-    pair: EnginePair,
+    pair: EnginePair, turned_off_by: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     imm, size = fresh_imm(), 256 * KIB
     data = seeded_bytes(64, size)
-    with TransferEngine(provider_of(SAME_HOST), bind_host=LOOPBACK, same_host=False) as engine:
+    if turned_off_by == "environment":
+        monkeypatch.setenv("KVXFER_SAME_HOST", "false")
+        options: dict[str, Any] = {}
+    else:
+        monkeypatch.delenv("KVXFER_SAME_HOST", raising=False)
+        options = {"same_host": False}
+    with TransferEngine(provider_of(SAME_HOST), bind_host=LOOPBACK, **options) as engine:
         src = np.zeros(size, dtype=np.uint8)
         src[:] = data
         mr = engine.register(src)
@@ -948,6 +955,34 @@ def test_engine_with_same_host_off_writes_over_the_fabric_to_a_same_host_peer(
         assert sum(rail["bytes_completed"] for rail in engine.stats()) == size
         assert engine.same_host_stats()["bytes_completed"] == 0
     assert_same_bytes(pair.target_bytes(0, size), data, "fabric write to a same-host peer")
+
+
+@only_same_host
+def test_explicit_same_host_argument_wins_over_kvxfer_same_host_in_the_environment(
+    pair: EnginePair, provider: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    imm, size = fresh_imm(), 64 * KIB
+    data = seeded_bytes(65, size)
+    monkeypatch.setenv("KVXFER_SAME_HOST", "false")
+    with TransferEngine(provider_of(SAME_HOST), bind_host=LOOPBACK, same_host=True) as engine:
+        src = np.zeros(size, dtype=np.uint8)
+        src[:] = data
+        mr = engine.register(src)
+        assert engine.path_to(pair.descriptor) == SAME_HOST_PATH[provider]
+
+        engine.write(mr, 0, pair.descriptor, 0, size, imm).wait(WAIT_S)
+
+        pair.wait_target_count(imm, 1)
+        assert engine.same_host_stats()["bytes_completed"] == size
+    assert_same_bytes(pair.target_bytes(0, size), data, "same-host write despite the variable")
+
+
+def test_kvxfer_same_host_with_a_value_that_is_not_a_boolean_raises_engine_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("KVXFER_SAME_HOST", "flase")
+    with pytest.raises(EngineError, match="KVXFER_SAME_HOST='flase'"):
+        TransferEngine(PROVIDERS[0], bind_host=LOOPBACK)
 
 
 # -- bounds -----------------------------------------------------------------------------
