@@ -18,7 +18,13 @@ from typing import Any, Callable, Generator, Iterable, Sequence
 import numpy as np
 
 from kvxfer import _native
-from kvxfer.errors import BoundsError, EngineError, TransferError, TransferTimeout
+from kvxfer.errors import (
+    BoundsError,
+    EngineError,
+    ImmCounterOverflow,
+    TransferError,
+    TransferTimeout,
+)
 from kvxfer.shared_memory import shared_buffer_of
 
 # Native status codes (TransferStatus in engine_types.hpp).
@@ -242,6 +248,17 @@ class TransferEngine:
         a 4 KiB write's latency on a 2-core machine. Nothing moves between calls, so it
         suits an initiator that submits and waits (not a passive target: its peers' writes
         are acknowledged only while it is inside a call), and it has no asyncio support.
+    imm_table_capacity: distinct immediate values this engine can count in its life (a
+        power of two; 16 bytes each). An arrival for a new value once all are taken is
+        dropped and counted (engine_stats()["imm_table_overflows"]), and waits on such a
+        value raise ImmCounterOverflow.
+    inbox_max_messages, inbox_max_bytes: received control messages not yet read by recv()
+        are held up to both bounds; beyond them a message is dropped and counted
+        (engine_stats()["inbox_dropped_messages"] and ["inbox_dropped_bytes"]).
+    populate_on_register: register() faults in every page of the buffer first, so the
+        first transfer into fresh memory runs at the warm rate (it ran at 0.23x while the
+        copy or the provider faulted pages in one by one). Memory cost: the whole buffer
+        becomes resident at registration. False leaves untouched pages unbacked.
     """
 
     def __init__(
@@ -257,6 +274,10 @@ class TransferEngine:
         delivery_complete: bool = True,
         same_host: bool | None = None,
         progress: str = "thread",
+        imm_table_capacity: int = 1 << 16,
+        inbox_max_messages: int = 1024,
+        inbox_max_bytes: int = 16 * 1024 * 1024,
+        populate_on_register: bool = True,
     ) -> None:
         if not isinstance(rails, int) or rails < 1:
             raise EngineError(f"rails must be a positive integer, got {rails!r}")
@@ -264,6 +285,10 @@ class TransferEngine:
             raise EngineError("transfer_timeout_s must be > 0")
         if progress not in ("thread", "caller"):
             raise EngineError(f'progress must be "thread" or "caller", got {progress!r}')
+        if imm_table_capacity < 2 or imm_table_capacity & (imm_table_capacity - 1):
+            raise EngineError(f"imm_table_capacity must be a power of two >= 2, got {imm_table_capacity}")
+        if inbox_max_messages < 1 or inbox_max_bytes < 1:
+            raise EngineError("inbox_max_messages and inbox_max_bytes must be >= 1")
         host = bind_host if bind_host is not None else os.environ.get("KVXFER_BIND_HOST", "")
         if same_host is None:
             same_host = _same_host_from_env()
@@ -278,6 +303,10 @@ class TransferEngine:
             delivery_complete=bool(delivery_complete),
             same_host=bool(same_host),
             caller_drives_progress=progress == "caller",
+            imm_table_capacity=int(imm_table_capacity),
+            inbox_max_messages=int(inbox_max_messages),
+            inbox_max_bytes=int(inbox_max_bytes),
+            populate_on_register=bool(populate_on_register),
         )
         self.progress = progress
         self.transfer_timeout_s = float(transfer_timeout_s)
@@ -482,7 +511,8 @@ class TransferEngine:
         return int(self._native.imm_count(imm))
 
     def wait_imm(self, imm: int, count: int, timeout: float) -> None:
-        """Blocks until `count` units of `imm` arrived; raises TransferTimeout otherwise."""
+        """Blocks until `count` units of `imm` arrived; raises TransferTimeout otherwise, and
+        ImmCounterOverflow at once when `imm` cannot be counted (its table is full)."""
         if not self._native.wait_imm(imm, count, float(timeout)):
             raise TransferTimeout(
                 None, f"imm {imm}: {self.imm_count(imm)} of {count} arrived within {timeout} s"
@@ -511,12 +541,19 @@ class TransferEngine:
         fut = bridge.future(_EVENT_IMM, token)
         self._native.expect_imm(imm, count, token)
         try:
-            await asyncio.wait_for(fut, timeout)
+            status = await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
             bridge.discard(_EVENT_IMM, token, fut)
             raise TransferTimeout(
                 None, f"imm {imm}: {self.imm_count(imm)} of {count} arrived within {timeout} s"
             ) from None
+        if status == _FAILED:
+            stats = self.engine_stats()
+            raise ImmCounterOverflow(
+                f"imm {imm}: {self.imm_count(imm)} of {count} arrived, and no more can be "
+                f"counted: the immediate table is full ({stats['imm_table_capacity']} distinct "
+                f"values, imm_table_capacity) and {stats['imm_table_overflows']} arrivals were dropped"
+            )
 
     def on_imm(self, imm: int, count: int, callback: Callable[[], None]) -> None:
         """Calls `callback` in the running event loop once `count` units of `imm` arrived."""
@@ -560,6 +597,13 @@ class TransferEngine:
     def stats(self) -> list[dict[str, int]]:
         """Per-rail counters: bytes/ops posted and completed, completion errors, imms."""
         return [dict(s) for s in self._native.stats()]
+
+    def engine_stats(self) -> dict[str, int]:
+        """Engine-wide counters: imm_table_overflows (arrivals dropped because the immediate
+        table was full) and imm_table_capacity; inbox_dropped_messages/_bytes (control
+        messages dropped because the unread inbox was at a bound) and what the inbox holds
+        now (inbox_messages, inbox_bytes)."""
+        return dict(self._native.engine_stats())
 
     def same_host_stats(self) -> dict[str, int]:
         """The same-host path's counters (one op per copy slice), keyed like a rail's."""
