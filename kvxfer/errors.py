@@ -37,6 +37,11 @@ class TransferTimeout(TransferError, TimeoutError):
     """A transfer or an immediate count did not complete before its deadline."""
 
 
+class ImmCounterOverflow(EngineError):
+    """An immediate's arrivals could not be counted: the engine's immediate table is full
+    (imm_table_capacity distinct values), so a wait on it fails instead of timing out."""
+
+
 class RegistryError(KvxferError):
     """A registry operation failed; the message names the key or endpoints involved.
 

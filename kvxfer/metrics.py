@@ -259,6 +259,20 @@ _ENGINE_COUNTERS: tuple[tuple[str, str, str], ...] = (
 )
 
 
+#: Engine-wide counters (no rail label): (metric name, engine_stats() key, help). Losses the
+#: engine used to take silently; any increase is worth an alert.
+_ENGINE_WIDE_COUNTERS: tuple[tuple[str, str, str], ...] = (
+    ("kvxfer_engine_imm_table_overflows", "imm_table_overflows",
+     "Immediate arrivals dropped because the engine's immediate table was full "
+     "(imm_table_capacity distinct values); waits on those immediates fail."),
+    ("kvxfer_engine_inbox_dropped_messages", "inbox_dropped_messages",
+     "Control messages dropped because the unread inbox was at inbox_max_messages or "
+     "inbox_max_bytes."),
+    ("kvxfer_engine_inbox_dropped_bytes", "inbox_dropped_bytes",
+     "Bytes of control messages dropped because the unread inbox was full."),
+)
+
+
 class EngineMetrics(Collector):
     """Exports the transfer engine's per-rail counters at scrape time.
 
@@ -269,15 +283,24 @@ class EngineMetrics(Collector):
     """
 
     def __init__(self, registry: CollectorRegistry,
-                 stats: Callable[[], EngineStats | None]) -> None:
+                 stats: Callable[[], EngineStats | None],
+                 engine_stats: Callable[[], Mapping[str, int] | None] | None = None) -> None:
         self._stats = stats
+        # Engine-wide counters (_ENGINE_WIDE_COUNTERS): from `engine_stats`, or, when `stats`
+        # is a TransferEngine's bound method (workers pass engine.path_stats), from that
+        # engine's engine_stats, so existing callers export them without a change.
+        if engine_stats is None:
+            engine_stats = getattr(getattr(stats, "__self__", None), "engine_stats", None)
+        self._engine_stats = engine_stats
         registry.register(self)
 
     def describe(self) -> Iterable[Metric]:
         # With describe() the registry learns our names without calling stats(), which may
         # not work yet while the engine starts.
+        wide = _ENGINE_WIDE_COUNTERS if self._engine_stats is not None else ()
         return [CounterMetricFamily(name, doc, labels=["rail"])
-                for name, _, doc in _ENGINE_COUNTERS]
+                for name, _, doc in _ENGINE_COUNTERS] + [
+                    CounterMetricFamily(name, doc) for name, _, doc in wide]
 
     def collect(self) -> Iterator[Metric]:
         families = {key: CounterMetricFamily(name, doc, labels=["rail"])
@@ -294,6 +317,20 @@ class EngineMetrics(Collector):
                     if key in counters:
                         family.add_metric([str(rail)], counters[key])
         yield from families.values()
+        if self._engine_stats is not None:
+            yield from self._collect_engine_wide()
+
+    def _collect_engine_wide(self) -> Iterator[Metric]:
+        try:
+            counters = self._engine_stats() if self._engine_stats is not None else None
+        except Exception:  # a broken stats source must not fail the whole scrape
+            log.exception("engine-wide stats unavailable for this scrape")
+            counters = None
+        for name, key, doc in _ENGINE_WIDE_COUNTERS:
+            family = CounterMetricFamily(name, doc)
+            if counters is not None and key in counters:
+                family.add_metric([], counters[key])
+            yield family
 
 
 # --- helpers for the /metrics route and for tests --------------------------------------

@@ -18,7 +18,7 @@ from typing import Any, Callable, Generator, Iterable, Sequence
 import numpy as np
 
 from kvxfer import _native
-from kvxfer.errors import BoundsError, EngineError, TransferError, TransferTimeout
+from kvxfer.errors import BoundsError, EngineError, ImmCounterOverflow, TransferError, TransferTimeout
 from kvxfer.transfer.shared_memory import shared_buffer_of
 
 # Native status codes (TransferStatus in engine_types.hpp).
@@ -27,6 +27,24 @@ _PENDING, _DONE, _FAILED, _TIMED_OUT = 0, 1, 2, 3
 _EVENT_TRANSFER, _EVENT_IMM = 1, 2
 
 PageList = Sequence[int] | np.ndarray | Any
+
+# Spellings KVXFER_SAME_HOST accepts (case-insensitive), as pydantic reads booleans for the
+# workers' settings, so the variable means the same to a worker and to a bare engine.
+_ENV_TRUE = frozenset({"1", "true", "yes", "on", "y", "t"})
+_ENV_FALSE = frozenset({"0", "false", "no", "off", "n", "f"})
+
+
+def _same_host_from_env() -> bool:
+    """KVXFER_SAME_HOST as a bool: on when unset or empty; anything unknown is an error
+    rather than a silent default, since a typo would otherwise leave the path on."""
+    raw = os.environ.get("KVXFER_SAME_HOST", "").strip().lower()
+    if not raw or raw in _ENV_TRUE:
+        return True
+    if raw in _ENV_FALSE:
+        return False
+    raise EngineError(
+        f"KVXFER_SAME_HOST={os.environ['KVXFER_SAME_HOST']!r}: expected true/false (1/0, yes/no, on/off)"
+    )
 
 
 def available_providers() -> list[str]:
@@ -212,8 +230,10 @@ class TransferEngine:
     same_host: writes to a peer process on this machine (same kernel and PID namespace,
         allowed by ptrace rules) are copied straight into its registered memory, with a
         memcpy into a mapping when the region is a `SharedBuffer`, else with one
-        process_vm_writev, and only their immediates use the provider (default True; it
-        must be on at both ends). `path_to(descriptor)` tells which path a region takes.
+        process_vm_writev, and only their immediates use the provider (it must be on at
+        both ends). `path_to(descriptor)` tells which path a region takes. None (the
+        default) reads KVXFER_SAME_HOST (true/false, 1/0, yes/no, on/off; unset: on); an
+        explicit True or False wins over the environment variable.
     progress: "thread" (default): a progress thread owns the provider and moves data while
         callers do other things; any thread may use the engine, asyncio included.
         "caller": no progress thread; the thread that created the engine drives progress
@@ -222,6 +242,17 @@ class TransferEngine:
         a 4 KiB write's latency on a 2-core machine. Nothing moves between calls, so it
         suits an initiator that submits and waits (not a passive target: its peers' writes
         are acknowledged only while it is inside a call), and it has no asyncio support.
+    imm_table_capacity: distinct immediate values this engine can count in its life (a
+        power of two; 16 bytes each). An arrival for a new value once all are taken is
+        dropped and counted (engine_stats()["imm_table_overflows"]), and waits on such a
+        value raise ImmCounterOverflow.
+    inbox_max_messages, inbox_max_bytes: received control messages not yet read by recv()
+        are held up to both bounds; beyond them a message is dropped and counted
+        (engine_stats()["inbox_dropped_messages"] and ["inbox_dropped_bytes"]).
+    populate_on_register: register() faults in every page of the buffer first, so the
+        first transfer into fresh memory runs at the warm rate (it ran at 0.23x while the
+        copy or the provider faulted pages in one by one). Memory cost: the whole buffer
+        becomes resident at registration. False leaves untouched pages unbacked.
     """
 
     def __init__(
@@ -235,8 +266,12 @@ class TransferEngine:
         idle_spin_us: float = 30.0,
         shard_min_bytes: int = 512 * 1024,
         delivery_complete: bool = True,
-        same_host: bool = True,
+        same_host: bool | None = None,
         progress: str = "thread",
+        imm_table_capacity: int = 1 << 16,
+        inbox_max_messages: int = 1024,
+        inbox_max_bytes: int = 16 * 1024 * 1024,
+        populate_on_register: bool = True,
     ) -> None:
         if not isinstance(rails, int) or rails < 1:
             raise EngineError(f"rails must be a positive integer, got {rails!r}")
@@ -244,7 +279,13 @@ class TransferEngine:
             raise EngineError("transfer_timeout_s must be > 0")
         if progress not in ("thread", "caller"):
             raise EngineError(f'progress must be "thread" or "caller", got {progress!r}')
+        if imm_table_capacity < 2 or imm_table_capacity & (imm_table_capacity - 1):
+            raise EngineError(f"imm_table_capacity must be a power of two >= 2, got {imm_table_capacity}")
+        if inbox_max_messages < 1 or inbox_max_bytes < 1:
+            raise EngineError("inbox_max_messages and inbox_max_bytes must be >= 1")
         host = bind_host if bind_host is not None else os.environ.get("KVXFER_BIND_HOST", "")
+        if same_host is None:
+            same_host = _same_host_from_env()
         self._native = _native.Engine(
             provider=provider,
             rails=rails,
@@ -256,6 +297,10 @@ class TransferEngine:
             delivery_complete=bool(delivery_complete),
             same_host=bool(same_host),
             caller_drives_progress=progress == "caller",
+            imm_table_capacity=int(imm_table_capacity),
+            inbox_max_messages=int(inbox_max_messages),
+            inbox_max_bytes=int(inbox_max_bytes),
+            populate_on_register=bool(populate_on_register),
         )
         self.progress = progress
         self.transfer_timeout_s = float(transfer_timeout_s)
@@ -460,7 +505,8 @@ class TransferEngine:
         return int(self._native.imm_count(imm))
 
     def wait_imm(self, imm: int, count: int, timeout: float) -> None:
-        """Blocks until `count` units of `imm` arrived; raises TransferTimeout otherwise."""
+        """Blocks until `count` units of `imm` arrived; raises TransferTimeout otherwise, and
+        ImmCounterOverflow at once when `imm` cannot be counted (its table is full)."""
         if not self._native.wait_imm(imm, count, float(timeout)):
             raise TransferTimeout(
                 None, f"imm {imm}: {self.imm_count(imm)} of {count} arrived within {timeout} s"
@@ -489,12 +535,19 @@ class TransferEngine:
         fut = bridge.future(_EVENT_IMM, token)
         self._native.expect_imm(imm, count, token)
         try:
-            await asyncio.wait_for(fut, timeout)
+            status = await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
             bridge.discard(_EVENT_IMM, token, fut)
             raise TransferTimeout(
                 None, f"imm {imm}: {self.imm_count(imm)} of {count} arrived within {timeout} s"
             ) from None
+        if status == _FAILED:
+            stats = self.engine_stats()
+            raise ImmCounterOverflow(
+                f"imm {imm}: {self.imm_count(imm)} of {count} arrived, and no more can be "
+                f"counted: the immediate table is full ({stats['imm_table_capacity']} distinct "
+                f"values, imm_table_capacity) and {stats['imm_table_overflows']} arrivals were dropped"
+            )
 
     def on_imm(self, imm: int, count: int, callback: Callable[[], None]) -> None:
         """Calls `callback` in the running event loop once `count` units of `imm` arrived."""
@@ -538,6 +591,13 @@ class TransferEngine:
     def stats(self) -> list[dict[str, int]]:
         """Per-rail counters: bytes/ops posted and completed, completion errors, imms."""
         return [dict(s) for s in self._native.stats()]
+
+    def engine_stats(self) -> dict[str, int]:
+        """Engine-wide counters: imm_table_overflows (arrivals dropped because the immediate
+        table was full) and imm_table_capacity; inbox_dropped_messages/_bytes (control
+        messages dropped because the unread inbox was at a bound) and what the inbox holds
+        now (inbox_messages, inbox_bytes)."""
+        return dict(self._native.engine_stats())
 
     def same_host_stats(self) -> dict[str, int]:
         """The same-host path's counters (one op per copy slice), keyed like a rail's."""

@@ -5,6 +5,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstring>
+
 #include "futex_wait.hpp"
 #include "transfer_engine.hpp"
 
@@ -60,20 +62,33 @@ PYBIND11_MODULE(_native, m) {
   py::object py_engine_error = errors.attr("EngineError");
   py::object py_descriptor_error = errors.attr("DescriptorError");
   py::object py_bounds_error = errors.attr("BoundsError");
+  py::object py_imm_overflow = errors.attr("ImmCounterOverflow");
   // Translators hold references for the interpreter's lifetime.
-  static py::object keep[3];
+  static py::object keep[4];
   keep[0] = py_engine_error;
   keep[1] = py_descriptor_error;
   keep[2] = py_bounds_error;
+  keep[3] = py_imm_overflow;
   py::register_exception_translator([](std::exception_ptr p) {
+    // Messages may quote bytes a peer sent: decoded with backslashreplace, since
+    // PyErr_SetString would raise UnicodeDecodeError instead of our error on bad UTF-8.
+    auto raise = [](PyObject* type, const std::exception& e) {
+      const char* what = e.what();
+      PyObject* msg = PyUnicode_DecodeUTF8(what, static_cast<Py_ssize_t>(std::strlen(what)), "backslashreplace");
+      if (!msg) return;  // MemoryError is set
+      PyErr_SetObject(type, msg);
+      Py_DECREF(msg);
+    };
     try {
       if (p) std::rethrow_exception(p);
     } catch (const DescriptorError& e) {
-      PyErr_SetString(keep[1].ptr(), e.what());
+      raise(keep[1].ptr(), e);
     } catch (const BoundsError& e) {
-      PyErr_SetString(keep[2].ptr(), e.what());
+      raise(keep[2].ptr(), e);
+    } catch (const ImmCounterOverflow& e) {
+      raise(keep[3].ptr(), e);
     } catch (const EngineError& e) {
-      PyErr_SetString(keep[0].ptr(), e.what());
+      raise(keep[0].ptr(), e);
     }
   });
 
@@ -127,7 +142,9 @@ PYBIND11_MODULE(_native, m) {
       .def(py::init([](const std::string& provider, size_t rails, const std::string& bind_host,
                        double transfer_timeout_s, size_t max_inflight_per_rail, double idle_spin_us,
                        uint64_t shard_min_bytes, bool delivery_complete, bool same_host,
-                       bool caller_drives_progress) {
+                       bool caller_drives_progress, size_t imm_table_capacity,
+                       size_t inbox_max_messages, uint64_t inbox_max_bytes,
+                       bool populate_on_register) {
              EngineSettings s;
              s.provider = provider;
              s.rails = rails;
@@ -139,13 +156,19 @@ PYBIND11_MODULE(_native, m) {
              s.planner.delivery_complete = delivery_complete;
              s.same_host = same_host;
              s.worker.caller_drives_progress = caller_drives_progress;
+             s.worker.imm_table_capacity = imm_table_capacity;
+             s.worker.inbox_max_messages = inbox_max_messages;
+             s.worker.inbox_max_bytes = inbox_max_bytes;
+             s.populate_on_register = populate_on_register;
              py::gil_scoped_release release;
              return std::make_shared<TransferEngine>(s);
            }),
            py::arg("provider"), py::arg("rails"), py::arg("bind_host"), py::arg("transfer_timeout_s"),
            py::arg("max_inflight_per_rail"), py::arg("idle_spin_us"), py::arg("shard_min_bytes"),
            py::arg("delivery_complete") = true, py::arg("same_host") = true,
-           py::arg("caller_drives_progress") = false)
+           py::arg("caller_drives_progress") = false, py::arg("imm_table_capacity") = 1 << 16,
+           py::arg("inbox_max_messages") = 1024, py::arg("inbox_max_bytes") = 16ull << 20,
+           py::arg("populate_on_register") = true)
       .def_property_readonly("address", [](const TransferEngine& e) { return py::bytes(e.address()); })
       .def_property_readonly("provider", &TransferEngine::provider)
       .def_property_readonly("rails", &TransferEngine::rails)
@@ -272,6 +295,19 @@ PYBIND11_MODULE(_native, m) {
             if (e.closed()) return out;
             for (const auto& s : e.worker().stats()) out.append(stats_dict(*s));
             return out;
+          })
+      .def("engine_stats", [](TransferEngine& e) {
+            // Engine-wide counters (no rail). Readable after close: the worker lives on.
+            const auto& s = e.worker().engine_stats();
+            const auto& imm = e.worker().imm_counters();
+            py::dict d;
+            d["imm_table_overflows"] = imm.overflowed();
+            d["imm_table_capacity"] = imm.capacity();
+            d["inbox_dropped_messages"] = s.inbox_dropped_messages.load();
+            d["inbox_dropped_bytes"] = s.inbox_dropped_bytes.load();
+            d["inbox_messages"] = s.inbox_messages.load();
+            d["inbox_bytes"] = s.inbox_bytes.load();
+            return d;
           })
       .def("same_host_stats", [](TransferEngine& e) -> py::object {
             if (e.closed()) return py::none();

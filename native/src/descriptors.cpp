@@ -104,10 +104,20 @@ void write_address(Writer& w, const EngineAddress& a) {
   w.put<int32_t>(a.same_host.table_fd);
 }
 
+// Names a peer sends (provider, host key) end up in error messages and Python strings:
+// only printable ASCII is accepted, so a corrupt name is a DescriptorError here rather than
+// an undecodable string later (Python raised UnicodeDecodeError for fuzzed descriptors).
+bool printable_ascii(const std::string& s) {
+  for (unsigned char c : s)
+    if (c < 0x20 || c > 0x7e) return false;
+  return true;
+}
+
 EngineAddress read_address(Reader& r) {
   EngineAddress a;
   a.engine_id = r.get<uint64_t>();
   a.provider = r.get_bytes(r.get<uint8_t>());
+  if (a.provider.empty() || !printable_ascii(a.provider)) r.fail("provider name is not printable ASCII");
   uint16_t rails = r.get<uint16_t>();
   if (rails == 0 || rails > kMaxRails) r.fail("rail count " + std::to_string(rails));
   for (uint16_t i = 0; i < rails; ++i) {
@@ -116,6 +126,7 @@ EngineAddress read_address(Reader& r) {
     a.rail_addresses.push_back(r.get_bytes(n));
   }
   a.same_host.host_key = r.get_bytes(r.get<uint8_t>());
+  if (!printable_ascii(a.same_host.host_key)) r.fail("host key is not printable ASCII");
   a.same_host.pid = r.get<uint32_t>();
   a.same_host.table_addr = r.get<uint64_t>();
   a.same_host.table_fd = r.get<int32_t>();

@@ -31,6 +31,12 @@ class BoundsError : public EngineError {
  public:
   using EngineError::EngineError;
 };
+// An immediate whose arrivals the ImmCounter table could not count (every slot taken by
+// other values): a wait on it fails at once rather than time out (imm_counter.hpp).
+class ImmCounterOverflow : public EngineError {
+ public:
+  using EngineError::EngineError;
+};
 // libfabric said no: carries the provider's message.
 class FabricError : public EngineError {
  public:

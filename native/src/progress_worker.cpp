@@ -30,6 +30,12 @@ constexpr int64_t kQuietNs = 2'000'000;
 constexpr useconds_t kQuietSleepMinUs = 100;
 constexpr useconds_t kQuietSleepMaxUs = 1000;
 
+size_t pow2_at_least(size_t n) {
+  size_t p = 2;
+  while (p < n) p <<= 1;
+  return p;
+}
+
 ContextTag tag_of(void* context) {
   // Both context types start with fi_context2 followed by their tag.
   return *reinterpret_cast<ContextTag*>(static_cast<char*>(context) + sizeof(struct fi_context2));
@@ -38,7 +44,12 @@ ContextTag tag_of(void* context) {
 }  // namespace
 
 ProgressWorker::ProgressWorker(RailGroup& rails, WorkerSettings settings)
-    : rails_(rails), settings_(settings), imm_(settings.imm_table_capacity) {
+    : rails_(rails),
+      settings_(settings),
+      imm_(settings.imm_table_capacity),
+      inbox_(pow2_at_least(settings.inbox_max_messages)) {
+  if (settings_.inbox_max_messages == 0 || settings_.inbox_max_bytes == 0)
+    throw EngineError("inbox_max_messages and inbox_max_bytes must be > 0");
   wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   event_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   epoll_fd_ = epoll_create1(EPOLL_CLOEXEC);
@@ -180,21 +191,45 @@ bool ProgressWorker::wait_transfer(TransferState& t, int64_t deadline_ns) {
   return drive_until([&t] { return !t.pending(); }, deadline_ns);
 }
 
+static void throw_lost(const ImmCounterTable& table, uint32_t imm, uint64_t count) {
+  throw ImmCounterOverflow(
+      "imm " + std::to_string(imm) + ": " + std::to_string(table.get(imm)) + " of " +
+      std::to_string(count) + " arrived, and no more can be counted: the immediate table is " +
+      "full (" + std::to_string(table.capacity()) + " distinct values, imm_table_capacity) and " +
+      std::to_string(table.overflowed()) + " arrivals were dropped");
+}
+
 bool ProgressWorker::wait_imm(uint32_t imm, uint64_t count, int64_t deadline_ns) {
-  if (settings_.caller_drives_progress)
-    return drive_until([&] { return imm_.get(imm) >= count; }, deadline_ns);
+  if (settings_.caller_drives_progress) {
+    bool lost = false;
+    bool reached = drive_until(
+        [&] {
+          if (imm_.get(imm) >= count) return true;
+          lost = imm_.lost(imm);
+          return lost;
+        },
+        deadline_ns);
+    if (lost && imm_.get(imm) < count) throw_lost(imm_, imm, count);
+    return reached;
+  }
   imm_waiters_.fetch_add(1, std::memory_order_seq_cst);
-  bool reached = false;
+  bool reached = false, lost = false;
   for (;;) {
     uint32_t epoch = imm_epoch_.load(std::memory_order_seq_cst);
     if (imm_.get(imm) >= count) {
       reached = true;
       break;
     }
+    // Arrivals bump the epoch whether or not they were counted, so a drop wakes us too.
+    if (imm_.lost(imm)) {
+      lost = true;
+      break;
+    }
     if (monotonic_ns() >= deadline_ns || stopping_.load()) break;
     futex_wait_until(&imm_epoch_, epoch, std::min(deadline_ns, monotonic_ns() + 100'000'000));
   }
   imm_waiters_.fetch_sub(1, std::memory_order_seq_cst);
+  if (lost) throw_lost(imm_, imm, count);
   return reached;
 }
 
@@ -203,6 +238,9 @@ void ProgressWorker::expect_imm(uint32_t imm, uint64_t count, uint64_t token) {
       [this, imm, count, token] {
         if (imm_.get(imm) >= count) {
           push_event({EventKind::kImmReached, token, 0});
+          flush_events();
+        } else if (imm_.lost(imm)) {
+          push_event({EventKind::kImmReached, token, static_cast<uint32_t>(TransferStatus::kFailed)});
           flush_events();
         } else {
           expectations_[imm].push_back({count, token});
@@ -220,6 +258,8 @@ std::optional<std::string> ProgressWorker::recv(int64_t deadline_ns) {
     if (inbox_.try_pop(msg)) {
       std::string out = std::move(*msg);
       delete msg;
+      engine_stats_.inbox_bytes.fetch_sub(out.size(), std::memory_order_relaxed);
+      engine_stats_.inbox_messages.fetch_sub(1, std::memory_order_relaxed);
       return out;
     }
     if (monotonic_ns() >= deadline_ns || stopping_.load()) return std::nullopt;
@@ -447,8 +487,12 @@ void ProgressWorker::on_arrival(uint64_t cq_data) {
   if (weight == kTrafficOnlyWeight) return;  // a write without an immediate: traffic only
   // A peer whose provider has 4-byte CQ data sends no weight: each arrival is one unit.
   uint64_t total = imm_.add(imm, weight ? weight : kImmUnit) / kImmUnit;
-  imm_arrived_ = true;
+  imm_arrived_ = true;  // also when dropped: blocked waiters must look at it
   if (expectations_.empty()) return;
+  if (total == 0 && imm_.lost(imm)) {
+    fail_expectations(imm);
+    return;
+  }
   auto it = expectations_.find(imm);
   if (it == expectations_.end()) return;
   auto& list = it->second;
@@ -464,15 +508,37 @@ void ProgressWorker::on_arrival(uint64_t cq_data) {
   if (list.empty()) expectations_.erase(it);
 }
 
+void ProgressWorker::fail_expectations(uint32_t imm) {
+  auto it = expectations_.find(imm);
+  if (it == expectations_.end()) return;
+  for (const auto& e : it->second)
+    push_event({EventKind::kImmReached, e.token, static_cast<uint32_t>(TransferStatus::kFailed)});
+  expectations_.erase(it);
+}
+
 void ProgressWorker::on_message(RecvSlot* slot, size_t len) {
-  auto* msg = new std::string(slot->buf, len);
-  if (!inbox_.try_push(msg)) {
-    delete msg;  // inbox full: the application is not reading; drop, counted as an error
-    stats_[slot->rail]->completion_errors.fetch_add(1, std::memory_order_relaxed);
-    return;
+  // Only this thread adds to the inbox, so the check below cannot be raced past the
+  // bounds. The totals grow before the push and shrink after recv's pop, so they never
+  // fall below what the queue holds (and never wrap below zero).
+  auto& st = engine_stats_;
+  const bool room = st.inbox_messages.load(std::memory_order_acquire) < settings_.inbox_max_messages &&
+                    st.inbox_bytes.load(std::memory_order_acquire) + len <= settings_.inbox_max_bytes;
+  if (room) {
+    st.inbox_messages.fetch_add(1, std::memory_order_acq_rel);
+    st.inbox_bytes.fetch_add(len, std::memory_order_acq_rel);
+    auto* msg = new std::string(slot->buf, len);
+    if (inbox_.try_push(msg)) {
+      inbox_seq_.fetch_add(1, std::memory_order_seq_cst);
+      futex_wake_all(&inbox_seq_);
+      return;
+    }
+    delete msg;
+    st.inbox_messages.fetch_sub(1, std::memory_order_acq_rel);
+    st.inbox_bytes.fetch_sub(len, std::memory_order_acq_rel);
   }
-  inbox_seq_.fetch_add(1, std::memory_order_seq_cst);
-  futex_wake_all(&inbox_seq_);
+  // The application is not reading: drop, and say so in the stats.
+  st.inbox_dropped_messages.fetch_add(1, std::memory_order_relaxed);
+  st.inbox_dropped_bytes.fetch_add(len, std::memory_order_relaxed);
 }
 
 bool ProgressWorker::poll_rail(size_t r) {

@@ -34,7 +34,15 @@ struct WorkerSettings {
   int64_t transfer_timeout_ns = 30'000'000'000LL;
   size_t recv_slots_per_rail = 64;
   size_t recv_slot_bytes = 64 * 1024;
+  // Distinct immediate values the engine can count in its life (a power of two; slots are
+  // never freed, see imm_counter.hpp). 16 bytes each: 1 MiB at the default.
   size_t imm_table_capacity = 1 << 16;
+  // Received control messages nobody has read yet are held up to both bounds; beyond
+  // either, a message is dropped and counted (inbox_dropped_*): a peer that sends and an
+  // application that never calls recv must not grow this process without end (64 KiB
+  // messages held 256 MiB after 6,000 sends when only the 4096-entry queue bounded it).
+  size_t inbox_max_messages = 1024;
+  size_t inbox_max_bytes = 16ull << 20;
   // No progress thread: the thread that creates the engine owns its domains and makes
   // progress inside its own calls (submit, waits, recv). Saves the two thread hand-offs
   // of every transfer, which on a small machine are most of a 4 KiB write's latency; the
@@ -48,12 +56,21 @@ enum class EventKind : uint32_t { kTransferDone = 1, kImmReached = 2 };
 struct EngineEvent {
   EventKind kind;
   uint64_t token;   // transfer id, or the token given to expect_imm
-  uint32_t status;  // TransferStatus for transfers
+  // TransferStatus for transfers; for kImmReached 0, or kFailed when the immediate's
+  // arrivals were dropped (ImmCounterTable::lost) and the count can never be reached.
+  uint32_t status;
 };
 
 struct RailStats {
   std::atomic<uint64_t> bytes_posted{0}, bytes_completed{0}, ops_posted{0}, ops_completed{0},
       completion_errors{0}, imm_received{0};
+};
+
+// Engine-wide counters, not tied to a rail. Written by the worker, read by anyone.
+struct EngineStats {
+  std::atomic<uint64_t> inbox_dropped_messages{0}, inbox_dropped_bytes{0};
+  // What the inbox holds now (recv takes away, the worker adds).
+  std::atomic<uint64_t> inbox_messages{0}, inbox_bytes{0};
 };
 
 class ProgressWorker {
@@ -67,10 +84,13 @@ class ProgressWorker {
   void run_on_worker(std::function<void()> fn, int64_t timeout_ns);
 
   const ImmCounterTable& imm_counters() const { return imm_; }
+  const EngineStats& engine_stats() const { return engine_stats_; }
   void consume_imm(uint32_t imm, uint64_t units) { imm_.consume(imm, units); }
   void reset_imm(uint32_t imm) { imm_.reset(imm); }
   // Waits for a transfer: on its status word, or by making progress where the caller drives.
   bool wait_transfer(TransferState& t, int64_t deadline_ns);
+  // True once count units of imm arrived, false at the deadline; throws
+  // ImmCounterOverflow when imm cannot be counted (ImmCounterTable::lost).
   bool wait_imm(uint32_t imm, uint64_t count, int64_t deadline_ns);
   // Throws EngineError if progress is caller-driven and this is not the owner thread.
   void check_caller() const;
@@ -125,6 +145,8 @@ class ProgressWorker {
   bool poll_rail(size_t rail);
   void on_arrival(uint64_t cq_data);
   void on_message(RecvSlot* slot, size_t len);
+  // Ends every expectation of imm with kFailed: its arrivals are being dropped.
+  void fail_expectations(uint32_t imm);
   void repost(RecvSlot* slot);
   void complete_op(RailOp* op, const std::string* error, bool posted = true);
   // Finishes `parts` parts of a batch (failing it with `error` if given); the last one
@@ -149,7 +171,7 @@ class ProgressWorker {
   BoundedQueue<WorkBatch*> submissions_{4096};
   BoundedQueue<std::shared_ptr<ControlTask>> controls_{256};
   BoundedQueue<EngineEvent> events_{1 << 16};
-  BoundedQueue<std::string*> inbox_{4096};
+  BoundedQueue<std::string*> inbox_;  // sized from inbox_max_messages
   std::deque<EngineEvent> event_overflow_;  // worker only
 
   // Worker-only state.
@@ -175,6 +197,7 @@ class ProgressWorker {
   std::vector<RailRegistration> recv_registrations_;
   std::vector<std::unique_ptr<RailStats>> stats_;
   RailStats same_host_stats_;
+  EngineStats engine_stats_;
   bool imm_arrived_ = false;
   bool events_pending_ = false;
 

@@ -51,6 +51,13 @@ const char* map_table(pid_t pid, int table_fd, uint64_t engine_id) {
   const std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(table_fd);
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return nullptr;
+  // A corrupt table_fd may name any file of the owner's: one shorter than a table would
+  // fault (SIGBUS) on the reads below, so it is not mapped.
+  struct stat st;
+  if (fstat(fd, &st) != 0 || static_cast<uint64_t>(st.st_size) < RegionTable::kBytes) {
+    ::close(fd);
+    return nullptr;
+  }
   void* mem = mmap(nullptr, RegionTable::kBytes, PROT_READ, MAP_SHARED, fd, 0);
   ::close(fd);
   if (mem == MAP_FAILED) return nullptr;

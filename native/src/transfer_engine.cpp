@@ -1,6 +1,8 @@
 #include "transfer_engine.hpp"
 
+#include <sys/mman.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <random>
 
@@ -16,6 +18,22 @@ const char* const kAutoOrder[] = {"efa", "verbs", "net", "tcp", "sockets"};
 
 // Same-host writes up to this size are copied on the submitting thread (see start_copy).
 constexpr uint64_t kInlineCopyBytes = 64 * 1024;
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23  // Linux 5.14
+#endif
+
+// Makes every page of [addr, +length) resident and writable (see
+// EngineSettings::populate_on_register). The touch fallback is an atomic add of zero, so a
+// thread writing the buffer meanwhile loses nothing.
+void populate_pages(uintptr_t addr, uint64_t length) {
+  const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const uintptr_t begin = addr & ~(page - 1);
+  if (madvise(reinterpret_cast<void*>(begin), addr + length - begin, MADV_POPULATE_WRITE) == 0) return;
+  // EINVAL: kernel before 5.14 (or a mapping it refuses); anything else the touches find.
+  for (uintptr_t p = addr; p < addr + length; p = (p & ~(page - 1)) + page)
+    __atomic_fetch_add(reinterpret_cast<unsigned char*>(p), 0, __ATOMIC_RELAXED);
+}
 
 uint64_t random_engine_id() {
   std::random_device rd;
@@ -62,8 +80,8 @@ TransferEngine::TransferEngine(EngineSettings settings) : settings_(std::move(se
 TransferEngine::~TransferEngine() { close(); }
 
 void TransferEngine::close() {
-  if (closed_) return;
-  closed_ = true;
+  std::lock_guard<std::mutex> closing(close_mutex_);
+  if (closed_.exchange(true, std::memory_order_acq_rel)) return;
   worker_->stop();
   {
     std::lock_guard<std::mutex> lock(regions_mutex_);
@@ -76,7 +94,7 @@ void TransferEngine::close() {
 }
 
 void TransferEngine::check_open() const {
-  if (closed_) throw EngineError("engine is closed");
+  if (closed_.load(std::memory_order_acquire)) throw EngineError("engine is closed");
   worker_->check_caller();  // even calls that never reach the worker (inline copies)
 }
 
@@ -101,6 +119,9 @@ MemoryRegionPtr TransferEngine::register_memory(uintptr_t addr, uint64_t length,
     region->share_dev = static_cast<uint64_t>(st.st_dev);
     region->share_ino = static_cast<uint64_t>(st.st_ino);
   }
+  // Before the provider registers it: on this thread, not the worker's (a 1 GiB buffer
+  // takes a fraction of a second to populate).
+  if (settings_.populate_on_register) populate_pages(addr, length);
   // MR calls touch the domain, which belongs to the worker thread.
   worker_->run_on_worker(
       [&] {

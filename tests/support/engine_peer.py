@@ -171,6 +171,24 @@ class EnginePeer:
         self.engine.send(bytes.fromhex(address.decode()), reply).wait(timeout)
         return {"echoed": True}
 
+    def op_write_imms(self, target: str, imms: list[int], timeout: float = 20.0) -> dict[str, Any]:
+        """One immediate-only write per value in `imms` to an engine address; waits for all."""
+        transfers = [self.engine.write_imm(bytes.fromhex(target), imm) for imm in imms]
+        for t in transfers:
+            t.wait(timeout)
+        return {}
+
+    def op_send_many(
+        self, target: str, count: int, size: int, timeout: float = 20.0
+    ) -> dict[str, Any]:
+        """`count` control messages of `size` bytes to an engine address, message i filled
+        with byte i % 256; waits until every send completed."""
+        address = bytes.fromhex(target)
+        transfers = [self.engine.send(address, bytes([i % 256]) * size) for i in range(count)]
+        for t in transfers:
+            t.wait(timeout)
+        return {}
+
     def op_imm_count(self, imm: int) -> dict[str, Any]:
         return {"count": self.engine.imm_count(imm)}
 

@@ -679,6 +679,86 @@ def test_consume_imm_subtracts_a_finished_request_so_the_value_can_be_reused(
     assert pair.engine.imm_count(imm) == 2
 
 
+def wait_for_stat(engine: TransferEngine, key: str, value: int) -> None:
+    """Waits (bounded) until engine_stats()[key] reached `value`: a sender's completion may
+    come before the receiver's worker read the arrival."""
+    deadline = time.monotonic() + WAIT_S
+    while engine.engine_stats()[key] < value and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.engine_stats()[key] == value, engine.engine_stats()
+
+
+only_first_provider = pytest.mark.parametrize("provider", PROVIDERS[:1], indirect=True)
+
+
+@only_first_provider
+def test_arrivals_beyond_the_immediate_table_are_counted_as_overflows_and_their_waits_fail(
+    provider: str, peers: OwnPeers
+) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kvxfer.errors import ImmCounterOverflow
+    from kvxfer.metrics import EngineMetrics
+
+    capacity, extra = 16, 5
+    with TransferEngine(
+        **engine_options(provider), bind_host=LOOPBACK, imm_table_capacity=capacity
+    ) as receiver:
+        sender = peers.spare()
+        imms = list(range(1, capacity + extra + 1))
+        sender.call("write_imms", target=receiver.address.hex(), imms=imms)
+        wait_for_stat(receiver, "imm_table_overflows", extra)
+
+        receiver.wait_imm(imms[0], 1, WAIT_S)  # counted values still work
+        started = time.monotonic()
+        with pytest.raises(ImmCounterOverflow, match=rf"^imm {imms[-1]}: 0 of 1 arrived, .*table is full \({capacity} distinct.* {extra} arrivals were dropped"):
+            receiver.wait_imm(imms[-1], 1, WAIT_S)
+        with pytest.raises(ImmCounterOverflow):
+            receiver.wait_imm(10_000, 1, WAIT_S)  # no slot left for it either
+        with pytest.raises(ImmCounterOverflow):
+            asyncio.run(asyncio.wait_for(receiver.wait_imm_async(imms[-2], 1, WAIT_S), 60))
+        assert time.monotonic() - started < WAIT_S / 2, "failed waits must not run to their deadline"
+
+        registry = CollectorRegistry()
+        EngineMetrics(registry, receiver.path_stats)
+        assert f"kvxfer_engine_imm_table_overflows_total {float(extra)}" in generate_latest(registry).decode()
+
+
+@only_first_provider
+@pytest.mark.parametrize("bound", ["messages", "bytes"])
+def test_unread_control_messages_are_held_up_to_the_inbox_bounds_and_the_rest_dropped_and_counted(
+    provider: str, peers: OwnPeers, bound: str
+) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kvxfer.metrics import EngineMetrics
+
+    size, sent, kept = 16 * KIB, 20, 5
+    limits = (
+        {"inbox_max_messages": kept}
+        if bound == "messages"
+        else {"inbox_max_bytes": kept * size + size - 1}
+    )
+    with TransferEngine(**engine_options(provider), bind_host=LOOPBACK, **limits) as receiver:
+        sender = peers.spare()
+        sender.call("send_many", target=receiver.address.hex(), count=sent, size=size)
+        wait_for_stat(receiver, "inbox_dropped_messages", sent - kept)
+
+        stats = receiver.engine_stats()
+        assert stats["inbox_dropped_bytes"] == (sent - kept) * size
+        assert (stats["inbox_messages"], stats["inbox_bytes"]) == (kept, kept * size)
+        received = [receiver.recv(WAIT_S) for _ in range(kept)]
+        assert all(m is not None and len(m) == size and m == m[:1] * size for m in received)
+        assert receiver.recv(0.1) is None
+        assert (receiver.engine_stats()["inbox_messages"], receiver.engine_stats()["inbox_bytes"]) == (0, 0)
+
+        registry = CollectorRegistry()
+        EngineMetrics(registry, receiver.path_stats)
+        text = generate_latest(registry).decode()
+        assert f"kvxfer_engine_inbox_dropped_messages_total {float(sent - kept)}" in text
+        assert f"kvxfer_engine_inbox_dropped_bytes_total {float((sent - kept) * size)}" in text
+
+
 # -- asyncio ----------------------------------------------------------------------------
 
 
@@ -807,6 +887,49 @@ def test_foreign_descriptors_are_refused_with_descriptor_error(
                     pair.engine.write_imm(stranger.address, imm)
 
 
+def test_descriptor_naming_a_provider_that_is_not_utf8_is_refused_with_descriptor_error(
+    pair: EnginePair,
+) -> None:
+    imm = fresh_imm()
+    provider = pair.engine.provider.encode()
+    body = pair.descriptor[:-4]
+    assert body.count(bytes([len(provider)]) + provider) == 1
+    # Same length, checksum valid again: only the name itself is wrong.
+    bad = body.replace(provider, provider[:-1] + b"\xff")
+    bad += fnv1a32(bad).to_bytes(4, "little")
+    with NothingPosted(pair, imm):
+        with pytest.raises(DescriptorError, match="provider name is not printable ASCII"):
+            pair.engine.write(pair.mr, 0, bad, 0, 64, imm)
+
+
+def test_seeded_fuzz_of_descriptors_only_ever_raises_descriptor_error(pair: EnginePair) -> None:
+    # Bounded and seeded (no hypothesis): random bytes, and valid descriptors truncated or
+    # with a few bytes mutated, half of them with a repaired checksum so that the field
+    # checks behind it are reached. Parsing only: a mutant that parses is never written to.
+    rng = np.random.default_rng(20251123)
+    valid = pair.descriptor
+    for case in range(1500):
+        kind = case % 3
+        if kind == 0:
+            blob = rng.bytes(int(rng.integers(0, 200)))
+        else:
+            blob = bytearray(valid)
+            for _ in range(int(rng.integers(1, 5))):
+                blob[int(rng.integers(0, len(blob) - 4))] = int(rng.integers(0, 256))
+            if kind == 2 and rng.integers(0, 4) == 0:
+                blob = blob[: int(rng.integers(0, len(blob)))]
+            if rng.integers(0, 2) and len(blob) >= 4:
+                blob[-4:] = fnv1a32(bytes(blob[:-4])).to_bytes(4, "little")
+            blob = bytes(blob)
+        try:
+            assert pair.engine.path_to(blob) in ("fabric", "same_host", "same_host_mapped")
+        except DescriptorError:
+            pass
+        except Exception as e:  # noqa: BLE001 - the point of the test
+            raise AssertionError(f"case {case}: {type(e).__name__} for {blob.hex()}") from e
+    assert_still_delivers(pair)
+
+
 # -- the same-host path -----------------------------------------------------------------
 
 only_same_host = pytest.mark.parametrize("provider", list(SAME_HOST_MODES), indirect=True)
@@ -931,12 +1054,19 @@ def test_forged_same_host_descriptor_is_not_trusted_for_process_to_process_copie
 
 
 @only_same_host
+@pytest.mark.parametrize("turned_off_by", ["argument", "environment"])
 def test_engine_with_same_host_off_writes_over_the_fabric_to_a_same_host_peer(
-    pair: EnginePair,
+    pair: EnginePair, turned_off_by: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     imm, size = fresh_imm(), 256 * KIB
     data = seeded_bytes(64, size)
-    with TransferEngine(provider_of(SAME_HOST), bind_host=LOOPBACK, same_host=False) as engine:
+    if turned_off_by == "environment":
+        monkeypatch.setenv("KVXFER_SAME_HOST", "false")
+        options: dict[str, Any] = {}
+    else:
+        monkeypatch.delenv("KVXFER_SAME_HOST", raising=False)
+        options = {"same_host": False}
+    with TransferEngine(provider_of(SAME_HOST), bind_host=LOOPBACK, **options) as engine:
         src = np.zeros(size, dtype=np.uint8)
         src[:] = data
         mr = engine.register(src)
@@ -948,6 +1078,34 @@ def test_engine_with_same_host_off_writes_over_the_fabric_to_a_same_host_peer(
         assert sum(rail["bytes_completed"] for rail in engine.stats()) == size
         assert engine.same_host_stats()["bytes_completed"] == 0
     assert_same_bytes(pair.target_bytes(0, size), data, "fabric write to a same-host peer")
+
+
+@only_same_host
+def test_explicit_same_host_argument_wins_over_kvxfer_same_host_in_the_environment(
+    pair: EnginePair, provider: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    imm, size = fresh_imm(), 64 * KIB
+    data = seeded_bytes(65, size)
+    monkeypatch.setenv("KVXFER_SAME_HOST", "false")
+    with TransferEngine(provider_of(SAME_HOST), bind_host=LOOPBACK, same_host=True) as engine:
+        src = np.zeros(size, dtype=np.uint8)
+        src[:] = data
+        mr = engine.register(src)
+        assert engine.path_to(pair.descriptor) == SAME_HOST_PATH[provider]
+
+        engine.write(mr, 0, pair.descriptor, 0, size, imm).wait(WAIT_S)
+
+        pair.wait_target_count(imm, 1)
+        assert engine.same_host_stats()["bytes_completed"] == size
+    assert_same_bytes(pair.target_bytes(0, size), data, "same-host write despite the variable")
+
+
+def test_kvxfer_same_host_with_a_value_that_is_not_a_boolean_raises_engine_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("KVXFER_SAME_HOST", "flase")
+    with pytest.raises(EngineError, match="KVXFER_SAME_HOST='flase'"):
+        TransferEngine(PROVIDERS[0], bind_host=LOOPBACK)
 
 
 # -- bounds -----------------------------------------------------------------------------
@@ -1035,6 +1193,48 @@ def test_bad_page_lists_raise_bounds_error_before_any_page_is_posted(pair: Engin
             with pytest.raises(BoundsError, match=message):
                 pair.engine.write_paged(pair.mr, src_pages, pair.descriptor, dst_pages, **args)
                 pytest.fail(f"{wrong}: accepted")
+
+
+def test_close_from_several_threads_while_others_write_and_read_stats_ends_cleanly(
+    pair: EnginePair,
+) -> None:
+    # closed() is read by every call from any thread while another thread closes: each
+    # caller gets a result or EngineError, every close() returns once the engine is shut,
+    # and the process survives (two threads joining the worker at once would not).
+    for round_ in range(5):
+        engine = TransferEngine(**engine_options(pair.target.provider), bind_host=LOOPBACK)
+        mr = engine.register(np.ones(64 * KIB, dtype=np.uint8))
+        start = threading.Barrier(6)
+        errors: list[BaseException] = []
+
+        def closer() -> None:
+            start.wait(WAIT_S)
+            engine.close()
+
+        def user() -> None:
+            start.wait(WAIT_S)
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline:
+                try:
+                    engine.stats()
+                    engine.engine_stats()
+                    engine.write(mr, 0, pair.descriptor, 32 * KIB, 4 * KIB).wait(WAIT_S)
+                except EngineError:
+                    if engine.closed:
+                        return
+                except BaseException as e:  # noqa: BLE001 - reported below
+                    errors.append(e)
+                    return
+
+        threads = [threading.Thread(target=f) for f in [closer] * 3 + [user] * 3]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(WAIT_S)
+        assert not any(t.is_alive() for t in threads), f"round {round_}: a thread hung"
+        assert not errors, f"round {round_}: {errors!r}"
+        assert engine.closed
+    assert_still_delivers(pair)
 
 
 def test_unknown_provider_raises_engine_error_listing_the_available_ones() -> None:
