@@ -1,0 +1,209 @@
+"""The same-host path: process-to-process copies, its safety checks and the settings that turn it off.
+
+Between two processes on every loopback provider and the same-host path (tests/support/engine_pairs.py).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+from support.engine_pairs import (
+    KIB,
+    LOOPBACK,
+    PROVIDERS,
+    STRAY_ARRIVAL_GRACE_S,
+    WAIT_S,
+    EnginePair,
+    OwnPeers,
+    assert_same_bytes,
+    assert_still_delivers,
+    assert_zero,
+    fnv1a32,
+    fresh_imm,
+)
+from support.engine_peer import (
+    SAME_HOST,
+    SAME_HOST_MAPPED,
+    SAME_HOST_MODES,
+    engine_options,
+    provider_of,
+    seeded_bytes,
+)
+
+from kvxfer.errors import EngineError, TransferError
+from kvxfer.transfer.engine import TransferEngine
+
+# -- the same-host path -----------------------------------------------------------------
+
+only_same_host = pytest.mark.parametrize("provider", list(SAME_HOST_MODES), indirect=True)
+# What TransferEngine.path_to says of a peer's region 0 in each same-host mode.
+SAME_HOST_PATH = {SAME_HOST: "same_host", SAME_HOST_MAPPED: "same_host_mapped"}
+
+
+
+def with_region_address(descriptor: bytes, old: int, new: int) -> bytes:
+    """The descriptor with its region's virtual address replaced, checksum made valid again:
+    a forgery that only the owner's region table can expose."""
+    old_bytes, new_bytes = old.to_bytes(8, "little"), new.to_bytes(8, "little")
+    body = descriptor[:-4]
+    assert body.count(old_bytes) == 1, "cannot locate the region address in the descriptor"
+    body = body.replace(old_bytes, new_bytes)
+    return body + fnv1a32(body).to_bytes(4, "little")
+
+
+@only_same_host
+def test_same_host_writes_copy_process_to_process_and_only_immediates_use_the_fabric(
+    pair: EnginePair, provider: str
+) -> None:
+    imm, page, count = fresh_imm(), 4 * KIB, 64
+    data = seeded_bytes(61, count * page)
+    pair.src[: data.size] = data
+    fabric_before = [rail["bytes_completed"] for rail in pair.engine.stats()]
+    assert pair.engine.path_to(pair.descriptor) == SAME_HOST_PATH[provider]
+
+    pair.engine.write_paged(
+        pair.mr, np.arange(count), pair.descriptor, np.arange(count)[::-1] * 2, page, imm=imm
+    ).wait(WAIT_S)
+
+    pair.wait_target_count(imm, count)
+    landed = pair.target_bytes(0, 2 * count * page)
+    for i in range(count):
+        d = (count - 1 - i) * 2
+        assert_same_bytes(landed[d * page : (d + 1) * page], data[i * page : (i + 1) * page], f"page {i}")
+        assert_zero(landed[(d + 1) * page : (d + 2) * page], f"gap after page {i}")
+    # The immediates (64 pages as one weighted message) are all the fabric carried.
+    assert [rail["bytes_completed"] for rail in pair.engine.stats()] == fabric_before
+
+
+def same_host_handles() -> tuple[int, int]:
+    """(pidfds open here, kvxfer memfds mapped here): what same-host peers cost this process."""
+    pidfds = sum(os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[pidfd]"
+                 for fd in os.listdir("/proc/self/fd") if os.path.exists(f"/proc/self/fd/{fd}"))
+    with open("/proc/self/maps") as maps:
+        mapped = sum("/memfd:kvxfer" in line for line in maps)
+    return pidfds, mapped
+
+
+@only_same_host
+def test_a_same_host_peer_that_exited_is_let_go_once_a_new_peer_comes(
+    provider: str, peers: OwnPeers
+) -> None:
+    # Workers restart for the life of a service: the engine must not keep a dead peer's
+    # pidfd, region table and (mapped mode) KV memory for as long as it runs.
+    with TransferEngine(**engine_options(provider), bind_host=LOOPBACK) as engine:
+        mr = engine.register(np.ones(64 * KIB, dtype=np.uint8))
+        before = same_host_handles()
+        first = peers.spare()
+        engine.write(mr, 0, first.descriptor, 0, 4 * KIB).wait(WAIT_S)
+        with_one_peer = same_host_handles()
+        assert with_one_peer[0] > before[0]  # its pidfd
+        first.exit()
+
+        second = peers.spare()
+        engine.write(mr, 0, second.descriptor, 0, 4 * KIB).wait(WAIT_S)
+        assert same_host_handles() == with_one_peer  # the first peer's are gone
+        landed = bytes.fromhex(second.call("read", offset=0, length=4 * KIB)["data"])
+        assert landed == b"\x01" * (4 * KIB)
+
+
+@only_same_host
+def test_same_host_write_into_a_region_its_owner_deregistered_fails_and_lands_nothing(
+    pair: EnginePair, provider: str
+) -> None:
+    imm = fresh_imm()
+    region = pair.target.call("register", size=64 * KIB)
+    descriptor = bytes.fromhex(region["descriptor"])
+    pair.engine.write(pair.mr, 0, descriptor, 0, 8, imm).wait(WAIT_S)  # parsed, path cached
+    assert pair.engine.path_to(descriptor) == SAME_HOST_PATH[provider]
+    pair.target.call("fill", region=region["region"], seed=None)
+    pair.target.call("deregister", region=region["region"])
+    pair.src[: 4 * KIB] = seeded_bytes(62, 4 * KIB)
+
+    with pytest.raises(TransferError, match="no longer registered"):
+        pair.engine.write(pair.mr, 0, descriptor, 0, 4 * KIB, imm).wait(WAIT_S)
+
+    assert_zero(pair.target_bytes(0, 64 * KIB, region=region["region"]), "deregistered region")
+    assert_still_delivers(pair)
+
+
+@only_same_host
+def test_forged_same_host_descriptor_is_not_trusted_for_process_to_process_copies(
+    pair: EnginePair,
+) -> None:
+    imm = fresh_imm()
+    victim = pair.target.call("register", size=64 * KIB)
+    decoy = pair.target.call("register", size=64 * KIB)
+    # Names the decoy's region id and size, but the victim's memory.
+    forged = with_region_address(
+        bytes.fromhex(decoy["descriptor"]), decoy["address"], victim["address"]
+    )
+    pair.target.call("fill", region=victim["region"], seed=None)
+
+    assert pair.engine.path_to(forged) == "fabric"
+    pair.src[: 4 * KIB] = seeded_bytes(63, 4 * KIB)
+    try:
+        pair.engine.write(pair.mr, 0, forged, 0, 4 * KIB, imm).wait(WAIT_S)
+    except TransferError:
+        pass  # a provider with virtual addressing refuses the forged address: also fine
+
+    time.sleep(STRAY_ARRIVAL_GRACE_S)
+    assert_zero(pair.target_bytes(0, 64 * KIB, region=victim["region"]), "the forged target")
+
+
+@only_same_host
+@pytest.mark.parametrize("turned_off_by", ["argument", "environment"])
+def test_engine_with_same_host_off_writes_over_the_fabric_to_a_same_host_peer(
+    pair: EnginePair, turned_off_by: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    imm, size = fresh_imm(), 256 * KIB
+    data = seeded_bytes(64, size)
+    if turned_off_by == "environment":
+        monkeypatch.setenv("KVXFER_SAME_HOST", "false")
+        options: dict[str, Any] = {}
+    else:
+        monkeypatch.delenv("KVXFER_SAME_HOST", raising=False)
+        options = {"same_host": False}
+    with TransferEngine(provider_of(SAME_HOST), bind_host=LOOPBACK, **options) as engine:
+        src = np.zeros(size, dtype=np.uint8)
+        src[:] = data
+        mr = engine.register(src)
+        assert engine.path_to(pair.descriptor) == "fabric"
+
+        engine.write(mr, 0, pair.descriptor, 0, size, imm).wait(WAIT_S)
+
+        pair.wait_target_count(imm, 1)
+        assert sum(rail["bytes_completed"] for rail in engine.stats()) == size
+        assert engine.same_host_stats()["bytes_completed"] == 0
+    assert_same_bytes(pair.target_bytes(0, size), data, "fabric write to a same-host peer")
+
+
+@only_same_host
+def test_explicit_same_host_argument_wins_over_kvxfer_same_host_in_the_environment(
+    pair: EnginePair, provider: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    imm, size = fresh_imm(), 64 * KIB
+    data = seeded_bytes(65, size)
+    monkeypatch.setenv("KVXFER_SAME_HOST", "false")
+    with TransferEngine(provider_of(SAME_HOST), bind_host=LOOPBACK, same_host=True) as engine:
+        src = np.zeros(size, dtype=np.uint8)
+        src[:] = data
+        mr = engine.register(src)
+        assert engine.path_to(pair.descriptor) == SAME_HOST_PATH[provider]
+
+        engine.write(mr, 0, pair.descriptor, 0, size, imm).wait(WAIT_S)
+
+        pair.wait_target_count(imm, 1)
+        assert engine.same_host_stats()["bytes_completed"] == size
+    assert_same_bytes(pair.target_bytes(0, size), data, "same-host write despite the variable")
+
+
+def test_kvxfer_same_host_with_a_value_that_is_not_a_boolean_raises_engine_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("KVXFER_SAME_HOST", "flase")
+    with pytest.raises(EngineError, match="KVXFER_SAME_HOST='flase'"):
+        TransferEngine(PROVIDERS[0], bind_host=LOOPBACK)
