@@ -347,7 +347,7 @@ class TestElastic:
                 info = worker_info(victim_rec["http_url"])
                 return info["running"] + info["queue_depth"]
 
-            in_flight = wait_until(busy, 30, f"{victim} to have requests in flight", poll_s=0.01)
+            in_flight = wait_until(busy, 30, f"{victim} to have requests in flight", interval_s=0.01)
             t_term = time.monotonic()
             cluster.signal_worker(victim, signal.SIGTERM)
             rc = proc.wait(timeout=40)
@@ -405,7 +405,7 @@ def _sigkill_prefill(cluster: LocalCluster) -> None:
     try:
         load.wait_for_results(6, 60)
         wait_until(lambda: worker_info(victim_url)["queue_depth"] > 0, 30, f"{victim} to have prefills in flight",
-                   poll_s=0.005)
+                   interval_s=0.005)
         t_kill = time.monotonic()
         cluster.signal_worker(victim, signal.SIGKILL)
         cluster.workers[victim].wait(timeout=10)
