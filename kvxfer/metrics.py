@@ -181,6 +181,18 @@ class DecodeMetrics:
             "kvxfer_decode_admission_timeouts",
             "Requests whose KV did not arrive before their admission deadline.",
             registry=registry)
+        self.pages_fenced = Gauge(
+            "kvxfer_decode_kv_pages_fenced",
+            "KV cache pages of ended requests waiting until no prefiller write can land.",
+            registry=registry)
+        self.push_aborts = Counter(
+            "kvxfer_decode_push_aborts",
+            "Abort messages from prefillers that stopped a push to this worker.",
+            registry=registry)
+        self.reservations_expired = Counter(
+            "kvxfer_decode_reservations_expired",
+            "Reservations failed because they were not admitted within reservation_ttl_s.",
+            registry=registry)
 
     def set_pages(self, capacity: int, free: int) -> None:
         """Publish the page pool; reserved is derived so the three never disagree."""

@@ -30,8 +30,8 @@ import torch
 from kvxfer.kv.layout import (
     KVCacheError,
     KVGeometry,
-    dtype_from_name,
     format_kv_layout,
+    layer_offset_bytes,
     pages_for_tokens,
 )
 from kvxfer.transfer.shared_memory import SharedBuffer
@@ -39,6 +39,25 @@ from kvxfer.transfer.shared_memory import SharedBuffer
 #: A request's block table: page ids in token order (page i holds tokens
 #: ``[i * block_size, (i + 1) * block_size)``), as a list or a 1-D integer tensor.
 BlockTable = Union[Sequence[int], torch.Tensor]
+
+# Names accepted in configs. Kept to the float types the model computes in; the name is
+# part of the kv_layout string, so it must be stable (not torch's repr, which has a prefix).
+# Here and not in `layout`: `layout` (and `protocol`, which the router imports) stay free
+# of torch.
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """Map a dtype name used in configs and layout strings ("float32", ...) to a torch dtype."""
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise KVCacheError(f"unsupported dtype {name!r}; supported: {sorted(_DTYPES)}") from None
+
 
 class PagedKVCache:
     """All K/V pages of one worker in one contiguous tensor, plus the byte offsets the engine needs.
@@ -174,7 +193,7 @@ class PagedKVCache:
         of that layer then lies at ``offset + p * page_bytes``.
         """
         self._check_layer(layer)
-        return layer * self.layer_bytes
+        return layer_offset_bytes(layer, self._num_pages, self._page_bytes)
 
     def page_offset_bytes(self, layer: int, page: int) -> int:
         """Byte offset of page `page` of `layer` from the start of the cache."""

@@ -1,16 +1,16 @@
-"""KV page geometry: the layout string two workers compare, dtypes, and page counts.
+"""KV page geometry: the layout string two workers compare, page counts and byte offsets.
 
-The lowest module of the KV layer. The model's config satisfies `KVGeometry`, so the cache
+The lowest module of the KV layer, free of torch: the router imports it (through
+`kv.protocol`) and has no torch. The model's config satisfies `KVGeometry`, so the cache
 and the push read geometry from any config without importing the model package (which
-imports this layer, never the other way round).
+imports this layer, never the other way round). Dtype names map to torch dtypes in
+`kv.cache.dtype_from_name`.
 """
 
 from __future__ import annotations
 
 import math
 from typing import Protocol
-
-import torch
 
 from kvxfer.errors import KvxferError
 
@@ -34,15 +34,6 @@ class KVGeometry(Protocol):
     def block_size(self) -> int: ...
 
 
-# Names accepted in configs. Kept to the float types the model computes in; the name is
-# part of the kv_layout string, so it must be stable (not torch's repr, which has a prefix).
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
-
-
 class KVCacheError(KvxferError, ValueError):
     """A KV-cache access outside the cache: bad layer, page index, position or tensor shape.
 
@@ -50,14 +41,6 @@ class KVCacheError(KvxferError, ValueError):
     caller passing an invalid argument (`errors.BoundsError` is the engine's counterpart for
     registered regions). The message names the offending value and the valid range.
     """
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    """Map a dtype name used in configs and layout strings ("float32", ...) to a torch dtype."""
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise KVCacheError(f"unsupported dtype {name!r}; supported: {sorted(_DTYPES)}") from None
 
 
 def format_kv_layout(num_layers: int, num_kv_heads: int, head_dim: int, dtype: str, block_size: int) -> str:
@@ -74,3 +57,14 @@ def pages_for_tokens(num_tokens: int, block_size: int) -> int:
     if num_tokens < 0:
         raise KVCacheError(f"num_tokens must be >= 0, got {num_tokens}")
     return math.ceil(num_tokens / block_size)
+
+
+def layer_offset_bytes(layer: int, num_pages: int, page_bytes: int) -> int:
+    """Byte offset of page 0 of `layer` in a cache of `num_pages` pages per layer.
+
+    The one formula both sides use: the prefiller for its own cache (source) and for the
+    decoder's (destination, with the decoder's `num_pages` from the reservation).
+    """
+    if layer < 0 or num_pages <= 0 or page_bytes <= 0:
+        raise KVCacheError(f"layer must be >= 0 and num_pages, page_bytes positive, got {layer}, {num_pages}, {page_bytes}")
+    return layer * num_pages * page_bytes

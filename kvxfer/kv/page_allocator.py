@@ -15,7 +15,6 @@ concern and a lock keeps the invariants obvious.
 
 from __future__ import annotations
 
-import math
 import random
 import threading
 from collections import deque
@@ -24,6 +23,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from kvxfer.errors import KvxferError
+from kvxfer.kv.layout import pages_for_tokens
 
 #: Request ids are whatever the service uses (strings in the HTTP API); any hashable works.
 RequestId = Hashable
@@ -138,8 +138,8 @@ class PageAllocator:
             return self._quarantined_count
 
     def pages_for_tokens(self, num_tokens: int) -> int:
-        """Pages needed for `num_tokens` tokens (ceiling division)."""
-        return math.ceil(num_tokens / self._block_size)
+        """Pages needed for `num_tokens` tokens (ceiling division, `layout.pages_for_tokens`)."""
+        return pages_for_tokens(num_tokens, self._block_size)
 
     # ---- queries -------------------------------------------------------------------------
 

@@ -1,31 +1,121 @@
-"""The prefill/decode hand-off contract: the reservation a decoder hands out and the mailbox.
+"""The prefill/decode hand-off contract: the reservation, its immediates, the mailbox, the abort.
 
 The decoder reserves pages and hands out a `KVReservation`: its KV cache descriptor, the
 page ids, an immediate value and how many units of it to expect. The prefiller writes each
 layer's pages with that immediate and finally a small mailbox record (first token, prompt
 length, nonce); the decoder admits the request when its ImmCounter reaches
 `expected_count`, which is `num_layers * pages(prompt) + 1` whatever the engine coalesced
-or sharded. The router forwards the reservation between the two; all three use this module.
+or sharded. A prefiller that cannot finish a push sends an abort message
+(`encode_abort`) once none of its writes is in flight any more.
+
+The reservation is checked here, once, at each boundary: the decoder builds it (the
+dataclass validates itself), the router parses the decoder's reply with `from_json`, the
+prefiller parses what the router forwarded with `from_json`. Every malformed field raises
+one `ReservationError` naming the field; nothing else (no KeyError, UnicodeDecodeError,
+TypeError) leaks out. The router imports this module, so it must stay free of torch and of
+the transfer engine.
 """
 
 from __future__ import annotations
 
+import math
+import re
 import struct
 from dataclasses import dataclass
 from typing import Any
 
-from kvxfer.kv.layout import pages_for_tokens
+from kvxfer.errors import KvxferError
+from kvxfer.kv.layout import layer_offset_bytes, pages_for_tokens
+
+__all__ = [
+    "ABORT_MESSAGE_BYTES",
+    "IMM_ABORT_BIT",
+    "IMM_GENERATION_BITS",
+    "IMM_SLOT_BITS",
+    "IMM_TABLE_BUDGET",
+    "KVReservation",
+    "MAILBOX_SLOT_BYTES",
+    "MAX_SLOTS",
+    "PROTOCOL_VERSION",
+    "ReservationError",
+    "decode_abort",
+    "decode_imm",
+    "decode_mailbox",
+    "encode_abort",
+    "encode_imm",
+    "encode_mailbox",
+    "expected_imm_count",
+    "generations_per_slot",
+    "layer_dst_offset",
+    "pages_for_tokens",
+]
+
+#: Version of the reservation's JSON form. A side that reads a reservation of another
+#: version refuses it (`ReservationError` on `version`) rather than guessing at its fields.
+PROTOCOL_VERSION = 1
 
 #: Bytes of one mailbox slot on the decoder (one per concurrent request).
 MAILBOX_SLOT_BYTES = 64
 _MAILBOX_MAGIC = 0x4B564D42  # "KVMB"
 _MAILBOX_FORMAT = "<IQii"  # magic, nonce, first_token, prompt_tokens
 
+# ---- immediates -------------------------------------------------------------------------
+#
+# The 32-bit immediate of a reservation: bits 0-15 hold `slot + 1` (never 0, so a zeroed CQ
+# word is never a request), bits 16-30 the slot's generation (the epoch), bit 31 is
+# reserved and always 0 in a reservation. A slot gets a new generation each time it is
+# reserved, so a late write of an earlier holder of the slot carries another immediate and
+# is never counted toward the current reservation.
+
+IMM_SLOT_BITS = 16
+IMM_GENERATION_BITS = 15
+#: Reserved: never set in a reservation's immediate (kept for a future in-band signal).
+IMM_ABORT_BIT = 1 << 31
+#: Most mailbox slots (concurrent reservations) one decoder can encode.
+MAX_SLOTS = (1 << IMM_SLOT_BITS) - 1
+#: Distinct immediate values one decoder uses over its whole life. The engine's ImmCounter
+#: table never frees a key (native progress_worker.hpp, 65536 entries; a value beyond it is
+#: counted nowhere), so generations wrap: `slots * generations_per_slot(slots)` stays under
+#: half of that table, which also keeps its open addressing short.
+IMM_TABLE_BUDGET = 1 << 15
+
+
+def generations_per_slot(slots: int, budget: int = IMM_TABLE_BUDGET) -> int:
+    """How many generations a slot cycles through before a value comes back (at least 2)."""
+    if not 0 < slots <= MAX_SLOTS:
+        raise ValueError(f"slots must be in 1..{MAX_SLOTS}, got {slots}")
+    return max(2, min(1 << IMM_GENERATION_BITS, budget // slots))
+
+
+def encode_imm(slot: int, generation: int) -> int:
+    """The immediate of a reservation on mailbox slot `slot` in its `generation`."""
+    if not 0 <= slot < MAX_SLOTS:
+        raise ValueError(f"slot must be in 0..{MAX_SLOTS - 1}, got {slot}")
+    if not 0 <= generation < (1 << IMM_GENERATION_BITS):
+        raise ValueError(f"generation must be in 0..{(1 << IMM_GENERATION_BITS) - 1}, got {generation}")
+    return (generation << IMM_SLOT_BITS) | (slot + 1)
+
+
+def decode_imm(imm: int) -> tuple[int, int]:
+    """(slot, generation) of a reservation's immediate; ValueError for a value no reservation has."""
+    if not 0 < imm < IMM_ABORT_BIT or imm & ((1 << IMM_SLOT_BITS) - 1) == 0:
+        raise ValueError(f"immediate {imm:#x} is not a reservation's (slot field 0 or bit 31 set)")
+    return (imm & ((1 << IMM_SLOT_BITS) - 1)) - 1, imm >> IMM_SLOT_BITS
+
+
+# ---- geometry ---------------------------------------------------------------------------
 
 def expected_imm_count(num_layers: int, prompt_tokens: int, block_size: int) -> int:
     """Units the decoder waits for: one per pushed page per layer, plus the mailbox write."""
     return num_layers * pages_for_tokens(prompt_tokens, block_size) + 1
 
+
+def layer_dst_offset(reservation: "KVReservation", layer: int, page_bytes: int) -> int:
+    """Byte offset of page 0 of `layer` in the decoder's cache (its `num_pages` per layer)."""
+    return layer_offset_bytes(layer, reservation.num_pages, page_bytes)
+
+
+# ---- mailbox ----------------------------------------------------------------------------
 
 def encode_mailbox(nonce: int, first_token: int, prompt_tokens: int) -> bytes:
     """The record the prefiller writes last: what decode needs besides the KV pages."""
@@ -41,13 +131,100 @@ def decode_mailbox(raw: bytes) -> tuple[int, int, int]:
     return nonce, first_token, prompt_tokens
 
 
+# ---- abort ------------------------------------------------------------------------------
+#
+# A control message (engine.send, two-sided) from the prefiller to the decoder: "the push
+# of the reservation with this immediate and nonce stopped, and none of its writes is in
+# flight any more". A message rather than an immediate: a waiting decoder would need one
+# more ImmCounter expectation per request, which the engine cannot withdraw (it would stay
+# for every request that was not aborted), and one more counter key per immediate.
+
+_ABORT_MAGIC = 0x4B564142  # "KVAB"
+_ABORT_FORMAT = "<IHIQ"  # magic, protocol version, imm, nonce; then the reason, UTF-8
+ABORT_MESSAGE_BYTES = 512
+_ABORT_HEADER = struct.calcsize(_ABORT_FORMAT)
+
+
+def encode_abort(imm: int, nonce: int, reason: str) -> bytes:
+    """The abort message of one reservation; `reason` is cut to fit `ABORT_MESSAGE_BYTES`."""
+    text = reason.encode("utf-8", errors="replace")[: ABORT_MESSAGE_BYTES - _ABORT_HEADER]
+    return struct.pack(_ABORT_FORMAT, _ABORT_MAGIC, PROTOCOL_VERSION, imm, nonce) + text
+
+
+def decode_abort(raw: bytes) -> tuple[int, int, str] | None:
+    """(imm, nonce, reason) of an abort message; None for any other message."""
+    if len(raw) < _ABORT_HEADER:
+        return None
+    magic, version, imm, nonce = struct.unpack_from(_ABORT_FORMAT, raw)
+    if magic != _ABORT_MAGIC or version != PROTOCOL_VERSION:
+        return None
+    return imm, nonce, raw[_ABORT_HEADER:].decode("utf-8", errors="replace")
+
+
+# ---- the reservation --------------------------------------------------------------------
+
+class ReservationError(KvxferError, ValueError):
+    """A reservation that does not follow this contract; `field` names what is wrong."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        self.field = field
+        self.problem = problem
+        super().__init__(f"malformed reservation: {field}: {problem}")
+
+
+_LAYOUT = re.compile(r"^L(\d+)-H(\d+)-D(\d+)-([a-z0-9]+)-bs(\d+)$")
+_MAX_ID_CHARS = 256
+_MAX_DESCRIPTOR_BYTES = 64 * 1024
+_MAX_PAGES = 1 << 24
+_MAX_NONCE = (1 << 63) - 1
+
+
+def _int(field: str, value: Any, low: int, high: int) -> int:
+    # bool is an int subclass in Python; a reservation field is never a bool.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ReservationError(field, f"must be an integer, got {type(value).__name__} {value!r:.40}")
+    if not low <= value <= high:
+        raise ReservationError(field, f"must be in {low}..{high}, got {value}")
+    return value
+
+
+def _str(field: str, value: Any, max_chars: int) -> str:
+    if not isinstance(value, str):
+        raise ReservationError(field, f"must be a string, got {type(value).__name__}")
+    if not value or len(value) > max_chars:
+        raise ReservationError(field, f"must have 1..{max_chars} characters, got {len(value)}")
+    return value
+
+
+def _bytes(field: str, value: Any) -> bytes:
+    if not isinstance(value, bytes) or not 0 < len(value) <= _MAX_DESCRIPTOR_BYTES:
+        raise ReservationError(field, f"must be 1..{_MAX_DESCRIPTOR_BYTES} bytes")
+    return value
+
+
+def _hex(field: str, value: Any) -> bytes:
+    if not isinstance(value, str):
+        raise ReservationError(field, f"must be a hex string, got {type(value).__name__}")
+    try:
+        # fromhex skips whitespace; a descriptor in JSON has none, so refuse it.
+        if not value.isascii() or any(c.isspace() for c in value):
+            raise ValueError("non-hex characters")
+        raw = bytes.fromhex(value)
+    except ValueError as exc:
+        raise ReservationError(field, f"not a hex string ({exc}): {value!r:.40}") from None
+    return _bytes(field, raw)
+
+
 @dataclass(frozen=True)
 class KVReservation:
     """Where a prefiller must push one request's KV on a decode worker.
 
     `descriptor` covers the decoder's whole KV cache tensor (`num_pages` pages per layer);
     `pages` are the request's page ids in block-table order; `meta_descriptor` and
-    `meta_offset` locate its mailbox slot; `imm` and `expected_count` gate admission.
+    `meta_offset` locate its mailbox slot; `imm` and `expected_count` gate admission;
+    `fence_timeout_s` is how long the decoder keeps the pages after giving up on the
+    request without the prefiller's word that its writes stopped (a prefiller whose
+    transfer deadline is not shorter refuses the reservation). Construction validates.
     """
 
     request_id: str
@@ -60,10 +237,58 @@ class KVReservation:
     meta_descriptor: bytes
     meta_offset: int
     nonce: int
+    fence_timeout_s: float
+    version: int = PROTOCOL_VERSION
+
+    def __post_init__(self) -> None:
+        if isinstance(self.version, bool) or not isinstance(self.version, int) or self.version != PROTOCOL_VERSION:
+            raise ReservationError("version", f"unsupported version {self.version!r} (this side speaks {PROTOCOL_VERSION})")
+        _str("request_id", self.request_id, _MAX_ID_CHARS)
+        _bytes("descriptor", self.descriptor)
+        _bytes("meta_descriptor", self.meta_descriptor)
+        num_pages = _int("num_pages", self.num_pages, 1, _MAX_PAGES)
+        if not isinstance(self.pages, list) or not self.pages:
+            raise ReservationError("pages", "must be a non-empty list of page ids")
+        for i, page in enumerate(self.pages):
+            _int(f"pages[{i}]", page, 0, num_pages - 1)
+        if len(set(self.pages)) != len(self.pages):
+            raise ReservationError("pages", "holds a page id twice")
+        imm = _int("imm", self.imm, 1, (1 << 32) - 1)
+        try:
+            decode_imm(imm)
+        except ValueError as exc:
+            raise ReservationError("imm", str(exc)) from None
+        _int("nonce", self.nonce, 0, _MAX_NONCE)
+        offset = _int("meta_offset", self.meta_offset, 0, (1 << 48))
+        if offset % MAILBOX_SLOT_BYTES:
+            raise ReservationError("meta_offset", f"must be a multiple of {MAILBOX_SLOT_BYTES}, got {offset}")
+        match = _LAYOUT.match(_str("kv_layout", self.kv_layout, 128))
+        if match is None:
+            raise ReservationError("kv_layout", f"not a layout string like 'L2-H2-D16-float32-bs16': {self.kv_layout!r:.60}")
+        num_layers = int(match.group(1))
+        expected = _int("expected_count", self.expected_count, 2, num_layers * len(self.pages) + 1)
+        if (expected - 1) % max(num_layers, 1):
+            raise ReservationError("expected_count", f"{expected} is not {num_layers} layers x pages + 1 (the mailbox)")
+        fence = self.fence_timeout_s
+        if isinstance(fence, bool) or not isinstance(fence, (int, float)) or not (math.isfinite(fence) and fence > 0):
+            raise ReservationError("fence_timeout_s", f"must be a positive number of seconds, got {fence!r:.40}")
+
+    @property
+    def num_layers(self) -> int:
+        """Layers of the decoder's model, read from `kv_layout`."""
+        match = _LAYOUT.match(self.kv_layout)
+        assert match is not None  # validated in __post_init__
+        return int(match.group(1))
+
+    @property
+    def prompt_pages(self) -> int:
+        """Pages the prompt fills, i.e. the pages the prefiller writes, per layer."""
+        return (self.expected_count - 1) // self.num_layers
 
     def to_json(self) -> dict[str, Any]:
         """JSON form used by the HTTP API (bytes as hex)."""
         return {
+            "version": self.version,
             "request_id": self.request_id,
             "descriptor": self.descriptor.hex(),
             "pages": list(self.pages),
@@ -74,20 +299,49 @@ class KVReservation:
             "meta_descriptor": self.meta_descriptor.hex(),
             "meta_offset": self.meta_offset,
             "nonce": self.nonce,
+            "fence_timeout_s": self.fence_timeout_s,
         }
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "KVReservation":
-        """Parses the HTTP form; raises ValueError/KeyError on malformed input."""
+    def from_json(cls, data: Any, *, request_id: str | None = None) -> "KVReservation":
+        """Parses the HTTP form; every defect raises `ReservationError` naming the field.
+
+        With `request_id`, the reservation must be for that request (a missing
+        `request_id` field takes it). Fields this version does not know are ignored (the
+        router adds `engine_address`); a different `version` is refused before anything else.
+        """
+        if not isinstance(data, dict):
+            raise ReservationError("reservation", f"must be a JSON object, got {type(data).__name__}")
+        if "version" not in data:
+            raise ReservationError("version", f"missing (this side speaks version {PROTOCOL_VERSION})")
+        version = data["version"]
+        if isinstance(version, bool) or not isinstance(version, int) or version != PROTOCOL_VERSION:
+            raise ReservationError("version", f"unsupported version {version!r:.40} (this side speaks {PROTOCOL_VERSION})")
+
+        def get(name: str) -> Any:
+            if name not in data:
+                if name == "request_id" and request_id is not None:
+                    return request_id
+                raise ReservationError(name, "missing")
+            return data[name]
+
+        rid = _str("request_id", get("request_id"), _MAX_ID_CHARS)
+        if request_id is not None and rid != request_id:
+            raise ReservationError("request_id", f"reservation is for request {rid!r}, not {request_id!r}")
+        pages = get("pages")
+        if not isinstance(pages, list):
+            raise ReservationError("pages", f"must be a list of page ids, got {type(pages).__name__}")
         return cls(
-            request_id=str(data["request_id"]),
-            descriptor=bytes.fromhex(data["descriptor"]),
-            pages=[int(p) for p in data["pages"]],
-            num_pages=int(data["num_pages"]),
-            imm=int(data["imm"]),
-            expected_count=int(data["expected_count"]),
-            kv_layout=str(data["kv_layout"]),
-            meta_descriptor=bytes.fromhex(data["meta_descriptor"]),
-            meta_offset=int(data["meta_offset"]),
-            nonce=int(data["nonce"]),
+            request_id=rid,
+            descriptor=_hex("descriptor", get("descriptor")),
+            pages=list(pages),
+            num_pages=get("num_pages"),
+            imm=get("imm"),
+            expected_count=get("expected_count"),
+            kv_layout=get("kv_layout"),
+            meta_descriptor=_hex("meta_descriptor", get("meta_descriptor")),
+            meta_offset=get("meta_offset"),
+            nonce=get("nonce"),
+            fence_timeout_s=get("fence_timeout_s"),
+            version=version,
         )

@@ -19,7 +19,7 @@ import numpy as np
 
 from kvxfer.errors import TransferError
 from kvxfer.kv.cache import PagedKVCache
-from kvxfer.kv.protocol import MAILBOX_SLOT_BYTES, KVReservation, encode_mailbox
+from kvxfer.kv.protocol import MAILBOX_SLOT_BYTES, KVReservation, encode_mailbox, layer_dst_offset
 from kvxfer.transfer.engine import RegisteredMemory, Transfer, TransferEngine
 
 
@@ -129,6 +129,10 @@ class PushSession:
         self._transfers: list[Transfer] = []
         self._mailbox_transfer: Transfer | None = None
         self._cancelled = threading.Event()
+        # Held while a write is decided and posted, and by cancel(): once cancel() returned,
+        # every write this session will ever post is in `_transfers`, so `in_flight()`
+        # can be trusted by the prefiller's /cancel (whose answer frees the decoder's pages).
+        self._issue_lock = threading.Lock()
         self.stats = PushStats()
 
     @property
@@ -138,10 +142,15 @@ class PushSession:
 
     def cancel(self) -> None:
         """Stops issuing writes; those already posted still complete (or fail)."""
-        self._cancelled.set()
+        with self._issue_lock:
+            self._cancelled.set()
 
     def on_layer_done(self, layer: int, first_block: int, end_block: int) -> None:
         """Pushes blocks [first_block, end_block) of `layer`: they are final now."""
+        with self._issue_lock:
+            self._push_layer(layer, first_block, end_block)
+
+    def _push_layer(self, layer: int, first_block: int, end_block: int) -> None:
         if self._cancelled.is_set() or end_block <= first_block:
             return
         page_bytes = self._cache.page_bytes
@@ -155,7 +164,7 @@ class PushSession:
             self._remote[first_block:end_block],
             page_bytes,
             src_offset=self._cache.layer_offset_bytes(layer),
-            dst_offset=layer * self.reservation.num_pages * page_bytes,
+            dst_offset=layer_dst_offset(self.reservation, layer, page_bytes),
             imm=self.reservation.imm,
             request_id=self.reservation.request_id,
         )
@@ -168,6 +177,10 @@ class PushSession:
         """Writes the mailbox record (first token), the request's last write."""
         self.stats.compute_done_at = time.perf_counter()
         self.stats.compute_done_monotonic = time.monotonic()
+        with self._issue_lock:
+            self._write_mailbox(first_token, prompt_tokens)
+
+    def _write_mailbox(self, first_token: int, prompt_tokens: int) -> None:
         if self._cancelled.is_set():
             return
         offset = self._slot * MAILBOX_SLOT_BYTES

@@ -13,7 +13,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvxfer.kv.layout import dtype_from_name, format_kv_layout
+from kvxfer.kv.cache import dtype_from_name
+from kvxfer.kv.layout import format_kv_layout
 
 
 @dataclass(frozen=True)

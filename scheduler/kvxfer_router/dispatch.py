@@ -30,6 +30,8 @@ from typing import Any, Awaitable, Union
 
 import httpx
 
+from kvxfer.kv.protocol import KVReservation, ReservationError
+
 from .admission import AdmissionTicket
 from .directory import WorkerDirectory, WorkerView, layout_key
 from .openai_api import RouterError, Usage, usage_from
@@ -202,18 +204,29 @@ class Dispatcher:
 
     async def cancel_legs(self, request_id: str, workers: list[WorkerView]) -> None:
         """``POST /cancel`` to each of ``workers`` concurrently; failures are logged only,
-        since clean-up must never turn into a second error for the client."""
+        since clean-up must never turn into a second error for the client.
 
-        async def one(worker: WorkerView) -> None:
+        A prefiller answers ``in_flight: false`` only once none of its writes for the
+        request can land (and it refuses the id from then on): the decoder is told so
+        (``prefill_stopped``) and reuses the pages at once instead of at its fence deadline.
+        """
+
+        async def one(worker: WorkerView, body: dict[str, Any]) -> dict[str, Any] | None:
             try:
-                await self.post_json(
-                    worker, "/cancel", {"request_id": request_id}, stage="cancel",
+                return await self.post_json(
+                    worker, "/cancel", body, stage="cancel",
                     request_id=request_id, total_timeout_s=self.settings.cancel_timeout_s,
                 )
             except LegFailure as exc:
                 log.warning("cancel not confirmed: %s", exc)
+                return None
 
-        await asyncio.gather(*(one(w) for w in workers))
+        replies = await asyncio.gather(*(one(w, {"request_id": request_id}) for w in workers))
+        stopped = any(w.role == "prefill" and r is not None and r.get("in_flight") is False
+                      for w, r in zip(workers, replies))
+        if stopped:
+            await asyncio.gather(*(one(w, {"request_id": request_id, "prefill_stopped": True})
+                                   for w in workers if w.role == "decode"))
 
 
 class RequestLifecycle:
@@ -392,25 +405,27 @@ class RequestLifecycle:
     # --- legs ------------------------------------------------------------------------------
 
     async def _reserve(self, decode: WorkerView, prefill: WorkerView, wrid: str) -> dict[str, Any]:
-        reservation = await self._d.post_json(
+        reply = await self._d.post_json(
             decode, "/reserve",
             {"request_id": wrid, "prompt_tokens": self.job.prompt_tokens, "max_tokens": self.job.max_tokens},
             stage="reserve", request_id=wrid, total_timeout_s=self._s.control_timeout_s,
         )
-        missing = [k for k in ("descriptor", "pages", "imm") if k not in reservation]
-        if missing:
-            raise LegFailure(wrid, decode, "reserve", f"reply lacks {', '.join(missing)}")
-        if "kv_layout" in reservation and layout_key(reservation["kv_layout"]) != prefill.layout_key:
+        try:
+            # The one contract check (kvxfer.kv.protocol): version, every field's type and range.
+            reservation = KVReservation.from_json(reply, request_id=wrid)
+        except ReservationError as exc:
+            raise LegFailure(wrid, decode, "reserve", str(exc)) from None
+        if layout_key(reservation.kv_layout) != prefill.layout_key:
             # The registry said compatible, the live reservation disagrees: never push KV
             # in a layout the decoder would misread.
-            raise LegFailure(wrid, decode, "reserve", f"reserved kv_layout {reservation['kv_layout']!r} "
+            raise LegFailure(wrid, decode, "reserve", f"reserved kv_layout {reservation.kv_layout!r} "
                              f"does not match prefill worker {prefill.worker_id}'s {prefill.kv_layout!r}")
-        return reservation
+        return reservation.to_json()
 
     async def _prefill(self, prefill: WorkerView, decode: WorkerView, reservation: dict[str, Any], wrid: str) -> dict[str, Any]:
-        # The contract: the reservation goes to the prefiller whole and untouched (it carries
-        # fields such as the mailbox slot and nonce that only the two workers interpret);
-        # the router adds only the decode engine address from the registry if it is absent.
+        # The contract: the reservation goes to the prefiller whole (as parsed and checked by
+        # kvxfer.kv.protocol; the mailbox slot, nonce and fence only the two workers
+        # interpret); the router adds only the decode engine address from the registry.
         return await self._d.post_json(prefill, "/prefill", {
             "request_id": wrid,
             "prompt_tokens": self.job.prompt_tokens,

@@ -378,11 +378,12 @@ CRASH_DEADLINE_S = 20.0
 
 
 def test_sigkill_prefill_under_load() -> None:
-    # Enough pages that the quarantine of crashed requests (2 s) cannot starve the
+    # Enough pages that the fence of crashed requests (3 s; longer than the 2 s transfer
+    # deadline, as prefillers require) cannot starve the
     # retries: page exhaustion is not what this test is about.
     cluster = LocalCluster(
         prefill=2, decode=1, num_pages=2048, startup_timeout_s=STARTUP_S,
-        worker_env={"KVXFER_QUARANTINE_S": "2", "KVXFER_TRANSFER_TIMEOUT_S": "2"},
+        worker_env={"KVXFER_FENCE_TIMEOUT_S": "3", "KVXFER_TRANSFER_TIMEOUT_S": "2"},
         router_env={"KVXFER_ROUTER_DISAGGREGATION_MIN_PROMPT_TOKENS": "0",
                     "KVXFER_ROUTER_REQUEST_DEADLINE_S": str(CRASH_DEADLINE_S), **ROUTER_TIMEOUTS},
     )

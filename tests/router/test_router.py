@@ -237,6 +237,9 @@ def test_failed_prefill_is_retried_once_on_another_pair(cluster: Cluster) -> Non
     assert [b["request_id"] for b in p2.bodies("/prefill")] == ["r1.retry1"]
     # The failed attempt was cancelled on both workers and its pages freed.
     wait_until(lambda: d.cancelled_ids() == ["r1"] and p1.cancelled_ids() == ["r1"], what="cancels")
+    # The prefiller answered in_flight false: the router tells the decoder, which then
+    # reuses the fenced pages at once instead of at its fence deadline.
+    wait_until(lambda: d.released_ids() == ["r1"], what="prefill_stopped relayed to the decoder")
     assert d.active_reservations() == []
     assert metric(cluster, 'kvxfer_router_retries_total{stage="prefill"}') == 1.0
 

@@ -32,7 +32,7 @@ ALLOWED: dict[str, set[str]] = {
     "cli": BASE | {"transfer", "kv", "model", "registry", "workers", "cluster"},
     "__init__": BASE | {"transfer"},
 }
-ROUTER_ALLOWED = {"registry", "model.tokenizer", "metrics", "errors"}
+ROUTER_ALLOWED = {"registry", "model.tokenizer", "kv.protocol", "metrics", "errors"}
 #: Modules that are HTTP-free by contract: services raise typed errors instead.
 HTTP_FREE = ["workers/runtime.py", "workers/prefill/service.py", "workers/decode/service.py",
              "workers/rejection.py"]

@@ -27,6 +27,8 @@ from fastapi import FastAPI, HTTPException
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt
 
+from kvxfer.kv.protocol import KVReservation, ReservationError, encode_imm
+
 # Strings as kvxfer.kv.cache.format_kv_layout writes them (the registry also allows objects).
 LAYOUT_A = "L2-H2-D8-float32-bs16"
 LAYOUT_B = "L2-H2-D8-float32-bs32"
@@ -136,32 +138,18 @@ class GenerateLocalBody(_Strict):
 
 class CancelBody(_Strict):
     request_id: str
-
-
-class DecodeTarget(BaseModel):
-    """The decode reservation as forwarded to the prefiller: the whole /reserve reply
-    (``kvxfer.kv.protocol.KVReservation`` JSON) plus the decoder's engine address. Opaque to the
-    router, so extra fields are allowed; the tests check it arrives equal to the reply."""
-
-    model_config = ConfigDict(extra="allow")
-
-    engine_address: str
-    request_id: str
-    descriptor: str
-    pages: list[StrictInt]
-    num_pages: StrictInt
-    imm: StrictInt
-    expected_count: StrictInt
-    kv_layout: str
-    meta_descriptor: str
-    meta_offset: StrictInt
-    nonce: StrictInt
+    prefill_stopped: StrictBool = False  # decode only: the router relays the prefiller's in_flight false
 
 
 class PrefillBody(_Strict):
+    """``decode`` is the decoder's /reserve reply as the router forwarded it plus the
+    decoder's ``engine_address``; the fake parses it with the workers' own
+    ``kvxfer.kv.protocol.KVReservation.from_json``, so the fakes and the real workers
+    agree on the contract by construction."""
+
     request_id: str
     prompt_tokens: list[StrictInt]
-    decode: DecodeTarget
+    decode: dict[str, Any]
 
 
 @dataclass
@@ -219,11 +207,15 @@ class _FakeWorker:
         return [b for p, b in self.calls if p == path]
 
     def cancelled_ids(self) -> list[str]:
-        """request_ids this worker was asked to cancel."""
-        return [b["request_id"] for b in self.bodies("/cancel")]
+        """request_ids this worker was asked to cancel (not counting `released_ids`)."""
+        return [b["request_id"] for b in self.bodies("/cancel") if not b.get("prefill_stopped")]
+
+    def released_ids(self) -> list[str]:
+        """request_ids for which the router relayed the prefiller's ``in_flight: false``."""
+        return [b["request_id"] for b in self.bodies("/cancel") if b.get("prefill_stopped")]
 
     async def _cancel(self, body: CancelBody) -> dict[str, Any]:
-        self.calls.append(("/cancel", body.model_dump()))
+        self.calls.append(("/cancel", body.model_dump(exclude_defaults=True)))
         self.on_cancel(body.request_id)
         return {"request_id": body.request_id, "in_flight": False}
 
@@ -284,13 +276,18 @@ class FakeDecodeWorker(_FakeWorker):
         n_pages = -(-(len(body.prompt_tokens) + body.max_tokens) // 16)
         pages = list(range(self._next_page, self._next_page + n_pages))
         self._next_page += n_pages
-        res = Reservation(body.request_id, f"d{len(self.reservations):04x}" + self.engine_address, pages,
-                          imm=1000 + len(self.calls), max_tokens=body.max_tokens, prompt_tokens=body.prompt_tokens)
+        res = Reservation(body.request_id, f"dd{len(self.reservations):04x}" + self.engine_address, pages,
+                          imm=encode_imm(len(self.calls) % 1000, 1), max_tokens=body.max_tokens,
+                          prompt_tokens=body.prompt_tokens)
         self.reservations[body.request_id] = res
-        reply = {"request_id": body.request_id, "descriptor": res.descriptor, "pages": pages, "num_pages": 64,
-                 "imm": res.imm, "expected_count": n_pages * 2, "kv_layout": self.kv_layout,
-                 "meta_descriptor": "ee" + self.engine_address, "meta_offset": 64 * len(self.reservations),
-                 "nonce": 7000 + len(self.calls)}
+        # Built (and so validated) by the real protocol type: the fake cannot drift from it.
+        prompt_pages = -(-len(body.prompt_tokens) // 16)
+        reply = KVReservation(
+            request_id=body.request_id, descriptor=bytes.fromhex(res.descriptor), pages=pages,
+            num_pages=max(64, self._next_page), imm=res.imm, expected_count=2 * prompt_pages + 1,
+            kv_layout=self.kv_layout, meta_descriptor=bytes.fromhex("ee" + self.engine_address),
+            meta_offset=64 * len(self.reservations), nonce=7000 + len(self.calls), fence_timeout_s=15.0,
+        ).to_json()
         self.reserved.append(reply)
         return reply
 
@@ -378,15 +375,18 @@ class FakePrefillWorker(_FakeWorker):
             raise HTTPException(409, f"prefill {body.request_id} cancelled")
         if self.status is not None:
             raise HTTPException(self.status, f"prefill failed for {body.request_id}")
-        decoder = self.fabric.decoders.get(body.decode.engine_address)
+        try:
+            target = KVReservation.from_json(body.decode, request_id=body.request_id)
+        except ReservationError as exc:
+            raise HTTPException(422, str(exc)) from None
+        engine_address = body.decode.get("engine_address")
+        decoder = self.fabric.decoders.get(engine_address) if isinstance(engine_address, str) else None
         if decoder is None:
-            raise HTTPException(502, f"unknown engine address {body.decode.engine_address}")
-        if body.decode.request_id != body.request_id:
-            raise HTTPException(422, "reservation is for another request")
+            raise HTTPException(502, f"unknown engine address {engine_address}")
         res = decoder.reservations.get(body.request_id)
-        if res is None or (res.descriptor, res.pages, res.imm) != (body.decode.descriptor, body.decode.pages, body.decode.imm):
+        if res is None or (res.descriptor, res.pages, res.imm) != (target.descriptor.hex(), target.pages, target.imm):
             raise HTTPException(502, f"no matching reservation for {body.request_id} at {decoder.worker_id}")
-        if body.decode.kv_layout != self.kv_layout:
+        if target.kv_layout != self.kv_layout:
             raise HTTPException(400, "kv_layout mismatch")
         res.kv_ready.set()
         return {"request_id": body.request_id, "first_token": decoder.output.encode()[0] if decoder.output else 257,

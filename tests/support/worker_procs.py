@@ -8,7 +8,7 @@ two tests or two sessions on the same machine never race for a port. Every wait 
 deadline, and a worker that dies or does not come up fails the test with its log attached.
 
     workers = WorkerSet(tmp_path)
-    decode = workers.start("decode", env={"KVXFER_QUARANTINE_S": "1"})
+    decode = workers.start("decode", env={"KVXFER_FENCE_TIMEOUT_S": "3"})
     prefill = workers.start("prefill")
     ...
     workers.close()            # SIGKILL every process group still alive

@@ -9,114 +9,60 @@ compared token for token with the colocated reference
 1. disaggregated == colocated for 12 prompts of 1..1000 tokens (multi-page, multi-chunk),
    some streamed; pages all come back.
 2. the decoder's pages hold exactly the bytes the prefiller computed (in-process runtimes).
-4. decode-side cancel mid-push: quarantined pages are not handed out again, new requests
-   stay correct, pages return after the quarantine; prefill /cancel answers in_flight false.
+4. decode-side cancel mid-push: fenced pages are not handed out again, new requests
+   stay correct; prefill /cancel answers in_flight false, and relayed to the decoder (as
+   the router does) it frees the fenced pages.
 5. bad requests get a clear 4xx and disturb nothing.
 3. SIGKILL of the prefill worker mid-push: 504 within the deadline naming the request and
-   the count, pages freed after the quarantine, the decoder keeps serving (runs last: it
+   the count, pages freed after the fence deadline, the decoder keeps serving (runs last: it
    kills a worker of the module fixture).
 
-The shared decode worker runs with KVXFER_QUARANTINE_S=1 so that quarantined pages come
-back within the test's time budget.
+The shared decode worker runs with KVXFER_FENCE_TIMEOUT_S=3 so that fenced pages come back
+within the test's time budget; its prefillers have a 2 s transfer deadline, which
+prefillers require to be shorter than the decoder's fence.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import random
 import re
 import time
-from contextlib import contextmanager
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
 import pytest
-import torch
-
+from support.kv_requests import (
+    CHUNK,
+    CONFIG,
+    FENCE_S,
+    LONG,
+    MAX_TOKENS,
+    NUM_PAGES,
+    PREFILL_ENV,
+    SLOW_PUSH_ENV,
+    check_against_reference,
+    decode_part,
+    disaggregated,
+    generate_call,
+    info,
+    one_torch_thread,
+    prefill_call,
+    reference,
+    reference_model,
+    reserve,
+    text_prompt,
+    tokens_of,
+    wait_pages_full,
+)
 from support.waiting import wait_until
 from support.worker_procs import WorkerProc, WorkerSet
 
-from kvxfer.model.config import ModelConfig
-from kvxfer.model.tokenizer import ByteTokenizer
-from kvxfer.model.transformer import Generation, Transformer
-
-CONFIG = ModelConfig.preset("tiny")
-TOKENIZER = ByteTokenizer()
-MAX_TOKENS = 16
-NUM_PAGES = 512
-QUARANTINE_S = 1.0
-CHUNK = 256  # PrefillSettings.prefill_chunk_tokens default: what the workers use
-LONG = 1000  # tokens; 1000 + MAX_TOKENS fits the tiny model's 1024 context
-# 16-token chunks spread a long prompt's writes over 63 chunks x 2 layers, and 5 ms of
-# emulated compute per layer and chunk makes that push last over half a second whatever
-# the machine's speed, so an event timed after its first writes falls in its middle.
-SLOW_PUSH_ENV = {"KVXFER_PREFILL_CHUNK_TOKENS": "16", "KVXFER_EMULATED_LAYER_COMPUTE_MS": "5"}
-
-pytestmark = pytest.mark.timeout(240)
-
-
-# -- prompts and the colocated reference ---------------------------------------------------
-
-def text_prompt(seed: int, num_tokens: int) -> str:
-    """Seeded printable text whose encoding (BOS + one token per byte) has `num_tokens` tokens."""
-    rng = random.Random(seed)
-    words = ["kv", "cache", "page", "prefill", "decode", "layer", "push", "the", "a", "é", "€", "token"]
-    text = ""
-    while len(text.encode()) < num_tokens - 1:
-        text += rng.choice(words) + rng.choice([" ", " ", ", ", ".\n"])
-    return _exact(text.encode()[: num_tokens - 1], num_tokens - 1)
-
-
-def _exact(raw: bytes, n: int) -> str:
-    # Cut on a character boundary, then pad with ASCII to exactly n bytes.
-    text = raw.decode("utf-8", errors="ignore")
-    while len(text.encode()) > n:
-        text = text[:-1]
-    return text + "x" * (n - len(text.encode()))
-
-
-def tokens_of(prompt: str) -> list[int]:
-    return TOKENIZER.encode(prompt)
-
-
-@contextmanager
-def one_torch_thread() -> Iterator[None]:
-    """Model compute in this process on one thread, like the workers (OMP_NUM_THREADS=1).
-
-    On two cores shared with the workers, torch's default pool spin-waits: measured 20x
-    slower under load for the same (bit-identical) result."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-@lru_cache(maxsize=None)
-def _model() -> Transformer:
-    return Transformer(CONFIG)
-
-
-@lru_cache(maxsize=None)
-def _reference(prompt_tokens: tuple[int, ...], max_tokens: int) -> Generation:
-    with one_torch_thread():
-        return _model().generate(list(prompt_tokens), max_tokens)
-
-
-def reference(prompt_tokens: list[int], max_tokens: int = MAX_TOKENS) -> Generation:
-    """The colocated generation: one process, pages in order, the workers' chunk size."""
-    return _reference(tuple(prompt_tokens), max_tokens)
-
-
-# -- workers ----------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[dict[str, WorkerProc]]:
-    """Workers shared by the module: a decode worker (quarantine 1 s), a prefill worker, and
+    """Workers shared by the module: a decode worker (fence 3 s), a prefill worker, and
     a "slow" prefill worker (SLOW_PUSH_ENV) whose push of a long prompt lasts over half a
     second, so that an event timed after its first completed writes reliably falls in the
     middle of a push. The last test kills it."""
@@ -124,8 +70,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureReq
     failed_before = request.session.testsfailed
     try:
         decode, prefill, slow = workers.start_many([
-            ("decode", {"num_pages": NUM_PAGES, "env": {"KVXFER_QUARANTINE_S": str(QUARANTINE_S)}}),
-            ("prefill", {"num_pages": NUM_PAGES}),
+            ("decode", {"num_pages": NUM_PAGES, "env": {"KVXFER_FENCE_TIMEOUT_S": str(FENCE_S)}}),
+            ("prefill", {"num_pages": NUM_PAGES, "env": PREFILL_ENV}),
             ("prefill", {"num_pages": NUM_PAGES, "env": SLOW_PUSH_ENV}),
         ])
         yield {"decode": decode, "prefill": prefill, "slow_prefill": slow}
@@ -147,116 +93,12 @@ def extra_workers(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Wo
             print(f"\n===== worker logs ({request.node.name}) =====\n{workers.logs()}")
         workers.close()
 
-
-def info(worker: WorkerProc) -> dict[str, Any]:
-    resp = httpx.get(f"{worker.url}/info", timeout=5)
-    assert resp.status_code == 200, resp.text
-    return resp.json()
-
-
-def wait_pages_full(worker: WorkerProc, timeout_s: float) -> dict[str, Any]:
-    """Polls /info until every page is free and nothing runs or waits."""
-
-    def check() -> dict[str, Any] | None:
-        data = info(worker)
-        idle = data["free_pages"] == data["total_pages"] and data["running"] == 0 and data["queue_depth"] == 0
-        return data if idle else None
-
-    return wait_until(check, timeout_s, f"{worker.role} {worker.url} free_pages back to total_pages")
-
-
-# -- the router's flow --------------------------------------------------------------------------
-
-async def reserve(client: httpx.AsyncClient, decode: WorkerProc, rid: str, prompt: list[int],
-                  max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
-    resp = await client.post(f"{decode.url}/reserve",
-                             json={"request_id": rid, "prompt_tokens": prompt, "max_tokens": max_tokens})
-    assert resp.status_code == 200, f"{rid}: reserve -> {resp.status_code} {resp.text}"
-    return resp.json()
-
-
-def decode_part(reservation: dict[str, Any]) -> dict[str, Any]:
-    """What the router forwards to the prefiller: the reservation minus request_id."""
-    return {k: v for k, v in reservation.items() if k != "request_id"}
-
-
-async def prefill_call(client: httpx.AsyncClient, prefill: WorkerProc, rid: str, prompt: list[int],
-                       reservation: dict[str, Any]) -> httpx.Response:
-    return await client.post(f"{prefill.url}/prefill",
-                             json={"request_id": rid, "prompt_tokens": prompt, "decode": decode_part(reservation)})
-
-
-async def generate_call(client: httpx.AsyncClient, decode: WorkerProc, rid: str, *, stream: bool,
-                        timeout_s: float | None = None) -> tuple[int, dict[str, Any]]:
-    """POST /generate; returns (status, body) with a stream folded into the non-stream shape."""
-    body: dict[str, Any] = {"request_id": rid, "stream": stream}
-    if timeout_s is not None:
-        body["timeout_s"] = timeout_s
-    if not stream:
-        resp = await client.post(f"{decode.url}/generate", json=body)
-        return resp.status_code, resp.json()
-    async with client.stream("POST", f"{decode.url}/generate", json=body) as resp:
-        if resp.status_code != 200:
-            return resp.status_code, json.loads(await resp.aread())
-        assert resp.headers["content-type"].startswith("application/x-ndjson")
-        lines = [json.loads(line) async for line in resp.aiter_lines() if line.strip()]
-    assert lines and lines[-1].get("done") is True, f"{rid}: stream did not end with a done line: {lines[-3:]}"
-    token_lines = lines[:-1]
-    for line in token_lines:
-        assert set(line) == {"token", "text"} and isinstance(line["text"], str), line
-    tokens = [line["token"] for line in token_lines]
-    # The pieces add up to the text of the tokens (a character split over byte tokens comes
-    # whole with its last byte; bytes of an unfinished last character give no text).
-    streamed, full = "".join(line["text"] for line in token_lines), TOKENIZER.decode(tokens)
-    assert full.startswith(streamed) and set(full[len(streamed):]) <= {"\ufffd"}, (rid, streamed, full)
-    last = lines[-1]
-    return 200, {"tokens": tokens, "text": TOKENIZER.decode(tokens), "finish_reason": last["finish_reason"],
-                 "usage": last["usage"], "error": last.get("error")}
-
-
-async def disaggregated(client: httpx.AsyncClient, decode: WorkerProc, prefill: WorkerProc, rid: str,
-                        prompt: list[int], *, stream: bool = False) -> tuple[dict[str, Any], httpx.Response, tuple[int, dict[str, Any]]]:
-    """Reserve, then /prefill and /generate concurrently (as the router does)."""
-    reservation = await reserve(client, decode, rid, prompt)
-    pre, gen = await asyncio.gather(
-        prefill_call(client, prefill, rid, prompt, reservation),
-        generate_call(client, decode, rid, stream=stream),
-    )
-    return reservation, pre, gen
-
-
-def check_against_reference(rid: str, prompt: list[int], reservation: dict[str, Any], pre: httpx.Response,
-                            gen: tuple[int, dict[str, Any]]) -> None:
-    ref = reference(prompt)
-    n_pages = -(-len(prompt) // CONFIG.block_size)
-    assert pre.status_code == 200, f"{rid}: prefill -> {pre.status_code} {pre.text}"
-    p = pre.json()
-    assert p["request_id"] == rid
-    assert p["kv_bytes"] == CONFIG.num_layers * n_pages * CONFIG.page_bytes, (rid, p)
-    assert p["writes"] == CONFIG.num_layers * -(-len(prompt) // CHUNK), (rid, p)
-    if ref.tokens:
-        assert p["first_token"] == ref.tokens[0], (rid, p, ref)
-    assert reservation["expected_count"] == CONFIG.num_layers * n_pages + 1
-    assert reservation["kv_layout"] == CONFIG.kv_layout
-    assert len(reservation["pages"]) == -(-(len(prompt) + MAX_TOKENS) // CONFIG.block_size)
-    status, body = gen
-    assert status == 200, f"{rid}: generate -> {status} {body}"
-    assert body["tokens"] == ref.tokens, f"{rid} ({len(prompt)} tokens): disaggregated {body['tokens']} != colocated {ref.tokens}"
-    assert body["finish_reason"] == ref.finish_reason.value, (rid, body)
-    assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": len(ref.tokens)}, (rid, body)
-    assert body["text"] == TOKENIZER.decode(ref.tokens)
-
-
-# -- 1. disaggregated == colocated ----------------------------------------------------------------
-
-#: Prompt lengths in tokens: one token (BOS only), page edges (16/17), chunk edges
-#: (255/256/257, 513), up to 1000 tokens = 63 pages and 4 chunks of 256.
 PROMPT_LENGTHS = [1, 2, 16, 17, 100, 255, 256, 257, 513, 700, 900, LONG]
 
 
 def test_disaggregated_equals_colocated(cluster: dict[str, WorkerProc]) -> None:
     decode, prefill = cluster["decode"], cluster["prefill"]
-    wait_pages_full(decode, timeout_s=QUARANTINE_S + 5)  # (a failed test before may still hold quarantined pages)
+    wait_pages_full(decode, timeout_s=FENCE_S + 5)  # (a failed test before may still hold fenced pages)
     prompts = {f"eq-{i}-{n}": tokens_of(text_prompt(i, n)) for i, n in enumerate(PROMPT_LENGTHS)}
     assert [len(p) for p in prompts.values()] == PROMPT_LENGTHS
     for p in prompts.values():
@@ -276,8 +118,8 @@ def test_disaggregated_equals_colocated(cluster: dict[str, WorkerProc]) -> None:
     # Reservations were all live at once: no page was handed to two requests.
     all_pages = [pg for reservation, _, _ in results.values() for pg in reservation["pages"]]
     assert len(all_pages) == len(set(all_pages))
-    # Finished requests free their pages at once (no quarantine: their KV fully arrived).
-    wait_pages_full(decode, timeout_s=QUARANTINE_S / 2)
+    # Finished requests free their pages at once (no fence: their KV fully arrived).
+    wait_pages_full(decode, timeout_s=FENCE_S / 2)
     pinfo = info(prefill)
     assert (pinfo["free_pages"], pinfo["running"], pinfo["queue_depth"]) == (pinfo["total_pages"], 0, 0), pinfo
 
@@ -297,13 +139,13 @@ def test_decode_pages_hold_prefilled_bytes(single_torch_thread: None) -> None:
     nonce; nothing outside the prompt pages was written."""
     import numpy as np
 
-    from kvxfer.workers.decode.service import DecodeRuntime, DecodeSettings
     from kvxfer.kv.cache import PagedKVCache
     from kvxfer.kv.protocol import MAILBOX_SLOT_BYTES, KVReservation, decode_mailbox
+    from kvxfer.workers.decode.service import DecodeRuntime, DecodeSettings
     from kvxfer.workers.prefill.service import PrefillRuntime, PrefillSettings
 
     common = dict(model="tiny", provider="net", bind_host="127.0.0.1", prefill_chunk_tokens=CHUNK)
-    decode = DecodeRuntime(DecodeSettings(num_pages=256, quarantine_s=0.1, max_requests=16, **common))
+    decode = DecodeRuntime(DecodeSettings(num_pages=256, max_requests=16, **common))
     prefill = PrefillRuntime(PrefillSettings(num_pages=256, **common))
     lengths = [1, 15, 16, 17, 255, 256, 257, 600, LONG]
     prompts = {f"bytes-{n}": tokens_of(text_prompt(100 + n, n)) for n in lengths}
@@ -323,7 +165,7 @@ def test_decode_pages_hold_prefilled_bytes(single_torch_thread: None) -> None:
             decode.core.engine.wait_imm(job.imm, job.expected_count, timeout=10)
             assert decode.core.engine.imm_count(job.imm) == job.expected_count
             ref_cache = PagedKVCache.from_config(CONFIG, len(res.pages))
-            ref = _model().prefill(prompt, ref_cache, list(range(len(res.pages))), chunk_size=CHUNK)
+            ref = reference_model().prefill(prompt, ref_cache, list(range(len(res.pages))), chunk_size=CHUNK)
             assert result["first_token"] == ref.first_token
             off = job.slot * MAILBOX_SLOT_BYTES
             assert decode_mailbox(bytes(decode.mailbox[off: off + MAILBOX_SLOT_BYTES])) == (
@@ -345,7 +187,7 @@ def test_decode_pages_hold_prefilled_bytes(single_torch_thread: None) -> None:
         untouched = sorted(set(range(cache.num_pages)) - touched)
         assert not np.any(raw[:, untouched]), "a write landed outside the reserved prompt pages"
         for rid in prompts:
-            decode.cancel(rid)
+            decode.cancel(rid, prefill_stopped=True)  # every push completed: nothing can land
         wait_until(lambda: decode.allocator.free_pages == decode.allocator.total_pages, 5, "in-process pages freed")
     finally:
         decode.close()
@@ -373,11 +215,11 @@ def completed_writes(metrics: httpx.Response) -> float:
 def test_decode_cancel_mid_push(cluster: dict[str, WorkerProc]) -> None:
     """The victim is pushed by the slow prefiller; once its first write completed, the
     decoder cancels it. Right away other requests (through the other prefiller) reserve and
-    run while the victim's writes may still land: they never get a quarantined page and
+    run while the victim's writes may still land: they never get a fenced page and
     their generations stay exact. The prefiller's /cancel answers only once nothing is in
-    flight. After the quarantine every page is free."""
+    flight; relayed to the decoder, that answer frees the fenced pages."""
     decode, prefill, slow = cluster["decode"], cluster["prefill"], cluster["slow_prefill"]
-    wait_pages_full(decode, timeout_s=QUARANTINE_S + 5)  # (a failed test before may still hold quarantined pages)
+    wait_pages_full(decode, timeout_s=FENCE_S + 5)  # (a failed test before may still hold fenced pages)
     victim_rid = "cancel-victim"
     victim = tokens_of(text_prompt(400, LONG))
     others = {f"after-cancel-{i}": tokens_of(text_prompt(410 + i, n)) for i, n in enumerate([LONG, 300, 17, 1])}
@@ -401,6 +243,7 @@ def test_decode_cancel_mid_push(cluster: dict[str, WorkerProc]) -> None:
             # only once nothing is in flight. (The busy prefiller takes a while to handle it,
             # so the victim's writes go on landing while the next requests reserve.)
             pcancel_task = asyncio.create_task(client.post(f"{slow.url}/cancel", json={"request_id": victim_rid}))
+            seen["pcancel_task"] = pcancel_task
             seen["during"] = (await client.get(f"{decode.url}/info")).json()
             seen["during_delay"] = time.monotonic() - cancelled_at
             # Right away, other requests take pages and run through the other prefiller.
@@ -412,6 +255,10 @@ def test_decode_cancel_mid_push(cluster: dict[str, WorkerProc]) -> None:
             ]
             flows_task = asyncio.gather(*flows)
             seen["pcancel"] = await pcancel_task
+            # The router relays the prefiller's in_flight false: the fenced pages come back.
+            seen["release"] = await client.post(f"{decode.url}/cancel",
+                                                json={"request_id": victim_rid, "prefill_stopped": True})
+            seen["after_release"] = (await client.get(f"{decode.url}/info")).json()
             seen["pre_victim"] = await pre_task
             seen["results"] = dict(zip(others, await flows_task))
             return seen
@@ -419,7 +266,9 @@ def test_decode_cancel_mid_push(cluster: dict[str, WorkerProc]) -> None:
     seen = asyncio.run(run())
     dcancel, pcancel, pre_victim = seen["dcancel"], seen["pcancel"], seen["pre_victim"]
     assert dcancel.status_code == 200, dcancel.text
-    assert dcancel.json() == {"request_id": victim_rid, "state": "cancelled", "quarantined": True}
+    assert dcancel.json() == {"request_id": victim_rid, "state": "fenced", "known": True}
+    assert seen["release"].status_code == 200, seen["release"].text
+    assert seen["release"].json()["state"] == "free", seen["release"].text
     assert pcancel.status_code == 200, pcancel.text
     # The slow push takes far longer than the few calls above: the cancel found it running.
     assert pcancel.json() == {"request_id": victim_rid, "in_flight": False, "known": True}
@@ -427,17 +276,17 @@ def test_decode_cancel_mid_push(cluster: dict[str, WorkerProc]) -> None:
     # (The cancel stops the writes, not the compute: the prefiller's own pages come back
     # once its compute thread is done with the request.)
     wait_pages_full(slow, timeout_s=10)
-    # Quarantined pages stay out of the pool: no new request got one of them.
+    # Fenced pages stay out of the pool: no new request got one of them.
     victim_pages = set(seen["reservation"]["pages"])
-    if seen["during_delay"] < QUARANTINE_S / 2:
+    if seen["during_delay"] < FENCE_S / 2:
         during = seen["during"]
         assert during["free_pages"] == during["total_pages"] - len(victim_pages), during
     for rid, res in seen["new"].items():
-        assert not victim_pages & set(res["pages"]), f"{rid} was given a quarantined page"
+        assert not victim_pages & set(res["pages"]), f"{rid} was given a fenced page"
     for rid, (pre, gen) in seen["results"].items():
         check_against_reference(rid, others[rid], seen["new"][rid], pre, gen)
-    # After the quarantine every page is free again, and the cancelled id is gone.
-    wait_pages_full(decode, timeout_s=QUARANTINE_S + 5)
+    # Once released every page is free again, and the cancelled id is gone.
+    wait_pages_full(decode, timeout_s=FENCE_S + 5)
     resp = httpx.post(f"{decode.url}/cancel", json={"request_id": victim_rid}, timeout=5)
     assert resp.status_code == 404, resp.text
 
@@ -448,7 +297,7 @@ def test_bad_requests_get_4xx_and_disturb_nothing(cluster: dict[str, WorkerProc]
     from kvxfer.transfer.engine import TransferEngine
 
     decode, prefill = cluster["decode"], cluster["prefill"]
-    wait_pages_full(decode, timeout_s=QUARANTINE_S + 5)  # (a failed test before may still hold quarantined pages)
+    wait_pages_full(decode, timeout_s=FENCE_S + 5)  # (a failed test before may still hold fenced pages)
     prompt = tokens_of(text_prompt(500, 300))
     ctx = CONFIG.max_context
 
@@ -513,8 +362,12 @@ def test_bad_requests_get_4xx_and_disturb_nothing(cluster: dict[str, WorkerProc]
         expect(prefill_with(num_pages=NUM_PAGES * 100), 422, "pages")
         expect(prefill_with(meta_offset=10**9), 422, "meta_offset")
         expect(prefill_with(imm=-5), 422, "imm")
-        expect(prefill_with(pages=good["pages"][:3]), 409, "pages")  # fewer pages than the prompt needs
-        expect(prefill_with(kv_layout="L32-H8-D128-float32-bs16"), 409, "layout")
+        # Fewer pages than the prompt needs: the reservation contradicts itself (protocol check).
+        expect(prefill_with(pages=good["pages"][:3]), 422, "expected_count")
+        expect(prefill_with(version=2), 422, "version")
+        expect(prefill_with(imm=True), 422, "imm")
+        expect(prefill_with(fence_timeout_s=1), 409, "transfer_timeout_s")
+        expect(prefill_with(kv_layout="L2-H8-D128-float32-bs16"), 409, "layout")  # (same layer count: consistent)
         expect(c.post(f"{p}/prefill", json={"request_id": "bad-victim", "prompt_tokens": [], "decode": good}), 400, "empty")
         expect(c.post(f"{p}/prefill", json={"request_id": "bad-victim", "prompt_tokens": [1, 999], "decode": good}), 422, "prompt_tokens")
         expect(c.post(f"{p}/cancel", json={"request": "x"}), 422, "request_id")
@@ -537,7 +390,7 @@ def test_bad_requests_get_4xx_and_disturb_nothing(cluster: dict[str, WorkerProc]
 
     pre, gen = asyncio.run(normal())
     check_against_reference("bad-victim", prompt, {"request_id": "bad-victim", **good}, pre, gen)
-    wait_pages_full(decode, timeout_s=QUARANTINE_S / 2)
+    wait_pages_full(decode, timeout_s=FENCE_S / 2)
 
 
 # -- 3. the prefill worker dies mid-push (last: it kills the module's slow prefiller) -------------
@@ -547,8 +400,8 @@ def test_prefill_killed_mid_push(cluster: dict[str, WorkerProc], extra_workers: 
     first completed writes lands mid-push). A new prefill worker boots meanwhile and serves
     the decoder afterwards."""
     decode, doomed = cluster["decode"], cluster["slow_prefill"]
-    wait_pages_full(decode, timeout_s=QUARANTINE_S + 5)  # (a failed test before may still hold quarantined pages)
-    fresh = extra_workers.spawn("prefill")  # the new prefill worker for after the kill
+    wait_pages_full(decode, timeout_s=FENCE_S + 5)  # (a failed test before may still hold fenced pages)
+    fresh = extra_workers.spawn("prefill", env=PREFILL_ENV)  # the new prefill worker for after the kill
     gen_timeout_s = 3.0
     prompts = {f"kill-{i}": tokens_of(text_prompt(300 + i, LONG - 8 * i)) for i in range(3)}
     total = info(decode)["total_pages"]
@@ -599,12 +452,12 @@ def test_prefill_killed_mid_push(cluster: dict[str, WorkerProc], extra_workers: 
     partial = [rid for rid, (landed, expected) in landed_counts.items() if 0 < landed < expected]
     untouched = [rid for rid, (landed, _) in landed_counts.items() if landed == 0]
     assert len(partial) == 1 and len(untouched) == 2, landed_counts
-    # The failed requests' pages sit in quarantine (a late write could still land)...
+    # The failed requests' pages are fenced (a late write could still land)...
     held = sum(len(r["pages"]) for r in reservations.values())
-    if info_delay < QUARANTINE_S / 2:  # (only meaningful if we looked before it could end)
+    if info_delay < FENCE_S / 2:  # (only meaningful if we looked before it could end)
         assert right_after["free_pages"] == total - held, right_after
-    # ...and come back after it; the worker never went down.
-    wait_pages_full(decode, timeout_s=QUARANTINE_S + 10)
+    # ...and come back after the fence deadline; the worker never went down.
+    wait_pages_full(decode, timeout_s=FENCE_S + 10)
     assert decode.alive()
 
     # The decoder keeps serving: a new prefill worker, long and short prompts, exact output.
@@ -620,5 +473,5 @@ def test_prefill_killed_mid_push(cluster: dict[str, WorkerProc], extra_workers: 
 
     for rid, (reservation, pre, gen) in asyncio.run(serve_more()).items():
         check_against_reference(rid, after[rid], reservation, pre, gen)
-    data = wait_pages_full(decode, timeout_s=QUARANTINE_S / 2)
+    data = wait_pages_full(decode, timeout_s=FENCE_S / 2)
     assert data["total_pages"] == total

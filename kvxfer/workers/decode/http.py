@@ -97,7 +97,8 @@ def create_decode_app(runtime: DecodeRuntime) -> FastAPI:
     @app.post("/cancel")
     async def cancel(request: Request) -> dict[str, Any]:
         body = await json_body(request)
-        return runtime.cancel(str(body_field(body, "request_id", str)))
+        prefill_stopped = body_field(body, "prefill_stopped", bool, False)
+        return runtime.cancel(str(body_field(body, "request_id", str)), prefill_stopped)
 
     return app
 

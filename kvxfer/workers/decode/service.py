@@ -1,11 +1,17 @@
 """The decode worker: reserves KV pages, admits a request when its ImmCounter says every
 pushed write landed, and decodes with continuous batching.
 
-Request states: RESERVED (pages held, KV not yet complete) -> RUNNING (in the decode batch)
--> DONE; or FAILED/CANCELLED. A request that ends while a prefiller may still write into
-its pages (timeout, cancel) puts them in quarantine: they return to the pool only after
-`quarantine_s`, longer than any prefiller engine's transfer deadline, so no late write can
-land in a page that a new request already uses.
+Two state machines, kept apart on purpose. The request's (`RequestState`): RESERVED (KV
+not yet complete) -> RUNNING (in the decode batch) -> DONE; or FAILED/CANCELLED: what the
+client is told. The reservation's (`kv.ledger.ReservationState`: RESERVED, RECEIVING,
+ADMITTED, FAILED, CANCELLED, FENCED, FREE): what may happen to its pages, slot and
+immediate. Pages of a request that ended while a prefiller may still write into them go
+FENCED and come back only once the prefiller confirmed it stopped (its abort message, or
+the router relaying its /cancel) or after `fence_timeout_s`.
+
+One reaper thread does all the waiting that has no caller: it receives abort messages,
+marks RECEIVING, fails reservations past `reservation_ttl_s` and frees fenced ones past
+`fence_timeout_s`. No thread or timer per request.
 """
 
 from __future__ import annotations
@@ -13,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import codecs
 import logging
-import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -21,12 +26,17 @@ from enum import Enum
 from typing import Any, AsyncIterator
 
 import numpy as np
+from pydantic import Field
 
 from kvxfer.errors import TransferTimeout
+from kvxfer.kv.ledger import WAITING, NoSlotError, ReservationLedger
+from kvxfer.kv.ledger import ReservationState as Res
 from kvxfer.kv.page_allocator import OutOfPagesError, PageAllocator
 from kvxfer.kv.protocol import (
     MAILBOX_SLOT_BYTES,
+    MAX_SLOTS,
     KVReservation,
+    decode_abort,
     decode_mailbox,
     expected_imm_count,
 )
@@ -43,11 +53,20 @@ class DecodeSettings(WorkerSettings):
     """Decode worker settings (env prefix KVXFER_)."""
 
     port: int = 8200
-    max_requests: int = 1024
     max_batch: int = 64
-    kv_wait_timeout_s: float = 30.0
-    quarantine_s: float = 15.0
-    reservation_ttl_s: float = 120.0
+    max_requests: int = Field(1024, gt=0, le=MAX_SLOTS)
+    kv_wait_timeout_s: float = Field(30.0, gt=0, description="default deadline of POST /generate's wait for the KV")
+    reservation_ttl_s: float = Field(
+        120.0, gt=0, description="a reservation not admitted this long after /reserve is failed and fenced"
+    )
+    fence_timeout_s: float = Field(
+        15.0, gt=0, description="how long fenced pages wait for the prefiller's word before they are "
+        "reused anyway; prefillers refuse a reservation whose fence is not longer than their "
+        "transfer_timeout_s",
+    )
+    reaper_interval_s: float = Field(
+        0.05, gt=0, le=1.0, description="the reaper's longest sleep: granularity of the TTL and fence deadlines"
+    )
 
 
 class RequestState(str, Enum):
@@ -82,6 +101,11 @@ class DecodeJob:
     queue: "asyncio.Queue[tuple[str, Any]] | None" = None
     loop: asyncio.AbstractEventLoop | None = None
     admitted_at: float = 0.0
+    # Set (in `loop`) when the request ends while /generate waits for its KV: an abort,
+    # the TTL or a cancel wakes the waiter at once instead of at its deadline.
+    ended: "asyncio.Future[None] | None" = None
+    #: The Rejection the waiter raises when `ended` fires.
+    end_reason: Rejection = Rejection.FAILED
 
 
 class DecodeRuntime:
@@ -92,18 +116,27 @@ class DecodeRuntime:
         self.core = WorkerCore(settings, "decode")
         self.tokenizer = ByteTokenizer()
         self.allocator = PageAllocator(settings.num_pages, self.core.config.block_size)
+        self.ledger = ReservationLedger(
+            self.allocator,
+            settings.max_requests,
+            reservation_ttl_s=settings.reservation_ttl_s,
+            fence_timeout_s=settings.fence_timeout_s,
+            forget_imm=self.core.engine.reset_imm,
+        )
         self.mailbox = np.zeros(settings.max_requests * MAILBOX_SLOT_BYTES, dtype=np.uint8)
         self.mailbox_region = self.core.engine.register(self.mailbox)
         self.metrics = DecodeMetrics(self.core.metrics_registry)
         self.jobs: dict[str, DecodeJob] = {}
-        self._free_slots = list(range(settings.max_requests - 1, -1, -1))
-        self._lock = threading.Lock()  # jobs and slots: control path only
+        self._lock = threading.Lock()  # jobs and batch hand-over: control path only
         self._admitted: list[DecodeJob] = []
         self._deferred_release: list[DecodeJob] = []
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._batch_thread = threading.Thread(target=self._batch_loop, name="decode-batch", daemon=True)
         self._batch_thread.start()
+        # Daemon: a fenced reservation never holds the process at exit.
+        self._reaper_thread = threading.Thread(target=self._reaper_loop, name="decode-reaper", daemon=True)
+        self._reaper_thread.start()
         self._update_gauges()
 
     # -- reservation ------------------------------------------------------------------
@@ -126,19 +159,18 @@ class DecodeRuntime:
         with self._lock:
             if request_id in self.jobs:
                 raise RequestRejected(Rejection.CONFLICT, f"request {request_id} already exists", request_id)
-            if not self._free_slots:
-                raise RequestRejected(Rejection.OVERLOADED, "too many requests on this decode worker", request_id)
             try:
-                pages = self.allocator.reserve(request_id, prompt_tokens + max_tokens)
+                entry = self.ledger.open(request_id, prompt_tokens + max_tokens)
+            except NoSlotError as exc:
+                raise RequestRejected(Rejection.OVERLOADED, f"too many requests on this decode worker: {exc}", request_id) from None
             except OutOfPagesError as exc:
                 raise RequestRejected(Rejection.OVERLOADED, str(exc), request_id) from None
-            slot = self._free_slots.pop()
             job = DecodeJob(
                 request_id=request_id,
-                pages=pages,
-                slot=slot,
-                imm=slot + 1,  # imm 0 stays unused so a zeroed CQ word is never a request
-                nonce=secrets.randbits(63),
+                pages=entry.pages,
+                slot=entry.slot,
+                imm=entry.imm,
+                nonce=entry.nonce,
                 prompt_tokens=prompt_tokens,
                 max_tokens=max_tokens,
                 expected_count=expected_imm_count(cfg.num_layers, prompt_tokens, cfg.block_size),
@@ -149,14 +181,15 @@ class DecodeRuntime:
         return KVReservation(
             request_id=request_id,
             descriptor=self.core.cache_region.descriptor,
-            pages=pages,
+            pages=list(job.pages),
             num_pages=self.core.cache.num_pages,
             imm=job.imm,
             expected_count=job.expected_count,
             kv_layout=self.core.kv_layout,
             meta_descriptor=self.mailbox_region.descriptor,
-            meta_offset=slot * MAILBOX_SLOT_BYTES,
+            meta_offset=job.slot * MAILBOX_SLOT_BYTES,
             nonce=job.nonce,
+            fence_timeout_s=self.settings.fence_timeout_s,
         )
 
     def job(self, request_id: str) -> DecodeJob:
@@ -168,24 +201,43 @@ class DecodeRuntime:
 
     # -- admission --------------------------------------------------------------------
     async def wait_for_kv(self, job: DecodeJob, timeout_s: float) -> None:
-        """Waits on the ImmCounter, reads the mailbox and joins the running batch."""
+        """Waits on the ImmCounter (or the request's end: abort, TTL, cancel), reads the
+        mailbox and joins the running batch."""
         start = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if job.state is not RequestState.RESERVED or job.ended is not None:
+                raise RequestRejected(Rejection.CONFLICT, f"request {job.request_id} is {job.state.value}", job.request_id)
+            job.loop = loop
+            job.ended = loop.create_future()
+        kv = asyncio.ensure_future(self.core.engine.wait_imm_async(job.imm, job.expected_count, timeout_s))
         try:
-            await self.core.engine.wait_imm_async(job.imm, job.expected_count, timeout_s)
+            await asyncio.wait({kv, job.ended}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not kv.done():
+                kv.cancel()
+        if job.ended.done():
+            # Ended by someone else (an abort, the TTL, a cancel): say why, at once.
+            raise RequestRejected(job.end_reason, job.error or f"request {job.request_id} was {job.state.value}", job.request_id)
+        try:
+            kv.result()
         except TransferTimeout:
             self.metrics.admission_timeouts.inc()
             got = self.core.engine.imm_count(job.imm)
             reason = f"KV incomplete after {timeout_s} s ({got} of {job.expected_count} writes landed)"
-            self.end(job, RequestState.FAILED, quarantine=True, error=f"request {job.request_id}: {reason}")
+            self.end(job, RequestState.FAILED, error=f"request {job.request_id}: {reason}")
             # The engine's own exception names only the immediate: the 504 must name the request.
             raise TransferTimeout(job.request_id, reason) from None
         self.metrics.imm_wait.observe(time.perf_counter() - start)
-        if job.state is not RequestState.RESERVED:
-            raise RequestRejected(Rejection.CONFLICT, f"request {job.request_id} was {job.state.value}", job.request_id)
+        with self._lock:
+            if job.state is not RequestState.RESERVED:
+                raise RequestRejected(Rejection.CONFLICT, f"request {job.request_id} was {job.state.value}", job.request_id)
+            # Every write landed: none can come any more, whatever happens to the request.
+            self.ledger.move(job.request_id, Res.ADMITTED)
         offset = job.slot * MAILBOX_SLOT_BYTES
         nonce, first_token, prompt_tokens = decode_mailbox(bytes(self.mailbox[offset : offset + MAILBOX_SLOT_BYTES]))
         if nonce != job.nonce or prompt_tokens != job.prompt_tokens:
-            self.end(job, RequestState.FAILED, quarantine=True, error="mailbox record does not match the reservation")
+            self.end(job, RequestState.FAILED, error="mailbox record does not match the reservation")
             raise RequestRejected(Rejection.FAILED, f"request {job.request_id}: mailbox record does not match", job.request_id)
         self._admit(job, first_token)
 
@@ -211,15 +263,16 @@ class DecodeRuntime:
 
     async def prefill_locally(self, job: DecodeJob, prompt: list[int]) -> None:
         """Colocated path: prefill on this worker into the reserved pages, then decode."""
-        cfg = self.core.config
         loop = asyncio.get_running_loop()
+        with self._lock:
+            # No remote writer: the pages are this worker's from here on.
+            self.ledger.move(job.request_id, Res.ADMITTED)
         result = await loop.run_in_executor(
             None,
             lambda: self.core.model.prefill(
                 prompt, self.core.cache, job.pages, chunk_size=self.settings.prefill_chunk_tokens
             ),
         )
-        del cfg
         self._admit(job, result.first_token)
 
     # -- batch loop -------------------------------------------------------------------
@@ -276,11 +329,16 @@ class DecodeRuntime:
         job: DecodeJob,
         state: RequestState,
         *,
-        quarantine: bool = False,
+        writer_stopped: bool = False,
         finish_reason: str | None = None,
         error: str | None = None,
+        reason: Rejection = Rejection.FAILED,
     ) -> None:
-        """Ends a job once; frees or quarantines its pages and mailbox slot."""
+        """Ends a job once and moves its reservation on: FREE when no write can land (KV
+        all arrived, or `writer_stopped`: the prefiller said so), else FENCED.
+
+        A /generate still waiting for the KV is woken and fails with `reason`.
+        """
         with self._lock:
             if job.state in (RequestState.DONE, RequestState.FAILED, RequestState.CANCELLED):
                 return
@@ -288,6 +346,7 @@ class DecodeRuntime:
             job.state = state
             job.finish_reason = finish_reason
             job.error = error
+            job.end_reason = reason
             if job in self._admitted:
                 self._admitted.remove(job)
             # The batch thread may be writing this job's K/V right now: it frees the pages
@@ -295,46 +354,117 @@ class DecodeRuntime:
             defer = in_batch and threading.current_thread() is not self._batch_thread
             if defer:
                 self._deferred_release.append(job)
-        if defer:
-            pass
-        elif quarantine:
-            self.allocator.release_after_quiesce(job.request_id)
-            threading.Timer(self.settings.quarantine_s, self._release_quarantine, args=(job,)).start()
-        else:
-            self._release(job)
+            else:
+                outcome = Res.CANCELLED if state is RequestState.CANCELLED else Res.FAILED
+                entry = self.ledger.end(job.request_id, outcome, writer_stopped=writer_stopped, reason=error or "")
+                if entry.state is Res.FREE:
+                    self.jobs.pop(job.request_id, None)
+            ended = job.ended
+        if ended is not None and job.loop is not None:
+            job.loop.call_soon_threadsafe(lambda: ended.done() or ended.set_result(None))
         self._emit(job, ("end", state))
         self._update_gauges()
 
-    def _release_quarantine(self, job: DecodeJob) -> None:
-        # No prefiller write can still be in flight: its engine deadline has passed.
-        self.allocator.confirm_quiesced(job.request_id)
-        self._release(job, quarantined=True)
-        self._update_gauges()
-
-    def _release(self, job: DecodeJob, quarantined: bool = False) -> None:
-        if not quarantined:
-            self.allocator.free(job.request_id)
-        # Whatever this slot's immediate counted (all of its KV, or part of it from a push
-        # that was cut off) is forgotten: no write for this job can arrive any more, and the
-        # next request on the slot must start from zero.
-        self.core.engine.reset_imm(job.imm)
+    def _release(self, job: DecodeJob) -> None:
+        """Frees an admitted job's pages (the batch thread, after its step)."""
         with self._lock:
+            self.ledger.end(job.request_id, Res.FAILED, writer_stopped=True)
             self.jobs.pop(job.request_id, None)
-            self._free_slots.append(job.slot)
 
-    def cancel(self, request_id: str) -> dict[str, Any]:
-        """Cancels a request; its pages wait in quarantine unless it never got KV writes."""
-        job = self.job(request_id)
-        was_reserved = job.state is RequestState.RESERVED
-        self.end(job, RequestState.CANCELLED, quarantine=was_reserved)
-        return {"request_id": request_id, "state": job.state.value, "quarantined": was_reserved}
+    def writer_stopped(self, request_id: str) -> bool:
+        """The prefiller confirmed none of the request's writes can land: a fenced
+        reservation's pages go back at once. True if this freed it."""
+        with self._lock:
+            entry = self.ledger.writer_stopped(request_id)
+            if entry is not None:
+                self.jobs.pop(request_id, None)
+        if entry is not None:
+            self._update_gauges()
+        return entry is not None
+
+    def cancel(self, request_id: str, prefill_stopped: bool = False) -> dict[str, Any]:
+        """Cancels a request. With `prefill_stopped` (the router relays the prefiller's
+        `in_flight: false`) its pages are freed at once, else they stay fenced until the
+        prefiller's word or `fence_timeout_s`."""
+        job = self.jobs.get(request_id)
+        if job is None:
+            if prefill_stopped:
+                return {"request_id": request_id, "state": Res.FREE.value, "known": False}
+            raise RequestRejected(Rejection.UNKNOWN_REQUEST, f"unknown request id {request_id}", request_id)
+        self.end(job, RequestState.CANCELLED, writer_stopped=prefill_stopped,
+                 error=f"request {request_id} was cancelled", reason=Rejection.CONFLICT)
+        if prefill_stopped:
+            self.writer_stopped(request_id)  # it was already ended and fenced before
+        entry = self.ledger.get(request_id)
+        return {"request_id": request_id, "state": (entry.state if entry else Res.FREE).value, "known": True}
+
+    # -- the reaper -------------------------------------------------------------------
+    def _reaper_loop(self) -> None:
+        """The one thread that waits for what no caller waits for: abort messages, first
+        immediates, TTLs and fence deadlines."""
+        interval_s = self.settings.reaper_interval_s
+        while not self._stop.is_set():
+            try:
+                message = self.core.engine.recv(interval_s)
+                if message is not None:
+                    self._on_message(message)
+                self._walk_deadlines()
+            except Exception:  # the reaper must outlive any one bad entry or message
+                if self._stop.is_set() or self.core.engine.closed:
+                    return
+                log.exception("reaper step failed")
+                self._stop.wait(interval_s)
+
+    def _on_message(self, message: bytes) -> None:
+        abort = decode_abort(message)
+        if abort is None:
+            log.warning("ignoring a control message that is not an abort (%d bytes)", len(message))
+            return
+        imm, nonce, why = abort
+        entry = self.ledger.by_imm(imm)
+        if entry is None or entry.nonce != nonce:
+            # An earlier generation of the slot, or a stranger: counts toward nothing.
+            log.info("ignoring an abort for immediate %#x that no live reservation carries", imm)
+            return
+        job = self.jobs.get(entry.request_id)
+        self.metrics.push_aborts.inc()
+        if job is not None and entry.state in WAITING:
+            # The prefiller sends it once none of its writes is in flight: nothing can land.
+            self.end(job, RequestState.FAILED, writer_stopped=True, reason=Rejection.PUSH_FAILED,
+                     error=f"request {entry.request_id}: the prefiller aborted the push: {why}")
+        else:
+            self.writer_stopped(entry.request_id)
+
+    def _walk_deadlines(self) -> None:
+        engine = self.core.engine
+        for entry in self.ledger.entries():
+            if entry.state is Res.RESERVED and engine.imm_count(entry.imm) > 0:
+                with self._lock:
+                    if entry.state is Res.RESERVED:
+                        self.ledger.move(entry.request_id, Res.RECEIVING)
+        for entry in self.ledger.due():
+            job = self.jobs.get(entry.request_id)
+            if entry.state in WAITING and job is not None:
+                self.metrics.reservations_expired.inc()
+                self.end(job, RequestState.FAILED, reason=Rejection.KV_TIMEOUT,
+                         error=f"request {entry.request_id}: not admitted within reservation_ttl_s="
+                               f"{self.settings.reservation_ttl_s} s ({engine.imm_count(entry.imm)} of "
+                               f"{job.expected_count} writes landed); pages fenced")
+            elif entry.state is Res.FENCED:
+                with self._lock:
+                    if entry.state is Res.FENCED:
+                        # fence_timeout_s exceeds every prefiller's transfer deadline: no
+                        # write of this reservation can still land.
+                        self.ledger.move(entry.request_id, Res.FREE, "fence_timeout_s passed")
+                        self.jobs.pop(entry.request_id, None)
+                self._update_gauges()
 
     # -- load -------------------------------------------------------------------------
     def load(self) -> dict[str, Any]:
         """Load fields published in etcd and /info."""
         with self._lock:
             running = sum(1 for j in self.jobs.values() if j.state is RequestState.RUNNING)
-            waiting = sum(1 for j in self.jobs.values() if j.state is RequestState.RESERVED)
+            waiting = self.ledger.count(*WAITING)
         return {
             "total_pages": self.allocator.total_pages,
             "free_pages": self.allocator.free_pages,
@@ -343,14 +473,15 @@ class DecodeRuntime:
         }
 
     def in_flight(self) -> int:
-        """Requests not yet finished."""
-        with self._lock:
-            return len(self.jobs) - sum(1 for j in self.jobs.values() if j.state is RequestState.CANCELLED)
+        """Reservations a caller may still use: waiting for KV or decoding. Fenced ones do
+        not count: they only wait for a deadline, and a drain must not wait for it."""
+        return self.ledger.count(Res.RESERVED, Res.RECEIVING, Res.ADMITTED)
 
     def _update_gauges(self) -> None:
         load = self.load()
         self.metrics.set_pages(self.allocator.total_pages, self.allocator.free_pages)
         self.metrics.pages_reserved.set(self.allocator.reserved_pages)
+        self.metrics.pages_fenced.set(self.allocator.quarantined_pages)
         self.metrics.requests_running.set(load["running"])
         self.metrics.requests_waiting_for_kv.set(load["queue_depth"])
         self.core.update_load(**load)
@@ -361,9 +492,10 @@ class DecodeRuntime:
         self._wake.set()
 
     def close(self) -> None:
-        """Stops the batch loop and the engine."""
+        """Stops the batch loop, the reaper and the engine."""
         self.stop_batch_loop()
         self._batch_thread.join(timeout=5)
+        self._reaper_thread.join(timeout=self.settings.reaper_interval_s + 5)
         self.core.close()
 
 

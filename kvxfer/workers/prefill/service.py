@@ -3,7 +3,16 @@ into a decode worker's reserved pages as soon as they are final.
 
 Compute runs on one thread (the model is CPU-bound and each request uses every core);
 callers (the HTTP handlers of `http.py`) queue requests for it. A cancel stops a request's further writes and
-answers only once none of its writes is still in flight.
+answers only once none of its writes is still in flight; the id is remembered for
+`cancel_memory_s`, so a /prefill that arrives after its cancel is refused (the decoder
+may have reused the pages on the strength of that answer). A push that cannot complete
+(cancelled, a failed write, a local error) ends with an abort message to the decoder,
+sent once none of its writes is in flight, so the decoder fails the request at once and
+frees its pages.
+
+`fault_injection` (env KVXFER_FAULT_INJECTION, off when empty) makes pushes fail on
+purpose for failure drills and tests: `abort_after_layer:N` stops every push before
+layer N (0-based) and aborts it.
 """
 
 from __future__ import annotations
@@ -19,9 +28,9 @@ from typing import Any
 import numpy as np
 from pydantic import Field
 
-from kvxfer.errors import EngineError, TransferError, TransferTimeout
+from kvxfer.errors import EngineError, KvxferError, TransferError, TransferTimeout
 from kvxfer.kv.page_allocator import OutOfPagesError, PageAllocator
-from kvxfer.kv.protocol import MAILBOX_SLOT_BYTES, KVReservation
+from kvxfer.kv.protocol import MAILBOX_SLOT_BYTES, KVReservation, ReservationError, encode_abort
 from kvxfer.kv.push import PushSession
 from kvxfer.metrics import PrefillMetrics
 from kvxfer.workers.rejection import Rejection, RequestRejected
@@ -42,6 +51,26 @@ class PrefillSettings(WorkerSettings):
         description="extra time spent after each layer of each chunk, to emulate a larger "
         "model's compute on a small one (overlap benchmarks, failure drills); 0: off",
     )
+    cancel_memory_s: float = Field(
+        600.0, gt=0, description="how long a cancelled request id is remembered (a late /prefill for it is refused)"
+    )
+    fault_injection: str = Field(
+        "", description="failure drill, off when empty: 'abort_after_layer:N' aborts every push before layer N"
+    )
+
+
+class InjectedFault(TransferError):
+    """A push failure made on purpose by `fault_injection`."""
+
+
+def parse_fault_injection(spec: str) -> int | None:
+    """The layer of `abort_after_layer:N`, None when off; ValueError for anything else."""
+    if not spec:
+        return None
+    kind, _, arg = spec.partition(":")
+    if kind != "abort_after_layer" or not arg.isdigit():
+        raise ValueError(f"fault_injection {spec!r}: expected 'abort_after_layer:N'")
+    return int(arg)
 
 
 def transfer_failure_reason(exc: Exception, cancelled: bool) -> str:
@@ -77,6 +106,11 @@ class PrefillRuntime:
         self._slot = 0
         self._lock = threading.Lock()
         self._peers: set[bytes] = set()
+        self._cancelled: dict[str, float] = {}  # request id -> monotonic expiry of the memory
+        self._aborts: list[Any] = []  # abort sends not yet completed (kept referenced)
+        self._abort_before_layer = parse_fault_injection(settings.fault_injection)
+        if self._abort_before_layer is not None:
+            log.warning("fault injection on: every push aborts before layer %d", self._abort_before_layer)
 
     def queue_depth(self) -> int:
         """Requests waiting for or in compute."""
@@ -113,7 +147,18 @@ class PrefillRuntime:
             )
         if self._queued >= self.settings.max_queue:
             raise RequestRejected(Rejection.OVERLOADED, "prefill queue is full", request_id)
+        if reservation.fence_timeout_s <= self.core.engine.transfer_timeout_s:
+            raise RequestRejected(
+                Rejection.CONFLICT,
+                f"the decoder fences its pages for {reservation.fence_timeout_s} s, not longer than this "
+                f"prefiller's transfer_timeout_s={self.core.engine.transfer_timeout_s} s: a late write "
+                "could land in reused pages",
+                request_id,
+            )
         with self._lock:
+            self._forget_cancelled()
+            if request_id in self._cancelled:
+                raise RequestRejected(Rejection.CONFLICT, f"request {request_id} was cancelled before it arrived", request_id)
             if request_id in self.sessions:
                 raise RequestRejected(Rejection.CONFLICT, f"request {request_id} is already being prefilled", request_id)
             try:
@@ -148,24 +193,29 @@ class PrefillRuntime:
             self._update_gauges()
 
     def accept_reservation(self, request_id: str, decode: dict[str, Any]) -> KVReservation:
-        """Parses a decoder's reservation and checks it against the decoder's regions.
+        """Parses a decoder's reservation (`KVReservation.from_json`, which names any bad
+        field) and checks it against the decoder's regions.
 
         Out-of-range pages, offsets or immediates are the caller's error, found before any
         compute, not a failed push half-way through the writes.
         """
         try:
-            reservation = KVReservation.from_json({"request_id": request_id, **decode})
-            kv_region = self.core.engine._remote(reservation.descriptor)
-            meta_region = self.core.engine._remote(reservation.meta_descriptor)
-        except (KeyError, ValueError, TypeError) as exc:
-            raise RequestRejected(Rejection.INVALID, f"malformed decode reservation: {exc}", request_id) from None
+            reservation = KVReservation.from_json(decode, request_id=request_id)
+        except ReservationError as exc:
+            raise RequestRejected(Rejection.INVALID, str(exc), request_id) from None
+        regions = []
+        for name in ("descriptor", "meta_descriptor"):
+            try:
+                regions.append(self.core.engine._remote(getattr(reservation, name)))
+            except (KvxferError, ValueError, TypeError) as exc:
+                raise RequestRejected(Rejection.INVALID, f"malformed decode reservation: {name}: {exc}", request_id) from None
+        kv_region, meta_region = regions
         layer_bytes = reservation.num_pages * self.core.cache.page_bytes
         if (
             reservation.num_pages <= 0
             or self.core.config.num_layers * layer_bytes > kv_region.length
             or not all(0 <= p < reservation.num_pages for p in reservation.pages)
             or not 0 <= reservation.meta_offset <= meta_region.length - MAILBOX_SLOT_BYTES
-            or not 0 <= reservation.imm < 2**32
         ):
             raise RequestRejected(
                 Rejection.INVALID,
@@ -175,6 +225,40 @@ class PrefillRuntime:
         return reservation
 
     def _run(self, request_id: str, prompt: list[int], session: PushSession, local_pages: list[int]) -> dict[str, Any]:
+        """Compute and push; a push that cannot complete ends with an abort to the decoder."""
+        try:
+            return self._compute_and_push(request_id, prompt, session, local_pages)
+        except BaseException as exc:
+            # Whatever stopped the push, wait until none of its writes is in flight, then
+            # tell the decoder: it fails the request now, not at its deadline, and may
+            # reuse the pages at once.
+            session.cancel()
+            try:
+                session.wait(self.core.engine.transfer_timeout_s)
+            except TransferError:
+                pass
+            self._send_abort(session, f"{type(exc).__name__}: {exc}")
+            raise
+
+    def _send_abort(self, session: PushSession, why: str) -> None:
+        reservation = session.reservation
+        try:
+            transfer = self.core.engine.send(reservation.descriptor, encode_abort(reservation.imm, reservation.nonce, why))
+        except (KvxferError, ValueError) as exc:  # the decoder falls back to its fence deadline
+            log.warning("request %s: abort not sent: %s", reservation.request_id, exc)
+            return
+        with self._lock:
+            # Not waited for here (the compute thread moves on); kept referenced until done.
+            self._aborts = [t for t in self._aborts if not t.done()] + [transfer]
+
+    def _forget_cancelled(self) -> None:
+        now = time.monotonic()
+        for rid in [r for r, expiry in self._cancelled.items() if expiry <= now]:
+            del self._cancelled[rid]
+
+    def _compute_and_push(
+        self, request_id: str, prompt: list[int], session: PushSession, local_pages: list[int]
+    ) -> dict[str, Any]:
         if session.cancelled:
             raise RequestRejected(Rejection.CONFLICT, f"request {request_id} was cancelled before compute", request_id)
         t0 = time.perf_counter()
@@ -183,6 +267,8 @@ class PrefillRuntime:
         extra_s = self.settings.emulated_layer_compute_ms / 1e3
 
         def on_layer_done(layer: int, chunk: Any) -> None:
+            if self._abort_before_layer is not None and layer >= self._abort_before_layer:
+                raise InjectedFault(request_id, f"fault injection: abort_after_layer:{self._abort_before_layer}")
             if extra_s:
                 time.sleep(extra_s)  # the layer "computes" longer, then its pages go out
             session.on_layer_done(layer, chunk.first_block, chunk.end_block)
@@ -225,7 +311,11 @@ class PrefillRuntime:
 
     async def cancel(self, request_id: str) -> dict[str, Any]:
         """Stops a request's writes; returns once none of them is in flight."""
-        session = self.sessions.get(request_id)
+        with self._lock:
+            self._forget_cancelled()
+            # Remembered even when unknown: its /prefill may still be on its way.
+            self._cancelled[request_id] = time.monotonic() + self.settings.cancel_memory_s
+            session = self.sessions.get(request_id)
         if session is None:
             return {"request_id": request_id, "in_flight": False, "known": False}
         session.cancel()

@@ -1,0 +1,138 @@
+"""The decoder's reservation state machine (kvxfer.kv.ledger): every transition, the
+illegal ones, deadlines, slots and epochs."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvxfer.kv.ledger import TRANSITIONS, IllegalTransition, NoSlotError, ReservationLedger
+from kvxfer.kv.ledger import ReservationState as S
+from kvxfer.kv.page_allocator import PageAllocator
+from kvxfer.kv.protocol import decode_imm
+
+TTL_S, FENCE_S = 10.0, 20.0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(slots: int = 4, pages: int = 64) -> tuple[ReservationLedger, PageAllocator, Clock, list[int]]:
+    allocator = PageAllocator(pages, 16)
+    clock = Clock()
+    forgotten: list[int] = []
+    ledger = ReservationLedger(allocator, slots, reservation_ttl_s=TTL_S, fence_timeout_s=FENCE_S,
+                               forget_imm=forgotten.append, clock=clock)
+    return ledger, allocator, clock, forgotten
+
+
+#: A path from RESERVED through each legal edge (source, target).
+PATHS: dict[tuple[S, S], list[S]] = {
+    (S.RESERVED, S.RECEIVING): [S.RECEIVING],
+    (S.RESERVED, S.ADMITTED): [S.ADMITTED],
+    (S.RESERVED, S.FAILED): [S.FAILED],
+    (S.RESERVED, S.CANCELLED): [S.CANCELLED],
+    (S.RECEIVING, S.ADMITTED): [S.RECEIVING, S.ADMITTED],
+    (S.RECEIVING, S.FAILED): [S.RECEIVING, S.FAILED],
+    (S.RECEIVING, S.CANCELLED): [S.RECEIVING, S.CANCELLED],
+    (S.ADMITTED, S.FREE): [S.ADMITTED, S.FREE],
+    (S.FAILED, S.FENCED): [S.FAILED, S.FENCED],
+    (S.FAILED, S.FREE): [S.FAILED, S.FREE],
+    (S.CANCELLED, S.FENCED): [S.CANCELLED, S.FENCED],
+    (S.CANCELLED, S.FREE): [S.CANCELLED, S.FREE],
+    (S.FENCED, S.FREE): [S.CANCELLED, S.FENCED, S.FREE],
+}
+
+
+def test_paths_cover_the_table() -> None:
+    assert set(PATHS) == {(a, b) for a, targets in TRANSITIONS.items() for b in targets}
+
+
+@pytest.mark.parametrize("edge", sorted(PATHS, key=str), ids=lambda e: f"{e[0].value}->{e[1].value}")
+def test_every_legal_transition(edge: tuple[S, S]) -> None:
+    ledger, allocator, clock, forgotten = make()
+    entry = ledger.open("r", 100)
+    held = len(entry.pages)
+    for state in PATHS[edge]:
+        clock.now += 1
+        ledger.move("r", state)
+    assert [s for s, _ in entry.history] == [S.RESERVED, *PATHS[edge]]
+    target = edge[1]
+    if target is S.FREE:
+        assert ledger.get("r") is None and ledger.by_imm(entry.imm) is None
+        assert allocator.free_pages == 64 and ledger.free_slots == 4
+        assert forgotten[-1] == entry.imm
+    elif target is S.FENCED:
+        # Pages out of the pool and not reusable; deadline is the fence; the count forgotten.
+        assert allocator.free_pages == 64 - held and allocator.quarantined_pages == held
+        assert entry.deadline == clock.now + FENCE_S and forgotten == [entry.imm]
+    elif target in (S.RECEIVING,):
+        assert entry.deadline == 100.0 + TTL_S  # the TTL keeps running
+    else:
+        assert entry.deadline is None and allocator.reserved_pages == held
+
+
+@pytest.mark.parametrize("source", list(S), ids=lambda s: s.value)
+def test_every_illegal_transition_raises(source: S) -> None:
+    for target in S:
+        if target in TRANSITIONS[source] or source is S.FREE:
+            continue
+        ledger, allocator, _, _ = make()
+        ledger.open("r", 20)
+        for state in PATHS.get((S.CANCELLED, S.FENCED) if source is S.FENCED else (S.RESERVED, source), []) \
+                if source is not S.RESERVED else []:
+            ledger.move("r", state)
+        assert ledger.get("r").state is source
+        with pytest.raises(IllegalTransition, match=f"{source.value} -> {target.value}"):
+            ledger.move("r", target)
+        assert ledger.get("r").state is source  # nothing changed
+    if source is S.FREE:
+        ledger, _, _, _ = make()
+        ledger.open("r", 20)
+        ledger.end("r", S.CANCELLED, writer_stopped=True)
+        with pytest.raises(KeyError):
+            ledger.move("r", S.RESERVED)
+
+
+def test_ttl_and_fence_deadlines_are_due() -> None:
+    ledger, _, clock, _ = make()
+    ledger.open("waits", 20)
+    ledger.open("fenced", 20)
+    ledger.end("fenced", S.CANCELLED, writer_stopped=False)
+    assert ledger.due() == []
+    clock.now += TTL_S
+    assert [e.request_id for e in ledger.due()] == ["waits"]
+    clock.now += FENCE_S - TTL_S
+    assert sorted(e.request_id for e in ledger.due()) == ["fenced", "waits"]
+
+
+def test_end_frees_or_fences_by_what_is_known() -> None:
+    ledger, allocator, _, _ = make()
+    ledger.open("stopped", 20)
+    assert ledger.end("stopped", S.FAILED, writer_stopped=True).state is S.FREE
+    ledger.open("unknown", 20)
+    assert ledger.end("unknown", S.FAILED, writer_stopped=False).state is S.FENCED
+    assert ledger.writer_stopped("unknown").state is S.FREE
+    ledger.open("admitted", 20)
+    ledger.move("admitted", S.ADMITTED)
+    assert ledger.writer_stopped("admitted") is None  # a confirmation does not end a request
+    assert ledger.end("admitted", S.CANCELLED, writer_stopped=False).state is S.FREE  # all its writes landed
+    assert allocator.free_pages == 64
+
+
+def test_slots_are_fifo_and_each_reuse_is_a_new_epoch() -> None:
+    ledger, _, _, _ = make(slots=2)
+    a = ledger.open("a", 1)
+    b = ledger.open("b", 1)
+    with pytest.raises(NoSlotError):
+        ledger.open("c", 1)
+    ledger.end("a", S.CANCELLED, writer_stopped=True)
+    ledger.end("b", S.CANCELLED, writer_stopped=True)
+    c = ledger.open("c", 1)
+    assert c.slot == a.slot and decode_imm(c.imm) == (a.slot, a.generation + 1)
+    assert c.imm != a.imm and ledger.by_imm(a.imm) is None  # a late write of "a" counts for nobody
+    assert len({a.imm, b.imm, c.imm}) == 3

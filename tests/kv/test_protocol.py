@@ -1,0 +1,119 @@
+"""The hand-off contract of kvxfer.kv.protocol: one validated, versioned reservation type."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from kvxfer.kv.protocol import (
+    IMM_TABLE_BUDGET,
+    MAX_SLOTS,
+    PROTOCOL_VERSION,
+    KVReservation,
+    ReservationError,
+    decode_abort,
+    decode_imm,
+    encode_abort,
+    encode_imm,
+    expected_imm_count,
+    generations_per_slot,
+)
+
+
+def good() -> dict[str, Any]:
+    return KVReservation(
+        request_id="r1", descriptor=b"\x01\x02", pages=[5, 3, 9], num_pages=16, imm=encode_imm(2, 7),
+        expected_count=expected_imm_count(2, 40, 16), kv_layout="L2-H2-D16-float32-bs16",
+        meta_descriptor=b"\x0a", meta_offset=128, nonce=42, fence_timeout_s=15.0,
+    ).to_json()
+
+
+def test_round_trip_and_version() -> None:
+    data = good()
+    assert data["version"] == PROTOCOL_VERSION
+    parsed = KVReservation.from_json(data, request_id="r1")
+    assert parsed.to_json() == data
+    assert parsed.prompt_pages == 3 and parsed.num_layers == 2
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("version", 2, "unsupported version 2"),
+    ("version", True, "version"),
+    ("request_id", "other", "not 'r1'"),
+    ("descriptor", "zz", "hex"),
+    ("descriptor", "0a b1", "hex"),
+    ("descriptor", "é0", "hex"),
+    ("descriptor", 12, "hex string"),
+    ("descriptor", "", "bytes"),
+    ("pages", "1,2", "list"),
+    ("pages", [], "non-empty"),
+    ("pages", [1, True, 2], "pages[1]"),
+    ("pages", [1, 16, 2], "pages[1]"),
+    ("pages", [1, 1, 2], "twice"),
+    ("num_pages", 0, "num_pages"),
+    ("num_pages", 1.5, "integer"),
+    ("imm", 0, "imm"),
+    ("imm", True, "imm"),
+    ("imm", 1 << 31 | 5, "imm"),
+    ("imm", 1 << 16, "slot field 0"),
+    ("expected_count", 8, "expected_count"),  # more than 2 layers x 3 pages + 1
+    ("expected_count", 4, "layers x pages"),
+    ("kv_layout", "float32", "kv_layout"),
+    ("meta_offset", 65, "multiple"),
+    ("meta_offset", -64, "meta_offset"),
+    ("nonce", -1, "nonce"),
+    ("nonce", "1", "integer"),
+    ("fence_timeout_s", 0, "fence_timeout_s"),
+    ("fence_timeout_s", float("nan"), "fence_timeout_s"),
+    ("fence_timeout_s", False, "fence_timeout_s"),
+])
+def test_every_malformed_field_is_named(field: str, value: Any, words: str) -> None:
+    data = {**good(), field: value}
+    with pytest.raises(ReservationError) as info:
+        KVReservation.from_json(data, request_id="r1")
+    assert info.value.field.startswith(field.split("[")[0]), info.value
+    assert words in str(info.value), str(info.value)
+    assert isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize("field", sorted(good()))
+def test_missing_field_is_named(field: str) -> None:
+    data = good()
+    del data[field]
+    if field == "request_id":
+        assert KVReservation.from_json(data, request_id="r1").request_id == "r1"
+        return
+    with pytest.raises(ReservationError, match=field):
+        KVReservation.from_json(data)
+
+
+def test_not_an_object() -> None:
+    for data in (None, [], "x"):
+        with pytest.raises(ReservationError, match="JSON object"):
+            KVReservation.from_json(data)
+
+
+def test_immediates_carry_slot_and_generation() -> None:
+    seen = {encode_imm(slot, gen) for slot in (0, 1, MAX_SLOTS - 1) for gen in range(4)}
+    assert len(seen) == 12 and 0 not in seen and all(imm < 1 << 31 for imm in seen)
+    assert decode_imm(encode_imm(300, 5)) == (300, 5)
+    # Generations wrap so the engine's never-shrinking counter table is not exhausted.
+    assert 1024 * generations_per_slot(1024) <= IMM_TABLE_BUDGET
+    assert generations_per_slot(MAX_SLOTS) == 2
+
+
+def test_abort_message_round_trip() -> None:
+    raw = encode_abort(encode_imm(3, 1), 99, "cancelled " * 100)
+    imm, nonce, why = decode_abort(raw)
+    assert (imm, nonce) == (encode_imm(3, 1), 99) and why.startswith("cancelled")
+    assert len(raw) <= 512
+    assert decode_abort(b"hello") is None and decode_abort(b"\0" * 40) is None
+
+
+def test_protocol_imports_no_torch() -> None:
+    """The router imports the protocol and has no torch."""
+    code = "import sys, kvxfer.kv.protocol; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
