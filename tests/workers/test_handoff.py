@@ -17,8 +17,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import numpy as np
@@ -44,20 +43,8 @@ KV_WAIT_S = 30.0
 PREFILL_ENV = {"KVXFER_TRANSFER_TIMEOUT_S": "2"}
 
 
-@pytest.fixture
-def workers(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[WorkerSet]:
-    ws = WorkerSet(tmp_path)
-    failed_before = request.session.testsfailed
-    try:
-        yield ws
-    finally:
-        if request.session.testsfailed > failed_before:
-            print(f"\n===== worker logs ({request.node.name}) =====\n{ws.logs()}")
-        ws.close()
-
-
-def test_aborted_push_fails_decode_at_once(workers: WorkerSet) -> None:
-    decode, prefill = workers.start_many([
+def test_aborted_push_fails_decode_at_once(own_workers: WorkerSet) -> None:
+    decode, prefill = own_workers.start_many([
         ("decode", {"env": {"KVXFER_KV_WAIT_TIMEOUT_S": str(KV_WAIT_S), "KVXFER_FENCE_TIMEOUT_S": "60"}}),
         ("prefill", {"env": {**PREFILL_ENV, "KVXFER_FAULT_INJECTION": "abort_after_layer:1"}}),
     ])
@@ -83,9 +70,9 @@ def test_aborted_push_fails_decode_at_once(workers: WorkerSet) -> None:
     wait_pages_full(prefill, timeout_s=5)
 
 
-def test_unclaimed_reservation_is_freed_after_its_ttl_and_shutdown_is_prompt(workers: WorkerSet) -> None:
+def test_unclaimed_reservation_is_freed_after_its_ttl_and_shutdown_is_prompt(own_workers: WorkerSet) -> None:
     ttl_s, fence_s = 1.0, 2.0
-    decode = workers.start("decode", env={"KVXFER_RESERVATION_TTL_S": str(ttl_s),
+    decode = own_workers.start("decode", env={"KVXFER_RESERVATION_TTL_S": str(ttl_s),
                                           "KVXFER_FENCE_TIMEOUT_S": str(fence_s)})
     prompt = tokens_of(text_prompt(901, 300))
     with httpx.Client(timeout=10) as c:
@@ -106,7 +93,7 @@ def test_unclaimed_reservation_is_freed_after_its_ttl_and_shutdown_is_prompt(wor
         assert freed_after >= ttl_s + fence_s - 0.3, f"freed after {freed_after:.2f} s: before TTL + fence"
 
         # A fenced reservation (cancelled, prefiller never answered) must not delay shutdown.
-        slow_fence = workers.start("decode", env={"KVXFER_FENCE_TIMEOUT_S": "120"})
+        slow_fence = own_workers.start("decode", env={"KVXFER_FENCE_TIMEOUT_S": "120"})
         res = c.post(f"{slow_fence.url}/reserve", json={"request_id": "f", "prompt_tokens": prompt, "max_tokens": 8})
         assert res.status_code == 200, res.text
         assert c.post(f"{slow_fence.url}/cancel", json={"request_id": "f"}).json()["state"] == "fenced"
@@ -116,14 +103,14 @@ def test_unclaimed_reservation_is_freed_after_its_ttl_and_shutdown_is_prompt(wor
     assert time.monotonic() - t0 < 8.0, f"shutdown took {time.monotonic() - t0:.1f} s"
 
 
-def test_late_write_never_lands_in_reused_pages(workers: WorkerSet) -> None:
+def test_late_write_never_lands_in_reused_pages(own_workers: WorkerSet) -> None:
     """In-process decoder with just enough pages for one long request, so the next request
     can only get the victim's pages; a real slow prefiller is still pushing the victim when
     the decoder cancels it. The next request's pages must hold exactly its own KV."""
     from kvxfer.kv.cache import PagedKVCache
     from kvxfer.workers.decode.service import DecodeRuntime, DecodeSettings
 
-    slow, fast = workers.start_many([
+    slow, fast = own_workers.start_many([
         ("prefill", {"env": {**PREFILL_ENV, "KVXFER_PREFILL_CHUNK_TOKENS": "16",
                              "KVXFER_EMULATED_LAYER_COMPUTE_MS": "20"}}),
         ("prefill", {"env": PREFILL_ENV}),
@@ -179,7 +166,7 @@ def test_late_write_never_lands_in_reused_pages(workers: WorkerSet) -> None:
         decode.close()
 
 
-def test_late_immediate_of_an_earlier_reservation_is_not_counted(workers: WorkerSet) -> None:
+def test_late_immediate_of_an_earlier_reservation_is_not_counted(own_workers: WorkerSet) -> None:
     from kvxfer.transfer.engine import TransferEngine
     from kvxfer.workers.decode.service import DecodeRuntime, DecodeSettings
 

@@ -28,7 +28,6 @@ import asyncio
 import json
 import re
 import time
-from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
@@ -81,17 +80,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureReq
         workers.close()
 
 
-@pytest.fixture
-def extra_workers(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[WorkerSet]:
-    """Workers owned by one test: killed at teardown, logs printed if the test failed."""
-    workers = WorkerSet(tmp_path)
-    failed_before = request.session.testsfailed
-    try:
-        yield workers
-    finally:
-        if request.session.testsfailed > failed_before:
-            print(f"\n===== worker logs ({request.node.name}) =====\n{workers.logs()}")
-        workers.close()
 
 PROMPT_LENGTHS = [1, 2, 16, 17, 100, 255, 256, 257, 513, 700, 900, LONG]
 
@@ -395,13 +383,13 @@ def test_bad_requests_get_4xx_and_disturb_nothing(cluster: dict[str, WorkerProc]
 
 # -- 3. the prefill worker dies mid-push (last: it kills the module's slow prefiller) -------------
 
-def test_prefill_killed_mid_push(cluster: dict[str, WorkerProc], extra_workers: WorkerSet) -> None:
+def test_prefill_killed_mid_push(cluster: dict[str, WorkerProc], own_workers: WorkerSet) -> None:
     """Runs last: it kills the module's slow prefiller (16-token chunks, so a kill after its
     first completed writes lands mid-push). A new prefill worker boots meanwhile and serves
     the decoder afterwards."""
     decode, doomed = cluster["decode"], cluster["slow_prefill"]
     wait_pages_full(decode, timeout_s=FENCE_S + 5)  # (a failed test before may still hold fenced pages)
-    fresh = extra_workers.spawn("prefill", env=PREFILL_ENV)  # the new prefill worker for after the kill
+    fresh = own_workers.spawn("prefill", env=PREFILL_ENV)  # the new prefill worker for after the kill
     gen_timeout_s = 3.0
     prompts = {f"kill-{i}": tokens_of(text_prompt(300 + i, LONG - 8 * i)) for i in range(3)}
     total = info(decode)["total_pages"]
