@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
         kind: Callable[[str], Any]
         if field.annotation in (int, float, str):
             kind = field.annotation  # type: ignore[assignment]
+        elif field.annotation in (Path, Path | None):
+            kind = Path  # file settings: certificates, keys
         else:
             kind = _json_object
         extra: dict[str, Any] = {}

@@ -4,6 +4,7 @@ surface, against in-process fake workers that follow the worker HTTP API contrac
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
@@ -682,6 +683,13 @@ def test_settings_read_environment_and_flags_override_it(monkeypatch: pytest.Mon
     args = build_parser().parse_args(["--max-in-flight", "3", "--policy", "round_robin"])
     settings = settings_from_args(args)
     assert (settings.max_in_flight, settings.policy, settings.prompt_limit("m")) == (3, "round_robin", 9)
+
+
+def test_file_settings_take_paths_on_the_command_line() -> None:
+    # Path-valued settings (certificates, the cluster key) once got the JSON-object flag type.
+    args = build_parser().parse_args(["--etcd-ca-file", "/run/etcd/ca.crt", "--cluster-key-file", "/run/key"])
+    settings = settings_from_args(args)
+    assert (settings.etcd_ca_file, settings.cluster_key_file) == (Path("/run/etcd/ca.crt"), Path("/run/key"))
 
 
 def test_settings_reject_inconsistent_timeouts() -> None:
