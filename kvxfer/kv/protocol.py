@@ -179,6 +179,12 @@ _MAX_PAGES = 1 << 24
 _MAX_NONCE = (1 << 63) - 1
 
 
+def _version(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value != PROTOCOL_VERSION:
+        raise ReservationError("version", f"unsupported version {value!r:.40} (this side speaks {PROTOCOL_VERSION})")
+    return value
+
+
 def _int(field: str, value: Any, low: int, high: int) -> int:
     # bool is an int subclass in Python; a reservation field is never a bool.
     if isinstance(value, bool) or not isinstance(value, int):
@@ -241,8 +247,7 @@ class KVReservation:
     version: int = PROTOCOL_VERSION
 
     def __post_init__(self) -> None:
-        if isinstance(self.version, bool) or not isinstance(self.version, int) or self.version != PROTOCOL_VERSION:
-            raise ReservationError("version", f"unsupported version {self.version!r} (this side speaks {PROTOCOL_VERSION})")
+        _version(self.version)
         _str("request_id", self.request_id, _MAX_ID_CHARS)
         _bytes("descriptor", self.descriptor)
         _bytes("meta_descriptor", self.meta_descriptor)
@@ -314,9 +319,7 @@ class KVReservation:
             raise ReservationError("reservation", f"must be a JSON object, got {type(data).__name__}")
         if "version" not in data:
             raise ReservationError("version", f"missing (this side speaks version {PROTOCOL_VERSION})")
-        version = data["version"]
-        if isinstance(version, bool) or not isinstance(version, int) or version != PROTOCOL_VERSION:
-            raise ReservationError("version", f"unsupported version {version!r:.40} (this side speaks {PROTOCOL_VERSION})")
+        version = _version(data["version"])
 
         def get(name: str) -> Any:
             if name not in data:

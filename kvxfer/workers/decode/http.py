@@ -75,8 +75,6 @@ def create_decode_app(runtime: DecodeRuntime) -> FastAPI:
         timeout_s = body.get("timeout_s", runtime.settings.kv_wait_timeout_s)
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise HTTPException(422, f"timeout_s must be a positive number, got {timeout_s!r}")
-        if job.state is not RequestState.RESERVED:
-            raise HTTPException(409, f"request {job.request_id} is {job.state.value}")
         try:
             await runtime.wait_for_kv(job, timeout_s)
         except TransferTimeout as exc:

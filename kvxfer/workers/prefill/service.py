@@ -2,8 +2,8 @@
 into a decode worker's reserved pages as soon as they are final.
 
 Compute runs on one thread (the model is CPU-bound and each request uses every core);
-callers (the HTTP handlers of `http.py`) queue requests for it. A cancel stops a request's further writes and
-answers only once none of its writes is still in flight; the id is remembered for
+callers (the HTTP handlers of `http.py`) queue requests for it. A cancel stops a request's
+further writes and answers only once none of its writes is still in flight; the id is remembered for
 `cancel_memory_s`, so a /prefill that arrives after its cancel is refused (the decoder
 may have reused the pages on the strength of that answer). A push that cannot complete
 (cancelled, a failed write, a local error) ends with an abort message to the decoder,
@@ -197,7 +197,9 @@ class PrefillRuntime:
         field) and checks it against the decoder's regions.
 
         Out-of-range pages, offsets or immediates are the caller's error, found before any
-        compute, not a failed push half-way through the writes.
+        compute, not a failed push half-way through the writes. `from_json` already checks
+        the fields against each other (page ids below `num_pages`, the immediate's form);
+        here they are checked against the regions the descriptors name.
         """
         try:
             reservation = KVReservation.from_json(decode, request_id=request_id)
@@ -212,14 +214,12 @@ class PrefillRuntime:
         kv_region, meta_region = regions
         layer_bytes = reservation.num_pages * self.core.cache.page_bytes
         if (
-            reservation.num_pages <= 0
-            or self.core.config.num_layers * layer_bytes > kv_region.length
-            or not all(0 <= p < reservation.num_pages for p in reservation.pages)
-            or not 0 <= reservation.meta_offset <= meta_region.length - MAILBOX_SLOT_BYTES
+            self.core.config.num_layers * layer_bytes > kv_region.length
+            or not reservation.meta_offset <= meta_region.length - MAILBOX_SLOT_BYTES
         ):
             raise RequestRejected(
                 Rejection.INVALID,
-                "malformed decode reservation: pages, meta_offset or imm outside the decoder's regions",
+                "malformed decode reservation: pages or meta_offset outside the decoder's regions",
                 request_id,
             )
         return reservation
