@@ -298,11 +298,7 @@ class EngineMetrics(Collector):
                  stats: Callable[[], EngineStats | None],
                  engine_stats: Callable[[], Mapping[str, int] | None] | None = None) -> None:
         self._stats = stats
-        # Engine-wide counters (_ENGINE_WIDE_COUNTERS): from `engine_stats`, or, when `stats`
-        # is a TransferEngine's bound method (workers pass engine.path_stats), from that
-        # engine's engine_stats, so existing callers export them without a change.
-        if engine_stats is None:
-            engine_stats = getattr(getattr(stats, "__self__", None), "engine_stats", None)
+        # Engine-wide counters (_ENGINE_WIDE_COUNTERS), exported when a source is given.
         self._engine_stats = engine_stats
         registry.register(self)
 

@@ -74,7 +74,7 @@ class WorkerCore:
         )
         self.cache_region = self.engine.register(self.cache.tensor)
         self.metrics_registry = CollectorRegistry()
-        EngineMetrics(self.metrics_registry, self.engine.path_stats)
+        EngineMetrics(self.metrics_registry, self.engine.path_stats, self.engine.engine_stats)
         self.http_url = ""
         self.registration: Any = None
         self.draining = False

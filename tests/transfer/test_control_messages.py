@@ -59,7 +59,7 @@ def test_unread_control_messages_are_held_up_to_the_inbox_bounds_and_the_rest_dr
         assert (receiver.engine_stats()["inbox_messages"], receiver.engine_stats()["inbox_bytes"]) == (0, 0)
 
         registry = CollectorRegistry()
-        EngineMetrics(registry, receiver.path_stats)
+        EngineMetrics(registry, receiver.path_stats, receiver.engine_stats)
         text = generate_latest(registry).decode()
         assert f"kvxfer_engine_inbox_dropped_messages_total {float(sent - kept)}" in text
         assert f"kvxfer_engine_inbox_dropped_bytes_total {float((sent - kept) * size)}" in text

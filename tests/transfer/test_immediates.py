@@ -140,5 +140,5 @@ def test_arrivals_beyond_the_immediate_table_are_counted_as_overflows_and_their_
         assert time.monotonic() - started < WAIT_S / 2, "failed waits must not run to their deadline"
 
         registry = CollectorRegistry()
-        EngineMetrics(registry, receiver.path_stats)
+        EngineMetrics(registry, receiver.path_stats, receiver.engine_stats)
         assert f"kvxfer_engine_imm_table_overflows_total {float(extra)}" in generate_latest(registry).decode()
