@@ -64,9 +64,11 @@ class LocalCluster:
         self.num_pages = num_pages
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="kvxfer-cluster-"))
         self.startup_timeout_s = startup_timeout_s
+        self.worker_env = dict(worker_env or {})
+        self.router_env = dict(router_env or {})
         # A fresh cluster key per run: workers sign their registry records with it and the
-        # router routes only to records that verify (docs/architecture.md, "Threat model").
-        security_env: tuple[dict[str, str], dict[str, str]] = ({}, {})
+        # router routes only to records that verify (docs/architecture.md, "Registry (etcd)").
+        # A key the caller's environment names wins.
         if insecure:
             log.warning("kvxfer up --insecure: registry records are unsigned; anything that can write to etcd "
                         "can add a worker. Development only.")
@@ -74,10 +76,8 @@ class LocalCluster:
             key_path = self.log_dir / "cluster.key"
             key_path.write_bytes(base64.b64encode(secrets.token_bytes(48)))
             key_path.chmod(0o600)
-            security_env = ({"KVXFER_CLUSTER_KEY_FILE": str(key_path)},
-                            {"KVXFER_ROUTER_CLUSTER_KEY_FILE": str(key_path)})
-        self.worker_env = {**security_env[0], **(worker_env or {})}
-        self.router_env = {**security_env[1], **(router_env or {})}
+            self.worker_env.setdefault("KVXFER_CLUSTER_KEY_FILE", str(key_path))
+            self.router_env.setdefault("KVXFER_ROUTER_CLUSTER_KEY_FILE", str(key_path))
         self.etcd: LocalEtcd | None = None
         self.router: subprocess.Popen[bytes] | None = None
         self.workers: dict[str, subprocess.Popen[bytes]] = {}

@@ -82,7 +82,7 @@ class RegistrySettings(BaseModel):
     tls_key_path: Path | None = None
     username: str | None = None
     password: SecretStr | None = None
-    # The cluster key file (docs/architecture.md, "Threat model"): workers sign their
+    # The cluster key file (docs/architecture.md, "Registry (etcd)"): workers sign their
     # records with it and the watcher admits only records that verify. None: records are
     # neither signed nor checked, for local development only.
     cluster_key_path: Path | None = None
