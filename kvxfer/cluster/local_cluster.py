@@ -86,7 +86,21 @@ class LocalCluster:
     @property
     def router_url(self) -> str:
         """Base URL of the router."""
-        return f"http://127.0.0.1:{self.router_port}"
+        return f"http://{self._address('router')}:{self.router_port}"
+
+    # Placement hooks: where each process listens, how it starts and gets signals. Here all
+    # on loopback as children of this process; the tests' pod harness overrides them to
+    # run each process in a network and PID namespace of its own.
+
+    def _address(self, name: str) -> str:
+        """The address process `name` (router, prefill-1, ...) binds and advertises."""
+        return "127.0.0.1"
+
+    def _new_etcd(self) -> LocalEtcd:
+        return LocalEtcd(log_path=self.log_dir / "etcd.log")
+
+    def _signal(self, proc: subprocess.Popen[bytes], sig: int) -> None:
+        os.killpg(proc.pid, sig)
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
         log = open(self.log_dir / f"{name}.log", "wb")
@@ -102,7 +116,8 @@ class LocalCluster:
         name = f"{role}-{self._counter}"
         args = [
             sys.executable, "-m", "kvxfer.cli", role, "--port", "0", "--etcd", self.etcd_url,
-            "--provider", self.provider, "--bind-host", "127.0.0.1", "--model", self.model,
+            "--provider", self.provider, "--host", self._address(name), "--bind-host", self._address(name),
+            "--model", self.model,
             "--worker-id", name, "--num-pages", str(self.num_pages),
         ]
         self.workers[name] = self._spawn(name, args, {**self.worker_env, **(extra_env or {})})
@@ -112,7 +127,7 @@ class LocalCluster:
         """Starts etcd (if needed), the workers and the router; waits until ready."""
         try:
             if self.etcd_url is None:
-                self.etcd = LocalEtcd(log_path=self.log_dir / "etcd.log")
+                self.etcd = self._new_etcd()
                 self.etcd.start()
                 self.etcd_url = self.etcd.client_url
             for _ in range(self.n_prefill):
@@ -120,7 +135,7 @@ class LocalCluster:
             for _ in range(self.n_decode):
                 self.start_worker("decode")
             router_args = [
-                sys.executable, "-m", "kvxfer_router", "--host", "127.0.0.1",
+                sys.executable, "-m", "kvxfer_router", "--host", self._address("router"),
                 "--port", str(self.router_port), "--etcd-endpoints", self.etcd_url,
                 "--log-level", "warning",
             ]
@@ -162,26 +177,26 @@ class LocalCluster:
 
     def signal_worker(self, name: str, sig: int) -> None:
         """Sends a signal to one worker (SIGTERM drains, SIGKILL crashes)."""
-        os.killpg(self.workers[name].pid, sig)
+        self._signal(self.workers[name], sig)
 
     def stop(self, drain_timeout_s: float = 30.0) -> None:
         """Drains workers (SIGTERM), stops the router and etcd; kills what does not stop."""
         for proc in self.workers.values():
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
+                self._signal(proc, signal.SIGTERM)
         deadline = time.monotonic() + drain_timeout_s
         for proc in self.workers.values():
             try:
                 proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+                self._signal(proc, signal.SIGKILL)
                 proc.wait(5)
         if self.router is not None and self.router.poll() is None:
-            os.killpg(self.router.pid, signal.SIGTERM)
+            self._signal(self.router, signal.SIGTERM)
             try:
                 self.router.wait(10)
             except subprocess.TimeoutExpired:
-                os.killpg(self.router.pid, signal.SIGKILL)
+                self._signal(self.router, signal.SIGKILL)
                 self.router.wait(5)
         if self.etcd is not None:
             self.etcd.stop()

@@ -85,6 +85,10 @@ class LocalEtcd:
     cleaned up.
     """
 
+    #: Address etcd listens on and advertises; a subclass that runs etcd elsewhere (the
+    #: tests' pod harness) replaces it together with `_command`.
+    host: str = _LOOPBACK
+
     def __init__(
         self,
         *,
@@ -123,14 +127,14 @@ class LocalEtcd:
         """URL clients connect to, e.g. ``http://127.0.0.1:41234``; set once started."""
         if self._client_port is None:
             raise LocalEtcdError("LocalEtcd has not been started; call start() first")
-        return f"http://{_LOOPBACK}:{self._client_port}"
+        return f"http://{self.host}:{self._client_port}"
 
     @property
     def peer_url(self) -> str:
         """Raft peer URL of the single member; set once started."""
         if self._peer_port is None:
             raise LocalEtcdError("LocalEtcd has not been started; call start() first")
-        return f"http://{_LOOPBACK}:{self._peer_port}"
+        return f"http://{self.host}:{self._peer_port}"
 
     @property
     def data_dir(self) -> Path:
@@ -239,7 +243,7 @@ class LocalEtcd:
         self.stop()
 
     def __repr__(self) -> str:
-        url = f"http://{_LOOPBACK}:{self._client_port}" if self._client_port else "unstarted"
+        url = f"http://{self.host}:{self._client_port}" if self._client_port else "unstarted"
         state = "running" if self.is_running else "stopped"
         return f"LocalEtcd({url}, {state})"
 

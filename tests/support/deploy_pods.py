@@ -9,7 +9,8 @@ mountPaths (a private overlay over the parent directory supplies mount points th
 exist on the host), /etc/hosts plays cluster DNS, and the process drops to the pod's
 runAsUser/runAsGroup/fsGroup with no_new_privs and no capabilities (setpriv).
 
-Needs root and iproute2; `PodNetwork.close()` removes every namespace it made.
+The network and the namespaces come from tests/support/pod_namespaces.py (shared with the
+KV-path and cluster tests that run workers as pods). Needs root, iproute2, setpriv, curl.
 """
 
 from __future__ import annotations
@@ -20,78 +21,26 @@ import shlex
 import shutil
 import signal
 import subprocess
-import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-IP = shutil.which("ip") or "/usr/sbin/ip"
-UNSHARE = shutil.which("unshare") or "/usr/bin/unshare"
-NSENTER = shutil.which("nsenter") or "/usr/bin/nsenter"
-SUBNET = "10.213.77"
+from support import pod_namespaces
+from support.pod_namespaces import IP, NSENTER, UNSHARE, PodNetwork, pod_pid1
+
+__all__ = ["IP", "NSENTER", "UNSHARE", "Pod", "PodNetwork", "can_run_pods", "expand", "materialize_volumes",
+           "start_pod"]
 
 
 def can_run_pods() -> Optional[str]:
-    """None when this machine can run pods here, else the reason it cannot."""
-    if os.geteuid() != 0:
-        return "needs root (network, PID and mount namespaces)"
-    for tool in (IP, UNSHARE, NSENTER, shutil.which("setpriv"), shutil.which("curl")):
-        if not tool or not Path(tool).exists():
+    """None when this machine can run the manifests' pods here, else the reason it cannot."""
+    reason = pod_namespaces.can_run_pods()
+    if reason is not None:
+        return reason
+    for tool in ("setpriv", "curl"):
+        if not shutil.which(tool):
             return f"missing tool {tool}"
-    name = f"kvxprobe{os.getpid()}"
-    probe = subprocess.run([IP, "netns", "add", name], capture_output=True, text=True)
-    if probe.returncode != 0:
-        return f"`ip netns` unavailable: {probe.stderr.strip()}"
-    subprocess.run([IP, "netns", "del", name], capture_output=True)
     return None
-
-
-def _ip(*args: str) -> None:
-    out = subprocess.run([IP, *args], capture_output=True, text=True, timeout=20)
-    if out.returncode != 0:
-        raise RuntimeError(f"ip {' '.join(args)}: {out.stderr.strip()}")
-
-
-class PodNetwork:
-    """A bridge in its own namespace and one namespace per pod, all removed by close()."""
-
-    def __init__(self) -> None:
-        self.tag = "kvx" + uuid.uuid4().hex[:6]
-        self.bridge_ns = f"{self.tag}-br"
-        self.namespaces: list[str] = []
-        self._next = 1
-        _ip("netns", "add", self.bridge_ns)
-        self.namespaces.append(self.bridge_ns)
-        _ip("-n", self.bridge_ns, "link", "add", "br0", "type", "bridge")
-        _ip("-n", self.bridge_ns, "link", "set", "br0", "up")
-
-    def add(self, name: str) -> tuple[str, str]:
-        """A namespace for pod `name` on the bridge: (namespace, IP address)."""
-        index = self._next
-        self._next += 1
-        ns, address, peer = f"{self.tag}-{index}", f"{SUBNET}.{index}", f"p{index}"
-        _ip("netns", "add", ns)
-        self.namespaces.append(ns)
-        # Both ends are created inside namespaces: nothing appears in the host's.
-        _ip("-n", ns, "link", "add", "eth0", "type", "veth", "peer", "name", peer,
-            "netns", self.bridge_ns)
-        _ip("-n", self.bridge_ns, "link", "set", peer, "master", "br0")
-        _ip("-n", self.bridge_ns, "link", "set", peer, "up")
-        _ip("-n", ns, "addr", "add", f"{address}/24", "dev", "eth0")
-        _ip("-n", ns, "link", "set", "eth0", "up")
-        _ip("-n", ns, "link", "set", "lo", "up")
-        return ns, address
-
-    def run(self, ns: str, argv: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
-        """A short command inside namespace `ns` (a probe, a client request)."""
-        return subprocess.run([IP, "netns", "exec", ns, *argv], capture_output=True, text=True,
-                              timeout=timeout_s)
-
-    def close(self) -> None:
-        for ns in reversed(self.namespaces):
-            subprocess.run([IP, "netns", "del", ns], capture_output=True, timeout=20)
-        self.namespaces.clear()
 
 
 @dataclass
@@ -114,19 +63,10 @@ class Pod:
     def pid1(self, timeout_s: float = 10.0) -> int:
         """Host PID of the pod's PID 1 (the child that unshare forked)."""
         assert self.proc is not None
-        deadline = time.monotonic() + timeout_s
-        children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
-        while time.monotonic() < deadline:
-            try:
-                text = children.read_text().split()
-            except OSError:
-                text = []
-            if text:
-                return int(text[0])
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited ({self.proc.returncode}):\n{self.log()}")
-            time.sleep(0.02)
-        raise RuntimeError(f"{self.name}: no PID 1 after {timeout_s} s")
+        try:
+            return pod_pid1(self.proc, timeout_s)
+        except RuntimeError as exc:
+            raise RuntimeError(f"{self.name}: {exc}:\n{self.log()}") from exc
 
     def process_ids(self) -> tuple[int, int, str]:
         """(uid, gid, effective capabilities) of the running PID 1, from /proc."""
