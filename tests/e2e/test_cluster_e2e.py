@@ -1,6 +1,12 @@
-"""End to end on a real local deployment (issue 4 "Must show", issue 5's Prometheus check):
-a real etcd, the router and prefill/decode worker processes on loopback
-(`kvxfer.cluster.local_cluster.LocalCluster`), driven through the router's OpenAI API.
+"""End to end on a real deployment (issue 4 "Must show", issue 5's Prometheus check): a real
+etcd, the router and prefill/decode worker processes, driven through the router's OpenAI API.
+
+Each process runs as a pod (`support.pod_cluster.PodCluster`): in a network and PID
+namespace of its own on one bridge, so the engine's same-host path cannot engage and every
+KV byte crosses the fabric (libfabric over the veth pairs), as between Kubernetes pods. The
+tests check that on the engines' per-path byte counters. Where namespaces cannot be made
+(not root), the same processes run on loopback with the same-host path turned off.
+`test_same_host_path_quick` keeps one small deployment on loopback with it on.
 
 Every answer is compared with the colocated reference: `Transformer(tiny).generate(...)`,
 whose `ByteTokenizer().decode(tokens)` the completion text must equal.
@@ -10,6 +16,7 @@ Three deployments, each torn down before the next starts (the machine has 2 core
   disaggregated): bad requests, 200 concurrent streams, real Prometheus, etcd restart.
 - `TestElastic` (1 prefill + 1 decode, all disaggregated): scale up, SIGTERM drain.
 - `test_sigkill_prefill_under_load` (2 prefill + 1 decode, short quarantine): crash.
+- `test_same_host_path_quick` (1 prefill + 1 decode on loopback): the same-host path.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from support.cluster_load import (
     wait_pages_free,
     worker_info,
 )
+from support.pod_cluster import assert_kv_crossed_fabric, client_of, kv_bytes_by_path, pod_cluster
 from support.waiting import wait_until
 
 from kvxfer.cluster.local_cluster import LocalCluster
@@ -61,7 +69,7 @@ def _start(cluster: LocalCluster, warm: list[tuple[str, int]]) -> LocalCluster:
     refs = threading.Thread(target=Reference.warm, args=(warm,), daemon=True)
     refs.start()
     try:
-        cluster.start()
+        cluster.start()  # (a PodCluster waits for readiness from its client namespace)
     except Exception as exc:  # the logs say why a process did not come up
         pytest.fail(f"cluster did not start: {exc}\n{_log_tails(cluster)}")
     finally:
@@ -92,6 +100,12 @@ def _ids(cluster: LocalCluster, role: str) -> set[str]:
     return {w for w, rec in router_workers(cluster.router_url).items() if rec["role"] == role}
 
 
+def _assert_fabric_only(cluster: LocalCluster) -> None:
+    """The prefillers' KV crossed the fabric, none of it the same-host path."""
+    workers = router_workers(cluster.router_url).values()
+    assert_kv_crossed_fabric([r["http_url"] for r in workers if r["role"] == "prefill"])
+
+
 def _specs(prompts: list[str], stream_every: int = 2) -> list[tuple[str, int, bool]]:
     return [(p, MAX_TOKENS, i % stream_every == 0) for i, p in enumerate(prompts)]
 
@@ -105,7 +119,7 @@ def _specs(prompts: list[str], stream_every: int = 2) -> list[tuple[str, int, bo
 def serving_cluster() -> Iterator[LocalCluster]:
     """2 prefill + 2 decode; prompts under MIN_DISAGG_TOKENS run on decode alone. Two of
     each role so that a transient failure of one worker can be retried on another."""
-    c = LocalCluster(
+    c = pod_cluster(
         prefill=2, decode=2, num_pages=1024, startup_timeout_s=STARTUP_S,
         router_env={
             "KVXFER_ROUTER_DISAGGREGATION_MIN_PROMPT_TOKENS": str(MIN_DISAGG_TOKENS),
@@ -121,9 +135,12 @@ def serving_cluster() -> Iterator[LocalCluster]:
 
 
 @pytest.fixture
-def cluster(request: pytest.FixtureRequest) -> LocalCluster:
-    """The deployment of the test's class (`serving_cluster` or `elastic_cluster`)."""
-    return request.getfixturevalue(request.cls.deployment)
+def cluster(request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
+    """The deployment of the test's class (`serving_cluster` or `elastic_cluster`), with the
+    test's thread on the pods' network."""
+    deployment = request.getfixturevalue(request.cls.deployment)
+    with client_of(deployment):
+        yield deployment
 
 
 class TestServing:
@@ -207,6 +224,7 @@ class TestServing:
         assert n_disagg <= admitted <= n_disagg + retries
         pages = wait_pages_free(cluster.router_url, 15)
         assert len(pages.pages) == 2
+        assert_kv_crossed_fabric([r["http_url"] for r in prefill])
 
     def test_real_prometheus_scrapes_router_and_workers(self, cluster: LocalCluster) -> None:
         if find_prometheus_binary() is None:
@@ -233,17 +251,18 @@ class TestServing:
             assert ttft == ttft_before + with_tokens
             pushed = prom.wait_for("sum(kvxfer_prefill_kv_pushed_bytes_total)", lambda v: v > 0, timeout_s=30)
             assert pushed > 0
-            # The engine exports per-path byte counters on every worker: rail 0 and the
-            # same-host path. The workers share this machine, so the prefillers' KV bytes
-            # took the same-host path (only their immediates used rail 0).
+            # The engine exports per-path byte counters on every worker: rail 0 (the fabric)
+            # and the same-host path. The workers are pods, so the prefillers' KV bytes all
+            # crossed the fabric and none took the same-host path.
             series = prom.query('kvxfer_engine_posted_bytes_total')
             assert {s["metric"]["job"] for s in series} == {"prefill", "decode"}
             assert {s["metric"].get("rail") for s in series} == {"0", "same_host"}
-            posted = prom.wait_for('sum(kvxfer_engine_posted_bytes_total{job="prefill",rail="same_host"})',
-                                   lambda v: v > 0, timeout_s=30)
-            completed = prom.wait_for('sum(kvxfer_engine_completed_bytes_total{job="prefill",rail="same_host"})',
-                                      lambda v: v > 0, timeout_s=30)
+            posted = prom.wait_for('sum(kvxfer_engine_posted_bytes_total{job="prefill",rail="0"})',
+                                   lambda v: v >= pushed, timeout_s=30)
+            completed = prom.wait_for('sum(kvxfer_engine_completed_bytes_total{job="prefill",rail="0"})',
+                                      lambda v: v >= pushed, timeout_s=30)
             assert posted >= pushed and completed >= pushed
+            assert prom.query_value('sum(kvxfer_engine_posted_bytes_total{rail="same_host"})') == 0
             assert prom.query_value('sum(kvxfer_engine_completion_errors_total)') == 0
 
     def test_etcd_restart_under_load(self, cluster: LocalCluster) -> None:
@@ -290,7 +309,7 @@ def _admitted(rec: dict[str, Any]) -> float:
 @pytest.fixture(scope="class")
 def elastic_cluster() -> Iterator[LocalCluster]:
     """1 prefill + 1 decode to begin with; every request disaggregated."""
-    c = LocalCluster(
+    c = pod_cluster(
         prefill=1, decode=1, num_pages=512, startup_timeout_s=STARTUP_S,
         router_env={"KVXFER_ROUTER_DISAGGREGATION_MIN_PROMPT_TOKENS": "0",
                     "KVXFER_ROUTER_REQUEST_DEADLINE_S": "90", **ROUTER_TIMEOUTS},
@@ -326,6 +345,7 @@ class TestElastic:
         assert len(decode) == 2 and name in decode
         assert _admitted(decode[name]) > 0
         wait_pages_free(cluster.router_url, 10)
+        _assert_fabric_only(cluster)
 
     def test_sigterm_decode_drains_in_flight_then_leaves(self, cluster: LocalCluster) -> None:
         decode = _ids(cluster, "decode")
@@ -381,7 +401,7 @@ def test_sigkill_prefill_under_load() -> None:
     # Enough pages that the fence of crashed requests (3 s; longer than the 2 s transfer
     # deadline, as prefillers require) cannot starve the
     # retries: page exhaustion is not what this test is about.
-    cluster = LocalCluster(
+    cluster = pod_cluster(
         prefill=2, decode=1, num_pages=2048, startup_timeout_s=STARTUP_S,
         worker_env={"KVXFER_FENCE_TIMEOUT_S": "3", "KVXFER_TRANSFER_TIMEOUT_S": "2"},
         router_env={"KVXFER_ROUTER_DISAGGREGATION_MIN_PROMPT_TOKENS": "0",
@@ -389,7 +409,9 @@ def test_sigkill_prefill_under_load() -> None:
     )
     _start(cluster, [(p, MAX_TOKENS) for p in CRASH_PROMPTS])
     try:
-        _sigkill_prefill(cluster)
+        with client_of(cluster):
+            _sigkill_prefill(cluster)
+            _assert_fabric_only(cluster)
     finally:
         cluster.stop()
 
@@ -437,3 +459,27 @@ def _sigkill_prefill(cluster: LocalCluster) -> None:
     wait_pages_free(cluster.router_url, 15)
     info = worker_info(router_workers(cluster.router_url)[survivor]["http_url"])
     assert info["free_pages"] == info["total_pages"] and info["queue_depth"] == 0
+
+
+# ------------------------------------------------------------------------------------------
+# 1 prefill + 1 decode on loopback: the same-host path, kept on (quick)
+# ------------------------------------------------------------------------------------------
+
+
+def test_same_host_path_quick() -> None:
+    """Processes of one host and PID namespace: the prefiller's KV takes the same-host path
+    (only its immediates go over rail 0), and the answers are still exact."""
+    cluster = LocalCluster(
+        prefill=1, decode=1, num_pages=256, startup_timeout_s=STARTUP_S,
+        router_env={"KVXFER_ROUTER_DISAGGREGATION_MIN_PROMPT_TOKENS": "0", **ROUTER_TIMEOUTS},
+    )
+    _start(cluster, [(p, MAX_TOKENS) for p in LONG_PROMPTS[:4]])
+    try:
+        results = fire(cluster.router_url, _specs(LONG_PROMPTS[:4]), timeout_s=60)
+        assert _failures(results) == []
+        prefill = [r for r in router_workers(cluster.router_url).values() if r["role"] == "prefill"]
+        paths = kv_bytes_by_path(prefill[0]["http_url"])
+        assert paths["kv_pushed"] > 0 and paths["same_host"] >= paths["kv_pushed"], paths
+        assert paths["fabric"] < paths["kv_pushed"], paths
+    finally:
+        cluster.stop()

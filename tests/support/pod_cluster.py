@@ -20,14 +20,15 @@ from __future__ import annotations
 
 import contextlib
 import subprocess
-from collections.abc import Iterator
 from typing import Any
 
 from kvxfer.cluster.local_cluster import LocalCluster
 from kvxfer.cluster.local_etcd import LocalEtcd
 from support.cluster_load import get_metrics, metric_value
-from support.pod_namespaces import PodNetwork, pod_command, signal_pod
+from support.pod_namespaces import PodNetwork, can_run_pods, pod_command, signal_pod
 
+#: None where this machine can run pods, else why not (then `pod_cluster` falls back).
+POD_MODE_UNAVAILABLE = can_run_pods()
 ROUTER_PORT = 8000
 ETCD_CLIENT_PORT = 2379
 ETCD_PEER_PORT = 2380
@@ -110,16 +111,16 @@ def assert_kv_crossed_fabric(prefill_urls: list[str]) -> dict[str, float]:
     return totals
 
 
-@contextlib.contextmanager
-def started(cluster: LocalCluster) -> Iterator[LocalCluster]:
-    """Starts `cluster`, yields it (the caller's thread on its network for a PodCluster),
-    stops it on every exit path."""
-    try:
-        cluster.start()
-        if isinstance(cluster, PodCluster):
-            with cluster.client():
-                yield cluster
-        else:
-            yield cluster
-    finally:
-        cluster.stop()
+def pod_cluster(**kwargs: Any) -> LocalCluster:
+    """A PodCluster; where namespaces cannot be made (`POD_MODE_UNAVAILABLE` says why), a
+    LocalCluster on loopback with the same-host path off, so the KV still takes the fabric."""
+    if POD_MODE_UNAVAILABLE is None:
+        return PodCluster(**kwargs)
+    worker_env = {**(kwargs.pop("worker_env", None) or {}), "KVXFER_SAME_HOST": "false"}
+    return LocalCluster(worker_env=worker_env, **kwargs)
+
+
+def client_of(cluster: LocalCluster) -> contextlib.AbstractContextManager[Any]:
+    """The calling thread on `cluster`'s network for the block: a PodCluster's client
+    namespace; nothing to enter on loopback."""
+    return cluster.client() if isinstance(cluster, PodCluster) else contextlib.nullcontext()

@@ -15,6 +15,11 @@ deadline, and a worker that dies or does not come up fails the test with its log
 
 The `workers` fixture of tests/test_kv_path.py wraps this and prints every log when the
 test failed.
+
+With `WorkerSet(tmp_path, pods=PodNetwork())` each worker runs as a pod instead
+(tests/support/pod_namespaces.py): in its own network and PID namespace, bound to its pod
+address, so KV between workers crosses the fabric; the test then talks to them from inside
+`pods.client()`.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from typing import Any
 
 import httpx
 
+from support.pod_namespaces import PodNetwork, pod_command, signal_pod
+
 #: The console script installed next to the interpreter running the tests (.venv/bin).
 KVXFER = str(Path(sys.executable).with_name("kvxfer"))
 _SERVING = re.compile(r"serving on (http://[0-9.]+:\d+)")
@@ -44,13 +51,16 @@ class WorkerStartError(RuntimeError):
 class WorkerProc:
     """One `kvxfer prefill|decode` process: its URL, log file and process group."""
 
-    def __init__(self, role: str, args: list[str], env: dict[str, str], log_path: Path) -> None:
+    def __init__(self, role: str, args: list[str], env: dict[str, str], log_path: Path,
+                 pod_ns: str | None = None) -> None:
         self.role = role
         self.args = args
         self.log_path = log_path
+        self.pod_ns = pod_ns
         self._log = open(log_path, "wb")
+        argv = [KVXFER, role, *args]
         self.proc = subprocess.Popen(
-            [KVXFER, role, *args],
+            pod_command(pod_ns, argv) if pod_ns else argv,
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT,
@@ -121,18 +131,38 @@ class WorkerProc:
         self._log.close()
 
     def _signal_group(self, sig: int) -> None:
+        if self.pod_ns is not None:
+            signal_pod(self.proc, sig)  # SIGTERM to PID 1: to `unshare` it would kill the pod
+            return
         try:
             os.killpg(self.proc.pid, sig)  # pgid == pid: started with start_new_session
         except (ProcessLookupError, PermissionError):
             pass
 
 
-class WorkerSet:
-    """The worker processes of one test; `close()` ends them all."""
+def worker_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a test's worker process: this one's without KVXFER_ settings, plus `env`."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVXFER_")}
+    # Two cores shared by every worker and the test: one torch thread per process keeps
+    # them from oversubscribing the machine (and keeps timings steady).
+    full_env.setdefault("OMP_NUM_THREADS", "1")
+    full_env.setdefault("MKL_NUM_THREADS", "1")
+    full_env["PYTHONUNBUFFERED"] = "1"
+    full_env.update(env or {})
+    return full_env
 
-    def __init__(self, log_dir: Path) -> None:
+
+class WorkerSet:
+    """The worker processes of one test; `close()` ends them all.
+
+    `pods`: run each worker as a pod of that network. `env`: settings every worker gets
+    (a worker's own `env` wins)."""
+
+    def __init__(self, log_dir: Path, *, pods: PodNetwork | None = None, env: dict[str, str] | None = None) -> None:
         self.log_dir = Path(log_dir)
         self.procs: list[WorkerProc] = []
+        self.pods = pods
+        self.env = dict(env or {})
 
     def spawn(
         self,
@@ -144,22 +174,18 @@ class WorkerSet:
         env: dict[str, str] | None = None,
     ) -> WorkerProc:
         """Starts a worker without waiting for it (see `WorkerProc.wait_ready`)."""
+        index = len(self.procs)
+        name = f"{index:02d}-{role}"
+        pod_ns, host = self.pods.add(name) if self.pods is not None else (None, "127.0.0.1")
         args = [
             "--port", "0",
             "--provider", provider,
-            "--bind-host", "127.0.0.1",
+            "--host", host,
+            "--bind-host", host,
             "--num-pages", str(num_pages),
             *(extra or []),
         ]
-        full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVXFER_")}
-        # Two cores shared by every worker and the test: one torch thread per process keeps
-        # them from oversubscribing the machine (and keeps timings steady).
-        full_env.setdefault("OMP_NUM_THREADS", "1")
-        full_env.setdefault("MKL_NUM_THREADS", "1")
-        full_env["PYTHONUNBUFFERED"] = "1"
-        full_env.update(env or {})
-        index = len(self.procs)
-        proc = WorkerProc(role, args, full_env, self.log_dir / f"{index:02d}-{role}.log")
+        proc = WorkerProc(role, args, worker_env({**self.env, **(env or {})}), self.log_dir / f"{name}.log", pod_ns)
         self.procs.append(proc)
         return proc
 

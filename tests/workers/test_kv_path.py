@@ -1,7 +1,11 @@
 """The KV path end to end with real worker processes (issue 3, "Must show").
 
-A decode worker and a prefill worker run as real `kvxfer` processes on loopback
-(`--provider net`); the test drives them the way the router does: decode POST /reserve,
+A decode worker and prefill workers run as real `kvxfer` processes (`--provider net`), each
+as a pod: in a network and PID namespace of its own (tests/support/pod_namespaces.py), so
+the same-host path cannot engage and the KV crosses the fabric between them, as between
+Kubernetes pods (checked on the prefiller's per-path byte counters). Where namespaces cannot
+be made (not root) they run on loopback with the same-host path off. The test talks to them
+from the pods' client namespace and drives them the way the router does: decode POST /reserve,
 then prefill POST /prefill and decode POST /generate concurrently. Every generation is
 compared token for token with the colocated reference
 `Transformer(ModelConfig.preset("tiny")).generate(ByteTokenizer().encode(prompt), n)`.
@@ -25,6 +29,7 @@ prefillers require to be shorter than the decoder's fence.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import time
@@ -55,29 +60,63 @@ from support.kv_requests import (
     tokens_of,
     wait_pages_full,
 )
+from support.pod_cluster import POD_MODE_UNAVAILABLE, assert_kv_crossed_fabric
+from support.pod_namespaces import PodNetwork
 from support.waiting import wait_until
 from support.worker_procs import WorkerProc, WorkerSet
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[dict[str, WorkerProc]]:
+def pod_net() -> Iterator[PodNetwork | None]:
+    """The module's pod network (None where namespaces cannot be made)."""
+    if POD_MODE_UNAVAILABLE is not None:
+        yield None
+        return
+    net = PodNetwork()
+    try:
+        yield net
+    finally:
+        net.close()
+
+
+@pytest.fixture(autouse=True)
+def on_pod_network(pod_net: PodNetwork | None) -> Iterator[None]:
+    """Each test's thread (and what it starts) on the pods' bridge."""
+    with pod_net.client() if pod_net is not None else contextlib.nullcontext():
+        yield
+
+
+@pytest.fixture(scope="module")
+def kv_workers(tmp_path_factory: pytest.TempPathFactory, pod_net: PodNetwork | None) -> Iterator[WorkerSet]:
+    """The module's workers, as pods of `pod_net` (or on loopback with the same-host path off)."""
+    workers = WorkerSet(tmp_path_factory.mktemp("kv_path_workers"), pods=pod_net,
+                        env={"KVXFER_SAME_HOST": "false"} if pod_net is None else None)
+    try:
+        yield workers
+    finally:
+        workers.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(kv_workers: WorkerSet, pod_net: PodNetwork | None,
+            request: pytest.FixtureRequest) -> Iterator[dict[str, WorkerProc]]:
     """Workers shared by the module: a decode worker (fence 3 s), a prefill worker, and
     a "slow" prefill worker (SLOW_PUSH_ENV) whose push of a long prompt lasts over half a
     second, so that an event timed after its first completed writes reliably falls in the
     middle of a push. The last test kills it."""
-    workers = WorkerSet(tmp_path_factory.mktemp("kv_path_workers"))
+    workers = kv_workers
     failed_before = request.session.testsfailed
     try:
-        decode, prefill, slow = workers.start_many([
-            ("decode", {"num_pages": NUM_PAGES, "env": {"KVXFER_FENCE_TIMEOUT_S": str(FENCE_S)}}),
-            ("prefill", {"num_pages": NUM_PAGES, "env": PREFILL_ENV}),
-            ("prefill", {"num_pages": NUM_PAGES, "env": SLOW_PUSH_ENV}),
-        ])
+        with pod_net.client() if pod_net is not None else contextlib.nullcontext():
+            decode, prefill, slow = workers.start_many([
+                ("decode", {"num_pages": NUM_PAGES, "env": {"KVXFER_FENCE_TIMEOUT_S": str(FENCE_S)}}),
+                ("prefill", {"num_pages": NUM_PAGES, "env": PREFILL_ENV}),
+                ("prefill", {"num_pages": NUM_PAGES, "env": SLOW_PUSH_ENV}),
+            ])
         yield {"decode": decode, "prefill": prefill, "slow_prefill": slow}
     finally:
         if request.session.testsfailed > failed_before:
             print(f"\n===== worker logs (module fixture) =====\n{workers.logs()}")
-        workers.close()
 
 
 
@@ -110,6 +149,8 @@ def test_disaggregated_equals_colocated(cluster: dict[str, WorkerProc]) -> None:
     wait_pages_full(decode, timeout_s=FENCE_S / 2)
     pinfo = info(prefill)
     assert (pinfo["free_pages"], pinfo["running"], pinfo["queue_depth"]) == (pinfo["total_pages"], 0, 0), pinfo
+    # Between pods every KV byte crossed the fabric; none took the same-host path.
+    assert_kv_crossed_fabric([prefill.url])
 
 
 # -- 2. the decoder's pages hold exactly the prefiller's bytes -------------------------------------
@@ -132,7 +173,8 @@ def test_decode_pages_hold_prefilled_bytes(single_torch_thread: None) -> None:
     from kvxfer.workers.decode.service import DecodeRuntime, DecodeSettings
     from kvxfer.workers.prefill.service import PrefillRuntime, PrefillSettings
 
-    common = dict(model="tiny", provider="net", bind_host="127.0.0.1", prefill_chunk_tokens=CHUNK)
+    # Same-host path off: one process, so only that keeps the KV on the fabric.
+    common = dict(model="tiny", provider="net", bind_host="127.0.0.1", prefill_chunk_tokens=CHUNK, same_host=False)
     decode = DecodeRuntime(DecodeSettings(num_pages=256, max_requests=16, **common))
     prefill = PrefillRuntime(PrefillSettings(num_pages=256, **common))
     lengths = [1, 15, 16, 17, 255, 256, 257, 600, LONG]
@@ -383,13 +425,13 @@ def test_bad_requests_get_4xx_and_disturb_nothing(cluster: dict[str, WorkerProc]
 
 # -- 3. the prefill worker dies mid-push (last: it kills the module's slow prefiller) -------------
 
-def test_prefill_killed_mid_push(cluster: dict[str, WorkerProc], own_workers: WorkerSet) -> None:
+def test_prefill_killed_mid_push(cluster: dict[str, WorkerProc], kv_workers: WorkerSet) -> None:
     """Runs last: it kills the module's slow prefiller (16-token chunks, so a kill after its
     first completed writes lands mid-push). A new prefill worker boots meanwhile and serves
     the decoder afterwards."""
     decode, doomed = cluster["decode"], cluster["slow_prefill"]
     wait_pages_full(decode, timeout_s=FENCE_S + 5)  # (a failed test before may still hold fenced pages)
-    fresh = own_workers.spawn("prefill", env=PREFILL_ENV)  # the new prefill worker for after the kill
+    fresh = kv_workers.spawn("prefill", env=PREFILL_ENV)  # the new prefill worker for after the kill
     gen_timeout_s = 3.0
     prompts = {f"kill-{i}": tokens_of(text_prompt(300 + i, LONG - 8 * i)) for i in range(3)}
     total = info(decode)["total_pages"]
