@@ -33,6 +33,10 @@ REQUEST_STATUSES: tuple[str, ...] = ("ok", "error", "rejected", "cancelled", "ti
 REJECT_CODES: tuple[str, ...] = ("429", "503")
 #: Steps of a request the router may retry on another worker (label `stage`).
 RETRY_STAGES: tuple[str, ...] = ("reserve", "prefill", "generate")
+#: Why the router served a request that needed prefill colocated on a decode worker
+#: (label `reason` of `kvxfer_router_colocated_fallbacks_total`): no compatible prefill
+#: worker registered, or the request's prefill leg failed.
+FALLBACK_REASONS: tuple[str, ...] = ("no_prefiller", "prefill_failed")
 WORKER_ROLES: tuple[str, ...] = ("prefill", "decode")
 #: ready: registered and serving; draining: finishing in-flight work after SIGTERM;
 #: unhealthy: still registered but failing the router's checks.
@@ -129,6 +133,11 @@ class RouterMetrics:
             "kvxfer_router_retries", "Request steps retried on another worker, by step.",
             ["stage"], registry=registry)
         _init_labels(self.retries, RETRY_STAGES)
+        self.colocated_fallbacks = Counter(
+            "kvxfer_router_colocated_fallbacks",
+            "Requests that needed a prefill worker but were served colocated on a decode worker, by reason.",
+            ["reason"], registry=registry)
+        _init_labels(self.colocated_fallbacks, FALLBACK_REASONS)
         self.rejected = Counter(
             "kvxfer_router_rejected_requests",
             "Requests refused at admission, by HTTP code (429 overloaded, 503 no workers).",

@@ -91,6 +91,8 @@ class AdmissionController:
 
     def admit(self, request_id: str, model: str, *, needs_prefill: bool) -> AdmissionTicket:
         """Admit ``request_id`` or raise :class:`RouterError` (503, 409 or 429)."""
+        # With the colocated fallback a decode worker alone can serve any request.
+        needs_prefill = needs_prefill and not self._settings.colocated_fallback
         if not has_pair(self._directory, model, needs_prefill=needs_prefill):
             self._telemetry.rejected(503)
             what = "prefill+decode worker pair" if needs_prefill else "decode worker"

@@ -380,8 +380,8 @@ async def _first_or_disconnect(request: Request, lifecycle: RequestLifecycle, wa
             lifecycle.abandon()
 
 
-def _headers(request_id: str) -> dict[str, str]:
-    return {"X-Request-Id": request_id}
+def _headers(lifecycle: RequestLifecycle) -> dict[str, str]:
+    return {"X-Request-Id": lifecycle.request_id, "X-Kvxfer-Serving-Mode": lifecycle.serving_mode.value}
 
 
 async def _full_response(request: Request, lifecycle: RequestLifecycle) -> Response:
@@ -406,7 +406,7 @@ async def _full_response(request: Request, lifecycle: RequestLifecycle) -> Respo
         choices=[CompletionChoice(text="".join(t.text for t in tokens) + end.text, finish_reason=end.finish_reason)],
         usage=end.usage,
     )
-    return Response(body.model_dump_json(), media_type="application/json", headers=_headers(lifecycle.request_id))
+    return Response(body.model_dump_json(), media_type="application/json", headers=_headers(lifecycle))
 
 
 async def _stream_response(request: Request, lifecycle: RequestLifecycle, include_usage: bool) -> Response:
@@ -437,7 +437,7 @@ class CompletionEventStream(StreamingResponse):
         self._created = now_s()
         super().__init__(
             self._events(), media_type="text/event-stream",
-            headers={**_headers(lifecycle.request_id), "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            headers={**_headers(lifecycle), "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
     def _chunk(self, text: str, finish_reason: str | None) -> bytes:

@@ -66,6 +66,14 @@ class RequestState(enum.Enum):
     CANCELLED = "cancelled"
 
 
+class ServingMode(str, enum.Enum):
+    """How a request was served; the router's answer says it in ``X-Kvxfer-Serving-Mode``."""
+
+    DISAGGREGATED = "disaggregated"            # prefill worker pushed the KV to the decode worker
+    DECODE_ONLY = "decode_only"                # a short prompt: decode worker alone by design
+    COLOCATED_FALLBACK = "colocated_fallback"  # needed prefill, but no prefill worker could take it
+
+
 @dataclass(frozen=True)
 class CompletionJob:
     """What the router was asked to do, already validated and tokenized."""
@@ -241,6 +249,7 @@ class RequestLifecycle:
         self.state = RequestState.ADMITTED
         self.tokens_sent = 0
         self.attempts: list[WorkerPair] = []
+        self.serving_mode = ServingMode.DISAGGREGATED if job.needs_prefill else ServingMode.DECODE_ONLY
         self._d = dispatcher
         self._s = dispatcher.settings
         self._ticket = ticket
@@ -313,6 +322,8 @@ class RequestLifecycle:
                 self._d.directory, self.job.model, needs_prefill=self.job.needs_prefill,
                 policy=self._d.policy, load=self._d.load, exclude=exclude,
             )
+            if pair is None and self.job.needs_prefill and self._s.colocated_fallback:
+                pair = self._colocated_fallback(exclude, last)
             if pair is None:
                 if last is None:
                     raise RouterError(503, f"no compatible worker pair for model {self.job.model!r}",
@@ -349,6 +360,18 @@ class RequestLifecycle:
         assert last is not None
         suffix = "after a retry" if len(self.attempts) > 1 else "and no other worker pair was available"
         raise self._upstream_error(last, suffix)
+
+    def _colocated_fallback(self, exclude: set[str], last: LegFailure | None) -> WorkerPair | None:
+        """A decode worker alone for a request that needed prefill: no compatible prefill
+        worker is eligible (none registered, or the one tried failed and is excluded)."""
+        pair = select_pair(self._d.directory, self.job.model, needs_prefill=False,
+                           policy=self._d.policy, load=self._d.load, exclude=exclude)
+        if pair is not None:
+            reason = "prefill_failed" if last is not None and last.worker.role == "prefill" else "no_prefiller"
+            log.info("request %s: serving colocated on %s (%s)", self.request_id, pair.decode.worker_id, reason)
+            self._d.telemetry.colocated_fallback(reason)
+            self.serving_mode = ServingMode.COLOCATED_FALLBACK
+        return pair
 
     async def _disaggregated(self, decode: WorkerView, prefill: WorkerView, wrid: str) -> None:
         contacted = [decode]

@@ -56,6 +56,12 @@ class RouterSettings(BaseSettings):
         le=3,
         description="Retries on another pair when an attempt fails before any token was streamed.",
     )
+    colocated_fallback: bool = Field(
+        True,
+        description="When no compatible prefill worker is registered, or the request's prefill failed, serve "
+        "it colocated on a decode worker (POST /generate_local: it prefills locally) instead of answering "
+        "503; such answers carry X-Kvxfer-Serving-Mode: colocated_fallback. Off: 503 no_worker_pair.",
+    )
 
     # --- admission -----------------------------------------------------------------------
     max_in_flight: int = Field(

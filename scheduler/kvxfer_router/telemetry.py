@@ -46,6 +46,11 @@ class RouterTelemetry:
             self.metrics.requests.labels(status).inc()
             self.metrics.request_duration.observe(duration_s)
 
+    def colocated_fallback(self, reason: str) -> None:
+        """A request that needed prefill went to a decode worker alone (``FALLBACK_REASONS``)."""
+        if self.metrics is not None:
+            self.metrics.colocated_fallbacks.labels(reason).inc()
+
     def rejected(self, code: int) -> None:
         """A request was refused at admission with HTTP ``code`` (429 or 503)."""
         if self.metrics is not None:

@@ -329,7 +329,7 @@ def test_prefill_failure_without_alternative_cancels_decode_and_frees_its_pages(
     d = cluster.decode("d1")
     p = cluster.prefill("p1")
     p.status = 500
-    cluster.start_router()
+    cluster.start_router(colocated_fallback=False)
 
     r = cluster.post(completion(request_id="solo"))
 
@@ -339,6 +339,46 @@ def test_prefill_failure_without_alternative_cancels_decode_and_frees_its_pages(
     wait_until(lambda: d.cancelled_ids() == ["solo"] and p.cancelled_ids() == ["solo"], what="cancels")
     assert d.active_reservations() == []
     assert cluster.service.admission.in_flight == 0
+
+
+def test_no_prefill_worker_serves_colocated_on_decode_then_disaggregates_again(cluster: Cluster) -> None:
+    d = cluster.decode("d1")
+    cluster.start_router()
+
+    alone = cluster.post(completion(request_id="alone"))
+
+    assert alone.status_code == 200, alone.text
+    assert alone.headers["x-kvxfer-serving-mode"] == "colocated_fallback"
+    assert [path for path, _ in d.calls] == ["/generate_local"]
+    assert metric(cluster, 'kvxfer_router_colocated_fallbacks_total{reason="no_prefiller"}') == 1.0
+    # A short prompt is decode-only by design, not a fallback.
+    short = cluster.post(completion(SHORT_PROMPT))
+    assert short.headers["x-kvxfer-serving-mode"] == "decode_only"
+    assert metric(cluster, 'kvxfer_router_colocated_fallbacks_total{reason="no_prefiller"}') == 1.0
+
+    p = cluster.prefill("p1")
+    back = cluster.post(completion(request_id="back"))
+
+    assert back.status_code == 200 and back.headers["x-kvxfer-serving-mode"] == "disaggregated"
+    assert len(p.bodies("/prefill")) == 1
+    assert alone.json()["choices"][0]["text"] == back.json()["choices"][0]["text"]
+
+
+def test_failing_prefill_worker_falls_back_to_colocated_and_frees_the_reservation(cluster: Cluster) -> None:
+    d = cluster.decode("d1")
+    p = cluster.prefill("p1")
+    p.status = 500
+    cluster.start_router()
+
+    r = cluster.post(completion(request_id="solo", stream=True))
+
+    assert r.status_code == 200, r.text
+    assert r.headers["x-kvxfer-serving-mode"] == "colocated_fallback"
+    assert sse_events(r.text)[-1] == "[DONE]"
+    assert metric(cluster, 'kvxfer_router_colocated_fallbacks_total{reason="prefill_failed"}') == 1.0
+    wait_until(lambda: d.cancelled_ids() == ["solo"], what="the failed attempt's reservation cancelled")
+    assert d.active_reservations() == []
+    assert [path for path, _ in d.calls if path.startswith("/generate")] == ["/generate", "/generate_local"]
 
 
 def test_slow_prefill_runs_into_the_deadline_with_504_and_both_legs_cancelled(cluster: Cluster) -> None:
@@ -429,7 +469,7 @@ def test_full_router_answers_429_with_retry_after_and_recovers(cluster: Cluster)
 
 def test_no_compatible_pair_answers_503_and_router_is_not_ready(cluster: Cluster) -> None:
     cluster.decode("d1")
-    cluster.start_router()
+    cluster.start_router(colocated_fallback=False)
 
     r = cluster.post(completion(request_id="nopair"))
 
@@ -447,7 +487,7 @@ def test_no_compatible_pair_answers_503_and_router_is_not_ready(cluster: Cluster
 def test_incompatible_kv_layout_is_never_paired(cluster: Cluster) -> None:
     d = cluster.decode("d1", kv_layout=LAYOUT_A)
     p_b = cluster.prefill("p-b", kv_layout=LAYOUT_B)
-    cluster.start_router()
+    cluster.start_router(colocated_fallback=False)
 
     assert cluster.get("/ready").status_code == 503
     assert cluster.post(completion()).status_code == 503
@@ -462,7 +502,7 @@ def test_incompatible_kv_layout_is_never_paired(cluster: Cluster) -> None:
 def test_other_model_workers_are_never_paired(cluster: Cluster) -> None:
     cluster.decode("d1")
     other = cluster.prefill("p-other", model="other-model")
-    cluster.start_router()
+    cluster.start_router(colocated_fallback=False)
 
     assert cluster.post(completion()).status_code == 503
     assert other.paths() == []
