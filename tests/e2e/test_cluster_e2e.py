@@ -16,6 +16,8 @@ Three deployments, each torn down before the next starts (the machine has 2 core
   disaggregated): bad requests, 200 concurrent streams, real Prometheus, etcd restart.
 - `TestElastic` (1 prefill + 1 decode, all disaggregated): scale up, SIGTERM drain.
 - `test_sigkill_prefill_under_load` (2 prefill + 1 decode, short quarantine): crash.
+- `test_only_prefiller_killed_requests_served_colocated_then_disaggregated_again`
+  (1 prefill + 1 decode): the router's colocated fallback.
 - `test_same_host_path_quick` (1 prefill + 1 decode on loopback): the same-host path.
 """
 
@@ -459,6 +461,60 @@ def _sigkill_prefill(cluster: LocalCluster) -> None:
     wait_pages_free(cluster.router_url, 15)
     info = worker_info(router_workers(cluster.router_url)[survivor]["http_url"])
     assert info["free_pages"] == info["total_pages"] and info["queue_depth"] == 0
+
+
+# ------------------------------------------------------------------------------------------
+# 1 prefill + 1 decode: the only prefill worker dies; requests are served colocated
+# ------------------------------------------------------------------------------------------
+
+
+def test_only_prefiller_killed_requests_served_colocated_then_disaggregated_again() -> None:
+    cluster = pod_cluster(
+        prefill=1, decode=1, num_pages=1024, startup_timeout_s=STARTUP_S,
+        worker_env={"KVXFER_FENCE_TIMEOUT_S": "3", "KVXFER_TRANSFER_TIMEOUT_S": "2"},
+        router_env={"KVXFER_ROUTER_DISAGGREGATION_MIN_PROMPT_TOKENS": "0",
+                    "KVXFER_ROUTER_REQUEST_DEADLINE_S": str(CRASH_DEADLINE_S), **ROUTER_TIMEOUTS},
+    )
+    _start(cluster, [(p, MAX_TOKENS) for p in CRASH_PROMPTS])
+    try:
+        with client_of(cluster):
+            _kill_only_prefiller(cluster)
+    finally:
+        cluster.stop()
+
+
+def _kill_only_prefiller(cluster: LocalCluster) -> None:
+    (victim,) = _ids(cluster, "prefill")
+    fallbacks = 'kvxfer_router_colocated_fallbacks_total{reason="%s"}'
+    load = LoadGenerator(cluster.router_url, [(p, MAX_TOKENS, i % 2 == 0) for i, p in enumerate(CRASH_PROMPTS)],
+                         concurrency=4, timeout_s=CRASH_DEADLINE_S + 15).start()
+    try:
+        load.wait_for_results(4, 60)
+        t_kill = time.monotonic()
+        cluster.signal_worker(victim, signal.SIGKILL)
+        cluster.workers[victim].wait(timeout=10)
+        wait_until(lambda: victim not in router_workers(cluster.router_url), 15, f"router to drop {victim}")
+        t_dropped = time.monotonic()
+        load.wait_for_results(4, 60, since=t_dropped)
+        newcomer = cluster.start_worker("prefill")
+        wait_until(lambda: newcomer in _ids(cluster, "prefill"), 90, f"router to list {newcomer}")
+        t_back = time.monotonic()
+        load.wait_for_results(4, 60, since=t_back)
+    finally:
+        results = load.stop()
+    # Not one request failed: no 503 while no prefill worker was there, none for the kill.
+    assert _failures(results) == []
+    before = [r for r in results if r.ended < t_kill]
+    alone = [r for r in results if t_dropped <= r.started and r.ended < t_back]
+    back = [r for r in results if r.started > t_back]
+    assert before and {r.serving_mode for r in before} == {"disaggregated"}
+    assert len(alone) >= 4 and {r.serving_mode for r in alone} == {"colocated_fallback"}
+    assert len(back) >= 2 and {r.serving_mode for r in back} == {"disaggregated"}
+    assert _router_metric(cluster, fallbacks % "no_prefiller") >= len(alone)
+    # The newcomer computed the prefills of the requests after its return.
+    rec = router_workers(cluster.router_url)[newcomer]
+    assert _worker_metric(rec, "kvxfer_prefill_compute_seconds_count") >= len(back)
+    wait_pages_free(cluster.router_url, 15)
 
 
 # ------------------------------------------------------------------------------------------

@@ -82,6 +82,7 @@ class Result:
     completion_tokens: int | None = None
     error: str | None = None  # error message from the body, or the client-side exception
     body: Any = None
+    serving_mode: str | None = None  # the router's X-Kvxfer-Serving-Mode header
     started: float = 0.0
     ended: float = 0.0
 
@@ -147,6 +148,7 @@ async def _do_complete(client: httpx.AsyncClient, router_url: str, payload: dict
     if not payload["stream"]:
         r = await client.post(url, json=payload, timeout=httpx.Timeout(60.0, connect=5.0))
         res.status = r.status_code
+        res.serving_mode = r.headers.get("x-kvxfer-serving-mode")
         try:
             res.body = r.json()
         except ValueError:
@@ -161,6 +163,7 @@ async def _do_complete(client: httpx.AsyncClient, router_url: str, payload: dict
         return
     async with client.stream("POST", url, json=payload, timeout=httpx.Timeout(60.0, connect=5.0)) as r:
         res.status = r.status_code
+        res.serving_mode = r.headers.get("x-kvxfer-serving-mode")
         if r.status_code != 200:
             raw = await r.aread()
             try:
