@@ -258,11 +258,12 @@ def create_app(
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
-        """200 once some compatible prefill+decode pair is registered, else 503."""
-        if has_pair(directory, needs_prefill=True):
+        """200 once the router can serve: some compatible prefill+decode pair is registered,
+        or with `colocated_fallback` a decode worker alone; else 503."""
+        if has_pair(directory, needs_prefill=not settings.colocated_fallback):
             return JSONResponse({"ready": True})
-        return JSONResponse({"ready": False, "detail": "no compatible prefill+decode worker pair registered"},
-                            status_code=503)
+        what = "decode worker" if settings.colocated_fallback else "compatible prefill+decode worker pair"
+        return JSONResponse({"ready": False, "detail": f"no {what} registered"}, status_code=503)
 
     @app.get("/workers")
     async def workers() -> dict[str, Any]:

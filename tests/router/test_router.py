@@ -347,6 +347,7 @@ def test_no_prefill_worker_serves_colocated_on_decode_then_disaggregates_again(c
 
     alone = cluster.post(completion(request_id="alone"))
 
+    assert cluster.get("/ready").status_code == 200  # a decode worker alone can serve
     assert alone.status_code == 200, alone.text
     assert alone.headers["x-kvxfer-serving-mode"] == "colocated_fallback"
     assert [path for path, _ in d.calls] == ["/generate_local"]
