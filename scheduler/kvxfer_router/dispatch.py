@@ -38,6 +38,7 @@ from .openai_api import RouterError, Usage, usage_from
 from .policies import LocalLoad, PairPolicy, WorkerPair, select_pair
 from .settings import RouterSettings
 from .telemetry import RouterTelemetry
+from .vllm_legs import run_vllm_legs
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,11 @@ class CompletionJob:
     prompt_tokens: list[int]
     max_tokens: int
     needs_prefill: bool
+    #: "completion" or "chat": which OpenAI endpoint the client called.
+    kind: str = "completion"
+    #: The client's body, for vLLM workers (they tokenize and template it themselves);
+    #: None for kvxfer's own workers, which get `prompt_tokens`.
+    body: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -327,7 +333,9 @@ class RequestLifecycle:
             self.attempts.append(pair)
             self._d.load.acquire(pair)
             try:
-                if pair.prefill is None:
+                if pair.decode.engine == "vllm":
+                    await run_vllm_legs(self, pair.decode, pair.prefill, worker_rid)
+                elif pair.prefill is None:
                     await self._local(pair.decode, worker_rid)
                 else:
                     await self._disaggregated(pair.decode, pair.prefill, worker_rid)
