@@ -3,8 +3,8 @@ and the local cluster (the router signs its own calls: `kvxfer_router.worker_aut
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from pathlib import Path
-from typing import Generator
 
 import httpx
 

@@ -39,7 +39,7 @@ class WorkerCallSigner:
         self._signer = signer
 
     @classmethod
-    def from_settings(cls, settings: RouterSettings) -> "WorkerCallSigner":
+    def from_settings(cls, settings: RouterSettings) -> WorkerCallSigner:
         """Signs with the cluster key of `settings`; unsigned (with a warning) without one."""
         if settings.cluster_key_file is None:
             log.warning("no cluster key (KVXFER_ROUTER_CLUSTER_KEY_FILE): calls to workers carry no credential; "

@@ -176,6 +176,26 @@ class TestServing:
         assert set(router_workers(cluster)) == workers_before
         wait_pages_free(cluster, 10)
 
+    def test_outsiders_see_no_inventory_and_workers_refuse_them(self, cluster: LocalCluster) -> None:
+        # `kvxfer up` is secure by default: the public port lists no workers, and a client
+        # that learnt a worker's URL anyway gets 401 from it, counted, with nothing reserved.
+        assert httpx.get(f"{cluster.router_url}/workers", trust_env=False).status_code == 404
+        decode = next(rec for rec in router_workers(cluster).values() if rec["role"] == "decode")
+        assert decode["engine_address"]  # the admin port (loopback only) still lists them
+        refused_before = _worker_metric(decode, "kvxfer_worker_auth_rejected_total")
+        url = f"{cluster.router_url}/v1/completions"
+        with httpx.Client(timeout=30, trust_env=False) as client:
+            for path, body in [("/reserve", {"request_id": "x", "prompt_tokens": [1, 2], "max_tokens": 4}),
+                               ("/cancel", {"request_id": "x"}), ("/info", None)]:
+                r = (client.get(decode["http_url"] + path) if body is None
+                     else client.post(decode["http_url"] + path, json=body))
+                assert r.status_code == 401, (path, r.text)
+            good = client.post(url, json={"model": "tiny", "prompt": LONG_PROMPTS[1], "max_tokens": MAX_TOKENS})
+        assert good.status_code == 200
+        assert good.json()["choices"][0]["text"] == Reference.text(LONG_PROMPTS[1], MAX_TOKENS)
+        assert _worker_metric(decode, "kvxfer_worker_auth_rejected_total") == refused_before + 3
+        wait_pages_free(cluster, 10)
+
     def test_200_concurrent_streams_all_correct_and_pages_return(self, cluster: LocalCluster) -> None:
         prompts = [(SHORT_PROMPTS + LONG_PROMPTS)[i % 20] for i in range(200)]
         n_disagg = sum(1 for p in prompts if len(p) + 1 >= MIN_DISAGG_TOKENS)

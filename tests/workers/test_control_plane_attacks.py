@@ -9,8 +9,9 @@ import asyncio
 import base64
 import secrets
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import pytest
