@@ -1,7 +1,9 @@
 """The router's HTTP app: ``create_app(settings, directory, ...)`` builds it.
 
 Routes: ``POST /v1/completions`` (OpenAI-compatible, streaming as server-sent events or
-not), ``GET /v1/models``, ``GET /health``, ``GET /ready``, ``GET /workers``, ``GET /metrics``.
+not), ``GET /v1/models``, ``GET /health``, ``GET /ready``, ``GET /metrics``. The worker
+inventory (``GET /workers``, engine addresses) is internal: it is served on the admin port
+(``kvxfer_router.admin``), never on this public app.
 Nothing happens at import time; the outgoing HTTP client is opened when the app starts
 (lifespan) and closed, after in-flight clean-up, when it stops.
 """
@@ -52,6 +54,7 @@ from .policies import PairPolicy, has_pair, make_policy
 from .settings import RouterSettings
 from .telemetry import RouterTelemetry, default_router_metrics
 from .vllm_legs import RESERVED_FIELDS
+from .worker_auth import WorkerCallSigner
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +134,7 @@ class RouterService:
         self._client = http_client
         self._owns_client = http_client is None
         self._dispatcher: Dispatcher | None = None
+        self.signer = WorkerCallSigner.from_settings(settings)
 
     @property
     def dispatcher(self) -> Dispatcher:
@@ -146,7 +150,8 @@ class RouterService:
                     # must not reroute loopback or pod-to-pod calls.
                     trust_env=False,
                 )
-            self._dispatcher = Dispatcher(self.settings, self.directory, self.policy, self._client, self.telemetry)
+            self._dispatcher = Dispatcher(self.settings, self.directory, self.policy, self._client, self.telemetry,
+                                          self.signer)
         return self._dispatcher
 
     async def start(self) -> None:
@@ -319,17 +324,6 @@ def create_app(
             return JSONResponse({"ready": True})
         return JSONResponse({"ready": False, "detail": "no compatible prefill+decode worker pair registered"},
                             status_code=503)
-
-    @app.get("/workers")
-    async def workers() -> dict[str, Any]:
-        """Known workers with their registry records and this router's load on each."""
-        load = service.dispatcher.load
-        return {
-            "in_flight": service.admission.in_flight,
-            "max_in_flight": service.admission.capacity,
-            "policy": settings.policy,
-            "workers": [dict(w.as_dict(), router_in_flight=load.get(w.worker_id)) for w in directory.workers()],
-        }
 
     @app.get("/metrics")
     async def metrics_endpoint(request: Request) -> Response:

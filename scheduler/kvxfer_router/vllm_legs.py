@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
-import uuid
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -64,7 +63,7 @@ async def run_vllm_legs(lc: "RequestLifecycle", decode: "WorkerView", prefill: "
 
     job = lc.job
     assert job.body is not None
-    transfer_id = f"kx-{attempt_id}-{uuid.uuid4().hex[:12]}"
+    transfer_id = attempt_id  # minted by the router for this attempt (worker_auth.mint_worker_request_id)
     prefill_body, decode_body = leg_bodies(job.body, job.kind, transfer_id, decode, prefill)
     path = _paths(job.kind)
     d = lc._d  # noqa: SLF001 - the legs are part of the lifecycle, kept in their own module
