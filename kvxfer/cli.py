@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="tiny", help="model preset (default tiny)")
     p.add_argument("--provider", default="auto", help="libfabric provider for all workers")
     p.add_argument("--insecure", action="store_true",
-                   help="no cluster key: registry records unsigned (development only; logs a warning)")
+                   help="no cluster key: registry records unsigned, worker control APIs open (development only; logs a warning)")
 
     p = sub.add_parser("generate", help="greedy completion in one process (the colocated reference)")
     p.add_argument("prompt")

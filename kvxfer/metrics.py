@@ -48,6 +48,10 @@ REGISTRY_REJECT_REASONS: tuple[str, ...] = (
     "unsigned",       # no cluster-key signature while the router requires one
     "bad_signature",  # a signature that does not verify with the cluster key
 )
+#: Why a worker refused a control call before any route ran (label `reason` of
+#: `kvxfer_worker_auth_rejected_total`; the token reasons of `kvxfer.registry.control_token`).
+AUTH_REJECT_REASONS: tuple[str, ...] = (
+    "missing", "malformed", "expired", "too_long_lived", "replayed", "bad_signature", "too_large")
 #: Why a KV push failed at the prefill worker (label `reason`).
 TRANSFER_FAILURE_REASONS: tuple[str, ...] = (
     "timeout",            # a write did not complete within the transfer deadline
@@ -202,12 +206,31 @@ class DecodeMetrics:
             "kvxfer_decode_reservations_expired",
             "Reservations failed because they were not admitted within reservation_ttl_s.",
             registry=registry)
+        self.caller_limit_rejections = Counter(
+            "kvxfer_decode_caller_limit_rejections",
+            "Reservations refused (429) because their caller already held max_reservations_per_caller.",
+            registry=registry)
+        self.stray_immediates = Counter(
+            "kvxfer_decode_stray_immediates",
+            "Immediates that arrived for a reservation before it existed (or beyond its expected count): "
+            "discarded, never credited.", registry=registry)
 
     def set_pages(self, capacity: int, free: int) -> None:
         """Publish the page pool; reserved is derived so the three never disagree."""
         self.pages_capacity.set(capacity)
         self.pages_free.set(free)
         self.pages_reserved.set(capacity - free)
+
+
+class WorkerAuthMetrics:
+    """Refusals of a worker's control-plane gate (`kvxfer.workers.control_auth`)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.rejected = Counter(
+            "kvxfer_worker_auth_rejected",
+            "Control calls refused before any route ran: no, bad, expired or replayed token.",
+            ["reason"], registry=registry)
+        _init_labels(self.rejected, AUTH_REJECT_REASONS)
 
 
 class PrefillMetrics:
@@ -376,6 +399,7 @@ def all_metric_names() -> set[str]:
     RouterMetrics(registry)
     DecodeMetrics(registry)
     PrefillMetrics(registry)
+    WorkerAuthMetrics(registry)
     EngineMetrics(registry, lambda: [{key: 0 for _, key, _ in _ENGINE_COUNTERS}])
     return exported_sample_names(registry)
 

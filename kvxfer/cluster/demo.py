@@ -99,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         t0 = time.perf_counter()
         results = asyncio.run(_drive(cluster.router_url, prompts, args.concurrency, args.max_tokens))
         wall = time.perf_counter() - t0
-        prefill_urls = [w["http_url"] for w in httpx.get(f"{cluster.router_url}/workers", timeout=5).json().get("workers", [])
+        prefill_urls = [w["http_url"] for w in httpx.get(f"{cluster.admin_url}/workers", timeout=5).json().get("workers", [])
                         if w.get("role") == "prefill"]
         kv_bytes = 0.0
         transfer_s = 0.0

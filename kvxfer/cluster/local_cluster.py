@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from kvxfer.cluster.control_client import ControlTokenAuth
 from kvxfer.cluster.local_etcd import LocalEtcd
 
 log = logging.getLogger("kvxfer.cluster")
@@ -58,6 +59,7 @@ class LocalCluster:
         self.n_prefill = prefill
         self.n_decode = decode
         self.router_port = router_port or free_port()
+        self.admin_port = free_port()
         self.etcd_url = etcd
         self.model = model
         self.provider = provider
@@ -67,17 +69,20 @@ class LocalCluster:
         self.worker_env = dict(worker_env or {})
         self.router_env = dict(router_env or {})
         # A fresh cluster key per run: workers sign their registry records with it and the
-        # router routes only to records that verify (docs/architecture.md, "Registry (etcd)").
+        # router routes only to records that verify (docs/architecture.md, "Registry (etcd)");
+        # it also keys the tokens of every router-to-worker call ("Threat model").
         # A key the caller's environment names wins.
+        self.key_path: Path | None = None
         if insecure:
-            log.warning("kvxfer up --insecure: registry records are unsigned; anything that can write to etcd "
-                        "can add a worker. Development only.")
+            log.warning("kvxfer up --insecure: registry records are unsigned and worker control APIs take "
+                        "anyone's calls. Development only.")
         else:
             key_path = self.log_dir / "cluster.key"
             key_path.write_bytes(base64.b64encode(secrets.token_bytes(48)))
             key_path.chmod(0o600)
             self.worker_env.setdefault("KVXFER_CLUSTER_KEY_FILE", str(key_path))
             self.router_env.setdefault("KVXFER_ROUTER_CLUSTER_KEY_FILE", str(key_path))
+            self.key_path = Path(self.worker_env["KVXFER_CLUSTER_KEY_FILE"])
         self.etcd: LocalEtcd | None = None
         self.router: subprocess.Popen[bytes] | None = None
         self.workers: dict[str, subprocess.Popen[bytes]] = {}
@@ -101,6 +106,17 @@ class LocalCluster:
 
     def _signal(self, proc: subprocess.Popen[bytes], sig: int) -> None:
         os.killpg(proc.pid, sig)
+
+    @property
+    def admin_url(self) -> str:
+        """Base URL of the router's admin server (GET /workers), on the router's address
+        only (loopback here)."""
+        return f"http://{self._address('router')}:{self.admin_port}"
+
+    @property
+    def control_auth(self) -> ControlTokenAuth | None:
+        """Signs direct calls to the workers (GET /info...); None when running insecure."""
+        return ControlTokenAuth(self.key_path) if self.key_path is not None else None
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
         log = open(self.log_dir / f"{name}.log", "wb")
@@ -136,7 +152,8 @@ class LocalCluster:
                 self.start_worker("decode")
             router_args = [
                 sys.executable, "-m", "kvxfer_router", "--host", self._address("router"),
-                "--port", str(self.router_port), "--etcd-endpoints", self.etcd_url,
+                "--port", str(self.router_port), "--admin-host", self._address("router"),
+                "--admin-port", str(self.admin_port), "--etcd-endpoints", self.etcd_url,
                 "--log-level", "warning",
             ]
             self.router = self._spawn("router", router_args, self.router_env)
@@ -149,7 +166,7 @@ class LocalCluster:
     def workers_seen(self) -> dict[str, int]:
         """How many workers of each role the router knows now."""
         try:
-            body = httpx.get(f"{self.router_url}/workers", timeout=2).json()
+            body = httpx.get(f"{self.admin_url}/workers", timeout=2).json()
         except (httpx.HTTPError, ValueError):
             return {}
         items = body.get("workers", body) if isinstance(body, dict) else body
@@ -223,7 +240,7 @@ def run_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     cluster.start()
-    print(f"kvxfer up: router {cluster.router_url} with {args.prefill} prefill + {args.decode} decode "
+    print(f"kvxfer up: router {cluster.router_url} (admin {cluster.admin_url}) with {args.prefill} prefill + {args.decode} decode "
           f"workers, etcd {cluster.etcd_url}, logs in {cluster.log_dir}", flush=True)
     try:
         while not stop["now"]:

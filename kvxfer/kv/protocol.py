@@ -18,6 +18,7 @@ the transfer engine.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import struct
@@ -38,12 +39,17 @@ __all__ = [
     "MAX_SLOTS",
     "PROTOCOL_VERSION",
     "ReservationError",
+    "MAX_CONTROL_MESSAGE_BYTES",
     "decode_abort",
+    "decode_cancel",
     "decode_imm",
     "decode_mailbox",
+    "decode_reservation_message",
     "encode_abort",
+    "encode_cancel",
     "encode_imm",
     "encode_mailbox",
+    "encode_reservation_message",
     "expected_imm_count",
     "generations_per_slot",
     "layer_dst_offset",
@@ -153,12 +159,72 @@ def encode_abort(imm: int, nonce: int, reason: str) -> bytes:
 
 def decode_abort(raw: bytes) -> tuple[int, int, str] | None:
     """(imm, nonce, reason) of an abort message; None for any other message."""
-    if len(raw) < _ABORT_HEADER:
+    return _decode_signal(raw, _ABORT_MAGIC)
+
+
+def _decode_signal(raw: bytes, magic_wanted: int) -> tuple[int, int, str] | None:
+    if len(raw) < _ABORT_HEADER or len(raw) > ABORT_MESSAGE_BYTES:
         return None
     magic, version, imm, nonce = struct.unpack_from(_ABORT_FORMAT, raw)
-    if magic != _ABORT_MAGIC or version != PROTOCOL_VERSION:
+    if magic != magic_wanted or version != PROTOCOL_VERSION:
         return None
     return imm, nonce, raw[_ABORT_HEADER:].decode("utf-8", errors="replace")
+
+
+# ---- cancel -----------------------------------------------------------------------------
+#
+# The other direction, for hand-offs the decoder starts (the vLLM connector): "stop pushing
+# the reservation with this immediate and nonce". The prefiller answers with the abort
+# message above once none of its writes for it is in flight, and from then on the decoder
+# may hand the pages to another request.
+
+_CANCEL_MAGIC = 0x4B56434E  # "KVCN"
+
+
+def encode_cancel(imm: int, nonce: int, reason: str) -> bytes:
+    """The cancel message of one reservation (decoder to prefiller)."""
+    text = reason.encode("utf-8", errors="replace")[: ABORT_MESSAGE_BYTES - _ABORT_HEADER]
+    return struct.pack(_ABORT_FORMAT, _CANCEL_MAGIC, PROTOCOL_VERSION, imm, nonce) + text
+
+
+def decode_cancel(raw: bytes) -> tuple[int, int, str] | None:
+    """(imm, nonce, reason) of a cancel message; None for any other message."""
+    return _decode_signal(raw, _CANCEL_MAGIC)
+
+
+# ---- reservation message ----------------------------------------------------------------
+#
+# When the decoder reserves first and the prefiller learns its pages over the engine (the
+# vLLM connector: no HTTP call between the two workers), the reservation travels as one
+# control message: a magic, then the reservation's JSON form. JSON, not pickle: the
+# receiver parses it with `KVReservation.from_json`, which validates every field once.
+
+_RESERVE_MAGIC = b"KVRS"
+#: The engine's bound on one control message.
+MAX_CONTROL_MESSAGE_BYTES = 64 * 1024
+
+
+def encode_reservation_message(reservation: "KVReservation") -> bytes:
+    """The reservation as one engine control message; ReservationError if it cannot fit."""
+    raw = _RESERVE_MAGIC + json.dumps(reservation.to_json(), separators=(",", ":")).encode()
+    if len(raw) > MAX_CONTROL_MESSAGE_BYTES:
+        raise ReservationError("pages", f"{len(reservation.pages)} pages do not fit one control message "
+                               f"({len(raw)} > {MAX_CONTROL_MESSAGE_BYTES} bytes)")
+    return raw
+
+
+def decode_reservation_message(raw: bytes) -> "KVReservation | None":
+    """The reservation a message carries; None for any other message; ReservationError
+    (naming the field) for a reservation message that is malformed."""
+    if not raw.startswith(_RESERVE_MAGIC):
+        return None
+    if len(raw) > MAX_CONTROL_MESSAGE_BYTES:
+        raise ReservationError("reservation", f"message of {len(raw)} bytes exceeds {MAX_CONTROL_MESSAGE_BYTES}")
+    try:
+        data = json.loads(raw[len(_RESERVE_MAGIC):].decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ReservationError("reservation", f"not JSON: {exc}") from None
+    return KVReservation.from_json(data)
 
 
 # ---- the reservation --------------------------------------------------------------------
@@ -172,7 +238,10 @@ class ReservationError(KvxferError, ValueError):
         super().__init__(f"malformed reservation: {field}: {problem}")
 
 
-_LAYOUT = re.compile(r"^L(\d+)-H(\d+)-D(\d+)-([a-z0-9]+)-bs(\d+)$")
+# An engine may add dash-separated tags after the block size (vLLM's cache adds its
+# layout and ISA: "-vllm-lbhnc-avx2"), because raw blocks are only portable between
+# instances whose in-block byte order is the same.
+_LAYOUT = re.compile(r"^L(\d+)-H(\d+)-D(\d+)-([a-z0-9]+)-bs(\d+)((?:-[a-z0-9_]+)*)$")
 _MAX_ID_CHARS = 256
 _MAX_DESCRIPTOR_BYTES = 64 * 1024
 _MAX_PAGES = 1 << 24
@@ -230,7 +299,11 @@ class KVReservation:
     `meta_offset` locate its mailbox slot; `imm` and `expected_count` gate admission;
     `fence_timeout_s` is how long the decoder keeps the pages after giving up on the
     request without the prefiller's word that its writes stopped (a prefiller whose
-    transfer deadline is not shorter refuses the reservation). Construction validates.
+    transfer deadline is not shorter refuses the reservation). `first_page` counts the
+    prompt's leading pages the decoder already holds (a prefix-cache hit): the prefiller
+    pushes prompt pages `first_page...` into `pages` in order. Without a `mailbox` (an
+    engine whose decoder recomputes the last prompt token, as vLLM does) the meta fields
+    are unused and `expected_count` is exactly layers x pages. Construction validates.
     """
 
     request_id: str
@@ -245,12 +318,18 @@ class KVReservation:
     nonce: int
     fence_timeout_s: float
     version: int = PROTOCOL_VERSION
+    first_page: int = 0
+    mailbox: bool = True
 
     def __post_init__(self) -> None:
         _version(self.version)
         _str("request_id", self.request_id, _MAX_ID_CHARS)
         _bytes("descriptor", self.descriptor)
-        _bytes("meta_descriptor", self.meta_descriptor)
+        if not isinstance(self.mailbox, bool):
+            raise ReservationError("mailbox", f"must be true or false, got {self.mailbox!r:.40}")
+        _int("first_page", self.first_page, 0, _MAX_PAGES)
+        if self.mailbox or self.meta_descriptor:
+            _bytes("meta_descriptor", self.meta_descriptor)
         num_pages = _int("num_pages", self.num_pages, 1, _MAX_PAGES)
         if not isinstance(self.pages, list) or not self.pages:
             raise ReservationError("pages", "must be a non-empty list of page ids")
@@ -271,9 +350,14 @@ class KVReservation:
         if match is None:
             raise ReservationError("kv_layout", f"not a layout string like 'L2-H2-D16-float32-bs16': {self.kv_layout!r:.60}")
         num_layers = int(match.group(1))
-        expected = _int("expected_count", self.expected_count, 2, num_layers * len(self.pages) + 1)
-        if (expected - 1) % max(num_layers, 1):
-            raise ReservationError("expected_count", f"{expected} is not {num_layers} layers x pages + 1 (the mailbox)")
+        if not self.mailbox:
+            if self.expected_count != num_layers * len(self.pages):
+                raise ReservationError("expected_count", f"{self.expected_count!r:.40} is not {num_layers} layers x "
+                                       f"{len(self.pages)} pages (no mailbox)")
+        else:
+            expected = _int("expected_count", self.expected_count, 2, num_layers * len(self.pages) + 1)
+            if (expected - 1) % max(num_layers, 1):
+                raise ReservationError("expected_count", f"{expected} is not {num_layers} layers x pages + 1 (the mailbox)")
         fence = self.fence_timeout_s
         if isinstance(fence, bool) or not isinstance(fence, (int, float)) or not (math.isfinite(fence) and fence > 0):
             raise ReservationError("fence_timeout_s", f"must be a positive number of seconds, got {fence!r:.40}")
@@ -287,7 +371,9 @@ class KVReservation:
 
     @property
     def prompt_pages(self) -> int:
-        """Pages the prompt fills, i.e. the pages the prefiller writes, per layer."""
+        """Pages the prefiller writes per layer."""
+        if not self.mailbox:
+            return len(self.pages)
         return (self.expected_count - 1) // self.num_layers
 
     def to_json(self) -> dict[str, Any]:
@@ -305,6 +391,8 @@ class KVReservation:
             "meta_offset": self.meta_offset,
             "nonce": self.nonce,
             "fence_timeout_s": self.fence_timeout_s,
+            "first_page": self.first_page,
+            "mailbox": self.mailbox,
         }
 
     @classmethod
@@ -342,9 +430,12 @@ class KVReservation:
             imm=get("imm"),
             expected_count=get("expected_count"),
             kv_layout=get("kv_layout"),
-            meta_descriptor=_hex("meta_descriptor", get("meta_descriptor")),
+            meta_descriptor=_hex("meta_descriptor", get("meta_descriptor")) if data.get("mailbox", True) is not False
+            else (_hex("meta_descriptor", data["meta_descriptor"]) if data.get("meta_descriptor") else b""),
             meta_offset=get("meta_offset"),
             nonce=get("nonce"),
             fence_timeout_s=get("fence_timeout_s"),
             version=version,
+            first_page=data.get("first_page", 0),
+            mailbox=data.get("mailbox", True),
         )

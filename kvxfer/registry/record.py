@@ -8,6 +8,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 WorkerRole = Literal["prefill", "decode"]
 WORKER_ROLES: tuple[str, ...] = ("prefill", "decode")
+#: What serves a worker's HTTP API: kvxfer's own workers ("kvxfer": /reserve, /prefill,
+#: /generate) or a vLLM instance with the kvxfer connector ("vllm": the OpenAI API, the
+#: hand-off carried in kv_transfer_params). The router speaks to each in its own way.
+WorkerEngine = Literal["kvxfer", "vllm"]
 
 
 class WorkerRecord(BaseModel):
@@ -38,6 +42,7 @@ class WorkerRecord(BaseModel):
     queue_depth: int = Field(default=0, ge=0)
     running: int = Field(default=0, ge=0)
     draining: bool = False
+    engine: WorkerEngine = "kvxfer"
     # The contract names it updated_at; the unit is seconds since the Unix epoch.
     updated_at: float = 0.0
 

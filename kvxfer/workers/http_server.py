@@ -21,6 +21,7 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvxfer.kv.page_allocator import PageAllocationError
+from kvxfer.workers.control_auth import install_control_auth
 from kvxfer.workers.rejection import Rejection, RequestRejected
 from kvxfer.workers.runtime import WorkerCore
 
@@ -48,10 +49,13 @@ def create_worker_app(title: str, core: WorkerCore, info: Callable[[], dict[str,
     """A FastAPI app with the common routes and the rejection-to-status mapping installed."""
     app = FastAPI(title=title)
     add_common_routes(app, core, info)
+    install_control_auth(app, core.settings, core.metrics_registry)
 
     @app.exception_handler(RequestRejected)
     async def rejected(_: Request, exc: RequestRejected) -> JSONResponse:
-        return JSONResponse({"detail": str(exc), "reason": exc.reason.value}, status_code=STATUS_OF[exc.reason])
+        headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s is not None else None
+        return JSONResponse({"detail": str(exc), "reason": exc.reason.value}, status_code=STATUS_OF[exc.reason],
+                            headers=headers)
 
     @app.exception_handler(PageAllocationError)
     async def allocation_error(_: Request, exc: PageAllocationError) -> JSONResponse:

@@ -27,9 +27,12 @@ class Rejection(str, Enum):
 
 
 class RequestRejected(KvxferError):
-    """A worker refused or failed a request; `reason` says why, the message says what."""
+    """A worker refused or failed a request; `reason` says why, the message says what;
+    `retry_after_s`, when set, goes to the client as Retry-After."""
 
-    def __init__(self, reason: Rejection, message: str, request_id: str | None = None) -> None:
+    def __init__(self, reason: Rejection, message: str, request_id: str | None = None,
+                 retry_after_s: int | None = None) -> None:
         self.reason = reason
         self.request_id = request_id
+        self.retry_after_s = retry_after_s
         super().__init__(message)

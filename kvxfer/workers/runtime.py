@@ -49,8 +49,17 @@ class WorkerSettings(BaseSettings):
     lease_ttl_s: int = 5
     cluster_key_file: Path | None = Field(
         None, description="file holding the cluster key (>= 32 bytes); signs this worker's registry record "
-        "so routers admit it. Unset: the record is unsigned and a warning is logged (development only)",
+        "so routers admit it, and keys the control-plane tokens this worker requires on every call but /health, "
+        "/ready and /metrics. Unset: unsigned record, open control API, a warning in the log (development only)",
     )
+    control_token_max_lifetime_s: float = Field(
+        30.0, gt=0, description="control calls are refused when their token expires further ahead than this"
+    )
+    control_token_clock_skew_s: float = Field(
+        5.0, ge=0, description="clock difference tolerated between a caller and this worker on token expiry"
+    )
+    control_max_body_bytes: int = Field(4 << 20, gt=0, description="largest control request body read (413 beyond)")
+    control_body_timeout_s: float = Field(10.0, gt=0, description="time a caller has to send a control body (408)")
     drain_timeout_s: float = 30.0
     prefill_chunk_tokens: int = 256
 

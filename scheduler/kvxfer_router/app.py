@@ -1,7 +1,9 @@
 """The router's HTTP app: ``create_app(settings, directory, ...)`` builds it.
 
 Routes: ``POST /v1/completions`` (OpenAI-compatible, streaming as server-sent events or
-not), ``GET /v1/models``, ``GET /health``, ``GET /ready``, ``GET /workers``, ``GET /metrics``.
+not), ``GET /v1/models``, ``GET /health``, ``GET /ready``, ``GET /metrics``. The worker
+inventory (``GET /workers``, engine addresses) is internal: it is served on the admin port
+(``kvxfer_router.admin``), never on this public app.
 Nothing happens at import time; the outgoing HTTP client is opened when the app starts
 (lifespan) and closed, after in-flight clean-up, when it stops.
 """
@@ -32,21 +34,27 @@ from .dispatch import CompletionJob, Dispatcher, ErrorEvent, Event, FinishEvent,
 from .openai_api import (
     REQUEST_ID_PATTERN,
     SSE_DONE,
+    ChatCompletionRequest,
     Completion,
     CompletionChoice,
     CompletionRequest,
     PromptEncoder,
     RouterError,
+    chat_chunk_body,
+    chat_completion_body,
     completion_id,
     default_prompt_encoder,
     models_list,
     now_s,
+    render_chat,
     sse_event,
     validation_error,
 )
 from .policies import PairPolicy, has_pair, make_policy
 from .settings import RouterSettings
 from .telemetry import RouterTelemetry, default_router_metrics
+from .vllm_legs import RESERVED_FIELDS
+from .worker_auth import WorkerCallSigner
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +134,7 @@ class RouterService:
         self._client = http_client
         self._owns_client = http_client is None
         self._dispatcher: Dispatcher | None = None
+        self.signer = WorkerCallSigner.from_settings(settings)
 
     @property
     def dispatcher(self) -> Dispatcher:
@@ -141,7 +150,8 @@ class RouterService:
                     # must not reroute loopback or pod-to-pod calls.
                     trust_env=False,
                 )
-            self._dispatcher = Dispatcher(self.settings, self.directory, self.policy, self._client, self.telemetry)
+            self._dispatcher = Dispatcher(self.settings, self.directory, self.policy, self._client, self.telemetry,
+                                          self.signer)
         return self._dispatcher
 
     async def start(self) -> None:
@@ -161,9 +171,37 @@ class RouterService:
         """Models served by at least one registered worker (draining ones included)."""
         return {w.model for w in self.directory.workers()}
 
-    async def parse_completion(self, request: Request) -> tuple[CompletionJob, CompletionRequest]:
-        """Validate a ``/v1/completions`` request into a job, or raise a 4xx
-        :class:`RouterError`. Nothing is reserved or sent anywhere before this passes."""
+    def model_engine(self, model: str) -> str:
+        """"vllm" when the model is served by vLLM instances, else "kvxfer"."""
+        engines = {w.engine for w in self.directory.workers() if w.model == model}
+        return "vllm" if "vllm" in engines else "kvxfer"
+
+    def _check_common(self, obj: dict[str, Any], model: str, max_tokens: int | None, request_id: str) -> int:
+        """Checks every endpoint makes: fields only the router sets, the model, max_tokens."""
+        for name in RESERVED_FIELDS:
+            if name in obj:
+                raise RouterError(400, f"{name} is set by the router for each worker, not by clients",
+                                  request_id=request_id, param=name, code="invalid_value")
+        if model not in self.known_models():
+            raise RouterError(404, f"model {model!r} is not served by any registered worker",
+                              request_id=request_id, param="model", code="model_not_found")
+        value = max_tokens if max_tokens is not None else self.settings.default_max_tokens
+        if value > self.settings.max_tokens_limit:
+            raise RouterError(400, f"max_tokens is {value}, the limit is {self.settings.max_tokens_limit}",
+                              request_id=request_id, param="max_tokens", code="invalid_value")
+        return value
+
+    @staticmethod
+    def _vllm_job(request_id: str, model: str, max_tokens: int, kind: str, obj: dict[str, Any]) -> CompletionJob:
+        # vLLM tokenizes, templates and checks the context length itself (its 400 reaches
+        # the client as the router's 400); the router forwards the body, minus its own fields.
+        body = {k: v for k, v in obj.items() if k != "request_id"}
+        body["max_tokens"] = max_tokens
+        body.pop("max_completion_tokens", None)
+        return CompletionJob(request_id=request_id, model=model, prompt_tokens=[], max_tokens=max_tokens,
+                             needs_prefill=True, kind=kind, body=body)
+
+    async def _read_object(self, request: Request) -> tuple[dict[str, Any], str | None]:
         header_rid = request.headers.get("x-request-id")
         rid: str | None = header_rid if header_rid and _REQUEST_ID_RE.match(header_rid) else None
         length = request.headers.get("content-length")
@@ -177,18 +215,41 @@ class RouterService:
             raise RouterError(400, "request body must be a JSON object", request_id=rid, code="invalid_json")
         if isinstance(obj.get("request_id"), str) and _REQUEST_ID_RE.match(obj["request_id"]):
             rid = obj["request_id"]
+        return obj, rid
+
+    async def parse_chat(self, request: Request) -> tuple[CompletionJob, ChatCompletionRequest]:
+        """Validate a ``/v1/chat/completions`` request into a job, or raise a 4xx."""
+        obj, rid = await self._read_object(request)
+        try:
+            req = ChatCompletionRequest.model_validate(obj)
+        except ValidationError as exc:
+            raise validation_error(exc, rid) from None
+        request_id = rid or f"chatcmpl-{uuid.uuid4().hex}"
+        asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_tokens = self._check_common(obj, req.model, asked, request_id)
+        if self.model_engine(req.model) == "vllm":
+            return self._vllm_job(request_id, req.model, max_tokens, "chat", obj), req
+        tokens = self.encode_prompt(render_chat(req.messages))
+        limit = self.settings.prompt_limit(req.model)
+        if len(tokens) > limit:
+            raise RouterError(400, f"messages are {len(tokens)} tokens, model {req.model!r} accepts at most {limit}",
+                              request_id=request_id, param="messages", code="context_length_exceeded")
+        job = CompletionJob(request_id=request_id, model=req.model, prompt_tokens=tokens, max_tokens=max_tokens,
+                            needs_prefill=len(tokens) >= self.settings.disaggregation_min_prompt_tokens, kind="chat")
+        return job, req
+
+    async def parse_completion(self, request: Request) -> tuple[CompletionJob, CompletionRequest]:
+        """Validate a ``/v1/completions`` request into a job, or raise a 4xx
+        :class:`RouterError`. Nothing is reserved or sent anywhere before this passes."""
+        obj, rid = await self._read_object(request)
         try:
             req = CompletionRequest.model_validate(obj)
         except ValidationError as exc:
             raise validation_error(exc, rid) from None
         request_id = rid or f"cmpl-{uuid.uuid4().hex}"
-        if req.model not in self.known_models():
-            raise RouterError(404, f"model {req.model!r} is not served by any registered worker",
-                              request_id=request_id, param="model", code="model_not_found")
-        max_tokens = req.max_tokens if req.max_tokens is not None else self.settings.default_max_tokens
-        if max_tokens > self.settings.max_tokens_limit:
-            raise RouterError(400, f"max_tokens is {max_tokens}, the limit is {self.settings.max_tokens_limit}",
-                              request_id=request_id, param="max_tokens", code="invalid_value")
+        max_tokens = self._check_common(obj, req.model, req.max_tokens, request_id)
+        if self.model_engine(req.model) == "vllm":
+            return self._vllm_job(request_id, req.model, max_tokens, "completion", obj), req
         tokens = self.encode_prompt(req.prompt)
         if not tokens:
             raise RouterError(400, "prompt is empty", request_id=request_id, param="prompt", code="invalid_value")
@@ -265,17 +326,6 @@ def create_app(
         what = "decode worker" if settings.colocated_fallback else "compatible prefill+decode worker pair"
         return JSONResponse({"ready": False, "detail": f"no {what} registered"}, status_code=503)
 
-    @app.get("/workers")
-    async def workers() -> dict[str, Any]:
-        """Known workers with their registry records and this router's load on each."""
-        load = service.dispatcher.load
-        return {
-            "in_flight": service.admission.in_flight,
-            "max_in_flight": service.admission.capacity,
-            "policy": settings.policy,
-            "workers": [dict(w.as_dict(), router_in_flight=load.get(w.worker_id)) for w in directory.workers()],
-        }
-
     @app.get("/metrics")
     async def metrics_endpoint(request: Request) -> Response:
         """Prometheus exposition of ``metrics_registry``."""
@@ -300,6 +350,23 @@ def create_app(
         """OpenAI-compatible completion; see the module docs of ``dispatch``."""
         try:
             job, req = await service.parse_completion(request)
+            ticket = service.admission.admit(job.request_id, job.model, needs_prefill=job.needs_prefill)
+        except RouterError as exc:
+            return exc.to_response()
+        lifecycle = service.dispatcher.start(job, ticket)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        if req.stream:
+            return await _stream_response(request, lifecycle, include_usage)
+        return await _full_response(request, lifecycle)
+
+    @app.post("/v1/chat/completions",
+              responses={200: {"description": "A chat completion, or server-sent events of chunks when `stream` is true"},
+                         **{code: {"description": what, "content": {"application/json": {"schema": _ERROR_SCHEMA}}}
+                            for code, what in _ERROR_STATUSES.items()}})
+    async def chat_completions(request: Request) -> Response:
+        """OpenAI-compatible chat completion (text messages)."""
+        try:
+            job, req = await service.parse_chat(request)
             ticket = service.admission.admit(job.request_id, job.model, needs_prefill=job.needs_prefill)
         except RouterError as exc:
             return exc.to_response()
@@ -402,6 +469,11 @@ async def _full_response(request: Request, lifecycle: RequestLifecycle) -> Respo
     if isinstance(end, ErrorEvent):
         return end.error.to_response()
     assert isinstance(end, FinishEvent)
+    text = "".join(t.text for t in tokens) + end.text
+    if lifecycle.job.kind == "chat":
+        return JSONResponse(chat_completion_body(completion_id(lifecycle.request_id), now_s(), lifecycle.job.model,
+                                                 text, end.finish_reason, end.usage),
+                            headers=_headers(lifecycle.request_id))
     body = Completion(
         id=completion_id(lifecycle.request_id), created=now_s(), model=lifecycle.job.model,
         choices=[CompletionChoice(text="".join(t.text for t in tokens) + end.text, finish_reason=end.finish_reason)],
@@ -442,6 +514,8 @@ class CompletionEventStream(StreamingResponse):
         )
 
     def _chunk(self, text: str, finish_reason: str | None) -> bytes:
+        if self._lifecycle.job.kind == "chat":
+            return sse_event(chat_chunk_body(self._cid, self._created, self._lifecycle.job.model, text, finish_reason))
         return sse_event(Completion(
             id=self._cid, created=self._created, model=self._lifecycle.job.model,
             choices=[CompletionChoice(text=text, finish_reason=finish_reason)],
@@ -454,7 +528,10 @@ class CompletionEventStream(StreamingResponse):
                 yield self._chunk(ev.text, None)
             elif isinstance(ev, FinishEvent):
                 yield self._chunk(ev.text, ev.finish_reason)
-                if self._include_usage:
+                if self._include_usage and self._lifecycle.job.kind == "chat":
+                    yield sse_event(chat_chunk_body(self._cid, self._created, self._lifecycle.job.model, None, None,
+                                                    ev.usage))
+                elif self._include_usage:
                     yield sse_event(Completion(
                         id=self._cid, created=self._created, model=self._lifecycle.job.model,
                         choices=[], usage=ev.usage,

@@ -9,12 +9,14 @@ runs without etcd.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import json
 import logging
 import math
 import sys
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from pydantic import ValidationError
 
@@ -96,6 +98,38 @@ def open_directory(settings: RouterSettings, workers_file: Path | None) -> tuple
     return EtcdWorkerDirectory(watcher), watcher.close
 
 
+def serve(app: Any, admin_app: Any | None, settings: RouterSettings) -> None:
+    """Serves the public app until SIGINT/SIGTERM, and the admin app beside it in the same loop."""
+    import uvicorn
+
+    class AdminServer(uvicorn.Server):
+        # The public server owns the signals; the admin server stops when it does.
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
+
+    # In-flight requests end within their deadline, so that bounds a graceful shutdown
+    # (SIGTERM); the app's own clean-up then takes at most shutdown_timeout_s.
+    public = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port,
+                                           log_level=settings.log_level.lower(),
+                                           timeout_graceful_shutdown=math.ceil(settings.request_deadline_s)))
+
+    async def run() -> None:
+        admin_task = None
+        if admin_app is not None:
+            admin = AdminServer(uvicorn.Config(admin_app, host=settings.admin_host, port=settings.admin_port,
+                                               log_level="warning", lifespan="off"))
+            admin_task = asyncio.create_task(admin.serve())
+        try:
+            await public.serve()
+        finally:
+            if admin_task is not None:
+                admin.should_exit = True
+                await admin_task
+
+    asyncio.run(run())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv``, open the worker directory, and serve until interrupted; exit code."""
     parser = build_parser()
@@ -106,8 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"invalid settings:\n{exc}")
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    import uvicorn
-
+    from .admin import create_admin_app
     from .app import create_app
 
     try:
@@ -117,10 +150,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         app = create_app(settings, directory)
-        # In-flight requests end within their deadline, so that bounds a graceful shutdown
-        # (SIGTERM); the app's own clean-up then takes at most shutdown_timeout_s.
-        uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
-                    timeout_graceful_shutdown=math.ceil(settings.request_deadline_s))
+        admin_app = create_admin_app(app.state.router) if settings.admin_port >= 0 else None
+        serve(app, admin_app, settings)
     finally:
         close_directory()
     return 0

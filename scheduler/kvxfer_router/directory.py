@@ -65,6 +65,8 @@ class WorkerView:
     running: int = 0
     draining: bool = False
     updated_at: float = 0.0
+    #: "kvxfer" (kvxfer's own worker API) or "vllm" (an OpenAI server with the kvxfer connector).
+    engine: str = "kvxfer"
 
     @property
     def layout_key(self) -> str:
@@ -115,6 +117,7 @@ class WorkerView:
             running=int(get("running", 0) or 0),
             draining=bool(get("draining", False)),
             updated_at=float(get("updated_at", 0.0) or 0.0),
+            engine=str(get("engine", "kvxfer") or "kvxfer"),
         )
 
 

@@ -38,6 +38,8 @@ from .openai_api import RouterError, Usage, usage_from
 from .policies import LocalLoad, PairPolicy, WorkerPair, select_pair
 from .settings import RouterSettings
 from .telemetry import RouterTelemetry
+from .vllm_legs import run_vllm_legs
+from .worker_auth import WorkerCallSigner, mint_worker_request_id
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +85,11 @@ class CompletionJob:
     prompt_tokens: list[int]
     max_tokens: int
     needs_prefill: bool
+    #: "completion" or "chat": which OpenAI endpoint the client called.
+    kind: str = "completion"
+    #: The client's body, for vLLM workers (they tokenize and template it themselves);
+    #: None for kvxfer's own workers, which get `prompt_tokens`.
+    body: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -140,8 +147,10 @@ class Dispatcher:
         policy: PairPolicy,
         client: httpx.AsyncClient,
         telemetry: RouterTelemetry,
+        signer: WorkerCallSigner | None = None,
     ) -> None:
         self.settings = settings
+        self.signer = signer or WorkerCallSigner(None)
         self.directory = directory
         self.policy = policy
         self.client = client
@@ -190,7 +199,8 @@ class Dispatcher:
         timeout = httpx.Timeout(total_timeout_s, connect=self.settings.connect_timeout_s)
         try:
             resp = await asyncio.wait_for(
-                self.client.post(worker.url(path), json=body, timeout=timeout), total_timeout_s
+                self.client.post(worker.url(path), timeout=timeout, **self.signer.request(worker.url(path), body)),
+                total_timeout_s
             )
         except (httpx.TimeoutException, asyncio.TimeoutError) as exc:
             # Say which limit hit: a connect timeout is not the whole call's.
@@ -332,13 +342,16 @@ class RequestLifecycle:
             if last is not None:
                 self._d.telemetry.retry(last.stage)
                 log.info("request %s: retrying on %s after: %s", self.request_id, pair.worker_ids, last)
-            # Each attempt has its own id towards the workers: the failed pair may still
-            # hold state under the previous one while its cancel completes.
-            worker_rid = self.request_id if attempt == 0 else f"{self.request_id}.retry{attempt}"
+            # Each attempt has its own id towards the workers, minted here (never the
+            # client's): the failed pair may still hold state under the previous one.
+            worker_rid = mint_worker_request_id()
+            log.debug("request %s: attempt %d is %s on the workers", self.request_id, attempt, worker_rid)
             self.attempts.append(pair)
             self._d.load.acquire(pair)
             try:
-                if pair.prefill is None:
+                if pair.decode.engine == "vllm":
+                    await run_vllm_legs(self, pair.decode, pair.prefill, worker_rid)
+                elif pair.prefill is None:
                     await self._local(pair.decode, worker_rid)
                 else:
                     await self._disaggregated(pair.decode, pair.prefill, worker_rid)
@@ -461,7 +474,8 @@ class RequestLifecycle:
         s = self._s
         timeout = httpx.Timeout(s.first_token_timeout_s, connect=s.connect_timeout_s, write=s.control_timeout_s)
         try:
-            async with self._d.client.stream("POST", decode.url(path), json=body, timeout=timeout) as resp:
+            async with self._d.client.stream("POST", decode.url(path), timeout=timeout,
+                                             **self._d.signer.request(decode.url(path), body)) as resp:
                 if resp.status_code >= 400:
                     text = (await asyncio.wait_for(resp.aread(), s.control_timeout_s)).decode(errors="replace")
                     raise LegFailure(wrid, decode, stage, f"POST {path} answered {resp.status_code}: {_detail(text)}",

@@ -179,3 +179,54 @@ def default_prompt_encoder() -> PromptEncoder:
     and must not silently change what the model sees."""
     encode = ByteTokenizer().encode
     return lambda prompt: list(encode(prompt))
+
+
+# ---- chat completions -------------------------------------------------------------------
+
+class ChatMessage(BaseModel):
+    """One message of a chat: a role and text content."""
+
+    model_config = ConfigDict(extra="allow")
+    role: str = Field(min_length=1, max_length=64, strict=True)
+    content: str = Field(strict=True)
+
+
+class ChatCompletionRequest(BaseModel):
+    """Body of ``POST /v1/chat/completions`` (text messages). vLLM workers apply the model's
+    chat template themselves; kvxfer's own workers get ``render_chat`` of the messages."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
+    max_tokens: int | None = Field(None, strict=True, gt=0)
+    max_completion_tokens: int | None = Field(None, strict=True, gt=0)
+    stream: bool = Field(False, strict=True)
+    stream_options: StreamOptions | None = None
+    request_id: str | None = Field(None, pattern=REQUEST_ID_PATTERN)
+
+
+def render_chat(messages: list[ChatMessage]) -> str:
+    """The plain template kvxfer's own model uses: one ``role: content`` line per message,
+    then ``assistant: `` (the same template the generated test checkpoints carry)."""
+    return "".join(f"{m.role}: {m.content}\n" for m in messages) + "assistant: "
+
+
+def chat_completion_body(cid: str, created: int, model: str, text: str, finish_reason: str,
+                         usage: Usage) -> dict[str, Any]:
+    """A non-streaming chat completion."""
+    return {"id": cid, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}],
+            "usage": usage.model_dump()}
+
+
+def chat_chunk_body(cid: str, created: int, model: str, text: str | None, finish_reason: str | None,
+                    usage: Usage | None = None) -> dict[str, Any]:
+    """One streamed chat chunk; with ``usage`` and no text, the final usage chunk."""
+    choices = [] if usage is not None and text is None else [
+        {"index": 0, "delta": {"content": text} if text else {}, "finish_reason": finish_reason}]
+    body: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                            "choices": choices}
+    if usage is not None:
+        body["usage"] = usage.model_dump()
+    return body

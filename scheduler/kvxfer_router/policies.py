@@ -35,7 +35,8 @@ class WorkerPair:
 
 def compatible(decode: WorkerView, prefill: WorkerView) -> bool:
     """Whether ``prefill`` may push KV to ``decode``: same model and same KV layout."""
-    return decode.model == prefill.model and decode.layout_key == prefill.layout_key
+    return (decode.model == prefill.model and decode.layout_key == prefill.layout_key
+            and decode.engine == prefill.engine)
 
 
 class LocalLoad:

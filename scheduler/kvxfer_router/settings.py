@@ -37,6 +37,20 @@ class RouterSettings(BaseSettings):
         None, description="File holding the cluster key (>= 32 bytes): only worker records signed with it are "
         "routed to. Unset: every well-formed record is admitted and a warning is logged (development only).",
     )
+    control_issuer: str = Field(
+        "router", pattern=r"^[A-Za-z0-9_\-]{1,64}$",
+        description="Name this router signs worker calls with; workers scope request ids and limits to it.",
+    )
+    control_token_lifetime_s: float = Field(
+        10.0, gt=0, description="Lifetime of the token on each worker call; workers refuse tokens that live "
+        "longer than their control_token_max_lifetime_s.",
+    )
+    admin_host: str = Field(
+        "127.0.0.1", description="Address the admin HTTP server (GET /workers: worker inventory, engine "
+        "addresses) binds; keep it off the public network.",
+    )
+    admin_port: int = Field(8001, ge=-1, le=65535, description="Port of the admin server (0: any free port; "
+                            "-1: no admin server).")
 
     # --- scheduling ----------------------------------------------------------------------
     policy: str = Field(

@@ -591,6 +591,33 @@ def test_autoscaling_owns_worker_replicas_and_scales_in_slowly(combo: Any) -> No
     assert "kvxfer_decode_kv_pages_free" in queries
 
 
+# --- the cluster key ---------------------------------------------------------------------
+
+CLUSTER_KEY_SECRET = "kvxfer-cluster-key"
+
+
+@combos
+def test_router_and_workers_get_the_cluster_key_from_its_secret(combo: Any) -> None:
+    # Security on by default: every kvxfer pod reads the cluster key from the Secret (it
+    # signs registry records and the router's calls to workers); none runs without it.
+    objects = objects_of(combo)
+    variables = {"router": "KVXFER_ROUTER_CLUSTER_KEY_FILE", "prefill": "KVXFER_CLUSTER_KEY_FILE",
+                 "decode": "KVXFER_CLUSTER_KEY_FILE"}
+    for role in ROLES:
+        deployment = workload(objects, role)
+        container = main_container(deployment)
+        path = container_env(objects, container)[variables[role]]
+        directory, _, name = path.rpartition("/")
+        volumes = {v["name"]: v["secret"] for v in pod_spec(deployment)["volumes"]
+                   if v.get("secret", {}).get("secretName") == CLUSTER_KEY_SECRET}
+        mounted = {m["mountPath"]: volumes[m["name"]] for m in container["volumeMounts"] if m["name"] in volumes}
+        assert directory in mounted, (role, path)
+        assert name in {item["path"] for item in mounted[directory]["items"]}, (role, path)
+        assert not mounted[directory].get("optional", False), role
+        # Group-readable for the pod's fsGroup, and by no one else.
+        assert mounted[directory]["defaultMode"] & 0o007 == 0 and mounted[directory]["defaultMode"] & 0o040
+
+
 # --- etcd -----------------------------------------------------------------------------
 
 def _secret_mounts(template: dict[str, Any], container: dict[str, Any]) -> dict[str, set[str]]:

@@ -25,6 +25,7 @@ the pod, SIGTERM goes to its PID 1, and it must exit within terminationGracePeri
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -84,10 +85,14 @@ class Cluster:
         self.kubelet_ns, _ = self.net.add("kubelet")
         self.pods: dict[str, Pod] = {}
         self.certs = root / "certs"
+        self.cluster_key = root / "cluster-key"
 
     def make_certs(self) -> None:
         subprocess.run([str(K8S / "components/etcd/in-cluster/make-certs.sh"), str(self.certs),
                         "kvxfer"], check=True, capture_output=True, timeout=60)
+        # The kvxfer-cluster-key Secret, made as k8s/README.md says.
+        self.cluster_key.mkdir()
+        (self.cluster_key / "cluster.key").write_bytes(base64.b64encode(os.urandom(48)))
 
     def plan(self, name: str, owner: dict[str, Any]) -> None:
         ns, ip = self.net.add(name)
@@ -111,7 +116,8 @@ class Cluster:
         spec = pod_spec(owner)
         claims = {c["metadata"]["name"] for c in owner["spec"].get("volumeClaimTemplates", [])}
         root = self.root / name
-        mounts = materialize_volumes(spec, pod.container, root, {"kvxfer-etcd-tls": self.certs},
+        mounts = materialize_volumes(spec, pod.container, root, {"kvxfer-etcd-tls": self.certs,
+                                                                 "kvxfer-cluster-key": self.cluster_key},
                                      claims, spec.get("securityContext", {}).get("fsGroup"))
         start_pod(self.net, pod, spec, root, self.hosts(), mounts)
 
@@ -228,6 +234,17 @@ def test_tcp_overlay_runs_as_pods(cluster: Cluster) -> None:
         pushed = [line for line in prefill_metrics.splitlines()
                   if line.startswith("kvxfer_prefill_kv_pushed_bytes_total")]
         assert pushed and float(pushed[0].split()[-1]) > 0, "the KV did not cross the fabric"
+        # The router's calls carried the cluster key's token; a client in another namespace
+        # without it is refused by the worker, and sees no inventory on the router's port.
+        decode = cluster.pods["kvxfer-decode-0"]
+        refused = cluster.net.run(cluster.kubelet_ns, [
+            "curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "--max-time", "5", "-H",
+            "content-type: application/json", "-d", '{"request_id": "x", "prompt_tokens": [1], "max_tokens": 1}',
+            f"http://{decode.ip}:8200/reserve"], timeout_s=10).stdout
+        listed = cluster.net.run(cluster.kubelet_ns, [
+            "curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "--max-time", "5",
+            f"http://{router.ip}:{_port(router.container, 'http')}/workers"], timeout_s=10).stdout
+        assert (refused, listed) == ("401", "404")
 
         # Termination: app pods together (preStop, SIGTERM, drain), then etcd.
         for group in (app_pods, etcd_pods):

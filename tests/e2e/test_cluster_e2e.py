@@ -99,12 +99,12 @@ def _worker_metric(rec: dict[str, Any], sample: str) -> float:
 
 
 def _ids(cluster: LocalCluster, role: str) -> set[str]:
-    return {w for w, rec in router_workers(cluster.router_url).items() if rec["role"] == role}
+    return {w for w, rec in router_workers(cluster).items() if rec["role"] == role}
 
 
 def _assert_fabric_only(cluster: LocalCluster) -> None:
     """The prefillers' KV crossed the fabric, none of it the same-host path."""
-    workers = router_workers(cluster.router_url).values()
+    workers = router_workers(cluster).values()
     assert_kv_crossed_fabric([r["http_url"] for r in workers if r["role"] == "prefill"])
 
 
@@ -152,7 +152,7 @@ class TestServing:
         url = f"{cluster.router_url}/v1/completions"
         ok_prompt = LONG_PROMPTS[0]
         retries_before = _router_metric(cluster, "kvxfer_router_retries_total")
-        workers_before = set(router_workers(cluster.router_url))
+        workers_before = set(router_workers(cluster))
         cases: list[tuple[str, Any, int, str, str]] = [
             # (what, body, status, error code, text in the message)
             ("malformed JSON", b'{"model": "tiny", "prompt": ', 400, "invalid_json", "not valid JSON"),
@@ -192,14 +192,34 @@ class TestServing:
         # None of them was retried on another worker, every worker is still there, and no
         # decode page stays reserved.
         assert _router_metric(cluster, "kvxfer_router_retries_total") == retries_before
-        assert set(router_workers(cluster.router_url)) == workers_before
-        wait_pages_free(cluster.router_url, 10)
+        assert set(router_workers(cluster)) == workers_before
+        wait_pages_free(cluster, 10)
+
+    def test_outsiders_see_no_inventory_and_workers_refuse_them(self, cluster: LocalCluster) -> None:
+        # `kvxfer up` is secure by default: the public port lists no workers, and a client
+        # that learnt a worker's URL anyway gets 401 from it, counted, with nothing reserved.
+        assert httpx.get(f"{cluster.router_url}/workers", trust_env=False).status_code == 404
+        decode = next(rec for rec in router_workers(cluster).values() if rec["role"] == "decode")
+        assert decode["engine_address"]  # the admin port (loopback only) still lists them
+        refused_before = _worker_metric(decode, "kvxfer_worker_auth_rejected_total")
+        url = f"{cluster.router_url}/v1/completions"
+        with httpx.Client(timeout=30, trust_env=False) as client:
+            for path, body in [("/reserve", {"request_id": "x", "prompt_tokens": [1, 2], "max_tokens": 4}),
+                               ("/cancel", {"request_id": "x"}), ("/info", None)]:
+                r = (client.get(decode["http_url"] + path) if body is None
+                     else client.post(decode["http_url"] + path, json=body))
+                assert r.status_code == 401, (path, r.text)
+            good = client.post(url, json={"model": "tiny", "prompt": LONG_PROMPTS[1], "max_tokens": MAX_TOKENS})
+        assert good.status_code == 200
+        assert good.json()["choices"][0]["text"] == Reference.text(LONG_PROMPTS[1], MAX_TOKENS)
+        assert _worker_metric(decode, "kvxfer_worker_auth_rejected_total") == refused_before + 3
+        wait_pages_free(cluster, 10)
 
     def test_200_concurrent_streams_all_correct_and_pages_return(self, cluster: LocalCluster) -> None:
         prompts = [(SHORT_PROMPTS + LONG_PROMPTS)[i % 20] for i in range(200)]
         n_disagg = sum(1 for p in prompts if len(p) + 1 >= MIN_DISAGG_TOKENS)
         assert 0 < n_disagg < 200
-        workers = router_workers(cluster.router_url)
+        workers = router_workers(cluster)
         prefill = [r for r in workers.values() if r["role"] == "prefill"]
         decode = [r for r in workers.values() if r["role"] == "decode"]
         computed_before = sum(_worker_metric(r, "kvxfer_prefill_compute_seconds_count") for r in prefill)
@@ -224,14 +244,14 @@ class TestServing:
         assert retries <= 3, f"{retries} retries for 200 requests: {cluster.log_dir}/router.log"
         assert n_disagg <= computed <= n_disagg + retries
         assert n_disagg <= admitted <= n_disagg + retries
-        pages = wait_pages_free(cluster.router_url, 15)
+        pages = wait_pages_free(cluster, 15)
         assert len(pages.pages) == 2
         assert_kv_crossed_fabric([r["http_url"] for r in prefill])
 
     def test_real_prometheus_scrapes_router_and_workers(self, cluster: LocalCluster) -> None:
         if find_prometheus_binary() is None:
             pytest.skip("no prometheus binary: install Debian's `prometheus` package or set KVXFER_PROMETHEUS_BIN")
-        workers = router_workers(cluster.router_url)
+        workers = router_workers(cluster)
         jobs = {"router": [cluster.router_url.removeprefix("http://")]}
         for rec in workers.values():
             jobs.setdefault(rec["role"], []).append(rec["http_url"].removeprefix("http://"))
@@ -269,7 +289,7 @@ class TestServing:
 
     def test_etcd_restart_under_load(self, cluster: LocalCluster) -> None:
         assert cluster.etcd is not None
-        workers_before = set(router_workers(cluster.router_url))
+        workers_before = set(router_workers(cluster))
         assert len(workers_before) == 4
         load = LoadGenerator(cluster.router_url, _specs(SHORT_PROMPTS[:3] + LONG_PROMPTS[:5]),
                              concurrency=3, timeout_s=60).start()
@@ -282,11 +302,11 @@ class TestServing:
             # While requests go on, the router keeps listing every worker for longer than a
             # lease TTL (5 s) after the restart...
             while time.monotonic() < t_up + 7:
-                assert set(router_workers(cluster.router_url)) == workers_before
+                assert set(router_workers(cluster)) == workers_before
                 time.sleep(0.5)
             load.wait_for_results(8, 60, since=t_up)
             # ...and the workers' load updates reach it through the restarted etcd.
-            wait_until(lambda: all(rec["updated_at"] > wall_up for rec in router_workers(cluster.router_url).values()
+            wait_until(lambda: all(rec["updated_at"] > wall_up for rec in router_workers(cluster).values()
                                    if rec["role"] == "decode"), 10, "decode load updates after the etcd restart")
         finally:
             results = load.stop()
@@ -294,8 +314,8 @@ class TestServing:
         assert _failures(results) == []
         assert len([r for r in results if t_down <= r.started <= t_up]) >= 1
         assert len([r for r in results if r.started > t_up]) >= 8
-        assert set(router_workers(cluster.router_url)) == workers_before
-        wait_pages_free(cluster.router_url, 10)
+        assert set(router_workers(cluster)) == workers_before
+        wait_pages_free(cluster, 10)
 
 
 # ------------------------------------------------------------------------------------------
@@ -334,7 +354,7 @@ class TestElastic:
             load.wait_for_results(4, 60)
             name = cluster.start_worker("decode")
             wait_until(lambda: name in _ids(cluster, "decode"), 90, f"router to list {name}")
-            rec = router_workers(cluster.router_url)[name]
+            rec = router_workers(cluster)[name]
             # The newcomer gets requests while the load goes on.
             wait_until(lambda: _admitted(rec) > 0, 30, f"{name} to serve requests")
             t_served = time.monotonic()
@@ -343,10 +363,10 @@ class TestElastic:
             results = load.stop()
         assert _failures(results) == []
         assert len(results) >= 8
-        decode = {w: r for w, r in router_workers(cluster.router_url).items() if r["role"] == "decode"}
+        decode = {w: r for w, r in router_workers(cluster).items() if r["role"] == "decode"}
         assert len(decode) == 2 and name in decode
         assert _admitted(decode[name]) > 0
-        wait_pages_free(cluster.router_url, 10)
+        wait_pages_free(cluster, 10)
         _assert_fabric_only(cluster)
 
     def test_sigterm_decode_drains_in_flight_then_leaves(self, cluster: LocalCluster) -> None:
@@ -357,7 +377,7 @@ class TestElastic:
             decode = _ids(cluster, "decode")
         victim = sorted(decode)[0]
         survivor = sorted(decode)[1]
-        victim_rec = router_workers(cluster.router_url)[victim]
+        victim_rec = router_workers(cluster)[victim]
         proc = cluster.workers[victim]
         # Longer generations so that some are mid-decode on the victim when it is told to go.
         load = LoadGenerator(cluster.router_url, [(p, 24, i % 2 == 0) for i, p in enumerate(LONG_PROMPTS)],
@@ -366,7 +386,7 @@ class TestElastic:
             load.wait_for_results(3, 60)
 
             def busy() -> int:
-                info = worker_info(victim_rec["http_url"])
+                info = worker_info(cluster, victim_rec["http_url"])
                 return info["running"] + info["queue_depth"]
 
             in_flight = wait_until(busy, 30, f"{victim} to have requests in flight", interval_s=0.01)
@@ -375,7 +395,7 @@ class TestElastic:
             rc = proc.wait(timeout=40)
             t_exit = time.monotonic()
             # Gone from the router's view within a few seconds (it revoked its lease).
-            wait_until(lambda: victim not in router_workers(cluster.router_url), 5, f"router to drop {victim}")
+            wait_until(lambda: victim not in router_workers(cluster), 5, f"router to drop {victim}")
             load.wait_for_results(6, 60, since=time.monotonic())
         finally:
             results = load.stop()
@@ -387,7 +407,7 @@ class TestElastic:
         assert [r for r in results if r.started <= t_term and r.ended >= t_term], "nothing was in flight at SIGTERM"
         assert len([r for r in results if r.started >= t_exit]) >= 6
         assert _ids(cluster, "decode") == {survivor}
-        wait_pages_free(cluster.router_url, 10)
+        wait_pages_free(cluster, 10)
 
 
 # ------------------------------------------------------------------------------------------
@@ -419,7 +439,7 @@ def test_sigkill_prefill_under_load() -> None:
 
 
 def _sigkill_prefill(cluster: LocalCluster) -> None:
-    workers = router_workers(cluster.router_url)
+    workers = router_workers(cluster)
     assert sorted(r["role"] for r in workers.values()) == ["decode", "prefill", "prefill"]
     victim, survivor = sorted(w for w, r in workers.items() if r["role"] == "prefill")
     victim_url = workers[victim]["http_url"]
@@ -428,13 +448,13 @@ def _sigkill_prefill(cluster: LocalCluster) -> None:
                          concurrency=6, timeout_s=CRASH_DEADLINE_S + 15).start()
     try:
         load.wait_for_results(6, 60)
-        wait_until(lambda: worker_info(victim_url)["queue_depth"] > 0, 30, f"{victim} to have prefills in flight",
+        wait_until(lambda: worker_info(cluster, victim_url)["queue_depth"] > 0, 30, f"{victim} to have prefills in flight",
                    interval_s=0.005)
         t_kill = time.monotonic()
         cluster.signal_worker(victim, signal.SIGKILL)
         cluster.workers[victim].wait(timeout=10)
         # The router drops it once its lease expires (TTL 5 s).
-        wait_until(lambda: victim not in router_workers(cluster.router_url), 15, f"router to drop {victim}")
+        wait_until(lambda: victim not in router_workers(cluster), 15, f"router to drop {victim}")
         t_dropped = time.monotonic()
         load.wait_for_results(6, 60, since=t_dropped)
     finally:
@@ -458,8 +478,8 @@ def _sigkill_prefill(cluster: LocalCluster) -> None:
     assert _ids(cluster, "prefill") == {survivor}
     # No page leaks: the decode worker gets every page back once the quarantine (2 s) of
     # the reservations the dead prefiller never finished is over; the survivor holds none.
-    wait_pages_free(cluster.router_url, 15)
-    info = worker_info(router_workers(cluster.router_url)[survivor]["http_url"])
+    wait_pages_free(cluster, 15)
+    info = worker_info(cluster, router_workers(cluster)[survivor]["http_url"])
     assert info["free_pages"] == info["total_pages"] and info["queue_depth"] == 0
 
 
@@ -493,7 +513,7 @@ def _kill_only_prefiller(cluster: LocalCluster) -> None:
         t_kill = time.monotonic()
         cluster.signal_worker(victim, signal.SIGKILL)
         cluster.workers[victim].wait(timeout=10)
-        wait_until(lambda: victim not in router_workers(cluster.router_url), 15, f"router to drop {victim}")
+        wait_until(lambda: victim not in router_workers(cluster), 15, f"router to drop {victim}")
         t_dropped = time.monotonic()
         load.wait_for_results(4, 60, since=t_dropped)
         newcomer = cluster.start_worker("prefill")
@@ -512,9 +532,9 @@ def _kill_only_prefiller(cluster: LocalCluster) -> None:
     assert len(back) >= 2 and {r.serving_mode for r in back} == {"disaggregated"}
     assert _router_metric(cluster, fallbacks % "no_prefiller") >= len(alone)
     # The newcomer computed the prefills of the requests after its return.
-    rec = router_workers(cluster.router_url)[newcomer]
+    rec = router_workers(cluster)[newcomer]
     assert _worker_metric(rec, "kvxfer_prefill_compute_seconds_count") >= len(back)
-    wait_pages_free(cluster.router_url, 15)
+    wait_pages_free(cluster, 15)
 
 
 # ------------------------------------------------------------------------------------------
@@ -533,7 +553,7 @@ def test_same_host_path_quick() -> None:
     try:
         results = fire(cluster.router_url, _specs(LONG_PROMPTS[:4]), timeout_s=60)
         assert _failures(results) == []
-        prefill = [r for r in router_workers(cluster.router_url).values() if r["role"] == "prefill"]
+        prefill = [r for r in router_workers(cluster).values() if r["role"] == "prefill"]
         paths = kv_bytes_by_path(prefill[0]["http_url"])
         assert paths["kv_pushed"] > 0 and paths["same_host"] >= paths["kv_pushed"], paths
         assert paths["fabric"] < paths["kv_pushed"], paths

@@ -86,6 +86,11 @@ def test_missing_field_is_named(field: str) -> None:
     if field == "request_id":
         assert KVReservation.from_json(data, request_id="r1").request_id == "r1"
         return
+    if field in ("first_page", "mailbox"):
+        # Optional, with the defaults of a version-1 reservation written before they existed.
+        parsed = KVReservation.from_json(data)
+        assert (parsed.first_page, parsed.mailbox) == (0, True)
+        return
     with pytest.raises(ReservationError, match=field):
         KVReservation.from_json(data)
 
@@ -117,3 +122,31 @@ def test_protocol_imports_no_torch() -> None:
     """The router imports the protocol and has no torch."""
     code = "import sys, kvxfer.kv.protocol; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_reservation_without_mailbox_expects_exactly_layers_times_pages() -> None:
+    data = good()
+    data.update(mailbox=False, meta_descriptor="", meta_offset=0, first_page=3,
+                kv_layout="L2-H2-D64-bfloat16-bs32-vllm-lbhnc-avx2")
+    data["expected_count"] = 2 * len(data["pages"])
+    parsed = KVReservation.from_json(data)
+    assert (parsed.prompt_pages, parsed.first_page, parsed.num_layers) == (len(data["pages"]), 3, 2)
+    assert KVReservation.from_json(parsed.to_json()) == parsed
+    data["expected_count"] += 1  # a mailbox unit where there is no mailbox
+    with pytest.raises(ReservationError, match="expected_count"):
+        KVReservation.from_json(data)
+
+
+def test_reservation_message_round_trips_and_rejects_foreign_or_malformed_bytes() -> None:
+    from kvxfer.kv.protocol import (decode_cancel, decode_reservation_message, encode_abort, encode_cancel,
+                                    encode_reservation_message)
+
+    res = KVReservation.from_json(good())
+    assert decode_reservation_message(encode_reservation_message(res)) == res
+    assert decode_reservation_message(encode_abort(res.imm, res.nonce, "x")) is None
+    for raw in (b"KVRS{not json", b"KVRS\xff\xfe", b"KVRS[]", b"KVRS" + b"1" * (70 * 1024)):
+        with pytest.raises(ReservationError):
+            decode_reservation_message(raw)
+    cancel = encode_cancel(res.imm, res.nonce, "client went away")
+    assert decode_cancel(cancel) == (res.imm, res.nonce, "client went away")
+    assert decode_cancel(encode_abort(res.imm, res.nonce, "x")) is None

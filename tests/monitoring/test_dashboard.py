@@ -16,7 +16,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from kvxfer.metrics import (ALL_METRIC_NAMES, DecodeMetrics, EngineMetrics, PrefillMetrics,
-                            RouterMetrics, all_metric_names, exported_sample_names)
+                            RouterMetrics, WorkerAuthMetrics, all_metric_names, exported_sample_names)
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD_PATH = REPO / "k8s" / "grafana" / "kvxfer-dashboard.json"
@@ -59,6 +59,7 @@ def exported() -> dict[str, set[str]]:
     RouterMetrics(registry)
     DecodeMetrics(registry)
     PrefillMetrics(registry)
+    WorkerAuthMetrics(registry)
     EngineMetrics(registry, lambda: ENGINE_STATS)
     labels: dict[str, set[str]] = {}
     for family in registry.collect():
@@ -154,6 +155,7 @@ def test_exported_names_follow_prometheus_conventions(exported: dict[str, set[st
     RouterMetrics(registry)
     DecodeMetrics(registry)
     PrefillMetrics(registry)
+    WorkerAuthMetrics(registry)
     EngineMetrics(registry, lambda: ENGINE_STATS)
     for family in registry.collect():
         assert family.name.startswith("kvxfer_"), family.name

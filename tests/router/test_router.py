@@ -4,6 +4,7 @@ surface, against in-process fake workers that follow the worker HTTP API contrac
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -17,6 +18,7 @@ from kvxfer_router import (
     create_app,
     make_policy,
 )
+from kvxfer_router.admin import create_admin_app
 from kvxfer_router.cli import build_parser, settings_from_args
 from kvxfer_router.policies import LocalLoad, WorkerPair, select_pair
 from support.fake_workers import (
@@ -132,6 +134,14 @@ def completion(prompt: str = LONG_PROMPT, **kw: Any) -> dict[str, Any]:
     return {"model": MODEL, "prompt": prompt, "max_tokens": 5, **kw}
 
 
+def minted(decode: Any) -> str:
+    """The id the router minted for the (one) request a fake decode worker saw."""
+    for path in ("/reserve", "/generate_local"):
+        if decode.bodies(path):
+            return str(decode.bodies(path)[0]["request_id"])
+    raise AssertionError("the decode worker saw no request")
+
+
 def sse_events(text: str) -> list[str]:
     """The data payloads of a server-sent event stream, checking the framing."""
     assert text.endswith("\n\n"), text[-50:]
@@ -169,8 +179,12 @@ def test_streaming_completion_is_openai_sse_ending_in_done(cluster: Cluster) -> 
     assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * 5 + ["length"]
     # The reservation the decode worker handed out is exactly what the prefill worker got.
     tokens = [BOS, *LONG_PROMPT.encode()]
-    assert d.bodies("/reserve") == [{"request_id": "req-1", "prompt_tokens": tokens, "max_tokens": 5}]
-    assert d.bodies("/generate") == [{"request_id": "req-1", "stream": True, "timeout_s": 2.0}]
+    # Inside the cluster the request has an id the router minted, never the client's.
+    wrid = d.bodies("/reserve")[0]["request_id"]
+    assert re.fullmatch(r"kx-[0-9a-f]{32}", wrid)
+    assert d.bodies("/reserve") == [{"request_id": wrid, "prompt_tokens": tokens, "max_tokens": 5}]
+    assert d.bodies("/generate") == [{"request_id": wrid, "stream": True, "timeout_s": 2.0}]
+    assert p.bodies("/prefill")[0]["request_id"] == wrid
     reservation = d.reserved[0]
     assert p.bodies("/prefill")[0]["decode"] == {"engine_address": d.engine_address, **reservation}
     assert p.bodies("/prefill")[0]["prompt_tokens"] == tokens
@@ -215,8 +229,10 @@ def test_short_prompt_skips_disaggregation_and_runs_on_decode_alone(cluster: Clu
 
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == "hello"
     assert d.paths() == ["/generate_local"]
+    wrid = d.bodies("/generate_local")[0]["request_id"]
+    assert wrid != "short" and wrid.startswith("kx-")
     assert d.bodies("/generate_local") == [
-        {"request_id": "short", "prompt_tokens": [BOS, *SHORT_PROMPT.encode()], "max_tokens": 5, "stream": True}
+        {"request_id": wrid, "prompt_tokens": [BOS, *SHORT_PROMPT.encode()], "max_tokens": 5, "stream": True}
     ]
     assert p.paths() == []
 
@@ -234,13 +250,15 @@ def test_failed_prefill_is_retried_once_on_another_pair(cluster: Cluster) -> Non
     r = cluster.post(completion(request_id="r1"))
 
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == "hello"
-    assert [b["request_id"] for b in p1.bodies("/prefill")] == ["r1"]
-    assert [b["request_id"] for b in p2.bodies("/prefill")] == ["r1.retry1"]
+    [first] = [b["request_id"] for b in p1.bodies("/prefill")]
+    [second] = [b["request_id"] for b in p2.bodies("/prefill")]
+    # Each attempt has its own minted id.
+    assert first.startswith("kx-") and second.startswith("kx-") and first != second
     # The failed attempt was cancelled on both workers and its pages freed.
-    wait_until(lambda: d.cancelled_ids() == ["r1"] and p1.cancelled_ids() == ["r1"], what="cancels")
+    wait_until(lambda: d.cancelled_ids() == [first] and p1.cancelled_ids() == [first], what="cancels")
     # The prefiller answered in_flight false: the router tells the decoder, which then
     # reuses the fenced pages at once instead of at its fence deadline.
-    wait_until(lambda: d.released_ids() == ["r1"], what="prefill_stopped relayed to the decoder")
+    wait_until(lambda: d.released_ids() == [first], what="prefill_stopped relayed to the decoder")
     assert d.active_reservations() == []
     assert metric(cluster, 'kvxfer_router_retries_total{stage="prefill"}') == 1.0
 
@@ -286,8 +304,9 @@ def test_decode_stream_breaking_before_first_token_is_retried(cluster: Cluster) 
 
     assert r.status_code == 200
     assert "".join(json.loads(e)["choices"][0]["text"] for e in sse_events(r.text)[:-1]) == "hello"
-    assert d2.bodies("/generate")[0]["request_id"] == "brk.retry1"
-    wait_until(lambda: d1.cancelled_ids() == ["brk"] and "brk" in p.cancelled_ids(), what="cancels")
+    first = d1.bodies("/generate")[0]["request_id"]
+    assert d2.bodies("/generate")[0]["request_id"] not in (first, "brk")
+    wait_until(lambda: d1.cancelled_ids() == [first] and first in p.cancelled_ids(), what="cancels")
     assert metric(cluster, 'kvxfer_router_retries_total{stage="generate"}') == 1.0
 
 
@@ -306,7 +325,7 @@ def test_decode_stream_breaking_after_first_token_ends_stream_with_error_and_can
     assert [json.loads(e)["choices"][0]["text"] for e in events[:2]] == ["h", "e"]
     error = json.loads(events[-1])["error"]
     assert error["request_id"] == "mid" and error["code"] == "worker_failed"
-    wait_until(lambda: d1.cancelled_ids() == ["mid"] and p.cancelled_ids() == ["mid"], what="cancels")
+    wait_until(lambda: d1.cancelled_ids() == [minted(d1)] and p.cancelled_ids() == [minted(d1)], what="cancels")
     assert d2.paths() == []  # tokens already sent: no retry
     assert metric(cluster, 'kvxfer_router_retries_total{stage="generate"}') == 0.0
 
@@ -322,7 +341,7 @@ def test_error_done_line_from_decode_is_a_failure_not_a_completion(cluster: Clus
 
     assert r.status_code == 502
     assert "fake generation failure" in r.json()["error"]["message"]
-    wait_until(lambda: d.cancelled_ids() == ["errline"], what="decode cancel")
+    wait_until(lambda: d.cancelled_ids() == [minted(d)], what="decode cancel")
 
 
 def test_prefill_failure_without_alternative_cancels_decode_and_frees_its_pages(cluster: Cluster) -> None:
@@ -336,7 +355,7 @@ def test_prefill_failure_without_alternative_cancels_decode_and_frees_its_pages(
     assert r.status_code == 502
     assert r.json()["error"]["code"] == "worker_failed"
     assert "prefill worker p1" in r.json()["error"]["message"]
-    wait_until(lambda: d.cancelled_ids() == ["solo"] and p.cancelled_ids() == ["solo"], what="cancels")
+    wait_until(lambda: d.cancelled_ids() == [minted(d)] and p.cancelled_ids() == [minted(d)], what="cancels")
     assert d.active_reservations() == []
     assert cluster.service.admission.in_flight == 0
 
@@ -392,7 +411,7 @@ def test_slow_prefill_runs_into_the_deadline_with_504_and_both_legs_cancelled(cl
 
     assert r.status_code == 504
     assert r.json()["error"]["code"] == "deadline_exceeded" and r.json()["error"]["request_id"] == "slow"
-    wait_until(lambda: d.cancelled_ids() == ["slow"] and p.cancelled_ids() == ["slow"], what="cancels")
+    wait_until(lambda: d.cancelled_ids() == [minted(d)] and p.cancelled_ids() == [minted(d)], what="cancels")
     assert d.active_reservations() == []
     assert metric(cluster, 'kvxfer_router_requests_total{status="timeout"}') == 1.0
 
@@ -408,7 +427,7 @@ def test_deadline_passing_mid_stream_ends_it_with_an_error_event_and_cancels_bot
     events = sse_events(r.text)
     assert r.status_code == 200 and "[DONE]" not in events and len(events) >= 2
     assert json.loads(events[-1])["error"]["code"] == "deadline_exceeded"
-    wait_until(lambda: d.cancelled_ids() == ["late"] and p.cancelled_ids() == ["late"], what="cancels")
+    wait_until(lambda: d.cancelled_ids() == [minted(d)] and p.cancelled_ids() == [minted(d)], what="cancels")
     assert d.active_reservations() == []
 
 
@@ -424,7 +443,7 @@ def test_client_disconnect_mid_stream_cancels_both_legs(cluster: Cluster) -> Non
         assert first.startswith("data: ")
     # Leaving the block closed the connection halfway through the stream.
 
-    wait_until(lambda: d.cancelled_ids() == ["gone"] and p.cancelled_ids() == ["gone"], what="cancels")
+    wait_until(lambda: d.cancelled_ids() == [minted(d)] and p.cancelled_ids() == [minted(d)], what="cancels")
     assert d.active_reservations() == []
     wait_until(lambda: cluster.service.admission.in_flight == 0, what="slot released")
     assert metric(cluster, 'kvxfer_router_requests_total{status="cancelled"}') == 1.0
@@ -439,7 +458,7 @@ def test_client_disconnect_before_first_token_cancels_both_legs(cluster: Cluster
     with pytest.raises(httpx.ReadTimeout):
         cluster.post(completion(request_id="early"), timeout=httpx.Timeout(5, read=0.3))
 
-    wait_until(lambda: d.cancelled_ids() == ["early"] and p.cancelled_ids() == ["early"], what="cancels")
+    wait_until(lambda: d.cancelled_ids() == [minted(d)] and p.cancelled_ids() == [minted(d)], what="cancels")
     assert d.active_reservations() == []
 
 
@@ -601,7 +620,14 @@ def test_health_models_workers_and_metrics_endpoints(cluster: Cluster) -> None:
 
     assert cluster.get("/health").json() == {"status": "ok"}
     assert [m["id"] for m in cluster.get("/v1/models").json()["data"]] == [MODEL]
-    workers = cluster.get("/workers").json()
+    # The worker inventory (engine addresses) is internal: not on the public port...
+    assert cluster.get("/workers").status_code == 404
+    # ...but on the admin app.
+    admin_url = cluster.host.serve(create_admin_app(cluster.service))
+    try:
+        workers = cluster.client.get(admin_url + "/workers").json()
+    finally:
+        cluster.host.stop(admin_url)
     assert {w["worker_id"]: w["draining"] for w in workers["workers"]} == {"d1": False, "p1": True}
     assert workers["in_flight"] == 0 and workers["policy"] == "round_robin"
     assert metric(cluster, 'kvxfer_router_workers{role="prefill",state="draining"}') == 1.0

@@ -112,7 +112,7 @@ def test_reserve_refusing_the_request_is_a_400_without_retry(setup: Setup, statu
     assert err["code"] == "rejected_by_worker"
     assert err["type"] == "invalid_request_error"
     assert err["request_id"] == "too-long"
-    assert f"answered {status}: reserve refused for too-long" in err["message"]
+    assert f"answered {status}: reserve refused for kx-" in err["message"]  # the id the router minted
     assert "rejected the request at reserve" in err["message"]
     # One worker asked, once: no retry on the other decode worker, no prefill started.
     assert setup.calls("/reserve") == 1

@@ -265,18 +265,19 @@ class LoadGenerator:
 
 
 
-def router_workers(router_url: str) -> dict[str, dict[str, Any]]:
-    """The router's GET /workers as {worker_id: record}; {} if the router does not answer."""
+def router_workers(cluster: Any) -> dict[str, dict[str, Any]]:
+    """The GET /workers of a `LocalCluster`'s router (its admin port) as {worker_id: record};
+    {} if the router does not answer."""
     try:
-        body = httpx.get(f"{router_url}/workers", timeout=3, trust_env=False).json()
+        body = httpx.get(f"{cluster.admin_url}/workers", timeout=3, trust_env=False).json()
     except (httpx.HTTPError, ValueError):
         return {}
     return {w["worker_id"]: w for w in body.get("workers", [])}
 
 
-def worker_info(http_url: str) -> dict[str, Any]:
-    """A worker's GET /info."""
-    r = httpx.get(f"{http_url}/info", timeout=3, trust_env=False)
+def worker_info(cluster: Any, http_url: str) -> dict[str, Any]:
+    """A worker's GET /info, signed with the `LocalCluster`'s key when it has one."""
+    r = httpx.get(f"{http_url}/info", timeout=3, trust_env=False, auth=cluster.control_auth)
     r.raise_for_status()
     return r.json()
 
@@ -321,11 +322,11 @@ class PageCheck:
     pages: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     @classmethod
-    def now(cls, router_url: str) -> "PageCheck":
+    def now(cls, cluster: Any) -> "PageCheck":
         out = {}
-        for wid, rec in router_workers(router_url).items():
+        for wid, rec in router_workers(cluster).items():
             if rec["role"] == "decode":
-                info = worker_info(rec["http_url"])
+                info = worker_info(cluster, rec["http_url"])
                 out[wid] = (info["free_pages"], info["total_pages"])
         return cls(out)
 
@@ -334,12 +335,12 @@ class PageCheck:
         return bool(self.pages) and all(free == total for free, total in self.pages.values())
 
 
-def wait_pages_free(router_url: str, timeout_s: float) -> PageCheck:
+def wait_pages_free(cluster: Any, timeout_s: float) -> PageCheck:
     """Waits until every decode worker the router lists has all of its pages free."""
     last: list[PageCheck] = []
 
     def check() -> bool:
-        last[:] = [PageCheck.now(router_url)]
+        last[:] = [PageCheck.now(cluster)]
         return last[0].all_free
 
     try:

@@ -10,6 +10,7 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import StreamingResponse
 
 from kvxfer.errors import TransferTimeout
+from kvxfer.workers.control_auth import caller_of
 from kvxfer.workers.decode.service import (
     DecodeJob,
     DecodeRuntime,
@@ -66,12 +67,12 @@ def create_decode_app(runtime: DecodeRuntime) -> FastAPI:
         request_id = str(body_field(body, "request_id", str))
         tokens = token_list(body, runtime.core.config.vocab_size)
         max_tokens = body_field(body, "max_tokens", int)
-        return runtime.reserve(request_id, len(tokens), max_tokens).to_json()
+        return runtime.reserve(request_id, len(tokens), max_tokens, caller_of(request)).to_json()
 
     @app.post("/generate")
     async def generate(request: Request) -> Any:
         body = await json_body(request)
-        job = runtime.job(str(body_field(body, "request_id", str)))
+        job = runtime.job(str(body_field(body, "request_id", str)), caller_of(request))
         timeout_s = body.get("timeout_s", runtime.settings.kv_wait_timeout_s)
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise HTTPException(422, f"timeout_s must be a positive number, got {timeout_s!r}")
@@ -87,8 +88,8 @@ def create_decode_app(runtime: DecodeRuntime) -> FastAPI:
         request_id = str(body_field(body, "request_id", str))
         tokens = token_list(body, runtime.core.config.vocab_size)
         max_tokens = body_field(body, "max_tokens", int)
-        runtime.reserve(request_id, len(tokens), max_tokens)
-        job = runtime.job(request_id)
+        runtime.reserve(request_id, len(tokens), max_tokens, caller_of(request))
+        job = runtime.job(request_id, caller_of(request))
         await runtime.prefill_locally(job, tokens)
         return await _respond(runtime, job, bool(body.get("stream", False)))
 
@@ -96,7 +97,7 @@ def create_decode_app(runtime: DecodeRuntime) -> FastAPI:
     async def cancel(request: Request) -> dict[str, Any]:
         body = await json_body(request)
         prefill_stopped = body_field(body, "prefill_stopped", bool, False)
-        return runtime.cancel(str(body_field(body, "request_id", str)), prefill_stopped)
+        return runtime.cancel(str(body_field(body, "request_id", str)), prefill_stopped, caller_of(request))
 
     return app
 

@@ -64,6 +64,11 @@ class DecodeSettings(WorkerSettings):
         "reused anyway; prefillers refuse a reservation whose fence is not longer than their "
         "transfer_timeout_s",
     )
+    max_reservations_per_caller: int = Field(
+        256, gt=0, description="live reservations (waiting for KV or decoding) one authenticated caller may hold; "
+        "beyond it /reserve answers 429, so one caller cannot squat every page"
+    )
+    retry_after_s: int = Field(1, ge=0, description="Retry-After (seconds) sent with a 429")
     reaper_interval_s: float = Field(
         0.05, gt=0, le=1.0, description="the reaper's longest sleep: granularity of the TTL and fence deadlines"
     )
@@ -92,6 +97,8 @@ class DecodeJob:
     max_tokens: int
     expected_count: int
     created_at: float
+    #: The caller (token issuer) that reserved it: only it may generate or cancel it.
+    owner: str = "anonymous"
     state: RequestState = RequestState.RESERVED
     kept: list[int] = field(default_factory=list)
     last_token: int = 0
@@ -140,8 +147,8 @@ class DecodeRuntime:
         self._update_gauges()
 
     # -- reservation ------------------------------------------------------------------
-    def reserve(self, request_id: str, prompt_tokens: int, max_tokens: int) -> KVReservation:
-        """Reserves pages for prompt + max_tokens and a mailbox slot/immediate."""
+    def reserve(self, request_id: str, prompt_tokens: int, max_tokens: int, caller: str = "anonymous") -> KVReservation:
+        """Reserves pages for prompt + max_tokens and a mailbox slot/immediate, owned by `caller`."""
         cfg = self.core.config
         if self.core.draining:
             raise RequestRejected(Rejection.DRAINING, "worker is draining", request_id)
@@ -159,6 +166,14 @@ class DecodeRuntime:
         with self._lock:
             if request_id in self.jobs:
                 raise RequestRejected(Rejection.CONFLICT, f"request {request_id} already exists", request_id)
+            held = sum(1 for j in self.jobs.values()
+                       if j.owner == caller and j.state in (RequestState.RESERVED, RequestState.RUNNING))
+            if held >= self.settings.max_reservations_per_caller:
+                self.metrics.caller_limit_rejections.inc()
+                raise RequestRejected(
+                    Rejection.OVERLOADED, f"caller {caller} holds {held} live reservations on this worker "
+                    f"(max_reservations_per_caller={self.settings.max_reservations_per_caller})",
+                    request_id, retry_after_s=self.settings.retry_after_s)
             try:
                 entry = self.ledger.open(request_id, prompt_tokens + max_tokens)
             except NoSlotError as exc:
@@ -175,8 +190,17 @@ class DecodeRuntime:
                 max_tokens=max_tokens,
                 expected_count=expected_imm_count(cfg.num_layers, prompt_tokens, cfg.block_size),
                 created_at=time.monotonic(),
+                owner=caller,
             )
             self.jobs[request_id] = job
+            # Immediates for this slot and generation that arrived before the reservation
+            # existed came from no writer it names: drop them, so they are never credited.
+            stray = self.core.engine.imm_count(job.imm)
+            if stray:
+                self.core.engine.reset_imm(job.imm)
+                self.metrics.stray_immediates.inc(stray)
+                log.warning("discarded %d immediates for %#x that arrived before request %s reserved it",
+                            stray, job.imm, request_id)
         self._update_gauges()
         return KVReservation(
             request_id=request_id,
@@ -192,10 +216,11 @@ class DecodeRuntime:
             fence_timeout_s=self.settings.fence_timeout_s,
         )
 
-    def job(self, request_id: str) -> DecodeJob:
-        """The job of a request id; `Rejection.UNKNOWN_REQUEST` if there is none."""
+    def job(self, request_id: str, caller: str = "anonymous") -> DecodeJob:
+        """The job of a request id reserved by `caller`; `Rejection.UNKNOWN_REQUEST` if there is
+        none (another caller's id is unknown to this one: no oracle for what others hold)."""
         job = self.jobs.get(request_id)
-        if job is None:
+        if job is None or job.owner != caller:
             raise RequestRejected(Rejection.UNKNOWN_REQUEST, f"unknown request id {request_id}", request_id)
         return job
 
@@ -229,6 +254,14 @@ class DecodeRuntime:
             # The engine's own exception names only the immediate: the 504 must name the request.
             raise TransferTimeout(job.request_id, reason) from None
         self.metrics.imm_wait.observe(time.perf_counter() - start)
+        landed = self.core.engine.imm_count(job.imm)
+        if landed > job.expected_count:
+            # More immediates than the prefiller sends: someone else credited this
+            # reservation, so its count proves nothing about its pages.
+            self.metrics.stray_immediates.inc(landed - job.expected_count)
+            reason = f"{landed} immediates for {job.expected_count} writes: a writer the reservation does not name"
+            self.end(job, RequestState.FAILED, error=f"request {job.request_id}: {reason}")
+            raise RequestRejected(Rejection.FAILED, f"request {job.request_id}: {reason}", job.request_id)
         with self._lock:
             if job.state is not RequestState.RESERVED:
                 raise RequestRejected(Rejection.CONFLICT, f"request {job.request_id} was {job.state.value}", job.request_id)
@@ -382,11 +415,14 @@ class DecodeRuntime:
             self._update_gauges()
         return entry is not None
 
-    def cancel(self, request_id: str, prefill_stopped: bool = False) -> dict[str, Any]:
+    def cancel(self, request_id: str, prefill_stopped: bool = False, caller: str = "anonymous") -> dict[str, Any]:
         """Cancels a request. With `prefill_stopped` (the router relays the prefiller's
         `in_flight: false`) its pages are freed at once, else they stay fenced until the
         prefiller's word or `fence_timeout_s`."""
         job = self.jobs.get(request_id)
+        if job is not None and job.owner != caller:
+            # Only the caller whose token reserved it may end it.
+            raise RequestRejected(Rejection.UNKNOWN_REQUEST, f"unknown request id {request_id}", request_id)
         if job is None:
             if prefill_stopped:
                 return {"request_id": request_id, "state": Res.FREE.value, "known": False}

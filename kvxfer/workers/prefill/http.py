@@ -6,6 +6,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
+from kvxfer.workers.control_auth import caller_of
 from kvxfer.workers.http_server import (
     body_field,
     create_worker_app,
@@ -29,12 +30,12 @@ def create_prefill_app(runtime: PrefillRuntime) -> FastAPI:
         prompt = token_list(body, runtime.core.config.vocab_size)
         decode = body_field(body, "decode", dict)
         reservation = runtime.accept_reservation(request_id, decode)
-        return await runtime.prefill(request_id, prompt, reservation)
+        return await runtime.prefill(request_id, prompt, reservation, caller_of(request))
 
     @app.post("/cancel")
     async def cancel(request: Request) -> dict[str, Any]:
         body = await json_body(request)
-        return await runtime.cancel(body_field(body, "request_id", str))
+        return await runtime.cancel(body_field(body, "request_id", str), caller_of(request))
 
     return app
 

@@ -102,6 +102,7 @@ class PrefillRuntime:
         # One compute thread: requests queue here; queue depth is what routers balance on.
         self._compute = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefill")
         self.sessions: dict[str, PushSession] = {}
+        self._owners: dict[str, str] = {}  # request id -> the caller that sent its /prefill
         self._queued = 0
         self._slot = 0
         self._lock = threading.Lock()
@@ -129,8 +130,10 @@ class PrefillRuntime:
         """Requests queued, computing or pushing."""
         return self._queued
 
-    async def prefill(self, request_id: str, prompt: list[int], reservation: KVReservation) -> dict[str, Any]:
-        """Computes the prompt, pushes its KV, waits until every write completed."""
+    async def prefill(self, request_id: str, prompt: list[int], reservation: KVReservation,
+                      caller: str = "anonymous") -> dict[str, Any]:
+        """Computes the prompt, pushes its KV, waits until every write completed; only
+        `caller` may cancel it."""
         cfg = self.core.config
         if self.core.draining:
             raise RequestRejected(Rejection.DRAINING, "worker is draining", request_id)
@@ -176,6 +179,7 @@ class PrefillRuntime:
                 self.allocator.free(request_id)
                 raise RequestRejected(Rejection.CONFLICT, str(exc), request_id) from None
             self.sessions[request_id] = session
+            self._owners[request_id] = caller
             self._queued += 1
         self._update_gauges()
         loop = asyncio.get_running_loop()
@@ -187,6 +191,7 @@ class PrefillRuntime:
         finally:
             with self._lock:
                 self.sessions.pop(request_id, None)
+                self._owners.pop(request_id, None)
                 self._queued -= 1
                 # Every write completed or failed by its deadline: the local pages are free.
                 self.allocator.free(request_id)
@@ -309,9 +314,12 @@ class PrefillRuntime:
             "transfer_tail_engine_ms": stats.engine_tail_s * 1e3,
         }
 
-    async def cancel(self, request_id: str) -> dict[str, Any]:
-        """Stops a request's writes; returns once none of them is in flight."""
+    async def cancel(self, request_id: str, caller: str = "anonymous") -> dict[str, Any]:
+        """Stops a request's writes; returns once none of them is in flight. Another
+        caller's request is unknown to this one."""
         with self._lock:
+            if request_id in self._owners and self._owners[request_id] != caller:
+                raise RequestRejected(Rejection.UNKNOWN_REQUEST, f"unknown request id {request_id}", request_id)
             self._forget_cancelled()
             # Remembered even when unknown: its /prefill may still be on its way.
             self._cancelled[request_id] = time.monotonic() + self.settings.cancel_memory_s

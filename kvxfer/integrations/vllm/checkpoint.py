@@ -1,0 +1,104 @@
+"""A seeded Llama-architecture checkpoint in Hugging Face format, made here without downloads.
+
+Tests and benchmarks need a model vLLM can load, and nothing may be downloaded: this module
+trains a byte-level BPE tokenizer on local text and saves a `LlamaForCausalLM` with seeded
+random weights next to it (safetensors, config.json, tokenizer files). The directory it
+writes is an ordinary checkpoint: vLLM and the kvxfer tools load it through the same code
+path as a real checkpoint a user gives.
+
+Random weights make a weak oracle (greedy tokens barely depend on the KV), so tests that
+use these models compare KV bytes and logprobs as well as tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+# Text every Debian machine has; licences are long, varied English prose.
+_CORPUS_DIRS = (Path("/usr/share/common-licenses"),)
+_FALLBACK_CORPUS = (
+    "kvxfer moves the KV cache of a prompt from the prefill worker to the decode worker "
+    "with one-sided writes; the decoder admits the request when every write has landed. "
+) * 200
+_STAMP = "kvxfer-checkpoint.json"
+
+
+@dataclass(frozen=True)
+class CheckpointShape:
+    """Size of the generated model. The defaults load in vLLM in about 15 s on 2 cores;
+    `SHAPE_1B` is the benchmark's larger model."""
+
+    layers: int = 4
+    hidden: int = 256
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int = 512
+    vocab: int = 2048
+    max_positions: int = 4096
+    seed: int = 0
+    dtype: str = "bfloat16"
+
+
+#: About 1.1 B parameters with a 32 k vocabulary: the benchmark model.
+SHAPE_1B = CheckpointShape(layers=16, hidden=2048, heads=16, kv_heads=4, intermediate=5632,
+                           vocab=32000, max_positions=8192)
+
+
+def _corpus() -> list[str]:
+    texts: list[str] = []
+    for folder in _CORPUS_DIRS:
+        if folder.is_dir():
+            for path in sorted(folder.iterdir()):
+                if path.is_file():
+                    texts.append(path.read_text(encoding="utf-8", errors="replace"))
+    return texts or [_FALLBACK_CORPUS]
+
+
+def make_checkpoint(out_dir: Path, shape: CheckpointShape = CheckpointShape()) -> Path:
+    """Writes the checkpoint to `out_dir` (created) and returns it.
+
+    Idempotent: a directory already holding a checkpoint of the same shape is kept as it
+    is, so fixtures can call this on every run.
+    """
+    out_dir = Path(out_dir)
+    stamp = out_dir / _STAMP
+    if stamp.is_file() and json.loads(stamp.read_text()) == asdict(shape):
+        return out_dir
+    # Imported here: transformers and tokenizers come with the vllm extra only.
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    specials = ["<s>", "</s>", "<unk>"]
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=shape.vocab, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(_corpus(), trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    # A plain chat template, so /v1/chat/completions works on the generated model.
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    tokenizer.save_pretrained(out_dir)
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+        max_position_embeddings=shape.max_positions, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False, torch_dtype=shape.dtype,
+    )
+    torch.manual_seed(shape.seed)
+    model = LlamaForCausalLM(config).to(getattr(torch, shape.dtype))
+    model.save_pretrained(out_dir, safe_serialization=True)
+    stamp.write_text(json.dumps(asdict(shape)))
+    log.info("wrote a %d-layer seeded Llama checkpoint to %s", shape.layers, out_dir)
+    return out_dir

@@ -1,0 +1,156 @@
+"""`KvxferConnector`: kvxfer as a vLLM KV connector (KVConnectorBase_V1).
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "KvxferConnector",
+                           "kv_connector_module_path": "kvxfer.integrations.vllm",
+                           "kv_role": "kv_producer" | "kv_consumer" | "kv_both",
+                           "kv_connector_extra_config": {...ConnectorSettings...}}'
+
+vLLM makes one instance per role: SCHEDULER in its EngineCore process (`SchedulerSide`)
+and WORKER in each worker process (`WorkerSide`). This class only routes vLLM's hooks to
+the half that runs in this process; the hand-off itself is in those modules, and the
+contract between the two legs is `kvxfer.kv.protocol`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from .metadata import KvxferStepMetadata, KvxferWorkerReport
+from .scheduler_side import SchedulerSide
+from .settings import ConnectorSettings
+from .worker_side import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+def _log_through_vllm() -> None:
+    # vLLM configures handlers for its own logger tree only; kvxfer's modules log under
+    # "kvxfer", which would otherwise be silent inside vLLM's processes.
+    ours, theirs = logging.getLogger("kvxfer"), logging.getLogger("vllm")
+    if not ours.handlers and theirs.handlers:
+        for handler in theirs.handlers:
+            ours.addHandler(handler)
+        ours.setLevel(logging.INFO)
+        ours.propagate = False
+
+
+_log_through_vllm()
+
+
+class KvxferConnector(KVConnectorBase_V1):
+    """Pushes prefill KV layer by layer with one-sided writes; admits decode requests on
+    kvxfer's ImmCounter. Settings: `ConnectorSettings` (kv_connector_extra_config)."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: "KVCacheConfig | None" = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        config = vllm_config.kv_transfer_config
+        self.settings = ConnectorSettings.from_extra_config(config.kv_connector_extra_config)
+        self.kv_role = str(config.kv_role)
+        block_size = int(vllm_config.cache_config.block_size)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(block_size, self.settings.reservation_wait_s)
+        else:
+            model = vllm_config.model_config
+            name = model.served_model_name
+            name = name[0] if isinstance(name, (list, tuple)) else name
+            self._worker = WorkerSide(self.settings, self.kv_role, str(name or model.model), vllm_config)
+
+    # ---- worker side -----------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, KvxferStepMetadata):
+            self._worker.bind(connector_metadata)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        assert self._worker is not None
+        self._worker.start_load_kv()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # Loads are admitted whole (every layer landed) before vLLM schedules the request.
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        assert self._worker is not None
+        self._worker.save_kv_layer(layer_name)
+
+    def wait_for_save(self) -> None:
+        # Writes stay in flight past the step; vLLM keeps the blocks until get_finished says so.
+        return
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self._worker is not None
+        sending, recving, failed = self._worker.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving, failed_recving=failed)
+
+    def build_connector_worker_meta(self) -> KvxferWorkerReport | None:
+        assert self._worker is not None
+        return self._worker.report()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    # ---- scheduler side --------------------------------------------------------------------
+
+    def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self._scheduler is not None:
+            self._scheduler.bind_kv_cache_manager(kv_cache_manager)
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        if self._scheduler is not None:
+            self._scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids)
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_push_work()
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")

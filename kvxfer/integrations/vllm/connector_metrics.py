@@ -1,0 +1,51 @@
+"""The connector's `kvxfer_connector_*` metrics, served on its own port (`metrics_port`).
+
+The connector runs inside vLLM's worker process, whose metrics vLLM does not export; a
+small HTTP server of prometheus_client's serves this process's registry instead.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+_SECONDS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
+
+#: Values of the `reason` label of kvxfer_connector_failures_total.
+FAILURE_REASONS = ("push_failed", "layout_mismatch", "load_timeout", "cancelled", "prefill_aborted",
+                   "fence_timeout", "no_slot", "reservation_send_failed")
+
+
+class ConnectorMetrics:
+    """Counters and histograms of one connector (both sides; unused ones stay at zero)."""
+
+    def __init__(self, role: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"role": role}
+        self.bytes_pushed = Counter("kvxfer_connector_pushed_bytes", "KV bytes posted to decoders",
+                                    registry=self.registry)
+        self.pages_pushed = Counter("kvxfer_connector_pushed_pages", "KV pages (blocks of one layer) posted",
+                                    registry=self.registry)
+        self.push_seconds = Histogram("kvxfer_connector_push_seconds",
+                                      "per request: first sight of the request to its last write landed",
+                                      buckets=_SECONDS, registry=self.registry)
+        self.push_tail = Histogram("kvxfer_connector_push_tail_seconds",
+                                   "per request: last layer computed to its last write landed",
+                                   buckets=_SECONDS, registry=self.registry)
+        self.admission_wait = Histogram("kvxfer_connector_admission_wait_seconds",
+                                        "per request: reservation sent to every expected write landed",
+                                        buckets=_SECONDS, registry=self.registry)
+        self.pages_received = Counter("kvxfer_connector_received_pages", "KV pages admitted on this decoder",
+                                      registry=self.registry)
+        self.failures = Counter("kvxfer_connector_failures", "hand-offs that failed, by side and reason",
+                                ["side", "reason"], registry=self.registry)
+        self.dropped_messages = Counter("kvxfer_connector_dropped_messages",
+                                        "control messages dropped, by reason", ["reason"], registry=self.registry)
+        self.loads_in_flight = Gauge("kvxfer_connector_loads_in_flight", "reservations awaiting their writes",
+                                     registry=self.registry)
+        self.info = Gauge("kvxfer_connector_info", "connector identity", list(labels), registry=self.registry)
+        self.info.labels(**labels).set(1)
+
+    def serve(self, port: int) -> None:
+        """Serves /metrics on `port` (0: nowhere)."""
+        if port:
+            start_http_server(port, registry=self.registry)

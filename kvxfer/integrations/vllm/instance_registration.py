@@ -1,0 +1,75 @@
+"""A vLLM instance in kvxfer's registry: role, URL, engine address, model, layout and load,
+under an etcd lease, signed with the cluster key like every kvxfer worker's record.
+
+The router then treats the instance as a worker whose `engine` is "vllm": it speaks the
+OpenAI API to it and carries the hand-off in `kv_transfer_params`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from pathlib import Path
+
+from kvxfer.registry import RegistrySettings, WorkerRecord, WorkerRegistration
+
+from .kv_region import KVRegion
+from .settings import ConnectorConfigError, ConnectorSettings
+
+log = logging.getLogger(__name__)
+
+
+class InstanceRegistration:
+    """Publishes this instance once its KV cache is registered; withdrawn at shutdown."""
+
+    def __init__(self, settings: ConnectorSettings, kv_role: str, model: str, engine_address_hex: str,
+                 region: KVRegion) -> None:
+        if not settings.advertise_url:
+            raise ConnectorConfigError("kv_connector_extra_config: etcd is set but advertise_url (this "
+                                       "instance's OpenAI API URL, as the router reaches it) is not")
+        role = settings.registry_role or ("prefill" if kv_role == "kv_producer" else "decode")
+        if settings.cluster_key_file is None and not settings.insecure:
+            raise ConnectorConfigError("kv_connector_extra_config: etcd is set without cluster_key_file; routers "
+                                       "ignore unsigned records (set insecure: true for local development)")
+        if settings.insecure:
+            log.warning("kvxfer connector: insecure: this instance's registry record is unsigned (development only)")
+        self._registration = WorkerRegistration(RegistrySettings(
+            endpoints=[e for e in settings.etcd.split(",") if e] if settings.etcd else [],
+            prefix=settings.etcd_prefix, lease_ttl_s=settings.lease_ttl_s,
+            cluster_key_path=Path(settings.cluster_key_file) if settings.cluster_key_file else None,
+        ))
+        self._record = WorkerRecord(
+            worker_id=settings.worker_id or f"vllm-{role}-{socket.gethostname()}-{os.getpid()}",
+            role=role, http_url=settings.advertise_url, engine_address=engine_address_hex, model=model,
+            kv_layout=region.signature, total_pages=region.num_blocks, free_pages=region.num_blocks, engine="vllm",
+        )
+        self._thread: threading.Thread | None = None
+        self._last_running = -1
+
+    def start(self) -> None:
+        """Registers in the background: vLLM's start-up does not wait on etcd."""
+        def run() -> None:
+            try:
+                self._registration.register(self._record)
+                log.info("kvxfer connector: registered %s as %s worker %s", self._record.http_url,
+                         self._record.role, self._record.worker_id)
+            except Exception as exc:
+                log.error("kvxfer connector: registration in etcd failed: %s", exc)
+
+        self._thread = threading.Thread(target=run, name="kvxfer-registration", daemon=True)
+        self._thread.start()
+
+    def note_load(self, running: int) -> None:
+        """Publishes the number of hand-offs in flight (coalesced by the registration)."""
+        if running != self._last_running and self._registration.is_registered:
+            self._last_running = running
+            self._registration.update(running=running)
+
+    def stop(self) -> None:
+        """Revokes the lease so routers drop this instance at once."""
+        try:
+            self._registration.revoke()
+        except Exception as exc:  # the lease expires anyway
+            log.warning("kvxfer connector: revoke failed: %s", exc)

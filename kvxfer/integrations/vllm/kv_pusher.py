@@ -1,0 +1,372 @@
+"""Prefill side of the worker half: push each layer's finished pages as it is computed.
+
+For every request of a prefill leg the pusher holds a `PrefillPush`, whose state machine is
+
+    WAITING_FOR_RESERVATION --reservation--> PUSHING --all pages of all layers landed--> DONE
+           |                                    |  \\--decoder's cancel--> STOPPING --drained--> DONE
+           |                                    \\--write failed / preempted / bad reservation--> FAILED
+           \\--reservation_wait_s passed after vLLM finished the request--> FAILED
+
+`save_kv_layer(layer)` posts, for each request computed this step, one paged write of the
+pages of that layer that became final (every token of the page computed, or the prompt's
+last page): one write per (request, layer) per step, chunked prefill included, and no
+"done" message; the decoder counts pages on its ImmCounter. A reservation that arrives
+late is caught up from the request's blocks, which vLLM keeps for us (`request_finished`
+delays their free until this side reports the push finished, with nothing in flight).
+
+A push that ends early (FAILED, or STOPPING drained) tells the decoder with the protocol's
+abort message, sent only once none of its writes is in flight: from then on the decoder
+may reuse its pages.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from kvxfer.errors import TransferError
+from kvxfer.kv.protocol import KVReservation, encode_abort
+from kvxfer.transfer.engine import RegisteredMemory, Transfer, TransferEngine
+
+from .connector_metrics import ConnectorMetrics
+from .kv_region import KVRegion
+from .metadata import KvxferStepMetadata, PushSpec
+from .page_digests import page_digest
+from .settings import ConnectorSettings
+
+log = logging.getLogger(__name__)
+
+
+class PushState(enum.Enum):
+    """Where one request's push is."""
+
+    WAITING_FOR_RESERVATION = "waiting_for_reservation"
+    PUSHING = "pushing"
+    STOPPING = "stopping"  # the decoder cancelled: drain in-flight writes, then confirm
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass
+class PrefillPush:
+    """One request's push to one decoder."""
+
+    request_id: str
+    transfer_id: str
+    decode_engine: bytes
+    prompt_tokens: int
+    block_size: int
+    num_layers: int
+    block_ids: list[int] = field(default_factory=list)
+    reservation: KVReservation | None = None
+    state: PushState = PushState.WAITING_FOR_RESERVATION
+    reason: str = ""
+    #: tokens whose KV of layer l is in the cache (set as each layer is saved).
+    computed_upto: list[int] = field(default_factory=list)
+    #: prompt page index up to which layer l was pushed (starts at the reservation's first_page).
+    pushed_upto: list[int] = field(default_factory=list)
+    in_flight: list[Transfer] = field(default_factory=list)
+    vllm_finished_at: float | None = None
+    created_at: float = field(default_factory=time.monotonic)
+    layer_saved_at: list[float] = field(default_factory=list)
+    layer_posted_at: list[float] = field(default_factory=list)
+    bytes_posted: int = 0
+    pages_posted: int = 0
+    abort_sent: bool = False
+    #: CLOCK_MONOTONIC completion of the latest write reaped (the push tail's end).
+    last_completed_at: float = 0.0
+    #: computed_end of the step being executed (set by on_step, applied per saved layer).
+    pending_end: int = 0
+
+    def __post_init__(self) -> None:
+        self.computed_upto = [0] * self.num_layers
+        self.pushed_upto = [0] * self.num_layers
+        self.layer_saved_at = [0.0] * self.num_layers
+        self.layer_posted_at = [0.0] * self.num_layers
+
+    @property
+    def total_pages(self) -> int:
+        """Pages of the prompt."""
+        return math.ceil(self.prompt_tokens / self.block_size)
+
+    def final_pages(self, layer: int) -> int:
+        """Prompt pages of `layer` whose every token is computed."""
+        upto = self.computed_upto[layer]
+        return self.total_pages if upto >= self.prompt_tokens else upto // self.block_size
+
+    @property
+    def complete(self) -> bool:
+        """Every page of every layer posted."""
+        return all(p >= self.total_pages for p in self.pushed_upto)
+
+
+class KVPusher:
+    """Pushes prefill requests' KV; owned by the worker half, called from vLLM's worker thread only."""
+
+    def __init__(self, settings: ConnectorSettings, engine: TransferEngine, region: KVRegion,
+                 memory: RegisteredMemory, metrics: ConnectorMetrics,
+                 fault: Callable[[str, str], str | None]) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.region = region
+        self.memory = memory
+        self.metrics = metrics
+        self._fault = fault
+        self.block_size = int(region.signature.split("-bs")[1].split("-")[0])
+        self._by_request: dict[str, PrefillPush] = {}
+        self._by_transfer: dict[str, PrefillPush] = {}
+        self._early: dict[str, tuple[KVReservation, float]] = {}
+        self._this_step: list[PrefillPush] = []
+        self._report: set[str] = set()
+        self._arrivals: set[str] = set()
+
+    # ---- from the scheduler's metadata --------------------------------------------------
+
+    def on_step(self, meta: KvxferStepMetadata) -> None:
+        """Adopt this step's pushes, finished and preempted requests."""
+        self._this_step = []
+        for spec in meta.pushes:
+            push = self._by_request.get(spec.request_id) or self._adopt(spec)
+            push.block_ids = spec.block_ids
+            push.pending_end = spec.computed_end
+            self._this_step.append(push)
+        for rid in meta.preempted:
+            push = self._by_request.get(rid)
+            if push is not None:
+                self._fail(push, "preempted on the prefill instance (its blocks were freed)")
+        now = time.monotonic()
+        for rid in meta.finished_pushes:
+            push = self._by_request.get(rid)
+            if push is None:
+                self._report.add(rid)  # never got to the worker: nothing to wait for
+            else:
+                push.vllm_finished_at = now
+
+    def _adopt(self, spec: PushSpec) -> PrefillPush:
+        push = PrefillPush(spec.request_id, spec.transfer_id, spec.decode_engine, spec.prompt_tokens,
+                           self.block_size, self.region.num_layers)
+        self._by_request[spec.request_id] = push
+        self._by_transfer[spec.transfer_id] = push
+        early = self._early.pop(spec.transfer_id, None)
+        if early is not None:
+            self._attach(push, early[0])
+        return push
+
+    # ---- from the decoder ---------------------------------------------------------------
+
+    def on_reservation(self, reservation: KVReservation) -> None:
+        """A decoder's reservation arrived (it may come before its request reaches us)."""
+        push = self._by_transfer.get(reservation.request_id)
+        if push is None:
+            if len(self._early) >= self.settings.max_early_reservations:
+                self.metrics.dropped_messages.labels(reason="early_reservations_full").inc()
+                return
+            self._early[reservation.request_id] = (reservation, time.monotonic())
+            self._arrivals.add(reservation.request_id)
+            return
+        if push.reservation is not None:
+            self.metrics.dropped_messages.labels(reason="duplicate_reservation").inc()
+            return
+        self._attach(push, reservation)
+        self._catch_up(push)
+
+    def take_arrivals(self) -> set[str]:
+        """Transfer ids whose reservation arrived before their request (since the last call)."""
+        out, self._arrivals = self._arrivals, set()
+        return out
+
+    def on_cancel(self, imm: int, nonce: int, reason: str) -> None:
+        """The decoder gave up on a reservation: stop posting, confirm once drained."""
+        for push in self._by_request.values():
+            res = push.reservation
+            if res is not None and res.imm == imm and res.nonce == nonce:
+                if push.state in (PushState.PUSHING, PushState.WAITING_FOR_RESERVATION):
+                    log.info("transfer %s (request %s): cancelled by the decoder (%s); stopping the push",
+                             push.transfer_id, push.request_id, reason)
+                    push.state = PushState.STOPPING
+                    push.reason = f"cancelled by the decoder: {reason}"
+                return
+        for tid, (res, _) in list(self._early.items()):
+            if res.imm == imm and res.nonce == nonce:
+                # Its request never reached us: nothing was posted, confirm at once.
+                del self._early[tid]
+                self._send_stopped(res, f"cancelled by the decoder before the request arrived: {reason}")
+                return
+        self.metrics.dropped_messages.labels(reason="unknown_cancel").inc()
+
+    def _attach(self, push: PrefillPush, res: KVReservation) -> None:
+        push.reservation = res
+        problem = self._check(push, res)
+        if problem:
+            self._fail(push, problem)
+            return
+        push.pushed_upto = [res.first_page] * push.num_layers
+        push.state = PushState.PUSHING
+
+    def _check(self, push: PrefillPush, res: KVReservation) -> str:
+        if res.kv_layout != self.region.signature:
+            self.metrics.failures.labels(side="prefill", reason="layout_mismatch").inc()
+            return (f"KV layout mismatch: the decoder's cache is {res.kv_layout!r}, this prefiller's is "
+                    f"{self.region.signature!r}; raw blocks cannot be copied between them")
+        if res.first_page + len(res.pages) != push.total_pages:
+            return (f"the reservation covers prompt pages {res.first_page}..{res.first_page + len(res.pages)}, "
+                    f"but this prompt has {push.total_pages} pages (prompts differ between the legs?)")
+        if res.fence_timeout_s <= self.settings.transfer_timeout_s:
+            return (f"the decoder's fence_timeout_s ({res.fence_timeout_s}) does not exceed this prefiller's "
+                    f"transfer_timeout_s ({self.settings.transfer_timeout_s})")
+        return ""
+
+    # ---- posting ----------------------------------------------------------------------------
+
+    def save_layer(self, layer: int) -> None:
+        """vLLM computed `layer` for this step's requests: post their final pages of it."""
+        now = time.monotonic()
+        for push in self._this_step:
+            push.computed_upto[layer] = max(push.computed_upto[layer], push.pending_end)
+            push.layer_saved_at[layer] = now
+            if push.state is PushState.PUSHING:
+                self._post(push, layer)
+
+    def _catch_up(self, push: PrefillPush) -> None:
+        for layer in range(push.num_layers):
+            if push.state is not PushState.PUSHING:
+                return
+            self._post(push, layer)
+
+    def _post(self, push: PrefillPush, layer: int) -> None:
+        res = push.reservation
+        assert res is not None
+        stall = self._fault("stall_after_layer", push.transfer_id)
+        if stall is not None and layer > int(stall):
+            return  # test hook: a prefiller that stopped mid-push without a word
+        start, end = push.pushed_upto[layer], push.final_pages(layer)
+        if end <= start:
+            return
+        src = push.block_ids[start:end]
+        dst = res.pages[start - res.first_page:end - res.first_page]
+        if self._fault("misplace_page", push.transfer_id) is not None and layer == 0 and len(dst) >= 2:
+            dst = [dst[1], dst[0], *dst[2:]]  # test hook: two pages land in each other's place
+        if len(src) != len(dst):
+            self._fail(push, f"the request has {len(push.block_ids)} blocks, fewer than its computed pages")
+            return
+        page = self.region.block_bytes
+        try:
+            transfer = self.engine.write_paged(
+                self.memory, src, res.descriptor, dst, page,
+                src_offset=self.region.layer_offset(layer), dst_offset=layer * res.num_pages * page,
+                imm=res.imm, request_id=push.transfer_id,
+            )
+        except Exception as exc:  # a dead peer, a descriptor the engine refuses
+            self._fail(push, f"posting layer {layer} failed: {exc}")
+            return
+        push.in_flight.append(transfer)
+        push.pushed_upto[layer] = end
+        push.layer_posted_at[layer] = time.monotonic()
+        push.pages_posted += len(src)
+        push.bytes_posted += len(src) * page
+
+    # ---- completion -------------------------------------------------------------------------
+
+    def poll(self, finished_req_ids: set[str]) -> set[str]:
+        """Reap completions and deadlines; the requests whose blocks vLLM may free now."""
+        now = time.monotonic()
+        for rid in finished_req_ids:
+            push = self._by_request.get(rid)
+            if push is not None and push.vllm_finished_at is None:
+                push.vllm_finished_at = now
+        for tid, (_, at) in list(self._early.items()):
+            if now - at > self.settings.reservation_wait_s:
+                del self._early[tid]  # its request never came: nothing was pushed
+                self.metrics.dropped_messages.labels(reason="orphan_reservation").inc()
+        for push in list(self._by_request.values()):
+            self._reap(push)
+            if push.state is PushState.WAITING_FOR_RESERVATION and push.vllm_finished_at is not None \
+                    and now - push.vllm_finished_at > self.settings.reservation_wait_s:
+                self._fail(push, f"no reservation from the decoder within reservation_wait_s={self.settings.reservation_wait_s}")
+            if push.state is PushState.PUSHING and push.complete and not push.in_flight:
+                self._finish(push)
+            if push.state in (PushState.STOPPING, PushState.FAILED) and not push.in_flight:
+                self._confirm_stopped(push)
+                if push.state is PushState.STOPPING:
+                    push.state = PushState.DONE
+            if push.state in (PushState.DONE, PushState.FAILED) and not push.in_flight \
+                    and push.vllm_finished_at is not None:
+                self._forget(push)
+        out, self._report = self._report, set()
+        return out
+
+    def _reap(self, push: PrefillPush) -> None:
+        still: list[Transfer] = []
+        for t in push.in_flight:
+            if not t.done():
+                still.append(t)
+                continue
+            push.last_completed_at = max(push.last_completed_at, t.completed_at_s or 0.0)
+            try:
+                t.wait(0)
+            except TransferError as exc:
+                self._fail(push, f"a write to the decoder failed: {exc}")
+        push.in_flight = still
+
+    def _finish(self, push: PrefillPush) -> None:
+        push.state = PushState.DONE
+        # The tail: from the last layer's compute to its last write landing (the engine
+        # stamps completions with CLOCK_MONOTONIC, time.monotonic()'s clock).
+        completed = push.last_completed_at or time.monotonic()
+        tail = max(0.0, completed - push.layer_saved_at[-1])
+        self.metrics.push_tail.observe(tail)
+        self.metrics.push_seconds.observe(max(0.0, completed - push.created_at))
+        self.metrics.pages_pushed.inc(push.pages_posted)
+        self.metrics.bytes_pushed.inc(push.bytes_posted)
+        self._write_digests(push, tail)
+
+    def _fail(self, push: PrefillPush, reason: str) -> None:
+        if push.state in (PushState.DONE, PushState.FAILED):
+            return
+        log.warning("transfer %s (request %s): push failed: %s", push.transfer_id, push.request_id, reason)
+        if "layout mismatch" not in reason:
+            self.metrics.failures.labels(side="prefill", reason="push_failed").inc()
+        push.state = PushState.FAILED
+        push.reason = reason
+
+    def _confirm_stopped(self, push: PrefillPush) -> None:
+        res = push.reservation
+        if push.abort_sent or res is None:
+            return
+        push.abort_sent = True
+        self._send_stopped(res, push.reason or "stopped")
+
+    def _send_stopped(self, res: KVReservation, reason: str) -> None:
+        log.info("transfer %s: no write in flight any more; telling the decoder (%s)", res.request_id, reason)
+        try:
+            self.engine.send(res.descriptor, encode_abort(res.imm, res.nonce, reason))
+        except Exception as exc:  # the decoder is gone: its fence deadline covers it
+            log.info("transfer %s: could not tell the decoder the push stopped: %s", res.request_id, exc)
+
+    def _forget(self, push: PrefillPush) -> None:
+        self._by_request.pop(push.request_id, None)
+        self._by_transfer.pop(push.transfer_id, None)
+        self._report.add(push.request_id)
+
+    @property
+    def busy(self) -> bool:
+        """Whether any push is still tracked."""
+        return bool(self._by_request)
+
+    def _write_digests(self, push: PrefillPush, tail_s: float) -> None:
+        if not self.settings.kv_digest_dir or push.reservation is None:
+            return
+        res = push.reservation
+        pages = [[layer, p, page_digest(self.region.page_bytes(layer, push.block_ids[p]))]
+                 for layer in range(push.num_layers) for p in range(res.first_page, push.total_pages)]
+        record: dict[str, Any] = {
+            "transfer_id": push.transfer_id, "role": "prefill", "pages": pages, "tail_s": tail_s,
+            "layer_saved_at": push.layer_saved_at, "layer_posted_at": push.layer_posted_at,
+        }
+        Path(self.settings.kv_digest_dir, f"prefill-{push.transfer_id}.json").write_text(json.dumps(record))

@@ -1,0 +1,228 @@
+"""Decode side of the worker half: reserve, admit on the ImmCounter, fence before freeing.
+
+Each load vLLM parks in WAITING_FOR_REMOTE_KVS becomes a `DecodeLoad`:
+
+    RESERVED --every expected page landed--> ADMITTED (reported loaded)
+        |--load_timeout_s passed / vLLM aborted the request--> FENCING (cancel sent)
+        |--the prefiller's abort (no write in flight)-------> FAILED
+    FENCING --prefiller confirms stopped, or fence_timeout_s passed--> FAILED (reported)
+
+A load is reported to vLLM (finished_recving, plus failed_recving when it failed) only in
+ADMITTED or FAILED: vLLM frees or recomputes the blocks after that, and by then no write for
+them can land: the prefiller said none is in flight, or its deadline and the fence passed.
+A prefiller frozen longer than `fence_timeout_s` that wakes up refuses to post, because
+its own `transfer_timeout_s` is shorter than the fence (checked on both sides).
+
+The immediate of a reservation is a slot and a generation (`kvxfer.kv.protocol`): a slot
+comes back only with a new generation, so a late write of an earlier holder never counts.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvxfer.errors import TransferError
+from kvxfer.kv.protocol import (KVReservation, encode_cancel, encode_imm, encode_reservation_message,
+                                generations_per_slot)
+from kvxfer.transfer.engine import RegisteredMemory, TransferEngine
+
+from .connector_metrics import ConnectorMetrics
+from .kv_region import KVRegion
+from .metadata import LoadSpec
+from .page_digests import page_digest
+from .settings import ConnectorSettings
+
+log = logging.getLogger(__name__)
+
+
+class LoadState(enum.Enum):
+    """Where one reservation is."""
+
+    RESERVED = "reserved"
+    ADMITTED = "admitted"
+    FENCING = "fencing"
+    FAILED = "failed"
+
+
+@dataclass
+class DecodeLoad:
+    """One request's reservation on this decoder."""
+
+    spec: LoadSpec
+    reservation: KVReservation | None
+    slot: int
+    sent_at: float
+    deadline: float
+    state: LoadState = LoadState.RESERVED
+    reason: str = ""
+    fence_deadline: float = 0.0
+    vllm_aborted: bool = False
+
+
+class KVReceiver:
+    """Reservations and admissions of one decode instance; called from vLLM's worker thread only."""
+
+    def __init__(self, settings: ConnectorSettings, engine: TransferEngine, region: KVRegion,
+                 memory: RegisteredMemory, metrics: ConnectorMetrics) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.region = region
+        self.memory = memory
+        self.metrics = metrics
+        slots = settings.max_concurrent_loads
+        self._generations = generations_per_slot(slots)
+        self._generation = [0] * slots
+        self._free_slots = list(range(slots - 1, -1, -1))
+        self._loads: dict[str, DecodeLoad] = {}
+        self._by_imm: dict[int, DecodeLoad] = {}
+
+    # ---- starting and cancelling ----------------------------------------------------------
+
+    def start(self, spec: LoadSpec) -> None:
+        """Reserve `spec.block_ids` and send the reservation to the prefiller."""
+        now = time.monotonic()
+        if not self._free_slots:
+            load = DecodeLoad(spec, None, -1, now, now)
+            self._loads[spec.request_id] = load
+            self._to_failed(load, "no_slot", f"{self.settings.max_concurrent_loads} loads already in flight "
+                            "(max_concurrent_loads)")
+            return
+        slot = self._free_slots.pop()
+        imm = encode_imm(slot, self._generation[slot])
+        reservation = KVReservation(
+            request_id=spec.transfer_id, descriptor=self.memory.descriptor, pages=list(spec.block_ids),
+            num_pages=self.region.num_blocks, imm=imm, expected_count=self.region.num_layers * len(spec.block_ids),
+            kv_layout=self.region.signature, meta_descriptor=b"", meta_offset=0,
+            nonce=secrets.randbits(63), fence_timeout_s=self.settings.fence_timeout_s,
+            first_page=spec.first_page, mailbox=False,
+        )
+        load = DecodeLoad(spec, reservation, slot, now, now + self.settings.load_timeout_s)
+        self._loads[spec.request_id] = load
+        self._by_imm[imm] = load
+        try:
+            self.engine.send(spec.prefill_engine, encode_reservation_message(reservation))
+        except Exception as exc:
+            # Nothing reached the prefiller, so no write can land: fail at once.
+            self._to_failed(load, "reservation_send_failed", f"sending the reservation to the prefiller failed: {exc}")
+            return
+        self.metrics.loads_in_flight.inc()
+
+    def cancel(self, request_id: str, why: str) -> None:
+        """vLLM finished the request (aborted) while its load is pending: fence, then free."""
+        load = self._loads.get(request_id)
+        if load is None:
+            return
+        load.vllm_aborted = True
+        if load.state is LoadState.RESERVED:
+            self._to_fencing(load, "cancelled", why)
+
+    def _to_fencing(self, load: DecodeLoad, reason_label: str, why: str) -> None:
+        res = load.reservation
+        assert res is not None
+        load.state = LoadState.FENCING
+        load.reason = why
+        load.fence_deadline = time.monotonic() + self.settings.fence_timeout_s
+        self.metrics.failures.labels(side="decode", reason=reason_label).inc()
+        log.warning("transfer %s (request %s): %s; waiting for the prefiller to confirm no write is in flight",
+                    load.spec.transfer_id, load.spec.request_id, why)
+        try:
+            self.engine.send(load.spec.prefill_engine, encode_cancel(res.imm, res.nonce, why))
+        except Exception as exc:  # a dead prefiller: the fence deadline covers it
+            log.info("transfer %s: cancel not delivered: %s", load.spec.transfer_id, exc)
+
+    def _to_failed(self, load: DecodeLoad, reason_label: str | None, why: str) -> None:
+        if reason_label is not None:
+            self.metrics.failures.labels(side="decode", reason=reason_label).inc()
+        load.state = LoadState.FAILED
+        load.reason = load.reason or why
+        log.warning("transfer %s (request %s): load failed: %s", load.spec.transfer_id, load.spec.request_id, why)
+
+    # ---- from the prefiller ---------------------------------------------------------------
+
+    def on_prefill_stopped(self, imm: int, nonce: int, reason: str) -> None:
+        """The prefiller's abort: its push ended early and none of its writes is in flight."""
+        load = self._by_imm.get(imm)
+        if load is None or load.reservation is None or load.reservation.nonce != nonce:
+            self.metrics.dropped_messages.labels(reason="unknown_abort").inc()
+            return
+        if load.state is LoadState.RESERVED:
+            self._to_failed(load, "prefill_aborted", f"the prefiller stopped: {reason}")
+        elif load.state is LoadState.FENCING:
+            self._to_failed(load, None, load.reason)
+
+    # ---- every step -----------------------------------------------------------------------
+
+    def wait_briefly(self) -> None:
+        """On an idle step, block up to idle_wait_ms on the oldest pending load instead of spinning."""
+        pending = [ld for ld in self._loads.values() if ld.state is LoadState.RESERVED and ld.reservation]
+        if not pending or self.settings.idle_wait_ms <= 0:
+            return
+        res = min(pending, key=lambda ld: ld.sent_at).reservation
+        assert res is not None
+        try:
+            self.engine.wait_imm(res.imm, res.expected_count, self.settings.idle_wait_ms / 1000.0)
+        except TransferError:
+            pass
+
+    def poll(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """(finished, failed) request ids to report now; failed ones are in both sets."""
+        for rid in finished_req_ids:
+            if rid in self._loads:
+                self.cancel(rid, "the request was aborted on the decode instance")
+        now = time.monotonic()
+        finished: set[str] = set()
+        failed: set[str] = set()
+        for rid, load in list(self._loads.items()):
+            res = load.reservation
+            if load.state is LoadState.RESERVED and res is not None:
+                if self.engine.imm_count(res.imm) >= res.expected_count:
+                    load.state = LoadState.ADMITTED
+                    self.metrics.admission_wait.observe(now - load.sent_at)
+                    self.metrics.pages_received.inc(res.expected_count)
+                    self._write_digests(load)
+                elif now > load.deadline:
+                    self._to_fencing(load, "load_timeout", f"not every write landed within load_timeout_s="
+                                     f"{self.settings.load_timeout_s} ({self.engine.imm_count(res.imm)} of "
+                                     f"{res.expected_count} pages)")
+            if load.state is LoadState.FENCING and now > load.fence_deadline:
+                self._to_failed(load, "fence_timeout", f"{load.reason}; the prefiller never confirmed, "
+                                f"fence_timeout_s={self.settings.fence_timeout_s} passed")
+            if load.state in (LoadState.ADMITTED, LoadState.FAILED):
+                finished.add(rid)
+                if load.state is LoadState.FAILED and not load.vllm_aborted:
+                    failed.add(rid)
+                self._release(load)
+        return finished, failed
+
+    def _release(self, load: DecodeLoad) -> None:
+        del self._loads[load.spec.request_id]
+        if load.reservation is not None:
+            self._by_imm.pop(load.reservation.imm, None)
+            # No write for this immediate can land any more: forget its count, and give the
+            # slot a new generation so the value is not reused soon.
+            self.engine.reset_imm(load.reservation.imm)
+            self.metrics.loads_in_flight.dec()
+        if load.slot >= 0:
+            self._generation[load.slot] = (self._generation[load.slot] + 1) % self._generations
+            self._free_slots.append(load.slot)
+
+    @property
+    def pending(self) -> int:
+        """Loads not yet reported to vLLM."""
+        return len(self._loads)
+
+    def _write_digests(self, load: DecodeLoad) -> None:
+        if not self.settings.kv_digest_dir or load.reservation is None:
+            return
+        res = load.reservation
+        pages = [[layer, res.first_page + i, page_digest(self.region.page_bytes(layer, block))]
+                 for layer in range(self.region.num_layers) for i, block in enumerate(res.pages)]
+        record = {"transfer_id": load.spec.transfer_id, "role": "decode", "pages": pages,
+                  "admission_wait_s": time.monotonic() - load.sent_at}
+        Path(self.settings.kv_digest_dir, f"decode-{load.spec.transfer_id}.json").write_text(json.dumps(record))

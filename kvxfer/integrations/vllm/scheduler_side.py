@@ -1,0 +1,191 @@
+"""The connector's scheduler half (vLLM's EngineCore process).
+
+Decode instance: a request whose `kv_transfer_params` name a kvxfer decode leg is parked
+by vLLM in WAITING_FOR_REMOTE_KVS with blocks for the part of the prompt this instance
+does not hold (prefix-cache hits count); the worker half reserves them and admits the
+request on its ImmCounter. Until the worker reports the load finished (admitted, failed,
+or fenced after a cancel), `request_finished` keeps the blocks: no block is freed while a
+write for it can still land.
+
+Prefill instance: the request computes as usual; each step tells the worker half which
+blocks hold how many computed tokens, and the worker pushes every layer's finished pages
+from `save_kv_layer`. `request_finished` keeps the blocks until the worker reports the
+push finished (no write in flight), and `has_pending_push_work` keeps vLLM stepping
+meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .metadata import (KvxferStepMetadata, KvxferWorkerReport, LoadSpec, PushSpec, TransferParams,
+                       TransferParamsError)
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _PendingLoad:
+    params: TransferParams
+    num_computed: int
+    spec_sent: bool = False
+
+
+@dataclass
+class _ActivePush:
+    params: TransferParams
+    prompt_tokens: int
+    pushed_to: int = 0  # computed_end already announced to the worker
+
+
+class SchedulerSide:
+    """Bookkeeping of kvxfer legs in the scheduler; builds each step's metadata."""
+
+    def __init__(self, block_size: int, reservation_wait_s: float) -> None:
+        self.block_size = block_size
+        self.reservation_wait_s = reservation_wait_s
+        self._arrived: set[str] = set()  # transfer ids whose reservation the worker holds
+        self._gated_since: dict[str, float] = {}  # prefill requests held until their reservation
+        self._kv_cache_manager: Any = None
+        self._pending_loads: dict[str, _PendingLoad] = {}
+        self._loads_in_flight: set[str] = set()  # sent to the worker, not reported finished
+        self._loads_to_send: list[LoadSpec] = []
+        self._pushes: dict[str, _ActivePush] = {}
+        self._finished_pushes: list[str] = []
+        self._awaiting_send: set[str] = set()  # finished on vLLM's side, blocks held for the push
+        self.bad_params = 0
+
+    def bind_kv_cache_manager(self, manager: Any) -> None:
+        """vLLM's block manager, to read a request's block table."""
+        self._kv_cache_manager = manager
+
+    def _params(self, request: "Request") -> TransferParams | None:
+        try:
+            return TransferParams.parse(request.kv_transfer_params)
+        except TransferParamsError as exc:
+            # The router validates before it sends; a client reaching the instance directly
+            # with bad params gets its request computed here, and the refusal is counted.
+            self.bad_params += 1
+            log.warning("request %s: ignoring kv_transfer_params: %s", request.request_id, exc)
+            request.kv_transfer_params = None
+            return None
+
+    # ---- decode ------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Decode leg: all prompt tokens beyond the local prefix hit load asynchronously."""
+        rid = request.request_id
+        if rid in self._loads_in_flight or rid in self._pending_loads:
+            return 0, False
+        params = self._params(request)
+        if params is not None and params.role == "prefill":
+            return self._gate_prefill(request, params)
+        if params is None:
+            return 0, False
+        n = request.num_tokens - num_computed_tokens
+        if n <= 0:
+            return 0, False
+        self._pending_loads[rid] = _PendingLoad(params, num_computed_tokens)
+        return n, True
+
+    def _gate_prefill(self, request: "Request", params: TransferParams) -> tuple[int | None, bool]:
+        # Compute only once the decoder's reservation is here, so that every layer's pages
+        # leave as soon as the layer is computed; past reservation_wait_s compute anyway
+        # (the pages are pushed from the kept blocks when the reservation comes).
+        rid = request.request_id
+        if rid not in self._pushes:
+            now = time.monotonic()
+            since = self._gated_since.setdefault(rid, now)
+            if params.transfer_id not in self._arrived and now - since < self.reservation_wait_s:
+                return None, False
+            self._gated_since.pop(rid, None)
+            self._arrived.discard(params.transfer_id)
+            self._pushes[rid] = _ActivePush(params, request.num_prompt_tokens)
+        return 0, False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        """The blocks of a decode leg are known: queue its load for the worker."""
+        pending = self._pending_loads.get(request.request_id)
+        if pending is None or pending.spec_sent or num_external_tokens <= 0:
+            return
+        block_ids = list(blocks.get_block_ids()[0])
+        first_page = pending.num_computed // self.block_size
+        last_page = math.ceil(request.num_tokens / self.block_size)
+        self._loads_to_send.append(LoadSpec(
+            request_id=request.request_id, transfer_id=pending.params.transfer_id,
+            prefill_engine=pending.params.peer_engine, block_ids=block_ids[first_page:last_page],
+            first_page=first_page,
+        ))
+        pending.spec_sent = True
+
+    # ---- every step ----------------------------------------------------------------------
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KvxferStepMetadata:
+        """This step's loads to start, pushes to make, finished and preempted pushes."""
+        meta = KvxferStepMetadata(idle=scheduler_output.total_num_scheduled_tokens == 0,
+                                  awaiting_reservations=bool(self._gated_since))
+        for spec in self._loads_to_send:
+            self._pending_loads.pop(spec.request_id, None)
+            self._loads_in_flight.add(spec.request_id)
+            meta.loads.append(spec)
+        self._loads_to_send = []
+        scheduled = scheduler_output.num_scheduled_tokens
+        computed: dict[str, int] = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+        cached = scheduler_output.scheduled_cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        for rid, push in self._pushes.items():
+            if rid not in scheduled or push.pushed_to >= push.prompt_tokens:
+                continue
+            end = min(computed.get(rid, 0) + scheduled[rid], push.prompt_tokens)
+            blocks = list(self._kv_cache_manager.get_block_ids(rid)[0]) if self._kv_cache_manager else []
+            meta.pushes.append(PushSpec(
+                request_id=rid, transfer_id=push.params.transfer_id, decode_engine=push.params.peer_engine,
+                prompt_tokens=push.prompt_tokens, block_ids=blocks, computed_end=end,
+            ))
+            push.pushed_to = end
+        meta.finished_pushes, self._finished_pushes = self._finished_pushes, []
+        meta.preempted = [rid for rid in (scheduler_output.preempted_req_ids or ()) if rid in self._pushes]
+        for rid in meta.preempted:
+            # Its blocks are gone; a rescheduled attempt would push stale pages.
+            self._pushes[rid].pushed_to = self._pushes[rid].prompt_tokens
+        return meta
+
+    def update_connector_output(self, output: "KVConnectorOutput") -> None:
+        """Loads and pushes the worker reported finished."""
+        for rid in output.finished_recving or ():
+            self._loads_in_flight.discard(rid)
+        for rid in output.finished_sending or ():
+            self._awaiting_send.discard(rid)
+        report = output.kv_connector_worker_meta
+        if isinstance(report, KvxferWorkerReport):
+            self._arrived |= report.reservations_arrived
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Keep the blocks while a load or push may still write them or read from them."""
+        rid = request.request_id
+        self._pending_loads.pop(rid, None)
+        self._gated_since.pop(rid, None)
+        if rid in self._loads_in_flight:
+            return True, None  # the worker cancels, fences, then reports finished_recving
+        push = self._pushes.pop(rid, None)
+        if push is None:
+            return False, None
+        if push.pushed_to == 0:
+            return False, None  # never reached the worker: nothing to push, nothing in flight
+        self._awaiting_send.add(rid)
+        self._finished_pushes.append(rid)
+        return True, {"kvxfer": {"transfer_id": push.params.transfer_id, "role": "prefill"}}
+
+    def has_pending_push_work(self) -> bool:
+        """True while a finished prefill request's blocks wait for its push to end."""
+        return bool(self._awaiting_send)

@@ -1,0 +1,86 @@
+"""The connector's settings, read from vLLM's `kv_connector_extra_config`.
+
+Tools outside this repository (launch scripts, the router's docs, `kvxfer up --engine
+vllm`) use these names, so they are a public contract: renaming one is a breaking change.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kvxfer.errors import KvxferError
+
+
+class ConnectorConfigError(KvxferError, ValueError):
+    """`kv_connector_extra_config` does not hold valid kvxfer connector settings."""
+
+
+class ConnectorSettings(BaseModel):
+    """Settings of one vLLM instance's kvxfer connector (every time has its unit in its name)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # -- the transfer engine -------------------------------------------------------------
+    provider: str = Field("auto", description="libfabric provider: auto, net, tcp, shm, efa, verbs")
+    rails: int = Field(1, ge=1, description="endpoints (NICs) used as one")
+    same_host: Optional[bool] = Field(
+        None, description="copy straight into a peer process on this host (None: KVXFER_SAME_HOST, else on); "
+        "False forces the fabric, as between pods")
+    bind_host: Optional[str] = Field(None, description="address the engine binds (default KVXFER_BIND_HOST)")
+    transfer_timeout_s: float = Field(10.0, gt=0, description="a posted write not complete by then fails")
+
+    # -- decode side (kv_consumer) -------------------------------------------------------
+    load_timeout_s: float = Field(
+        30.0, gt=0, description="a reservation whose writes have not all landed by then fails "
+        "(kv_load_failure_policy decides: fail or recompute)")
+    fence_timeout_s: float = Field(
+        15.0, gt=0, description="after a failure, how long the decoder keeps the blocks without the "
+        "prefiller's word that none of its writes can still land; must exceed transfer_timeout_s")
+    max_concurrent_loads: int = Field(256, ge=1, le=4096, description="reservations in flight at once")
+    idle_wait_ms: float = Field(
+        2.0, ge=0, description="on a step with nothing scheduled, how long the worker blocks on the "
+        "ImmCounter instead of spinning while a load is pending")
+
+    # -- prefill side (kv_producer) ------------------------------------------------------
+    reservation_wait_s: float = Field(
+        10.0, gt=0, description="how long a prefiller keeps a finished request's blocks waiting for "
+        "the decoder's reservation before giving up on the push")
+    max_early_reservations: int = Field(
+        1024, ge=1, description="reservations held that arrived before their request (bounded; more are "
+        "dropped and counted)")
+
+    # -- registry and metrics ------------------------------------------------------------
+    etcd: Optional[str] = Field(None, description="comma-separated etcd endpoints; None: do not register")
+    etcd_prefix: str = Field("/kvxfer", description="registry key prefix")
+    lease_ttl_s: int = Field(5, ge=1, description="registry lease TTL")
+    advertise_url: Optional[str] = Field(None, description="this instance's OpenAI API URL, as the router reaches it")
+    registry_role: Optional[Literal["prefill", "decode"]] = Field(
+        None, description="role published in the registry (default from kv_role; kv_both: decode)")
+    worker_id: Optional[str] = Field(None, description="id in the registry (default vllm-ROLE-PID)")
+    cluster_key_file: Optional[str] = Field(None, description="cluster key that signs the registry record")
+    insecure: bool = Field(False, description="publish an unsigned registry record (local development only)")
+    metrics_port: int = Field(0, ge=0, le=65535, description="port of the connector's own /metrics (0: off)")
+
+    # -- test hooks ------------------------------------------------------------------------
+    kv_digest_dir: Optional[str] = Field(
+        None, description="test hook: write a digest of every pushed and every admitted page here")
+    fault_injection: str = Field(
+        "", description="test hooks, off when empty; comma-separated: misplace_page (swap two destination "
+        "pages), stall_after_layer:N (stop pushing after layer N, like a frozen process). A hook fires only "
+        "for transfers whose id starts with fault-HOOK (e.g. fault-misplace_page-1)")
+
+    @classmethod
+    def from_extra_config(cls, extra: Any) -> "ConnectorSettings":
+        """Parses `kv_connector_extra_config` (unknown keys are an error, so a typo is not ignored)."""
+        data = dict(extra or {})
+        try:
+            settings = cls(**data)
+        except ValidationError as exc:
+            raise ConnectorConfigError(f"invalid kv_connector_extra_config for KvxferConnector: {exc}") from None
+        if settings.fence_timeout_s <= settings.transfer_timeout_s:
+            raise ConnectorConfigError(
+                f"fence_timeout_s ({settings.fence_timeout_s}) must exceed transfer_timeout_s "
+                f"({settings.transfer_timeout_s}): a write posted before the fence could still land after it")
+        return settings

@@ -1,0 +1,179 @@
+"""The connector's worker half (vLLM's worker process): one transfer engine over vLLM's KV
+cache, the pusher (prefill legs), the receiver (decode legs), and the control messages
+between them.
+
+vLLM calls every method here from its one worker thread, so the pusher and receiver need
+no locks; the engine's own progress thread moves the bytes meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kvxfer.kv.protocol import ReservationError, decode_abort, decode_cancel, decode_reservation_message
+from kvxfer.transfer.engine import TransferEngine
+
+from .connector_metrics import ConnectorMetrics
+from .instance_registration import InstanceRegistration
+from .kv_pusher import KVPusher
+from .kv_receiver import KVReceiver
+from .kv_region import KVRegion, region_from_kv_caches
+from .metadata import KvxferStepMetadata, KvxferWorkerReport
+from .settings import ConnectorSettings
+
+log = logging.getLogger(__name__)
+
+# Control messages read per poll: enough for a burst, bounded so one step never drains a flood.
+_MAX_MESSAGES_PER_POLL = 256
+
+
+class WorkerSide:
+    """Engine, pusher and receiver of one vLLM worker."""
+
+    def __init__(self, settings: ConnectorSettings, kv_role: str, model_name: str, vllm_config: Any) -> None:
+        self.settings = settings
+        self.kv_role = kv_role
+        self.model_name = model_name
+        self._vllm_config = vllm_config
+        self.metrics = ConnectorMetrics(kv_role)
+        self.engine: TransferEngine | None = None
+        self.region: KVRegion | None = None
+        self.pusher: KVPusher | None = None
+        self.receiver: KVReceiver | None = None
+        self.registration: InstanceRegistration | None = None
+        self._meta: KvxferStepMetadata | None = None
+        self._faults = dict(part.partition(":")[::2] for part in settings.fault_injection.split(",") if part)
+
+    def fault(self, name: str, transfer_id: str) -> str | None:
+        """The value of test hook `name` for this transfer, or None when it is off.
+
+        An enabled hook fires only for transfers whose id starts with "fault-NAME", so one
+        instance serves healthy and faulty requests side by side in a test."""
+        if name in self._faults and transfer_id.startswith(f"fault-{name}"):
+            return self._faults[name]
+        return None
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        """Register vLLM's whole KV allocation once; start serving transfers and publish."""
+        self._request_amx_permission()
+        self.region = region_from_kv_caches(kv_caches)
+        s = self.settings
+        self.engine = TransferEngine(s.provider, s.rails, bind_host=s.bind_host, transfer_timeout_s=s.transfer_timeout_s,
+                                     same_host=s.same_host)
+        memory = self.engine.register(self.region.buffer)
+        if self.kv_role in ("kv_producer", "kv_both"):
+            self.pusher = KVPusher(s, self.engine, self.region, memory, self.metrics, self.fault)
+        if self.kv_role in ("kv_consumer", "kv_both"):
+            self.receiver = KVReceiver(s, self.engine, self.region, memory, self.metrics)
+        log.info("kvxfer connector: %s, %d layers x %d blocks of %d bytes registered, layout %s, engine %s (%s)",
+                 self.kv_role, self.region.num_layers, self.region.num_blocks, self.region.block_bytes,
+                 self.region.signature, self.engine.address.hex(), self.engine.provider)
+        self.metrics.serve(s.metrics_port)
+        if s.etcd:
+            self.registration = InstanceRegistration(s, self.kv_role, self.model_name, self.engine.address.hex(),
+                                                     self.region)
+            self.registration.start()
+
+    @staticmethod
+    def _request_amx_permission() -> None:
+        # Linux grants AMX state only on request; vLLM's CPU attention uses AMX where the
+        # CPU has it, and a decode instance whose first forward runs on transferred KV
+        # would otherwise die of SIGILL (it never ran the warm-up path that asks).
+        try:
+            import torch
+
+            init = getattr(torch.cpu, "_init_amx", None)
+            if init is not None:
+                init()
+        except Exception as exc:  # no AMX on this CPU: nothing to ask for
+            log.debug("AMX permission not requested: %s", exc)
+
+    # ---- per step ---------------------------------------------------------------------------
+
+    def bind(self, meta: KvxferStepMetadata) -> None:
+        """The scheduler's instructions for this step."""
+        self._meta = meta
+        if self.pusher is not None:
+            self.pusher.on_step(meta)
+
+    def start_load_kv(self) -> None:
+        """Reserve and announce this step's new loads."""
+        if self._meta is None or self.receiver is None:
+            return
+        for spec in self._meta.loads:
+            self.receiver.start(spec)
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        """Layer `layer_name` is computed for this step: push what became final."""
+        if self.pusher is None or self.region is None:
+            return
+        self._drain_messages()
+        self.pusher.save_layer(self.region.layer_index(layer_name))
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+        """(finished_sending, finished_recving, failed_recving) for this step."""
+        if self.receiver is not None and self._meta is not None and self._meta.idle:
+            self.receiver.wait_briefly()
+        if self._meta is not None and self._meta.idle and self._meta.awaiting_reservations and self.engine:
+            # Nothing to compute until a reservation comes: wait for it instead of spinning.
+            raw = self.engine.recv(self.settings.idle_wait_ms / 1000.0)
+            if raw is not None:
+                self._dispatch(bytes(raw))
+        self._drain_messages()
+        sending: set[str] = set()
+        recving: set[str] = set()
+        failed: set[str] = set()
+        if self.pusher is not None:
+            sending = self.pusher.poll(finished_req_ids)
+        if self.receiver is not None:
+            recving, failed = self.receiver.poll(finished_req_ids)
+        if self.registration is not None:
+            self.registration.note_load(running=self.receiver.pending if self.receiver else 0)
+        return sending, recving, failed
+
+    def report(self) -> KvxferWorkerReport | None:
+        """Transfers whose reservation arrived since the last report (for the scheduler's gate)."""
+        arrived = self.pusher.take_arrivals() if self.pusher is not None else set()
+        return KvxferWorkerReport(arrived) if arrived else None
+
+    def _drain_messages(self) -> None:
+        if self.engine is None:
+            return
+        for _ in range(_MAX_MESSAGES_PER_POLL):
+            raw = self.engine.recv(0.0)
+            if raw is None:
+                return
+            self._dispatch(bytes(raw))
+
+    def _dispatch(self, raw: bytes) -> None:
+        try:
+            reservation = decode_reservation_message(raw)
+        except ReservationError as exc:
+            log.warning("dropped a malformed reservation message: %s", exc)
+            self.metrics.dropped_messages.labels(reason="malformed_reservation").inc()
+            return
+        if reservation is not None:
+            if self.pusher is None:
+                self.metrics.dropped_messages.labels(reason="not_a_prefiller").inc()
+            else:
+                self.pusher.on_reservation(reservation)
+            return
+        cancel = decode_cancel(raw)
+        if cancel is not None:
+            if self.pusher is not None:
+                self.pusher.on_cancel(*cancel)
+            return
+        stopped = decode_abort(raw)
+        if stopped is not None:
+            if self.receiver is not None:
+                self.receiver.on_prefill_stopped(*stopped)
+            return
+        self.metrics.dropped_messages.labels(reason="unknown_message").inc()
+
+    def shutdown(self) -> None:
+        """Withdraw the registration and close the engine."""
+        if self.registration is not None:
+            self.registration.stop()
+        if self.engine is not None:
+            self.engine.close()

@@ -1,0 +1,158 @@
+"""Short-lived signed tokens for the control plane (router -> worker, worker -> worker HTTP).
+
+Anyone who could reach a worker's HTTP port could reserve its pages, cancel streams and make
+a prefiller push KV wherever it was told. With a cluster key, every control call carries
+
+    Authorization: KvxferToken v1.<issuer>.<expires_ms>.<nonce hex>.<tag hex>
+
+where `tag` is HMAC-SHA256, keyed by the cluster key's "control" derivation (never valid as a
+registry signature: `signing.derive_key`), over the issuer, the HTTP method, the path, the
+expiry, the nonce and the SHA-256 of the exact body bytes. So a token is good for one
+request only: another path, method or body breaks the tag, the expiry bounds its life, and
+the verifier remembers nonces until their token expires, so a captured token cannot be
+replayed either. The issuer names the caller (a router, a worker id): it scopes request ids
+and per-caller limits on the worker. Every holder of the cluster key can mint any issuer; the
+key is the trust boundary (docs/architecture.md, "Threat model").
+
+Parsing is bounded: the header is refused before any work if it is longer than
+`MAX_TOKEN_CHARS`, and every part has a fixed alphabet and length.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from enum import Enum
+
+from kvxfer.errors import RegistryError
+from kvxfer.registry.signing import derive_key
+
+TOKEN_VERSION = "v1"
+#: The HTTP auth scheme of the header.
+AUTH_SCHEME = "KvxferToken"
+#: Longest header value parsed at all; a real token is about 170 characters.
+MAX_TOKEN_CHARS = 512
+_ISSUER = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
+_TOKEN = re.compile(r"^v1\.([A-Za-z0-9_\-]{1,64})\.([0-9]{1,16})\.([0-9a-f]{32})\.([0-9a-f]{64})$")
+
+
+class TokenRejection(str, Enum):
+    """Why a token was refused; the `reason` label of `kvxfer_worker_auth_rejected_total`."""
+
+    MISSING = "missing"  # no Authorization header: 401
+    MALFORMED = "malformed"  # not a kvxfer token of this version: 401
+    EXPIRED = "expired"  # past its expiry (beyond the skew tolerance): 401
+    TOO_LONG_LIVED = "too_long_lived"  # expires further ahead than the verifier allows: 401
+    REPLAYED = "replayed"  # its nonce was seen already: 401
+    BAD_SIGNATURE = "bad_signature"  # the tag does not verify for this request: 403
+
+    @property
+    def status(self) -> int:
+        """401 when no valid credential was presented, 403 when a forged one was."""
+        return 403 if self is TokenRejection.BAD_SIGNATURE else 401
+
+
+class TokenRefused(RegistryError):
+    """A control-plane token that does not admit this request; `reason` says why."""
+
+    def __init__(self, reason: TokenRejection, detail: str) -> None:
+        self.reason = reason
+        super().__init__(detail)
+
+
+def _message(issuer: str, method: str, path: str, expires_ms: int, nonce: str, body: bytes) -> bytes:
+    digest = hashlib.sha256(body).hexdigest()
+    return "\n".join((TOKEN_VERSION, issuer, method.upper(), path, str(expires_ms), nonce, digest)).encode()
+
+
+class TokenSigner:
+    """Mints one token per outgoing control call, for one issuer."""
+
+    def __init__(self, cluster_key: bytes, issuer: str, lifetime_s: float) -> None:
+        if not _ISSUER.match(issuer):
+            raise ValueError(f"issuer {issuer!r} must match {_ISSUER.pattern}")
+        if lifetime_s <= 0:
+            raise ValueError(f"token lifetime must be positive, got {lifetime_s}")
+        self._key = derive_key(cluster_key, "control")
+        self.issuer = issuer
+        self.lifetime_s = lifetime_s
+
+    def token(self, method: str, path: str, body: bytes, *, now_s: float | None = None) -> str:
+        """The token for one request: `method` `path` carrying exactly `body`."""
+        expires_ms = int(((time.time() if now_s is None else now_s) + self.lifetime_s) * 1000)
+        nonce = secrets.token_hex(16)
+        tag = hmac.new(self._key, _message(self.issuer, method, path, expires_ms, nonce, body), hashlib.sha256)
+        return f"{TOKEN_VERSION}.{self.issuer}.{expires_ms}.{nonce}.{tag.hexdigest()}"
+
+    def header(self, method: str, path: str, body: bytes) -> dict[str, str]:
+        """The Authorization header for one request."""
+        return {"Authorization": f"{AUTH_SCHEME} {self.token(method, path, body)}"}
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who a verified token says made the request."""
+
+    issuer: str
+    expires_ms: int
+
+
+class TokenVerifier:
+    """Checks the tokens of incoming control calls; thread-safe.
+
+    `max_lifetime_s` refuses tokens that expire further ahead than that (a leaked token
+    is worth little), `clock_skew_s` is the tolerance between the two machines' clocks.
+    Nonces are remembered until their token's expiry (at most `max_replay_entries` at once;
+    when that is full the token is refused as a replay rather than the memory growing).
+    """
+
+    def __init__(self, cluster_key: bytes, *, max_lifetime_s: float, clock_skew_s: float,
+                 max_replay_entries: int = 100_000) -> None:
+        self._key = derive_key(cluster_key, "control")
+        self.max_lifetime_s = max_lifetime_s
+        self.clock_skew_s = clock_skew_s
+        self._max_entries = max_replay_entries
+        self._seen: dict[str, int] = {}  # nonce -> expiry (ms), for replay refusal
+        self._lock = threading.Lock()
+
+    def verify(self, header: str | None, method: str, path: str, body: bytes, *,
+               now_s: float | None = None) -> Caller:
+        """The caller of a request whose Authorization header is `header`; TokenRefused otherwise."""
+        if not header:
+            raise TokenRefused(TokenRejection.MISSING, "control call without an Authorization header")
+        if len(header) > MAX_TOKEN_CHARS:
+            raise TokenRefused(TokenRejection.MALFORMED, f"Authorization header longer than {MAX_TOKEN_CHARS}")
+        scheme, _, token = header.partition(" ")
+        match = _TOKEN.match(token.strip()) if scheme == AUTH_SCHEME else None
+        if match is None:
+            raise TokenRefused(TokenRejection.MALFORMED, f"Authorization is not a {AUTH_SCHEME} {TOKEN_VERSION} token")
+        issuer, expires_text, nonce, tag = match.groups()
+        expires_ms = int(expires_text)
+        now_ms = int((time.time() if now_s is None else now_s) * 1000)
+        skew_ms = int(self.clock_skew_s * 1000)
+        if now_ms > expires_ms + skew_ms:
+            raise TokenRefused(TokenRejection.EXPIRED, f"token of {issuer} expired {(now_ms - expires_ms) / 1000:.1f} s ago")
+        if expires_ms - now_ms > int(self.max_lifetime_s * 1000) + skew_ms:
+            raise TokenRefused(TokenRejection.TOO_LONG_LIVED,
+                               f"token of {issuer} expires beyond the allowed {self.max_lifetime_s} s")
+        expected = hmac.new(self._key, _message(issuer, method, path, expires_ms, nonce, body), hashlib.sha256)
+        if not hmac.compare_digest(tag, expected.hexdigest()):
+            raise TokenRefused(TokenRejection.BAD_SIGNATURE,
+                               f"token does not verify for {method} {path} (forged, other key, or altered body)")
+        self._remember(nonce, expires_ms + skew_ms, now_ms)
+        return Caller(issuer, expires_ms)
+
+    def _remember(self, nonce: str, forget_at_ms: int, now_ms: int) -> None:
+        with self._lock:
+            if nonce in self._seen:
+                raise TokenRefused(TokenRejection.REPLAYED, "token was used before")
+            if len(self._seen) >= self._max_entries:
+                self._seen = {n: t for n, t in self._seen.items() if t >= now_ms}
+                if len(self._seen) >= self._max_entries:
+                    raise TokenRefused(TokenRejection.REPLAYED, "replay memory full; retry shortly")
+            self._seen[nonce] = forget_at_ms

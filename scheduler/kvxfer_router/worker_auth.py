@@ -1,0 +1,62 @@
+"""The credential the router shows workers: a signed token per control call, and the ids
+it mints for them.
+
+With a cluster key (`cluster_key_file`) every POST to a worker carries a `KvxferToken`
+(`kvxfer.registry.control_token`) bound to its path and exact body bytes, so the body is
+serialized here once and sent as those bytes. Without a key, calls go unsigned (workers
+without a key accept them; development only).
+
+Request ids towards workers are minted here, never taken from the client: a client's id
+(echoed back to it) could collide with, or name, another request inside the cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from typing import Any
+
+import httpx
+
+from kvxfer.registry.control_token import TokenSigner
+from kvxfer.registry.signing import load_cluster_key
+
+from .settings import RouterSettings
+
+log = logging.getLogger(__name__)
+
+
+def mint_worker_request_id() -> str:
+    """A fresh id for one request inside the cluster (unguessable: 128 random bits)."""
+    return f"kx-{uuid.uuid4().hex}"
+
+
+class WorkerCallSigner:
+    """Serializes a control-call body and adds the token that admits it at the worker."""
+
+    def __init__(self, signer: TokenSigner | None) -> None:
+        self._signer = signer
+
+    @classmethod
+    def from_settings(cls, settings: RouterSettings) -> WorkerCallSigner:
+        """Signs with the cluster key of `settings`; unsigned (with a warning) without one."""
+        if settings.cluster_key_file is None:
+            log.warning("no cluster key (KVXFER_ROUTER_CLUSTER_KEY_FILE): calls to workers carry no credential; "
+                        "workers with a key refuse them. Development only.")
+            return cls(None)
+        key = load_cluster_key(settings.cluster_key_file)
+        return cls(TokenSigner(key, settings.control_issuer, settings.control_token_lifetime_s))
+
+    @property
+    def signs(self) -> bool:
+        """Whether calls carry a token."""
+        return self._signer is not None
+
+    def request(self, url: str, body: dict[str, Any]) -> dict[str, Any]:
+        """Keyword arguments for httpx's POST of `body` to `url`: exact content and headers."""
+        content = json.dumps(body, separators=(",", ":")).encode()
+        headers = {"Content-Type": "application/json"}
+        if self._signer is not None:
+            headers.update(self._signer.header("POST", httpx.URL(url).path, content))
+        return {"content": content, "headers": headers}

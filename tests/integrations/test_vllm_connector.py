@@ -1,0 +1,326 @@
+"""kvxfer inside vLLM, with real vLLM processes: a prefill and a decode instance running
+KvxferConnector over the fabric path (same_host off), registered in a real etcd.
+
+The oracle is the KV bytes and logprobs, not tokens alone: a random-weight model's greedy
+tokens barely depend on the KV. Every disaggregated request is compared with the same
+prompt computed colocated (on the prefill instance, with its own cache salt so no prefix
+cache is shared), and the decoder's blocks with the prefiller's, page by page.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import pytest
+
+pytest.importorskip("vllm", reason="the vllm extra is not installed")
+
+from kvxfer.integrations.vllm.checkpoint import make_checkpoint  # noqa: E402
+from kvxfer.kv.protocol import KVReservation, decode_abort, encode_imm, encode_reservation_message  # noqa: E402
+from kvxfer.transfer.engine import TransferEngine  # noqa: E402
+from support.vllm_instances import VllmFleet, free_port  # noqa: E402
+from support.waiting import wait_until  # noqa: E402
+
+pytestmark = pytest.mark.timeout(900)
+
+BLOCK = 32
+CHUNK = 64  # max_num_batched_tokens of the prefill instance: prompts over it prefill in chunks
+TIMEOUTS = {"transfer_timeout_s": 2.0, "load_timeout_s": 6.0, "fence_timeout_s": 3.0, "reservation_wait_s": 5.0}
+# One bf16 step at these magnitudes (|logprob| < 16): 2**-8 relative, 0.0625 absolute at most.
+LOGPROB_TOLERANCE = 0.0625
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmFleet]:
+    work = tmp_path_factory.mktemp("vllm")
+    model = make_checkpoint(Path(os.environ.get("KVXFER_TEST_MODEL_DIR", work / "model")))
+    digests = work / "digests"
+    digests.mkdir()
+    common = {"same_host": False, "bind_host": "127.0.0.1", "kv_digest_dir": str(digests), **TIMEOUTS}
+    with VllmFleet(model, work, common_extra=common) as f:
+        f.start("prefill-a", "kv_producer", "0", max_num_batched_tokens=CHUNK,
+                extra={"fault_injection": "misplace_page,stall_after_layer:1"})
+        f.start("decode-a", "kv_consumer", "1")
+        f.wait_ready("prefill-a", "decode-a")
+        f.digests = digests  # type: ignore[attr-defined]
+        yield f
+
+
+def _params(role: str, tid: str, peer: str) -> dict[str, Any]:
+    return {"kvxfer": {"role": role, "transfer_id": tid, "peer_engine": peer}}
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    # Token ids, so the prompt has exactly n tokens; ids above the specials (0-2).
+    return [3 + (seed * 7919 + i * 104729) % 1900 for i in range(n)]
+
+
+def disaggregated(fleet: VllmFleet, prompt: list[int], tid: str, *, max_tokens: int = 4, salt: str | None = None,
+                  prefill: str = "prefill-a", decode: str = "decode-a") -> tuple[httpx.Response, httpx.Response]:
+    """Both legs at once, as the router sends them: (prefill reply, decode reply)."""
+    p, d = fleet.record(prefill), fleet.record(decode)
+    body: dict[str, Any] = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                            "logprobs": 5}
+    if salt:
+        body["cache_salt"] = salt
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        on_d = pool.submit(httpx.post, fleet.instances[decode].url + "/v1/completions",
+                           json={**body, "kv_transfer_params": _params("decode", tid, p.engine_address)}, timeout=120)
+        on_p = pool.submit(httpx.post, fleet.instances[prefill].url + "/v1/completions",
+                           json={**body, "max_tokens": 1,
+                                 "kv_transfer_params": _params("prefill", tid, d.engine_address)}, timeout=120)
+        return on_p.result(), on_d.result()
+
+
+def colocated(fleet: VllmFleet, prompt: list[int], max_tokens: int = 4) -> dict[str, Any]:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 5,
+            "cache_salt": f"ref-{uuid.uuid4().hex}"}
+    r = httpx.post(fleet.instances["prefill-a"].url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+def digests(fleet: VllmFleet, role: str, tid: str) -> dict[str, Any]:
+    path = fleet.digests / f"{role}-{tid}.json"  # type: ignore[attr-defined]
+    wait_until(path.exists, timeout_s=30, interval_s=0.1, what=f"{role} digests of {tid}")
+    return json.loads(path.read_text())
+
+
+def assert_same_as_colocated(choice: dict[str, Any], ref: dict[str, Any]) -> None:
+    assert choice["text"] == ref["text"]
+    got, want = choice["logprobs"], ref["logprobs"]
+    assert got["tokens"] == want["tokens"]
+    for mine, theirs in zip(got["top_logprobs"], want["top_logprobs"]):
+        assert set(mine) == set(theirs), (mine, theirs)
+        for tok, lp in theirs.items():
+            assert abs(mine[tok] - lp) <= LOGPROB_TOLERANCE, (tok, mine[tok], lp)
+
+
+def kv_pages_equal(fleet: VllmFleet, tid: str) -> bool:
+    return digests(fleet, "prefill", tid)["pages"] == digests(fleet, "decode", tid)["pages"]
+
+
+# ---- the hand-off is exact ------------------------------------------------------------------
+
+@pytest.mark.parametrize("length", [31, 32, 33, 95, 200])
+def test_disaggregated_equals_colocated_in_tokens_logprobs_and_kv_bytes(fleet: VllmFleet, length: int) -> None:
+    prompt = _prompt(length, seed=length)
+    tid = f"eq-{length}-{uuid.uuid4().hex[:8]}"
+    on_p, on_d = disaggregated(fleet, prompt, tid, salt=tid)
+    assert on_p.status_code == 200 and on_d.status_code == 200, (on_p.text, on_d.text)
+    assert_same_as_colocated(on_d.json()["choices"][0], colocated(fleet, prompt))
+    p_pages, d_pages = digests(fleet, "prefill", tid)["pages"], digests(fleet, "decode", tid)["pages"]
+    assert len(d_pages) == 4 * -(-length // BLOCK)  # every layer of every prompt page
+    assert p_pages == d_pages
+
+
+def test_decoder_prefix_cache_hit_receives_only_the_rest(fleet: VllmFleet) -> None:
+    prompt = _prompt(130, seed=99)
+    salt = f"prefix-{uuid.uuid4().hex}"
+    first = f"pfx1-{uuid.uuid4().hex[:8]}"
+    disaggregated(fleet, prompt, first, salt=salt)
+    second = f"pfx2-{uuid.uuid4().hex[:8]}"
+    on_p, on_d = disaggregated(fleet, prompt + _prompt(40, seed=5), second, salt=salt)
+    assert on_d.status_code == 200, on_d.text
+    pages = digests(fleet, "decode", second)["pages"]
+    assert min(page for _, page, _ in pages) >= 4  # the decoder held the first 4 full blocks
+    assert kv_pages_equal(fleet, second)
+
+
+def test_oracle_fails_when_a_block_is_misplaced(fleet: VllmFleet) -> None:
+    prompt = _prompt(100, seed=3)
+    tid = f"fault-misplace_page-{uuid.uuid4().hex[:8]}"
+    on_p, on_d = disaggregated(fleet, prompt, tid, salt=tid)
+    assert on_d.status_code == 200
+    assert not kv_pages_equal(fleet, tid), "two swapped pages must fail the byte comparison"
+
+
+def test_each_layer_is_posted_before_the_next_is_computed_and_the_tail_is_measured(fleet: VllmFleet) -> None:
+    tid = f"lbl-{uuid.uuid4().hex[:8]}"
+    disaggregated(fleet, _prompt(150, seed=11), tid, salt=tid)
+    record = digests(fleet, "prefill", tid)
+    saved, posted = record["layer_saved_at"], record["layer_posted_at"]
+    for layer in range(len(saved) - 1):
+        assert saved[layer] <= posted[layer] <= saved[layer + 1], (layer, saved, posted)
+    assert record["tail_s"] > 0
+
+
+# ---- faults ---------------------------------------------------------------------------------
+
+def test_stalled_prefiller_fails_the_request_within_its_deadline_and_decode_keeps_serving(fleet: VllmFleet) -> None:
+    tid = f"fault-stall_after_layer-{uuid.uuid4().hex[:8]}"
+    start = time.monotonic()
+    on_p, on_d = disaggregated(fleet, _prompt(120, seed=21), tid, salt=tid)
+    elapsed = time.monotonic() - start
+    assert on_d.status_code >= 400 or on_d.json()["choices"][0].get("finish_reason") == "error", on_d.text
+    deadline = TIMEOUTS["load_timeout_s"] + TIMEOUTS["fence_timeout_s"] + 5
+    assert elapsed < deadline, f"failed after {elapsed:.1f}s, the deadline is {deadline}s"
+    assert not (fleet.digests / f"decode-{tid}.json").exists()  # type: ignore[attr-defined]
+    # The decoder serves the next hand-off, and its blocks (maybe the same ones) hold the right bytes.
+    ok = f"after-stall-{uuid.uuid4().hex[:8]}"
+    _, on_d = disaggregated(fleet, _prompt(120, seed=21), ok, salt=ok)
+    assert on_d.status_code == 200 and kv_pages_equal(fleet, ok)
+
+
+def test_client_abort_on_decode_cancels_the_push_and_later_requests_are_exact(fleet: VllmFleet) -> None:
+    p, d = fleet.record("prefill-a"), fleet.record("decode-a")
+    tid = f"fault-stall_after_layer-abort-{uuid.uuid4().hex[:8]}"
+    prompt = _prompt(120, seed=31)
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, "cache_salt": tid}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        on_p = pool.submit(httpx.post, fleet.instances["prefill-a"].url + "/v1/completions",
+                           json={**body, "max_tokens": 1, "kv_transfer_params": _params("prefill", tid, d.engine_address)},
+                           timeout=60)
+        with pytest.raises(httpx.ReadTimeout):  # the client goes away while the load is pending
+            httpx.post(fleet.instances["decode-a"].url + "/v1/completions",
+                       json={**body, "kv_transfer_params": _params("decode", tid, p.engine_address)}, timeout=1.5)
+        assert on_p.result().status_code == 200
+    prefill_log, decode_log = fleet.instances["prefill-a"], fleet.instances["decode-a"]
+    wait_until(lambda: f"transfer {tid}: no write in flight any more" in prefill_log.log_text(),
+               timeout_s=20, interval_s=0.2, what="the prefiller confirming it stopped after the decoder's cancel")
+    # The decoder freed the blocks on that confirmation, not at its fence deadline.
+    wait_until(lambda: f"transfer {tid} " in decode_log.log_text() and "load failed" in decode_log.log_text(),
+               timeout_s=TIMEOUTS["fence_timeout_s"], interval_s=0.2, what="the decoder releasing the load")
+    ok = f"after-abort-{uuid.uuid4().hex[:8]}"
+    _, on_d = disaggregated(fleet, prompt, ok, salt=ok)
+    assert on_d.status_code == 200 and kv_pages_equal(fleet, ok)
+
+
+def test_layout_mismatch_is_refused_with_a_clear_error(fleet: VllmFleet) -> None:
+    p = fleet.record("prefill-a")
+    tid = f"mismatch-{uuid.uuid4().hex[:8]}"
+    prompt = _prompt(64, seed=41)
+    with TransferEngine(bind_host="127.0.0.1", same_host=False) as engine:
+        region = engine.register(bytearray(1 << 20))
+        reservation = KVReservation(
+            request_id=tid, descriptor=region.descriptor, pages=[0, 1], num_pages=4, imm=encode_imm(0, 1),
+            expected_count=8, kv_layout="L4-H2-D64-float32-bs32-vllm-lbhnc-avx2", meta_descriptor=b"", meta_offset=0,
+            nonce=7, fence_timeout_s=10.0, mailbox=False)
+        engine.send(bytes.fromhex(p.engine_address), encode_reservation_message(reservation)).wait(10)
+        r = httpx.post(fleet.instances["prefill-a"].url + "/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": prompt, "max_tokens": 1, "cache_salt": tid,
+            "kv_transfer_params": _params("prefill", tid, engine.address.hex())})
+        assert r.status_code == 200
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            raw = engine.recv(0.5)
+            if raw is not None and decode_abort(bytes(raw)):
+                imm, nonce, reason = decode_abort(bytes(raw))  # type: ignore[misc]
+                break
+        else:
+            pytest.fail("the prefiller never answered the mismatched reservation")
+        assert (imm, nonce) == (reservation.imm, 7)
+        assert "KV layout mismatch" in reason and "float32" in reason and "bfloat16" in reason
+        assert engine.imm_count(reservation.imm) == 0  # not one page was written
+
+
+def test_bad_kv_transfer_params_disturb_nothing(fleet: VllmFleet) -> None:
+    prompt = _prompt(50, seed=51)
+    ref = colocated(fleet, prompt)
+    for bad in ({"kvxfer": "yes"}, {"kvxfer": {"role": "decode", "transfer_id": "x", "peer_engine": "zz"}},
+                {"kvxfer": {"role": "sideways", "transfer_id": "x", "peer_engine": "00"}}):
+        r = httpx.post(fleet.instances["decode-a"].url + "/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 5,
+            "cache_salt": uuid.uuid4().hex, "kv_transfer_params": bad})
+        assert r.status_code == 200, r.text  # computed here, refusal logged and counted
+        assert_same_as_colocated(r.json()["choices"][0], ref)
+    assert "ignoring kv_transfer_params" in fleet.instances["decode-a"].log_text()
+    ok = f"after-bad-{uuid.uuid4().hex[:8]}"
+    _, on_d = disaggregated(fleet, prompt, ok, salt=ok)
+    assert on_d.status_code == 200 and kv_pages_equal(fleet, ok)
+
+
+# ---- through the router ---------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def router(fleet: VllmFleet) -> Iterator[str]:
+    port = free_port()
+    env = {**os.environ, "KVXFER_ROUTER_ETCD_ENDPOINTS": fleet.etcd.client_url,  # type: ignore[union-attr]
+           "KVXFER_ROUTER_CLUSTER_KEY_FILE": str(fleet.key_file), "KVXFER_ROUTER_PORT": str(port),
+           "KVXFER_ROUTER_HOST": "127.0.0.1"}
+    log = (fleet.work_dir / "router.log").open("wb")
+    proc = subprocess.Popen([sys.executable, "-m", "kvxfer_router"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: _models(url) == ["tiny"], timeout_s=60, interval_s=0.2, what="the router lists tiny")
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _models(url: str) -> list[str]:
+    try:
+        return [m["id"] for m in httpx.get(url + "/v1/models", timeout=2).json()["data"]]
+    except (httpx.HTTPError, ValueError, KeyError):
+        return []
+
+
+def test_router_serves_completions_through_vllm_legs_equal_to_colocated(fleet: VllmFleet, router: str) -> None:
+    prompt_text = "The license grants permission " * 12
+    ref = httpx.post(fleet.instances["prefill-a"].url + "/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": prompt_text, "max_tokens": 6, "temperature": 0,
+        "cache_salt": uuid.uuid4().hex}).json()["choices"][0]["text"]
+    r = httpx.post(router + "/v1/completions", timeout=120,
+                   json={"model": "tiny", "prompt": prompt_text, "max_tokens": 6, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == ref
+    streamed = ""
+    with httpx.stream("POST", router + "/v1/completions", timeout=120, json={
+            "model": "tiny", "prompt": prompt_text, "max_tokens": 6, "temperature": 0, "stream": True}) as s:
+        assert s.status_code == 200
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                streamed += json.loads(line[6:])["choices"][0]["text"]
+    assert streamed == ref
+
+
+def test_router_serves_chat_completions(fleet: VllmFleet, router: str) -> None:
+    messages = [{"role": "user", "content": "Say something about the license. " * 5}]
+    ref = httpx.post(fleet.instances["prefill-a"].url + "/v1/chat/completions", timeout=60, json={
+        "model": "tiny", "messages": messages, "max_tokens": 5, "temperature": 0,
+        "cache_salt": uuid.uuid4().hex}).json()["choices"][0]["message"]["content"]
+    r = httpx.post(router + "/v1/chat/completions", timeout=120,
+                   json={"model": "tiny", "messages": messages, "max_tokens": 5, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["choices"][0]["message"]["content"] == ref
+
+
+def test_router_refuses_client_kv_transfer_params(router: str) -> None:
+    r = httpx.post(router + "/v1/completions", timeout=30, json={
+        "model": "tiny", "prompt": "hi", "kv_transfer_params": {"kvxfer": {"role": "decode"}}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params"
+
+
+# ---- last: the prefiller dies -----------------------------------------------------------------
+
+def test_killed_prefiller_fails_its_load_in_time_and_decode_keeps_serving(fleet: VllmFleet) -> None:
+    p, d = fleet.record("prefill-a"), fleet.record("decode-a")
+    tid = f"killed-{uuid.uuid4().hex[:8]}"
+    prompt = _prompt(200, seed=61)
+    fleet.instances["prefill-a"].kill()
+    start = time.monotonic()
+    r = httpx.post(fleet.instances["decode-a"].url + "/v1/completions", timeout=120, json={
+        "model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0,
+        "kv_transfer_params": _params("decode", tid, p.engine_address)})
+    elapsed = time.monotonic() - start
+    assert r.status_code >= 400 or r.json()["choices"][0].get("finish_reason") == "error", r.text
+    assert elapsed < TIMEOUTS["load_timeout_s"] + TIMEOUTS["fence_timeout_s"] + 5
+    again = httpx.post(fleet.instances["decode-a"].url + "/v1/completions", timeout=120, json={
+        "model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0})
+    assert again.status_code == 200
+    del d
