@@ -396,7 +396,8 @@ def test_failing_prefill_worker_falls_back_to_colocated_and_frees_the_reservatio
     assert r.headers["x-kvxfer-serving-mode"] == "colocated_fallback"
     assert sse_events(r.text)[-1] == "[DONE]"
     assert metric(cluster, 'kvxfer_router_colocated_fallbacks_total{reason="prefill_failed"}') == 1.0
-    wait_until(lambda: d.cancelled_ids() == ["solo"], what="the failed attempt's reservation cancelled")
+    reserved = str(d.bodies("/reserve")[0]["request_id"])
+    wait_until(lambda: d.cancelled_ids() == [reserved], what="the failed attempt's reservation cancelled")
     assert d.active_reservations() == []
     assert [path for path, _ in d.calls if path.startswith("/generate")] == ["/generate", "/generate_local"]
 
