@@ -68,6 +68,7 @@ def test_round_trip_and_version() -> None:
     ("nonce", "1", "integer"),
     ("fence_timeout_s", 0, "fence_timeout_s"),
     ("fence_timeout_s", float("nan"), "fence_timeout_s"),
+    ("checksums", 1, "true or false"),
     ("fence_timeout_s", False, "fence_timeout_s"),
 ])
 def test_every_malformed_field_is_named(field: str, value: Any, words: str) -> None:
@@ -85,6 +86,9 @@ def test_missing_field_is_named(field: str) -> None:
     del data[field]
     if field == "request_id":
         assert KVReservation.from_json(data, request_id="r1").request_id == "r1"
+        return
+    if field == "checksums":  # optional: a reservation from before it asks for none
+        assert KVReservation.from_json(data).checksums is False
         return
     with pytest.raises(ReservationError, match=field):
         KVReservation.from_json(data)
@@ -117,3 +121,26 @@ def test_protocol_imports_no_torch() -> None:
     """The router imports the protocol and has no torch."""
     code = "import sys, kvxfer.kv.protocol; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_mailbox_carries_the_checksum_table_after_the_record() -> None:
+    from kvxfer.kv.protocol import (
+        MAILBOX_SLOT_BYTES,
+        decode_mailbox,
+        encode_mailbox,
+        mailbox_checksums,
+        mailbox_slot_bytes,
+    )
+
+    table = bytes(range(24))  # 6 checksums: 2 layers x 3 pages
+    stride = mailbox_slot_bytes(2, 3)
+    assert stride % MAILBOX_SLOT_BYTES == 0 and stride >= MAILBOX_SLOT_BYTES + 24
+    record = encode_mailbox(42, 7, 40, table)
+    slot = record.ljust(stride, b"\0")
+    assert decode_mailbox(slot) == (42, 7, 40)
+    assert mailbox_checksums(slot) == table
+    assert mailbox_checksums(encode_mailbox(42, 7, 40)) == b""  # none asked for, none sent
+    with pytest.raises(ValueError, match="claims 6 checksums"):
+        mailbox_checksums(record[:-4])  # the slot is shorter than the record claims
+    with pytest.raises(ValueError, match="whole number"):
+        encode_mailbox(42, 7, 40, b"abc")
