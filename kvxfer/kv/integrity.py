@@ -18,9 +18,10 @@ disaggregated request can be compared with the colocated reference by bytes, not
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from enum import Enum
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 

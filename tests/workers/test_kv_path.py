@@ -28,13 +28,15 @@ import asyncio
 import json
 import re
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
 from support.kv_requests import (
     CHUNK,
     CONFIG,
+    DIGEST_ENV,
     FENCE_S,
     LONG,
     MAX_TOKENS,
@@ -69,7 +71,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureReq
     failed_before = request.session.testsfailed
     try:
         decode, prefill, slow = workers.start_many([
-            ("decode", {"num_pages": NUM_PAGES, "env": {"KVXFER_FENCE_TIMEOUT_S": str(FENCE_S)}}),
+            ("decode", {"num_pages": NUM_PAGES, "env": {"KVXFER_FENCE_TIMEOUT_S": str(FENCE_S), **DIGEST_ENV}}),
             ("prefill", {"num_pages": NUM_PAGES, "env": PREFILL_ENV}),
             ("prefill", {"num_pages": NUM_PAGES, "env": SLOW_PUSH_ENV}),
         ])
@@ -155,7 +157,7 @@ def test_decode_pages_hold_prefilled_bytes(single_torch_thread: None) -> None:
             ref_cache = PagedKVCache.from_config(CONFIG, len(res.pages))
             ref = reference_model().prefill(prompt, ref_cache, list(range(len(res.pages))), chunk_size=CHUNK)
             assert result["first_token"] == ref.first_token
-            off = job.slot * MAILBOX_SLOT_BYTES
+            off = job.slot * decode.mailbox_slot_stride
             assert decode_mailbox(bytes(decode.mailbox[off: off + MAILBOX_SLOT_BYTES])) == (
                 res.nonce, ref.first_token, len(prompt))
             n_pages = -(-len(prompt) // CONFIG.block_size)

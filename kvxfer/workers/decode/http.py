@@ -26,7 +26,6 @@ from kvxfer.workers.http_server import (
 )
 from kvxfer.workers.rejection import Rejection, RequestRejected
 
-
 #: Response header with the transfer receipt (kv.integrity.TransferReceipt.header_value).
 RECEIPT_HEADER = "X-Kvxfer-Transfer-Receipt"
 

@@ -21,7 +21,6 @@ import asyncio
 import concurrent.futures
 import logging
 import math
-import os
 import signal
 import threading
 import time
@@ -42,8 +41,8 @@ from kvxfer.kv.protocol import (
     pages_for_tokens,
 )
 from kvxfer.kv.push import PushSession
-from kvxfer.workers.prefill.faults import FaultPlan, parse_fault_injection
 from kvxfer.metrics import PrefillMetrics
+from kvxfer.workers.prefill.faults import FaultPlan, parse_fault_injection
 from kvxfer.workers.rejection import Rejection, RequestRejected
 from kvxfer.workers.runtime import WorkerCore, WorkerSettings
 
@@ -291,7 +290,10 @@ class PrefillRuntime:
                 # to its decoder. Whoever sends SIGCONT lets it go on.
                 session.wait(self.core.engine.transfer_timeout_s)
                 log.warning("fault injection: request %s: SIGSTOP before layer %d", request_id, layer)
-                os.kill(os.getpid(), signal.SIGSTOP)
+                # Directed at this thread: it stops before it returns. os.kill() would send it
+                # to the process, stopped through the main thread while this one ran on and
+                # posted the next write, which then landed after SIGCONT.
+                signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
             if faults.write_late_ms is not None and layer == 1 and chunk.first_block == 0:
                 time.sleep(faults.write_late_ms / 1e3)
             if extra_s:
