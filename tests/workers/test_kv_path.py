@@ -465,3 +465,25 @@ def test_prefill_killed_mid_push(cluster: dict[str, WorkerProc], own_workers: Wo
         check_against_reference(rid, after[rid], reservation, pre, gen)
     data = wait_pages_full(decode, timeout_s=FENCE_S / 2)
     assert data["total_pages"] == total
+
+
+def test_oracle_catches_two_swapped_pages_of_one_layer(own_workers: WorkerSet) -> None:
+    """The mutation the equality tests must catch: the prefiller swaps two pages of layer 1
+    before it checksums and pushes them (misplaced KV that every checksum agrees with). The
+    request succeeds, the integrity check passes, and the oracle (landed KV digest against
+    the colocated reference's) fails it, whatever the tokens do."""
+    decode, prefill = own_workers.start_many([
+        ("decode", {"env": DIGEST_ENV}),
+        ("prefill", {"env": {**PREFILL_ENV, "KVXFER_FAULT_INJECTION": "swap_pages:1"}}),
+    ])
+    prompt = tokens_of(text_prompt(800, 300))
+
+    async def run() -> tuple[dict[str, Any], httpx.Response, tuple[int, dict[str, Any]]]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await disaggregated(client, decode, prefill, "swapped", prompt)
+
+    reservation, pre, gen = asyncio.run(run())
+    assert pre.status_code == 200 and gen[0] == 200, (pre.text, gen)
+    assert gen[1]["receipt"]["verdict"] == "verified", gen[1]["receipt"]
+    with pytest.raises(AssertionError, match="landed KV digest"):
+        check_against_reference("swapped", prompt, reservation, pre, gen)
