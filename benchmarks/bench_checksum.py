@@ -26,7 +26,7 @@ import numpy as np
 from kvxfer import _native
 
 sys.path.insert(0, str(Path(__file__).parent))
-from machine_limits import memcpy_gbps  # noqa: E402
+from machine_limits import memcpy_gbps
 
 PAGE_SIZES = (4 << 10, 64 << 10, 128 << 10, 1 << 20)
 
