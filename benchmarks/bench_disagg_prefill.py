@@ -264,7 +264,10 @@ async def run_disaggregated(
     async def generate_leg() -> tuple[int, float, dict[str, Any]]:
         body = {"request_id": rid, "stream": True, "timeout_s": timeout.read or 3600.0}
         async with client.stream("POST", f"{decode.url}/generate", json=body, timeout=timeout) as r:
+            receipt["header"] = r.headers.get("X-Kvxfer-Transfer-Receipt", "")
             return await _first_token(r, t0)
+
+    receipt: dict[str, str] = {}
 
     p_task = asyncio.ensure_future(prefill_leg())
     g_task = asyncio.ensure_future(generate_leg())
@@ -288,6 +291,8 @@ async def run_disaggregated(
         "prefill_reply_ms": (pre["replied_at"] - t0) * 1e3,
         "cpu_s": prefill.cpu_s() - cpu0,
         "prefill": {k: v for k, v in pre.items() if k not in ("replied_at", "request_id")},
+        # The decoder's transfer receipt: verdict and verify_ms (its check's share of TTFT).
+        "receipt": receipt.get("header", ""),
     }
 
 
@@ -540,6 +545,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--control-timeout-s", type=float, default=30.0,
                         help="timeout of /reserve, /cancel and /info (default 30)")
     parser.add_argument("--startup-timeout-s", type=float, default=180.0, help="worker start deadline (default 180)")
+    parser.add_argument("--kv-integrity", choices=("off", "sampled", "full"), default="full",
+                        help="the decode worker's kv_integrity (default full); compare runs with --name")
     parser.add_argument("--out", type=Path, default=HERE / "results", help="output directory (default benchmarks/results)")
     parser.add_argument("--name", default="bench_disagg_prefill", help="output file stem (default bench_disagg_prefill)")
     args = parser.parse_args(argv)
@@ -579,6 +586,7 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (e.g. `timeout`) must still reach the finally below that kills the workers.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
+        os.environ["KVXFER_KV_INTEGRITY"] = args.kv_integrity  # read by the decode worker
         prefill = Worker("prefill", num_pages, args.provider, args.threads, log_dir, args.same_host)
         workers.append(prefill)
         decode = Worker("decode", num_pages, args.provider, args.threads, log_dir, args.same_host)
@@ -618,6 +626,7 @@ def main(argv: list[str] | None = None) -> int:
         "kv": {"layers": 32, "kv_heads": 8, "head_dim": 128, "dtype": "float32", "block_size": 16,
                "page_bytes": 128 * 1024, "chunk_tokens": CHUNK_TOKENS},
         "provider": args.provider,
+        "kv_integrity": args.kv_integrity,
         "same_host": args.same_host,
         "threads_per_worker": args.threads,
         "num_pages_per_layer": num_pages,

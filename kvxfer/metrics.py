@@ -60,6 +60,16 @@ TRANSFER_FAILURE_REASONS: tuple[str, ...] = (
     "completion_error",   # the fabric reported an error completion
     "layout_mismatch",    # the decode side's kv_layout did not match ours
 )
+#: Why the decoder refused a request's landed KV (label `reason`; kvxfer.kv.integrity).
+INTEGRITY_FAILURE_REASONS: tuple[str, ...] = (
+    "checksum_mismatch",  # a page's CRC-32C differs from the prefiller's
+    "checksums_missing",  # integrity is on but the mailbox record carries no (or a short) table
+    "write_overcount",    # more writes were counted than the reservation expects
+    "mailbox_mismatch",   # the count completed but the mailbox holds another record
+)
+#: Seconds to check one request's landed KV: a few pages sampled to a full 8B prompt.
+KV_VERIFY_BUCKETS_SECONDS: tuple[float, ...] = (
+    0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
 
 # --- histogram buckets -----------------------------------------------------------------
 # Buckets are chosen for the ranges we expect to see and to alert on; each bucket is one
@@ -214,6 +224,19 @@ class DecodeMetrics:
             "kvxfer_decode_stray_immediates",
             "Immediates that arrived for a reservation before it existed (or beyond its expected count): "
             "discarded, never credited.", registry=registry)
+        self.integrity_failures = Counter(
+            "kvxfer_decode_kv_integrity_failures",
+            "Requests failed because their landed KV did not pass the end-to-end check, by reason.",
+            ["reason"], registry=registry)
+        _init_labels(self.integrity_failures, INTEGRITY_FAILURE_REASONS)
+        self.pages_verified = Counter(
+            "kvxfer_decode_kv_pages_verified",
+            "(layer, page) pairs whose CRC-32C the decoder checked before admission.",
+            registry=registry)
+        self.verify_duration = Histogram(
+            "kvxfer_decode_kv_verify_seconds",
+            "Time to check one request's landed KV against the prefiller's checksums.",
+            buckets=KV_VERIFY_BUCKETS_SECONDS, registry=registry)
 
     def set_pages(self, capacity: int, free: int) -> None:
         """Publish the page pool; reserved is derived so the three never disagree."""

@@ -34,10 +34,10 @@ __all__ = [
     "IMM_GENERATION_BITS",
     "IMM_SLOT_BITS",
     "IMM_TABLE_BUDGET",
-    "KVReservation",
     "MAILBOX_SLOT_BYTES",
     "MAX_SLOTS",
     "PROTOCOL_VERSION",
+    "KVReservation",
     "ReservationError",
     "MAX_CONTROL_MESSAGE_BYTES",
     "decode_abort",
@@ -53,6 +53,8 @@ __all__ = [
     "expected_imm_count",
     "generations_per_slot",
     "layer_dst_offset",
+    "mailbox_checksums",
+    "mailbox_slot_bytes",
     "pages_for_tokens",
 ]
 
@@ -60,10 +62,19 @@ __all__ = [
 #: version refuses it (`ReservationError` on `version`) rather than guessing at its fields.
 PROTOCOL_VERSION = 1
 
-#: Bytes of one mailbox slot on the decoder (one per concurrent request).
+#: Bytes of the mailbox record (first token, nonce...) at the start of each mailbox slot;
+#: slots are a multiple of it apart (`mailbox_slot_bytes`), so slot offsets are too.
 MAILBOX_SLOT_BYTES = 64
 _MAILBOX_MAGIC = 0x4B564D42  # "KVMB"
-_MAILBOX_FORMAT = "<IQii"  # magic, nonce, first_token, prompt_tokens
+# magic, nonce, first_token, prompt_tokens, checksum algorithm, checksum count. Then, from
+# byte MAILBOX_SLOT_BYTES, the checksum table: `count` little-endian uint32, layer-major
+# (layer 0's prompt pages in block-table order, then layer 1's...). The table travels in the
+# mailbox write, the push's last write, so the ImmCounter says it landed with the KV.
+_MAILBOX_FORMAT = "<IQiiII"
+#: `checksum algorithm` of a mailbox record: none, or CRC-32C of each (layer, page).
+CHECKSUM_NONE = 0
+CHECKSUM_CRC32C = 1
+CHECKSUM_BYTES = 4
 
 # ---- immediates -------------------------------------------------------------------------
 #
@@ -123,18 +134,47 @@ def layer_dst_offset(reservation: "KVReservation", layer: int, page_bytes: int) 
 
 # ---- mailbox ----------------------------------------------------------------------------
 
-def encode_mailbox(nonce: int, first_token: int, prompt_tokens: int) -> bytes:
-    """The record the prefiller writes last: what decode needs besides the KV pages."""
-    record = struct.pack(_MAILBOX_FORMAT, _MAILBOX_MAGIC, nonce, first_token, prompt_tokens)
-    return record.ljust(MAILBOX_SLOT_BYTES, b"\0")
+def mailbox_slot_bytes(num_layers: int, max_prompt_pages: int) -> int:
+    """Bytes of one mailbox slot: the record, then room for one checksum per (layer, page)
+    of the longest prompt, rounded up to a multiple of `MAILBOX_SLOT_BYTES`."""
+    table = CHECKSUM_BYTES * num_layers * max_prompt_pages
+    return MAILBOX_SLOT_BYTES + -(-table // MAILBOX_SLOT_BYTES) * MAILBOX_SLOT_BYTES
+
+
+def encode_mailbox(nonce: int, first_token: int, prompt_tokens: int, checksums: bytes = b"") -> bytes:
+    """The record the prefiller writes last: what decode needs besides the KV pages, then
+    the CRC-32C table of the pushed pages (`checksums`, little-endian uint32, layer-major;
+    empty when the reservation asked for none)."""
+    if len(checksums) % CHECKSUM_BYTES:
+        raise ValueError(f"checksum table of {len(checksums)} bytes is not a whole number of uint32")
+    algorithm = CHECKSUM_CRC32C if checksums else CHECKSUM_NONE
+    record = struct.pack(_MAILBOX_FORMAT, _MAILBOX_MAGIC, nonce, first_token, prompt_tokens, algorithm,
+                         len(checksums) // CHECKSUM_BYTES)
+    return record.ljust(MAILBOX_SLOT_BYTES, b"\0") + checksums
 
 
 def decode_mailbox(raw: bytes) -> tuple[int, int, int]:
     """Returns (nonce, first_token, prompt_tokens); raises ValueError on a foreign record."""
-    magic, nonce, first_token, prompt_tokens = struct.unpack_from(_MAILBOX_FORMAT, raw)
+    magic, nonce, first_token, prompt_tokens, _, _ = struct.unpack_from(_MAILBOX_FORMAT, raw)
     if magic != _MAILBOX_MAGIC:
         raise ValueError("mailbox slot holds no kvxfer record")
     return nonce, first_token, prompt_tokens
+
+
+def mailbox_checksums(raw: bytes) -> bytes:
+    """The CRC-32C table a mailbox record carries (b"" when none); ValueError if the record
+    is foreign, names another algorithm or claims more than `raw` holds."""
+    magic, _, _, _, algorithm, count = struct.unpack_from(_MAILBOX_FORMAT, raw)
+    if magic != _MAILBOX_MAGIC:
+        raise ValueError("mailbox slot holds no kvxfer record")
+    if algorithm == CHECKSUM_NONE:
+        return b""
+    if algorithm != CHECKSUM_CRC32C:
+        raise ValueError(f"mailbox record names checksum algorithm {algorithm}, this side knows CRC-32C ({CHECKSUM_CRC32C})")
+    end = MAILBOX_SLOT_BYTES + count * CHECKSUM_BYTES
+    if end > len(raw):
+        raise ValueError(f"mailbox record claims {count} checksums, the slot holds {(len(raw) - MAILBOX_SLOT_BYTES) // 4}")
+    return bytes(raw[MAILBOX_SLOT_BYTES:end])
 
 
 # ---- abort ------------------------------------------------------------------------------
@@ -303,7 +343,10 @@ class KVReservation:
     prompt's leading pages the decoder already holds (a prefix-cache hit): the prefiller
     pushes prompt pages `first_page...` into `pages` in order. Without a `mailbox` (an
     engine whose decoder recomputes the last prompt token, as vLLM does) the meta fields
-    are unused and `expected_count` is exactly layers x pages. Construction validates.
+    are unused and `expected_count` is exactly layers x pages. `checksums` asks the
+    prefiller to append the CRC-32C of every pushed (layer, page) to the mailbox write (an
+    optional field: a reader that does not know it sends none, which a verifying decoder
+    fails as `checksums_missing`). Construction validates.
     """
 
     request_id: str
@@ -320,6 +363,7 @@ class KVReservation:
     version: int = PROTOCOL_VERSION
     first_page: int = 0
     mailbox: bool = True
+    checksums: bool = False
 
     def __post_init__(self) -> None:
         _version(self.version)
@@ -361,6 +405,8 @@ class KVReservation:
         fence = self.fence_timeout_s
         if isinstance(fence, bool) or not isinstance(fence, (int, float)) or not (math.isfinite(fence) and fence > 0):
             raise ReservationError("fence_timeout_s", f"must be a positive number of seconds, got {fence!r:.40}")
+        if not isinstance(self.checksums, bool):
+            raise ReservationError("checksums", f"must be true or false, got {type(self.checksums).__name__}")
 
     @property
     def num_layers(self) -> int:
@@ -393,6 +439,7 @@ class KVReservation:
             "fence_timeout_s": self.fence_timeout_s,
             "first_page": self.first_page,
             "mailbox": self.mailbox,
+            "checksums": self.checksums,
         }
 
     @classmethod
@@ -438,4 +485,5 @@ class KVReservation:
             version=version,
             first_page=data.get("first_page", 0),
             mailbox=data.get("mailbox", True),
+            checksums=data.get("checksums", False),
         )

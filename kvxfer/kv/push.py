@@ -7,6 +7,12 @@ final, all carrying the reservation's immediate, and finally writes a small mail
 (first token, prompt length, nonce) with the same immediate. It never sends "done": the
 decoder admits the request when its ImmCounter reaches `expected_count`, which is
 `num_layers * pages(prompt) + 1` whatever the engine coalesced or sharded.
+
+With `reservation.checksums` each layer's pages are checksummed (native CRC-32C) just
+before their write is posted, and the table rides in the mailbox write (kv.integrity).
+A push that stalled longer than `max_stall_s` between two of its writes (a frozen or
+starved process) may have missed its decoder's fence: it raises instead of writing.
+`PushFault` makes one write wrong on purpose (failure drills and tests only).
 """
 
 from __future__ import annotations
@@ -19,7 +25,8 @@ import numpy as np
 
 from kvxfer.errors import TransferError
 from kvxfer.kv.cache import PagedKVCache
-from kvxfer.kv.protocol import MAILBOX_SLOT_BYTES, KVReservation, encode_mailbox, layer_dst_offset
+from kvxfer.kv.integrity import layer_checksums
+from kvxfer.kv.protocol import KVReservation, encode_mailbox, layer_dst_offset
 from kvxfer.transfer.engine import RegisteredMemory, Transfer, TransferEngine
 
 
@@ -78,6 +85,32 @@ class PushStats:
         return max(0.0, self.transfers_done_at - self.first_write_at)
 
 
+class PushStalled(TransferError):
+    """The push stopped longer than its stall limit between two writes: a write now could
+    land after the decoder gave the pages to another request, so none is posted."""
+
+
+@dataclass(frozen=True)
+class PushFault:
+    """A defect made on purpose in the first chunk of `layer` that has two pages or more.
+
+    `skip_page`: its second page is not written (the decoder never counts it).
+    `duplicate_page`: its first page is written twice (one unit too many).
+    `flip_bit`: one bit of its first page is flipped after the checksum was taken (a
+    corruption on the way). `swap_pages`: its first two pages are swapped in the
+    prefiller's cache before checksum and write (misplaced KV that every checksum agrees with).
+    """
+
+    kind: str
+    layer: int
+
+    KINDS = ("skip_page", "duplicate_page", "flip_bit", "swap_pages")
+
+    def __post_init__(self) -> None:
+        if self.kind not in self.KINDS or self.layer < 0:
+            raise ValueError(f"push fault {self.kind}:{self.layer}: kind must be one of {self.KINDS}, layer >= 0")
+
+
 def _covered_seconds(spans: list[tuple[float, float]]) -> float:
     """Length of the union of [start, end) spans."""
     total, reach = 0.0, float("-inf")
@@ -104,8 +137,12 @@ class PushSession:
         mailbox: np.ndarray,
         mailbox_region: RegisteredMemory,
         mailbox_slot: int,
+        mailbox_slot_stride: int,
         reservation: KVReservation,
         local_pages: list[int],
+        *,
+        max_stall_s: float = float("inf"),
+        fault: PushFault | None = None,
     ) -> None:
         if reservation.kv_layout != cache.kv_layout:
             raise TransferError(
@@ -123,6 +160,7 @@ class PushSession:
         self._mailbox = mailbox
         self._mailbox_region = mailbox_region
         self._slot = mailbox_slot
+        self._slot_stride = mailbox_slot_stride
         self.reservation = reservation
         self._local = np.asarray(local_pages, dtype=np.int64)
         self._remote = np.asarray(reservation.pages, dtype=np.int64)
@@ -134,6 +172,13 @@ class PushSession:
         # can be trusted by the prefiller's /cancel (whose answer frees the decoder's pages).
         self._issue_lock = threading.Lock()
         self.stats = PushStats()
+        self._max_stall_s = max_stall_s
+        self._last_progress = time.monotonic()
+        self._fault = fault
+        self._fault_done = False
+        # Layer-major CRC-32C of the prompt's pages, filled as layers are pushed.
+        prompt_pages = reservation.prompt_pages if reservation.checksums else 0
+        self._checksums = np.zeros((cache.num_layers, prompt_pages), dtype="<u4")
 
     @property
     def cancelled(self) -> bool:
@@ -145,23 +190,69 @@ class PushSession:
         with self._issue_lock:
             self._cancelled.set()
 
+    def mark_progress(self) -> None:
+        """Compute of this push starts now: its stall clock starts here, not at queueing."""
+        self._last_progress = time.monotonic()
+
     def on_layer_done(self, layer: int, first_block: int, end_block: int) -> None:
         """Pushes blocks [first_block, end_block) of `layer`: they are final now."""
         with self._issue_lock:
             self._push_layer(layer, first_block, end_block)
 
+    def _check_stall(self) -> None:
+        """Raises PushStalled if this push stood still too long since its last write."""
+        now = time.monotonic()
+        stalled = now - self._last_progress
+        if stalled > self._max_stall_s:
+            raise PushStalled(
+                self.reservation.request_id,
+                f"push stalled {stalled:.2f} s between writes (limit {self._max_stall_s:.2f} s: the decoder's "
+                "fence_timeout_s minus this prefiller's transfer_timeout_s); not writing into pages it may have reused",
+            )
+        self._last_progress = now
+
     def _push_layer(self, layer: int, first_block: int, end_block: int) -> None:
         if self._cancelled.is_set() or end_block <= first_block:
             return
+        self._check_stall()
         page_bytes = self._cache.page_bytes
         start = time.perf_counter()
         if not self.stats.first_write_at:
             self.stats.first_write_at = start
+        local = self._local[first_block:end_block]
+        remote = self._remote[first_block:end_block]
+        fault = self._fault_here(layer, len(local))
+        if fault == "swap_pages":
+            a, b = (self._cache.page_view(layer, int(p)) for p in local[:2])
+            a_copy = a.clone()
+            a.copy_(b)
+            b.copy_(a_copy)
+        if self.reservation.checksums:
+            # Taken before the write is posted: the table says what this side meant to send.
+            self._checksums[layer, first_block:end_block] = layer_checksums(self._cache, layer, local)
+        if fault == "flip_bit":
+            self._cache.as_bytes()[self._cache.page_offset_bytes(layer, int(local[0])) + page_bytes // 2] ^= 0x04
+        elif fault == "skip_page":
+            local, remote = np.delete(local, 1), np.delete(remote, 1)
+        self._write_pages(layer, local, remote)
+        if fault == "duplicate_page":
+            self._write_pages(layer, local[:1], remote[:1])
+        self.stats.kv_bytes += (end_block - first_block) * page_bytes
+        self.stats.layer_push_s.append(time.perf_counter() - start)
+
+    def _fault_here(self, layer: int, pages: int) -> str | None:
+        if self._fault is None or self._fault_done or layer != self._fault.layer or pages < 2:
+            return None
+        self._fault_done = True
+        return self._fault.kind
+
+    def _write_pages(self, layer: int, local: np.ndarray, remote: np.ndarray) -> None:
+        page_bytes = self._cache.page_bytes
         transfer = self._engine.write_paged(
             self._region,
-            self._local[first_block:end_block],
+            local,
             self.reservation.descriptor,
-            self._remote[first_block:end_block],
+            remote,
             page_bytes,
             src_offset=self._cache.layer_offset_bytes(layer),
             dst_offset=layer_dst_offset(self.reservation, layer, page_bytes),
@@ -170,8 +261,6 @@ class PushSession:
         )
         self._transfers.append(transfer)
         self.stats.writes += 1
-        self.stats.kv_bytes += (end_block - first_block) * page_bytes
-        self.stats.layer_push_s.append(time.perf_counter() - start)
 
     def finish(self, first_token: int, prompt_tokens: int) -> None:
         """Writes the mailbox record (first token), the request's last write."""
@@ -183,15 +272,19 @@ class PushSession:
     def _write_mailbox(self, first_token: int, prompt_tokens: int) -> None:
         if self._cancelled.is_set():
             return
-        offset = self._slot * MAILBOX_SLOT_BYTES
-        record = encode_mailbox(self.reservation.nonce, first_token, prompt_tokens)
-        self._mailbox[offset : offset + MAILBOX_SLOT_BYTES] = np.frombuffer(record, dtype=np.uint8)
+        self._check_stall()
+        record = encode_mailbox(self.reservation.nonce, first_token, prompt_tokens, self._checksums.tobytes())
+        # The staging slot is `mailbox_slot_bytes` wide (the prefiller sized it for its context).
+        offset = self._slot * self._slot_stride
+        if offset + len(record) > self._mailbox.size:
+            raise TransferError(self.reservation.request_id, f"mailbox record of {len(record)} bytes does not fit the staging slot")
+        self._mailbox[offset : offset + len(record)] = np.frombuffer(record, dtype=np.uint8)
         self._mailbox_transfer = self._engine.write(
             self._mailbox_region,
             offset,
             self.reservation.meta_descriptor,
             self.reservation.meta_offset,
-            MAILBOX_SLOT_BYTES,
+            len(record),
             imm=self.reservation.imm,
             request_id=self.reservation.request_id,
         )

@@ -41,6 +41,7 @@ STATUS_OF: dict[Rejection, int] = {
     Rejection.UNKNOWN_REQUEST: 404,
     Rejection.PUSH_FAILED: 502,
     Rejection.KV_TIMEOUT: 504,
+    Rejection.INTEGRITY: 502,
     Rejection.FAILED: 500,
 }
 

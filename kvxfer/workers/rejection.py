@@ -23,7 +23,8 @@ class Rejection(str, Enum):
     UNKNOWN_REQUEST = "unknown_request"  # no such request id on this worker
     PUSH_FAILED = "push_failed"  # the KV push to the decoder failed
     KV_TIMEOUT = "kv_timeout"  # the KV did not arrive before its deadline
-    FAILED = "failed"  # the request failed on this worker (mailbox mismatch, model error)
+    INTEGRITY = "integrity"  # the landed KV failed its end-to-end check (kv.integrity)
+    FAILED = "failed"  # the request failed on this worker (model error)
 
 
 class RequestRejected(KvxferError):

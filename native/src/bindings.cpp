@@ -10,6 +10,10 @@
 #include "futex_wait.hpp"
 #include "transfer_engine.hpp"
 
+namespace kvxfer {
+void bind_page_checksum(pybind11::module_& m);  // page_checksum_binding.cpp
+}
+
 namespace py = pybind11;
 using namespace kvxfer;
 
@@ -92,6 +96,7 @@ PYBIND11_MODULE(_native, m) {
     }
   });
 
+  bind_page_checksum(m);
   m.def("available_providers", &available_providers, "libfabric providers with RDM+RMA here");
   m.def("resolve_provider", &resolve_provider, py::arg("requested"));
 

@@ -68,6 +68,7 @@ def test_round_trip_and_version() -> None:
     ("nonce", "1", "integer"),
     ("fence_timeout_s", 0, "fence_timeout_s"),
     ("fence_timeout_s", float("nan"), "fence_timeout_s"),
+    ("checksums", 1, "true or false"),
     ("fence_timeout_s", False, "fence_timeout_s"),
 ])
 def test_every_malformed_field_is_named(field: str, value: Any, words: str) -> None:
@@ -90,6 +91,9 @@ def test_missing_field_is_named(field: str) -> None:
         # Optional, with the defaults of a version-1 reservation written before they existed.
         parsed = KVReservation.from_json(data)
         assert (parsed.first_page, parsed.mailbox) == (0, True)
+        return
+    if field == "checksums":  # optional: a reservation from before it asks for none
+        assert KVReservation.from_json(data).checksums is False
         return
     with pytest.raises(ReservationError, match=field):
         KVReservation.from_json(data)
@@ -150,3 +154,24 @@ def test_reservation_message_round_trips_and_rejects_foreign_or_malformed_bytes(
     cancel = encode_cancel(res.imm, res.nonce, "client went away")
     assert decode_cancel(cancel) == (res.imm, res.nonce, "client went away")
     assert decode_cancel(encode_abort(res.imm, res.nonce, "x")) is None
+def test_mailbox_carries_the_checksum_table_after_the_record() -> None:
+    from kvxfer.kv.protocol import (
+        MAILBOX_SLOT_BYTES,
+        decode_mailbox,
+        encode_mailbox,
+        mailbox_checksums,
+        mailbox_slot_bytes,
+    )
+
+    table = bytes(range(24))  # 6 checksums: 2 layers x 3 pages
+    stride = mailbox_slot_bytes(2, 3)
+    assert stride % MAILBOX_SLOT_BYTES == 0 and stride >= MAILBOX_SLOT_BYTES + 24
+    record = encode_mailbox(42, 7, 40, table)
+    slot = record.ljust(stride, b"\0")
+    assert decode_mailbox(slot) == (42, 7, 40)
+    assert mailbox_checksums(slot) == table
+    assert mailbox_checksums(encode_mailbox(42, 7, 40)) == b""  # none asked for, none sent
+    with pytest.raises(ValueError, match="claims 6 checksums"):
+        mailbox_checksums(record[:-4])  # the slot is shorter than the record claims
+    with pytest.raises(ValueError, match="whole number"):
+        encode_mailbox(42, 7, 40, b"abc")

@@ -3,8 +3,10 @@
 Read statically (every import statement, function-level ones too), so a lazy import
 cannot hide an upward edge. The layers, bottom up (docs/architecture.md, "Layout"):
 base (errors, metrics) -> transfer -> kv -> model -> workers; registry sits on base
-alone; cluster (developer tooling) and cli may use everything; the router uses only
-registry, the model's tokenizer, metrics and errors.
+alone; integrations (kvxfer inside other engines: the vLLM connector) sit on transfer, kv
+and registry, beside workers, and only cluster and cli may import them; cluster (developer
+tooling) and cli may use everything; the router uses only registry, the model's
+tokenizer, the hand-off protocol, metrics and errors.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ ALLOWED: dict[str, set[str]] = {
     "model": BASE | {"kv"},
     "registry": BASE,
     "workers": BASE | {"transfer", "kv", "model", "registry"},
-    "cluster": BASE | {"transfer", "kv", "model", "registry", "workers"},
-    "cli": BASE | {"transfer", "kv", "model", "registry", "workers", "cluster"},
+    "integrations": BASE | {"transfer", "kv", "registry"},
+    "cluster": BASE | {"transfer", "kv", "model", "registry", "workers", "integrations"},
+    "cli": BASE | {"transfer", "kv", "model", "registry", "workers", "cluster", "integrations"},
     "__init__": BASE | {"transfer"},
 }
 ROUTER_ALLOWED = {"registry", "model.tokenizer", "kv.protocol", "metrics", "errors"}

@@ -8,9 +8,10 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+from collections.abc import Iterator
 from contextlib import contextmanager
-from functools import lru_cache
-from typing import Any, Iterator
+from functools import cache
+from typing import Any
 
 import httpx
 import pytest
@@ -27,6 +28,10 @@ TOKENIZER = ByteTokenizer()
 MAX_TOKENS = 16
 NUM_PAGES = 512
 FENCE_S = 3.0
+#: Decoders of the KV-path tests put the landed prompt KV's digest in their receipt: the
+#: oracle compares it with the colocated reference's (bytes, not just tokens).
+DIGEST_ENV = {"KVXFER_KV_RECEIPT_DIGEST": "true"}
+RECEIPT_HEADER = "X-Kvxfer-Transfer-Receipt"
 PREFILL_ENV = {"KVXFER_TRANSFER_TIMEOUT_S": "2"}
 CHUNK = 256  # PrefillSettings.prefill_chunk_tokens default: what the workers use
 LONG = 1000  # tokens; 1000 + MAX_TOKENS fits the tiny model's 1024 context
@@ -76,12 +81,12 @@ def one_torch_thread() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-@lru_cache(maxsize=None)
+@cache
 def reference_model() -> Transformer:
     return Transformer(CONFIG)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _reference(prompt_tokens: tuple[int, ...], max_tokens: int) -> Generation:
     with one_torch_thread():
         return reference_model().generate(list(prompt_tokens), max_tokens)
@@ -90,6 +95,30 @@ def _reference(prompt_tokens: tuple[int, ...], max_tokens: int) -> Generation:
 def reference(prompt_tokens: list[int], max_tokens: int = MAX_TOKENS) -> Generation:
     """The colocated generation: one process, pages in order, the workers' chunk size."""
     return _reference(tuple(prompt_tokens), max_tokens)
+
+
+@cache
+def _reference_digest(prompt_tokens: tuple[int, ...]) -> int:
+    from kvxfer.kv.cache import PagedKVCache
+    from kvxfer.kv.integrity import prompt_kv_digest
+
+    pages = list(range(-(-len(prompt_tokens) // CONFIG.block_size)))
+    with one_torch_thread():
+        cache = PagedKVCache.from_config(CONFIG, max(1, len(pages)))
+        reference_model().prefill(list(prompt_tokens), cache, pages, chunk_size=CHUNK)
+    return prompt_kv_digest(cache, pages, len(prompt_tokens))
+
+
+def reference_digest(prompt_tokens: list[int]) -> int:
+    """`kv.integrity.prompt_kv_digest` of the colocated prefill's KV (pages in order)."""
+    return _reference_digest(tuple(prompt_tokens))
+
+
+def parse_receipt(header: str | None) -> dict[str, str] | None:
+    """The decoder's receipt header as a dict (None when absent)."""
+    if not header:
+        return None
+    return dict(part.split("=", 1) for part in header.split(";"))
 
 
 # -- workers ----------------------------------------------------------------------------------
@@ -141,10 +170,11 @@ async def generate_call(client: httpx.AsyncClient, decode: WorkerProc, rid: str,
         body["timeout_s"] = timeout_s
     if not stream:
         resp = await client.post(f"{decode.url}/generate", json=body)
-        return resp.status_code, resp.json()
+        return resp.status_code, {**resp.json(), "receipt": parse_receipt(resp.headers.get(RECEIPT_HEADER))}
     async with client.stream("POST", f"{decode.url}/generate", json=body) as resp:
         if resp.status_code != 200:
             return resp.status_code, json.loads(await resp.aread())
+        receipt = parse_receipt(resp.headers.get(RECEIPT_HEADER))
         assert resp.headers["content-type"].startswith("application/x-ndjson")
         lines = [json.loads(line) async for line in resp.aiter_lines() if line.strip()]
     assert lines and lines[-1].get("done") is True, f"{rid}: stream did not end with a done line: {lines[-3:]}"
@@ -158,7 +188,7 @@ async def generate_call(client: httpx.AsyncClient, decode: WorkerProc, rid: str,
     assert full.startswith(streamed) and set(full[len(streamed):]) <= {"\ufffd"}, (rid, streamed, full)
     last = lines[-1]
     return 200, {"tokens": tokens, "text": TOKENIZER.decode(tokens), "finish_reason": last["finish_reason"],
-                 "usage": last["usage"], "error": last.get("error")}
+                 "usage": last["usage"], "error": last.get("error"), "receipt": receipt}
 
 
 async def disaggregated(client: httpx.AsyncClient, decode: WorkerProc, prefill: WorkerProc, rid: str,
@@ -188,6 +218,13 @@ def check_against_reference(rid: str, prompt: list[int], reservation: dict[str, 
     assert len(reservation["pages"]) == -(-(len(prompt) + MAX_TOKENS) // CONFIG.block_size)
     status, body = gen
     assert status == 200, f"{rid}: generate -> {status} {body}"
+    # The oracle: the decoder's landed prompt KV, by bytes, against the colocated prefill's
+    # (first: misplaced KV can leave a random-weight model's tokens unchanged).
+    receipt = body.get("receipt")
+    assert receipt is not None and "kv_digest" in receipt, f"{rid}: no receipt digest (decoder without DIGEST_ENV?)"
+    want_digest = f"{reference_digest(prompt):08x}"
+    assert receipt["kv_digest"] == want_digest, f"{rid}: landed KV digest {receipt['kv_digest']} != colocated {want_digest}"
+    assert receipt["verdict"] in ("verified", "sampled", "unchecked") and int(receipt["kv_bytes"]) == p["kv_bytes"], receipt
     assert body["tokens"] == ref.tokens, f"{rid} ({len(prompt)} tokens): disaggregated {body['tokens']} != colocated {ref.tokens}"
     assert body["finish_reason"] == ref.finish_reason.value, (rid, body)
     assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": len(ref.tokens)}, (rid, body)

@@ -33,13 +33,15 @@ import contextlib
 import json
 import re
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
 from support.kv_requests import (
     CHUNK,
     CONFIG,
+    DIGEST_ENV,
     FENCE_S,
     LONG,
     MAX_TOKENS,
@@ -109,7 +111,7 @@ def cluster(kv_workers: WorkerSet, pod_net: PodNetwork | None,
     try:
         with pod_net.client() if pod_net is not None else contextlib.nullcontext():
             decode, prefill, slow = workers.start_many([
-                ("decode", {"num_pages": NUM_PAGES, "env": {"KVXFER_FENCE_TIMEOUT_S": str(FENCE_S)}}),
+                ("decode", {"num_pages": NUM_PAGES, "env": {"KVXFER_FENCE_TIMEOUT_S": str(FENCE_S), **DIGEST_ENV}}),
                 ("prefill", {"num_pages": NUM_PAGES, "env": PREFILL_ENV}),
                 ("prefill", {"num_pages": NUM_PAGES, "env": SLOW_PUSH_ENV}),
             ])
@@ -197,7 +199,7 @@ def test_decode_pages_hold_prefilled_bytes(single_torch_thread: None) -> None:
             ref_cache = PagedKVCache.from_config(CONFIG, len(res.pages))
             ref = reference_model().prefill(prompt, ref_cache, list(range(len(res.pages))), chunk_size=CHUNK)
             assert result["first_token"] == ref.first_token
-            off = job.slot * MAILBOX_SLOT_BYTES
+            off = job.slot * decode.mailbox_slot_stride
             assert decode_mailbox(bytes(decode.mailbox[off: off + MAILBOX_SLOT_BYTES])) == (
                 res.nonce, ref.first_token, len(prompt))
             n_pages = -(-len(prompt) // CONFIG.block_size)
@@ -505,3 +507,25 @@ def test_prefill_killed_mid_push(cluster: dict[str, WorkerProc], kv_workers: Wor
         check_against_reference(rid, after[rid], reservation, pre, gen)
     data = wait_pages_full(decode, timeout_s=FENCE_S / 2)
     assert data["total_pages"] == total
+
+
+def test_oracle_catches_two_swapped_pages_of_one_layer(kv_workers: WorkerSet) -> None:
+    """The mutation the equality tests must catch: the prefiller swaps two pages of layer 1
+    before it checksums and pushes them (misplaced KV that every checksum agrees with). The
+    request succeeds, the integrity check passes, and the oracle (landed KV digest against
+    the colocated reference's) fails it, whatever the tokens do."""
+    decode, prefill = kv_workers.start_many([
+        ("decode", {"env": DIGEST_ENV}),
+        ("prefill", {"env": {**PREFILL_ENV, "KVXFER_FAULT_INJECTION": "swap_pages:1"}}),
+    ])
+    prompt = tokens_of(text_prompt(800, 300))
+
+    async def run() -> tuple[dict[str, Any], httpx.Response, tuple[int, dict[str, Any]]]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await disaggregated(client, decode, prefill, "swapped", prompt)
+
+    reservation, pre, gen = asyncio.run(run())
+    assert pre.status_code == 200 and gen[0] == 200, (pre.text, gen)
+    assert gen[1]["receipt"]["verdict"] == "verified", gen[1]["receipt"]
+    with pytest.raises(AssertionError, match="landed KV digest"):
+        check_against_reference("swapped", prompt, reservation, pre, gen)

@@ -7,7 +7,7 @@ import json
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, HTTPException, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvxfer.errors import TransferTimeout
 from kvxfer.workers.control_auth import caller_of
@@ -27,8 +27,12 @@ from kvxfer.workers.http_server import (
 )
 from kvxfer.workers.rejection import Rejection, RequestRejected
 
+#: Response header with the transfer receipt (kv.integrity.TransferReceipt.header_value).
+RECEIPT_HEADER = "X-Kvxfer-Transfer-Receipt"
+
 
 async def _respond(runtime: DecodeRuntime, job: DecodeJob, stream: bool) -> Any:
+    headers = {RECEIPT_HEADER: job.receipt.header_value()} if job.receipt is not None else {}
     if stream:
 
         async def lines() -> AsyncIterator[bytes]:
@@ -40,19 +44,22 @@ async def _respond(runtime: DecodeRuntime, job: DecodeJob, stream: bool) -> Any:
                 if job.state is RequestState.RUNNING:
                     runtime.end(job, RequestState.CANCELLED)
 
-        return StreamingResponse(lines(), media_type="application/x-ndjson")
+        return StreamingResponse(lines(), media_type="application/x-ndjson", headers=headers)
     items = [item async for item in token_events(job)]
     tokens = [i["token"] for i in items if "token" in i]
     last = items[-1]
     if last.get("finish_reason") == "error":
         raise HTTPException(500, last.get("error", "generation failed"))
-    return {
+    body = {
         "request_id": job.request_id,
         "tokens": tokens,
         "text": runtime.tokenizer.decode(tokens),
         "finish_reason": last["finish_reason"],
         "usage": last["usage"],
     }
+    if job.receipt is not None:
+        body["receipt"] = job.receipt.to_json()
+    return JSONResponse(body, headers=headers)
 
 
 def create_decode_app(runtime: DecodeRuntime) -> FastAPI:

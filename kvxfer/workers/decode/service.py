@@ -9,6 +9,13 @@ immediate. Pages of a request that ended while a prefiller may still write into 
 FENCED and come back only once the prefiller confirmed it stopped (its abort message, or
 the router relaying its /cancel) or after `fence_timeout_s`.
 
+Before admission the landed KV is checked end to end (`kv_integrity`: off, sampled, full;
+kv.integrity): the mailbox record must be this reservation's, no write may have been
+counted twice, and the pages' CRC-32C must equal the prefiller's. A request that fails the
+check is failed (502 `integrity`, `kvxfer_decode_kv_integrity_failures_total{reason}`) and
+its pages are fenced, since what landed is not what was meant. An admitted request carries a
+`TransferReceipt`, logged and returned with /generate.
+
 One reaper thread does all the waiting that has no caller: it receives abort messages,
 marks RECEIVING, fails reservations past `reservation_ttl_s` and frees fenced ones past
 `fence_timeout_s`. No thread or timer per request.
@@ -19,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import codecs
 import logging
+import random
 import threading
 import time
 from dataclasses import dataclass, field
@@ -29,16 +37,19 @@ import numpy as np
 from pydantic import Field
 
 from kvxfer.errors import TransferTimeout
+from kvxfer.kv.integrity import KVIntegrity, KVIntegrityError, TransferReceipt, prompt_kv_digest, verify_pages
 from kvxfer.kv.ledger import WAITING, NoSlotError, ReservationLedger
 from kvxfer.kv.ledger import ReservationState as Res
 from kvxfer.kv.page_allocator import OutOfPagesError, PageAllocator
 from kvxfer.kv.protocol import (
-    MAILBOX_SLOT_BYTES,
     MAX_SLOTS,
     KVReservation,
     decode_abort,
     decode_mailbox,
     expected_imm_count,
+    mailbox_checksums,
+    mailbox_slot_bytes,
+    pages_for_tokens,
 )
 from kvxfer.metrics import DecodeMetrics
 from kvxfer.model.tokenizer import ByteTokenizer
@@ -71,6 +82,18 @@ class DecodeSettings(WorkerSettings):
     retry_after_s: int = Field(1, ge=0, description="Retry-After (seconds) sent with a 429")
     reaper_interval_s: float = Field(
         0.05, gt=0, le=1.0, description="the reaper's longest sleep: granularity of the TTL and fence deadlines"
+    )
+    kv_integrity: KVIntegrity = Field(
+        KVIntegrity.FULL, description="end-to-end check of landed KV before admission: 'off' (prefillers send "
+        "no checksums), 'sampled' (kv_integrity_sample_rate of each layer's pages), 'full' (every page)",
+    )
+    kv_integrity_sample_rate: float = Field(
+        0.05, gt=0, le=1.0, description="share of each layer's pages checked when kv_integrity is 'sampled' "
+        "(at least one page per layer)",
+    )
+    kv_receipt_digest: bool = Field(
+        False, description="put kv.integrity.prompt_kv_digest of the landed prompt KV in the receipt (one more "
+        "read of it: for tests that compare with the colocated reference, and audits)",
     )
 
 
@@ -113,6 +136,10 @@ class DecodeJob:
     ended: "asyncio.Future[None] | None" = None
     #: The Rejection the waiter raises when `ended` fires.
     end_reason: Rejection = Rejection.FAILED
+    #: Monotonic time the reaper first saw one of its immediates (0: not yet).
+    first_imm_at: float = 0.0
+    #: What the decoder saw of the push, once admitted (None for a local prefill).
+    receipt: TransferReceipt | None = None
 
 
 class DecodeRuntime:
@@ -130,7 +157,12 @@ class DecodeRuntime:
             fence_timeout_s=settings.fence_timeout_s,
             forget_imm=self.core.engine.reset_imm,
         )
-        self.mailbox = np.zeros(settings.max_requests * MAILBOX_SLOT_BYTES, dtype=np.uint8)
+        cfg = self.core.config
+        # Each slot holds the record and one CRC-32C per (layer, page) of the longest prompt.
+        max_prompt_pages = min(pages_for_tokens(cfg.max_context, cfg.block_size), settings.num_pages)
+        self.mailbox_slot_stride = mailbox_slot_bytes(cfg.num_layers, max_prompt_pages)
+        self.mailbox = np.zeros(settings.max_requests * self.mailbox_slot_stride, dtype=np.uint8)
+        self._sample_rng = random.Random()
         self.mailbox_region = self.core.engine.register(self.mailbox)
         self.metrics = DecodeMetrics(self.core.metrics_registry)
         self.jobs: dict[str, DecodeJob] = {}
@@ -211,9 +243,10 @@ class DecodeRuntime:
             expected_count=job.expected_count,
             kv_layout=self.core.kv_layout,
             meta_descriptor=self.mailbox_region.descriptor,
-            meta_offset=job.slot * MAILBOX_SLOT_BYTES,
+            meta_offset=job.slot * self.mailbox_slot_stride,
             nonce=job.nonce,
             fence_timeout_s=self.settings.fence_timeout_s,
+            checksums=self.settings.kv_integrity is not KVIntegrity.OFF,
         )
 
     def job(self, request_id: str, caller: str = "anonymous") -> DecodeJob:
@@ -262,17 +295,83 @@ class DecodeRuntime:
             reason = f"{landed} immediates for {job.expected_count} writes: a writer the reservation does not name"
             self.end(job, RequestState.FAILED, error=f"request {job.request_id}: {reason}")
             raise RequestRejected(Rejection.FAILED, f"request {job.request_id}: {reason}", job.request_id)
+        landed_at = time.monotonic()
+        if job.state is not RequestState.RESERVED:
+            raise RequestRejected(Rejection.CONFLICT, f"request {job.request_id} was {job.state.value}", job.request_id)
+        try:
+            # Off the event loop: a full check of a long prompt reads all of its KV once.
+            first_token, receipt = await loop.run_in_executor(None, self._check_landed_kv, job, landed_at)
+        except KVIntegrityError as exc:
+            self.metrics.integrity_failures.labels(exc.reason).inc()
+            log.error("%s", exc)
+            # What landed is not what was meant (a write counted twice, a foreign or corrupt
+            # one): no proof that the last write landed, so the pages are fenced, not freed.
+            self.end(job, RequestState.FAILED, error=str(exc), reason=Rejection.INTEGRITY)
+            raise RequestRejected(Rejection.INTEGRITY, str(exc), job.request_id) from None
         with self._lock:
             if job.state is not RequestState.RESERVED:
                 raise RequestRejected(Rejection.CONFLICT, f"request {job.request_id} was {job.state.value}", job.request_id)
-            # Every write landed: none can come any more, whatever happens to the request.
+            # Every write landed and checked out: none can come any more.
             self.ledger.move(job.request_id, Res.ADMITTED)
-        offset = job.slot * MAILBOX_SLOT_BYTES
-        nonce, first_token, prompt_tokens = decode_mailbox(bytes(self.mailbox[offset : offset + MAILBOX_SLOT_BYTES]))
-        if nonce != job.nonce or prompt_tokens != job.prompt_tokens:
-            self.end(job, RequestState.FAILED, error="mailbox record does not match the reservation")
-            raise RequestRejected(Rejection.FAILED, f"request {job.request_id}: mailbox record does not match", job.request_id)
+        job.receipt = receipt
+        log.info("transfer receipt %s: %s", job.request_id, receipt.header_value())
         self._admit(job, first_token)
+
+    def _check_landed_kv(self, job: DecodeJob, landed_at: float) -> tuple[int, TransferReceipt]:
+        """The first token and the receipt of a request whose count completed; raises
+        `KVIntegrityError` if the mailbox, the count or (per `kv_integrity`) a page's
+        checksum says the landed KV is not the push that was meant."""
+        cfg = self.core.config
+        rid = job.request_id
+        offset = job.slot * self.mailbox_slot_stride
+        raw = bytes(self.mailbox[offset : offset + self.mailbox_slot_stride])
+        try:
+            nonce, first_token, prompt_tokens = decode_mailbox(raw)
+        except ValueError:
+            nonce, first_token, prompt_tokens = -1, -1, -1
+        if nonce != job.nonce or prompt_tokens != job.prompt_tokens:
+            raise KVIntegrityError(rid, "mailbox_mismatch", "the count completed but the mailbox holds another "
+                                   "record: a write was counted twice or came from elsewhere")
+        prompt_pages = job.pages[: pages_for_tokens(job.prompt_tokens, cfg.block_size)]
+        mode = self.settings.kv_integrity
+        verify_s, checked, mismatches = 0.0, 0, []
+        if mode is not KVIntegrity.OFF:
+            try:
+                table = np.frombuffer(mailbox_checksums(raw), dtype="<u4")
+            except ValueError as exc:
+                raise KVIntegrityError(rid, "checksums_missing", str(exc)) from None
+            if table.size != cfg.num_layers * len(prompt_pages):
+                raise KVIntegrityError(rid, "checksums_missing", f"the prefiller sent {table.size} checksums, "
+                                       f"{cfg.num_layers} layers x {len(prompt_pages)} pages were pushed")
+            t0 = time.perf_counter()
+            verification = verify_pages(self.core.cache, prompt_pages, table.reshape(cfg.num_layers, -1), mode,
+                                        self.settings.kv_integrity_sample_rate, self._sample_rng)
+            verify_s = time.perf_counter() - t0
+            checked, mismatches = verification.checked, verification.mismatches
+            self.metrics.pages_verified.inc(checked)
+            self.metrics.verify_duration.observe(verify_s)
+        landed = self.core.engine.imm_count(job.imm)
+        if landed > job.expected_count:
+            raise KVIntegrityError(rid, "write_overcount", f"{landed} writes counted, the reservation expects "
+                                   f"{job.expected_count}: a page was written twice")
+        if mismatches:
+            layer, block, page = mismatches[0]
+            raise KVIntegrityError(rid, "checksum_mismatch", f"{len(mismatches)} of {checked} checked pages differ "
+                                   f"from the prefiller's CRC-32C; first: layer {layer}, block {block}, page {page}")
+        verdict = {KVIntegrity.OFF: "unchecked", KVIntegrity.SAMPLED: "sampled", KVIntegrity.FULL: "verified"}[mode]
+        receipt = TransferReceipt(
+            request_id=rid,
+            kv_bytes=cfg.num_layers * len(prompt_pages) * self.core.cache.page_bytes,
+            pages=len(prompt_pages),
+            layers=cfg.num_layers,
+            wire_ms=max(0.0, landed_at - (job.first_imm_at or landed_at)) * 1e3,
+            verify_ms=verify_s * 1e3,
+            verdict=verdict,
+            pages_checked=checked,
+        )
+        if self.settings.kv_receipt_digest:
+            receipt.kv_digest = prompt_kv_digest(self.core.cache, prompt_pages, job.prompt_tokens)
+        return first_token, receipt
 
     def _admit(self, job: DecodeJob, first_token: int) -> None:
         job.loop = asyncio.get_running_loop()
@@ -478,6 +577,9 @@ class DecodeRuntime:
                 with self._lock:
                     if entry.state is Res.RESERVED:
                         self.ledger.move(entry.request_id, Res.RECEIVING)
+                        job = self.jobs.get(entry.request_id)
+                        if job is not None:
+                            job.first_imm_at = time.monotonic()
         for entry in self.ledger.due():
             job = self.jobs.get(entry.request_id)
             if entry.state in WAITING and job is not None:

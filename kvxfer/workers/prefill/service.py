@@ -11,8 +11,8 @@ sent once none of its writes is in flight, so the decoder fails the request at o
 frees its pages.
 
 `fault_injection` (env KVXFER_FAULT_INJECTION, off when empty) makes pushes fail on
-purpose for failure drills and tests: `abort_after_layer:N` stops every push before
-layer N (0-based) and aborts it.
+purpose for failure drills and tests (the forms are listed in `faults.py`), e.g.
+`abort_after_layer:N` stops every push before layer N (0-based) and aborts it.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import asyncio
 import concurrent.futures
 import logging
 import math
+import signal
 import threading
 import time
 from typing import Any
@@ -30,9 +31,18 @@ from pydantic import Field
 
 from kvxfer.errors import EngineError, KvxferError, TransferError, TransferTimeout
 from kvxfer.kv.page_allocator import OutOfPagesError, PageAllocator
-from kvxfer.kv.protocol import MAILBOX_SLOT_BYTES, KVReservation, ReservationError, encode_abort
+from kvxfer.kv.protocol import (
+    CHECKSUM_BYTES,
+    MAILBOX_SLOT_BYTES,
+    KVReservation,
+    ReservationError,
+    encode_abort,
+    mailbox_slot_bytes,
+    pages_for_tokens,
+)
 from kvxfer.kv.push import PushSession
 from kvxfer.metrics import PrefillMetrics
+from kvxfer.workers.prefill.faults import FaultPlan, parse_fault_injection
 from kvxfer.workers.rejection import Rejection, RequestRejected
 from kvxfer.workers.runtime import WorkerCore, WorkerSettings
 
@@ -55,22 +65,13 @@ class PrefillSettings(WorkerSettings):
         600.0, gt=0, description="how long a cancelled request id is remembered (a late /prefill for it is refused)"
     )
     fault_injection: str = Field(
-        "", description="failure drill, off when empty: 'abort_after_layer:N' aborts every push before layer N"
+        "", description="failure drill, off when empty: e.g. 'abort_after_layer:N' aborts every push before "
+        "layer N; every form is in kvxfer/workers/prefill/faults.py"
     )
 
 
 class InjectedFault(TransferError):
     """A push failure made on purpose by `fault_injection`."""
-
-
-def parse_fault_injection(spec: str) -> int | None:
-    """The layer of `abort_after_layer:N`, None when off; ValueError for anything else."""
-    if not spec:
-        return None
-    kind, _, arg = spec.partition(":")
-    if kind != "abort_after_layer" or not arg.isdigit():
-        raise ValueError(f"fault_injection {spec!r}: expected 'abort_after_layer:N'")
-    return int(arg)
 
 
 def transfer_failure_reason(exc: Exception, cancelled: bool) -> str:
@@ -96,7 +97,11 @@ class PrefillRuntime:
         self.settings = settings
         self.core = WorkerCore(settings, "prefill")
         self.allocator = PageAllocator(settings.num_pages, self.core.config.block_size)
-        self.mailbox = np.zeros(settings.mailbox_slots * MAILBOX_SLOT_BYTES, dtype=np.uint8)
+        cfg = self.core.config
+        # Room per slot for the record and one checksum per (layer, page) of the longest prompt.
+        max_prompt_pages = min(pages_for_tokens(cfg.max_context, cfg.block_size), settings.num_pages)
+        self.mailbox_slot_stride = mailbox_slot_bytes(cfg.num_layers, max_prompt_pages)
+        self.mailbox = np.zeros(settings.mailbox_slots * self.mailbox_slot_stride, dtype=np.uint8)
         self.mailbox_region = self.core.engine.register(self.mailbox)
         self.metrics = PrefillMetrics(self.core.metrics_registry)
         # One compute thread: requests queue here; queue depth is what routers balance on.
@@ -109,9 +114,9 @@ class PrefillRuntime:
         self._peers: set[bytes] = set()
         self._cancelled: dict[str, float] = {}  # request id -> monotonic expiry of the memory
         self._aborts: list[Any] = []  # abort sends not yet completed (kept referenced)
-        self._abort_before_layer = parse_fault_injection(settings.fault_injection)
-        if self._abort_before_layer is not None:
-            log.warning("fault injection on: every push aborts before layer %d", self._abort_before_layer)
+        self.faults: FaultPlan = parse_fault_injection(settings.fault_injection)
+        if self.faults.active:
+            log.warning("fault injection on (%s): %s", settings.fault_injection, self.faults)
 
     def queue_depth(self) -> int:
         """Requests waiting for or in compute."""
@@ -173,7 +178,11 @@ class PrefillRuntime:
             try:
                 session = PushSession(
                     self.core.engine, self.core.cache, self.core.cache_region, self.mailbox,
-                    self.mailbox_region, slot, reservation, local_pages,
+                    self.mailbox_region, slot, self.mailbox_slot_stride, reservation, local_pages,
+                    # A stall longer than this between two writes could outlast the decoder's
+                    # fence (which outlasts a write's deadline by this much): see PushStalled.
+                    max_stall_s=reservation.fence_timeout_s - self.core.engine.transfer_timeout_s,
+                    fault=self.faults.push_fault,
                 )
             except TransferError as exc:
                 self.allocator.free(request_id)
@@ -218,9 +227,13 @@ class PrefillRuntime:
                 raise RequestRejected(Rejection.INVALID, f"malformed decode reservation: {name}: {exc}", request_id) from None
         kv_region, meta_region = regions
         layer_bytes = reservation.num_pages * self.core.cache.page_bytes
+        record_bytes = MAILBOX_SLOT_BYTES
+        if reservation.checksums:
+            record_bytes += CHECKSUM_BYTES * reservation.num_layers * reservation.prompt_pages
         if (
             self.core.config.num_layers * layer_bytes > kv_region.length
-            or not reservation.meta_offset <= meta_region.length - MAILBOX_SLOT_BYTES
+            or not reservation.meta_offset <= meta_region.length - record_bytes
+            or record_bytes > self.mailbox_slot_stride
         ):
             raise RequestRejected(
                 Rejection.INVALID,
@@ -270,10 +283,24 @@ class PrefillRuntime:
         peer = session.reservation.descriptor
         self._peers.add(peer[:64])
         extra_s = self.settings.emulated_layer_compute_ms / 1e3
+        session.mark_progress()
+
+        faults = self.faults
 
         def on_layer_done(layer: int, chunk: Any) -> None:
-            if self._abort_before_layer is not None and layer >= self._abort_before_layer:
-                raise InjectedFault(request_id, f"fault injection: abort_after_layer:{self._abort_before_layer}")
+            if faults.abort_before_layer is not None and layer >= faults.abort_before_layer:
+                raise InjectedFault(request_id, f"fault injection: abort_after_layer:{faults.abort_before_layer}")
+            if faults.freeze_before_layer == layer and chunk.first_block == 0:
+                # Frozen between writes, none in flight: what a SIGSTOP'd process looks like
+                # to its decoder. Whoever sends SIGCONT lets it go on.
+                session.wait(self.core.engine.transfer_timeout_s)
+                log.warning("fault injection: request %s: SIGSTOP before layer %d", request_id, layer)
+                # Directed at this thread: it stops before it returns. os.kill() would send it
+                # to the process, stopped through the main thread while this one ran on and
+                # posted the next write, which then landed after SIGCONT.
+                signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
+            if faults.write_late_ms is not None and layer == 1 and chunk.first_block == 0:
+                time.sleep(faults.write_late_ms / 1e3)
             if extra_s:
                 time.sleep(extra_s)  # the layer "computes" longer, then its pages go out
             session.on_layer_done(layer, chunk.first_block, chunk.end_block)
