@@ -70,7 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
     p.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
     p.add_argument("--etcd", help="etcd endpoints; omitted: start a local etcd")
-    p.add_argument("--model", default="tiny", help="model preset (default tiny)")
+    p.add_argument("--model", default="tiny",
+                   help="builtin: model preset (default tiny); vllm: a Hugging Face checkpoint directory (default: "
+                        "a small seeded Llama made locally, see `kvxfer make-llama`)")
+    p.add_argument("--engine", choices=("builtin", "vllm"), default="builtin",
+                   help="builtin: kvxfer's own reference workers (default); vllm: vLLM instances running "
+                        "KvxferConnector, one per core (needs the vllm extra)")
     p.add_argument("--provider", default="auto", help="libfabric provider for all workers")
     p.add_argument("--insecure", action="store_true",
                    help="no cluster key: registry records unsigned, worker control APIs open (development only; logs a warning)")
@@ -79,6 +84,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--model", default="tiny")
+
+    p = sub.add_parser("make-llama", help="write a small seeded Llama checkpoint (HF format, local tokenizer; "
+                                          "no downloads) that vLLM loads")
+    p.add_argument("out_dir", help="directory to write (kept as is if it holds the same shape already)")
+    p.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
+    p.add_argument("--hidden", type=int, default=256, help="hidden size (default 256)")
+    p.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    p.add_argument("--size-1b", action="store_true", help="the benchmark's ~1.1 B parameter shape instead")
 
     sub.add_parser("providers", help="list libfabric providers usable here")
     return parser
@@ -114,6 +127,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         tok = ByteTokenizer()
         out = model.generate(tok.encode(args.prompt), args.max_tokens)
         print(tok.decode(out.tokens))
+    elif args.command == "make-llama":
+        from dataclasses import replace
+        from pathlib import Path
+
+        from kvxfer.integrations.vllm.checkpoint import SHAPE_1B, CheckpointShape, make_checkpoint
+
+        shape = SHAPE_1B if args.size_1b else CheckpointShape(layers=args.layers, hidden=args.hidden)
+        print(make_checkpoint(Path(args.out_dir), replace(shape, seed=args.seed)))
     elif args.command == "providers":
         from kvxfer.transfer.engine import available_providers
 

@@ -55,7 +55,15 @@ class LocalCluster:
         router_env: dict[str, str] | None = None,
         startup_timeout_s: float = 90.0,
         insecure: bool = False,
+        engine: str = "builtin",
     ) -> None:
+        if engine not in ("builtin", "vllm"):
+            raise ValueError(f'engine must be "builtin" or "vllm", got {engine!r}')
+        self.engine = engine
+        self.insecure = insecure
+        if engine == "vllm":
+            # Each instance loads the model and compiles its kernels: minutes on a busy machine.
+            startup_timeout_s = max(startup_timeout_s, 600.0)
         self.n_prefill = prefill
         self.n_decode = decode
         self.router_port = router_port or free_port()
@@ -130,6 +138,8 @@ class LocalCluster:
         assert self.etcd_url
         self._counter += 1
         name = f"{role}-{self._counter}"
+        if self.engine == "vllm":
+            return self._start_vllm_instance(role, name, extra_env)
         args = [
             sys.executable, "-m", "kvxfer.cli", role, "--port", "0", "--etcd", self.etcd_url,
             "--provider", self.provider, "--host", self._address(name), "--bind-host", self._address(name),
@@ -137,6 +147,33 @@ class LocalCluster:
             "--worker-id", name, "--num-pages", str(self.num_pages),
         ]
         self.workers[name] = self._spawn(name, args, {**self.worker_env, **(extra_env or {})})
+        return name
+
+    def _start_vllm_instance(self, role: str, name: str, extra_env: dict[str, str] | None) -> str:
+        # Imported here: the vllm extra is needed only for --engine vllm.
+        from kvxfer.integrations.vllm.checkpoint import make_checkpoint
+        from kvxfer.integrations.vllm.launch import VllmInstanceSpec
+
+        model_dir = Path(self.model)
+        if not (model_dir / "config.json").is_file():
+            # Not a checkpoint directory: make the small seeded one (no downloads).
+            model_dir = make_checkpoint(self.log_dir / "seeded-llama")
+        port = free_port()
+        extra: dict[str, Any] = {
+            "provider": self.provider, "bind_host": "127.0.0.1", "etcd": self.etcd_url, "worker_id": name,
+            "advertise_url": f"http://127.0.0.1:{port}",
+        }
+        if self.key_path is not None:
+            extra["cluster_key_file"] = str(self.key_path)
+        else:
+            extra["insecure"] = True
+        # Instances pinned apart: vLLM binds its compute thread to core 0 unless told, and
+        # two instances on one core take several times as long per step.
+        core = str((self._counter - 1) % (os.cpu_count() or 1))
+        spec = VllmInstanceSpec(model_dir=model_dir, port=port, served_model_name=model_dir.name,
+                                kv_role="kv_producer" if role == "prefill" else "kv_consumer",
+                                cpu_cores=core, extra_config=extra)
+        self.workers[name] = self._spawn(name, spec.argv(), {**spec.env({}), **(extra_env or {})})
         return name
 
     def start(self) -> "LocalCluster":
@@ -230,7 +267,7 @@ def run_up(args: argparse.Namespace) -> int:
     """`kvxfer up`: start everything, serve until SIGINT/SIGTERM, then drain and stop."""
     cluster = LocalCluster(
         prefill=args.prefill, decode=args.decode, router_port=args.port, etcd=args.etcd,
-        model=args.model, provider=args.provider, insecure=args.insecure,
+        model=args.model, provider=args.provider, insecure=args.insecure, engine=args.engine,
     )
     stop = {"now": False}
 

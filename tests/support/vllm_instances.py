@@ -98,7 +98,7 @@ class VllmFleet:
 
     def start(self, name: str, kv_role: KVRole | None, core: str, *, register: bool = True,
               extra: dict[str, Any] | None = None, **spec_fields: Any) -> VllmInstance:
-        """Start one instance (no wait)."""
+        """Start one instance (no wait). `register=False`: no etcd settings (another connector)."""
         port = free_port()
         cfg = {**self.common_extra, **(extra or {})}
         if kv_role is not None and register:

@@ -17,6 +17,7 @@ import httpx
 import pytest
 from support.cluster_load import get_metrics, metric_value
 from support.kv_requests import (
+    DIGEST_ENV,
     PREFILL_ENV,
     check_against_reference,
     disaggregated,
@@ -67,7 +68,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     env = {"KVXFER_CLUSTER_KEY_FILE": str(key_path)}
     try:
         decode, prefill = workers.start_many([
-            ("decode", {"env": {**env, "KVXFER_MAX_REQUESTS": str(MAX_REQUESTS),
+            ("decode", {"env": {**env, **DIGEST_ENV, "KVXFER_MAX_REQUESTS": str(MAX_REQUESTS),
                                 "KVXFER_MAX_RESERVATIONS_PER_CALLER": str(PER_CALLER)}}),
             ("prefill", {"env": {**env, **PREFILL_ENV}}),
         ])

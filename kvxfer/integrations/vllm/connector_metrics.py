@@ -10,16 +10,20 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 _SECONDS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
 
-#: Values of the `reason` label of kvxfer_connector_failures_total.
-FAILURE_REASONS = ("push_failed", "layout_mismatch", "load_timeout", "cancelled", "prefill_aborted",
-                   "fence_timeout", "no_slot", "reservation_send_failed")
+#: Values of the `reason` label of kvxfer_connector_failures_total, per `side`.
+FAILURE_REASONS = {"prefill": ("push_failed", "layout_mismatch"),
+                   "decode": ("load_timeout", "cancelled", "prefill_aborted", "fence_timeout", "no_slot",
+                              "reservation_send_failed")}
+#: Values of the `reason` label of kvxfer_connector_dropped_messages_total.
+DROP_REASONS = ("early_reservations_full", "duplicate_reservation", "orphan_reservation", "unknown_cancel",
+                "unknown_abort", "malformed_reservation", "not_a_prefiller", "unknown_message")
 
 
 class ConnectorMetrics:
     """Counters and histograms of one connector (both sides; unused ones stay at zero)."""
 
-    def __init__(self, role: str) -> None:
-        self.registry = CollectorRegistry()
+    def __init__(self, role: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
         labels = {"role": role}
         self.bytes_pushed = Counter("kvxfer_connector_pushed_bytes", "KV bytes posted to decoders",
                                     registry=self.registry)
@@ -42,6 +46,12 @@ class ConnectorMetrics:
                                         "control messages dropped, by reason", ["reason"], registry=self.registry)
         self.loads_in_flight = Gauge("kvxfer_connector_loads_in_flight", "reservations awaiting their writes",
                                      registry=self.registry)
+        # Every label value exported from the start, so dashboards see zeros, not gaps.
+        for side, reasons in FAILURE_REASONS.items():
+            for reason in reasons:
+                self.failures.labels(side=side, reason=reason)
+        for reason in DROP_REASONS:
+            self.dropped_messages.labels(reason=reason)
         self.info = Gauge("kvxfer_connector_info", "connector identity", list(labels), registry=self.registry)
         self.info.labels(**labels).set(1)
 

@@ -11,7 +11,10 @@ import logging
 import os
 import socket
 import threading
+import time
 from pathlib import Path
+
+import httpx
 
 from kvxfer.registry import RegistrySettings, WorkerRecord, WorkerRegistration
 
@@ -47,10 +50,28 @@ class InstanceRegistration:
         )
         self._thread: threading.Thread | None = None
         self._last_running = -1
+        self._wait_s = settings.registration_wait_s
 
     def start(self) -> None:
-        """Registers in the background: vLLM's start-up does not wait on etcd."""
+        """Registers in the background once the instance's own OpenAI API answers.
+
+        The KV cache is registered before vLLM's API server listens; a record published
+        then would send the router to a port that refuses connections.
+        """
         def run() -> None:
+            deadline = time.monotonic() + self._wait_s
+            url = self._record.http_url.rstrip("/") + "/v1/models"
+            while time.monotonic() < deadline:
+                try:
+                    if httpx.get(url, timeout=2.0, trust_env=False).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.5)
+            else:
+                log.error("kvxfer connector: %s did not answer within registration_wait_s=%.0f; not registering",
+                          url, self._wait_s)
+                return
             try:
                 self._registration.register(self._record)
                 log.info("kvxfer connector: registered %s as %s worker %s", self._record.http_url,

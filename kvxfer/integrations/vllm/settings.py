@@ -56,6 +56,9 @@ class ConnectorSettings(BaseModel):
     etcd_prefix: str = Field("/kvxfer", description="registry key prefix")
     lease_ttl_s: int = Field(5, ge=1, description="registry lease TTL")
     advertise_url: Optional[str] = Field(None, description="this instance's OpenAI API URL, as the router reaches it")
+    registration_wait_s: float = Field(
+        900.0, gt=0, description="how long to wait for this instance's API to answer before registering (model "
+        "loading and warm-up come first; a record published earlier would send the router to a closed port)")
     registry_role: Optional[Literal["prefill", "decode"]] = Field(
         None, description="role published in the registry (default from kv_role; kv_both: decode)")
     worker_id: Optional[str] = Field(None, description="id in the registry (default vllm-ROLE-PID)")

@@ -289,12 +289,10 @@ class DecodeRuntime:
         self.metrics.imm_wait.observe(time.perf_counter() - start)
         landed = self.core.engine.imm_count(job.imm)
         if landed > job.expected_count:
-            # More immediates than the prefiller sends: someone else credited this
-            # reservation, so its count proves nothing about its pages.
+            # More immediates than the prefiller sends: a page written twice or a writer the
+            # reservation does not name. Counted here; _check_landed_kv refuses the request
+            # (write_overcount) and fences its pages, since its count proves nothing.
             self.metrics.stray_immediates.inc(landed - job.expected_count)
-            reason = f"{landed} immediates for {job.expected_count} writes: a writer the reservation does not name"
-            self.end(job, RequestState.FAILED, error=f"request {job.request_id}: {reason}")
-            raise RequestRejected(Rejection.FAILED, f"request {job.request_id}: {reason}", job.request_id)
         landed_at = time.monotonic()
         if job.state is not RequestState.RESERVED:
             raise RequestRejected(Rejection.CONFLICT, f"request {job.request_id} was {job.state.value}", job.request_id)
