@@ -123,10 +123,11 @@ Event = Union[TokenEvent, FinishEvent, ErrorEvent]
 class LegFailure(Exception):
     """One leg (a call to one worker) failed. ``stage`` is ``reserve``, ``prefill`` or
     ``generate`` (``kvxfer.metrics.RETRY_STAGES``); ``timed_out`` marks a timeout;
-    ``rejected`` marks a worker refusing the request's own content (a client error: no retry)."""
+    ``rejected`` marks a worker refusing the request's own content (a client error: no retry);
+    ``never_sent`` that the connection was never made, so the worker never saw the call."""
 
     def __init__(self, request_id: str, worker: WorkerView, stage: str, reason: str, *, timed_out: bool = False,
-                 rejected: bool = False) -> None:
+                 rejected: bool = False, never_sent: bool = False) -> None:
         super().__init__(f"request {request_id}: {worker.role} worker {worker.worker_id} failed at {stage}: {reason}")
         self.request_id = request_id
         self.worker = worker
@@ -134,6 +135,7 @@ class LegFailure(Exception):
         self.reason = reason
         self.timed_out = timed_out
         self.rejected = rejected
+        self.never_sent = never_sent
 
 
 class Dispatcher:
@@ -206,7 +208,11 @@ class Dispatcher:
             # Say which limit hit: a connect timeout is not the whole call's.
             limit = (f"connecting took over {self.settings.connect_timeout_s}s" if isinstance(exc, httpx.ConnectTimeout)
                      else f"after {total_timeout_s}s")
-            raise LegFailure(request_id, worker, stage, f"POST {path} timed out ({limit})", timed_out=True) from None
+            raise LegFailure(request_id, worker, stage, f"POST {path} timed out ({limit})", timed_out=True,
+                             never_sent=isinstance(exc, httpx.ConnectTimeout)) from None
+        except httpx.ConnectError as exc:  # refused or unroutable: not one byte of the call went out
+            raise LegFailure(request_id, worker, stage, f"POST {path}: {type(exc).__name__}: {exc}",
+                             never_sent=True) from exc
         except httpx.HTTPError as exc:
             raise LegFailure(request_id, worker, stage, f"POST {path}: {type(exc).__name__}: {exc}") from exc
         if resp.status_code >= 400:
@@ -220,31 +226,39 @@ class Dispatcher:
             raise LegFailure(request_id, worker, stage, f"POST {path} answered a non-object body: {_detail(resp.text)}")
         return data
 
-    async def cancel_legs(self, request_id: str, workers: list[WorkerView]) -> None:
+    async def cancel_legs(self, request_id: str, workers: list[WorkerView], *, prefill_never_sent: bool = False) -> None:
         """``POST /cancel`` to each of ``workers`` concurrently; failures are logged only,
         since clean-up must never turn into a second error for the client.
 
         A prefiller answers ``in_flight: false`` only once none of its writes for the
         request can land (and it refuses the id from then on): the decoder is told so
         (``prefill_stopped``) and reuses the pages at once instead of at its fence deadline.
+        ``prefill_never_sent``: the connection for ``/prefill`` was never made, so the
+        prefiller never had the reservation and nothing of it can land; the decoder is told
+        so at once. (A dead prefiller refuses connections: without this every request sent
+        its way until its lease expires would hold its pages for the whole fence.)
         """
+        if prefill_never_sent:
+            await asyncio.gather(*(self._cancel_one(request_id, w, {"request_id": request_id, "prefill_stopped": True})
+                                   for w in workers if w.role == "decode"))
+            return
 
-        async def one(worker: WorkerView, body: dict[str, Any]) -> dict[str, Any] | None:
-            try:
-                return await self.post_json(
-                    worker, "/cancel", body, stage="cancel",
-                    request_id=request_id, total_timeout_s=self.settings.cancel_timeout_s,
-                )
-            except LegFailure as exc:
-                log.warning("cancel not confirmed: %s", exc)
-                return None
-
-        replies = await asyncio.gather(*(one(w, {"request_id": request_id}) for w in workers))
+        replies = await asyncio.gather(*(self._cancel_one(request_id, w, {"request_id": request_id}) for w in workers))
         stopped = any(w.role == "prefill" and r is not None and r.get("in_flight") is False
                       for w, r in zip(workers, replies))
         if stopped:
-            await asyncio.gather(*(one(w, {"request_id": request_id, "prefill_stopped": True})
+            await asyncio.gather(*(self._cancel_one(request_id, w, {"request_id": request_id, "prefill_stopped": True})
                                    for w in workers if w.role == "decode"))
+
+    async def _cancel_one(self, request_id: str, worker: WorkerView, body: dict[str, Any]) -> dict[str, Any] | None:
+        try:
+            return await self.post_json(
+                worker, "/cancel", body, stage="cancel",
+                request_id=request_id, total_timeout_s=self.settings.cancel_timeout_s,
+            )
+        except LegFailure as exc:
+            log.warning("cancel not confirmed: %s", exc)
+            return None
 
 
 class RequestLifecycle:
@@ -389,6 +403,7 @@ class RequestLifecycle:
     async def _disaggregated(self, decode: WorkerView, prefill: WorkerView, wrid: str) -> None:
         contacted = [decode]
         completed = False
+        prefill_never_sent = False
         try:
             self.state = RequestState.RESERVING
             reservation = await self._reserve(decode, prefill, wrid)
@@ -414,10 +429,11 @@ class RequestLifecycle:
             finally:
                 for leg in (prefill_leg, generate_leg):
                     leg.cancel()
-                await asyncio.gather(prefill_leg, generate_leg, return_exceptions=True)
+                outcome = (await asyncio.gather(prefill_leg, generate_leg, return_exceptions=True))[0]
+                prefill_never_sent = isinstance(outcome, LegFailure) and outcome.never_sent
         finally:
             if not completed:
-                await self._cleanup(wrid, contacted)
+                await self._cleanup(wrid, contacted, prefill_never_sent=prefill_never_sent)
 
     async def _local(self, decode: WorkerView, wrid: str) -> None:
         completed = False
@@ -432,11 +448,11 @@ class RequestLifecycle:
             if not completed:
                 await self._cleanup(wrid, [decode])
 
-    async def _cleanup(self, wrid: str, workers: list[WorkerView]) -> None:
+    async def _cleanup(self, wrid: str, workers: list[WorkerView], *, prefill_never_sent: bool = False) -> None:
         # A separate task, awaited through shield: a second cancel of this task (shutdown
         # racing a disconnect) must not cut the cancels short and leak decode pages. That
         # cancel still propagates, so a cancelled request never goes on to a retry.
-        await asyncio.shield(self._d.spawn(self._d.cancel_legs(wrid, workers)))
+        await asyncio.shield(self._d.spawn(self._d.cancel_legs(wrid, workers, prefill_never_sent=prefill_never_sent)))
 
     # --- legs ------------------------------------------------------------------------------
 

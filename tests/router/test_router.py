@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -400,6 +401,26 @@ def test_failing_prefill_worker_falls_back_to_colocated_and_frees_the_reservatio
     wait_until(lambda: d.cancelled_ids() == [reserved], what="the failed attempt's reservation cancelled")
     assert d.active_reservations() == []
     assert [path for path, _ in d.calls if path.startswith("/generate")] == ["/generate", "/generate_local"]
+
+
+def test_unreachable_prefill_worker_frees_the_decode_pages_at_once(cluster: Cluster) -> None:
+    # A dead prefiller still registered (its lease not yet expired) refuses connections: it
+    # never got the /prefill, so nothing of the reservation can land and the decode worker
+    # is told to free the pages now rather than fence them.
+    d = cluster.decode("d1")
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        dead_url = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    cluster.prefill("p-dead", http_url=dead_url)
+    cluster.start_router()
+
+    r = cluster.post(completion(request_id="to-the-dead"))
+
+    assert r.status_code == 200 and r.headers["x-kvxfer-serving-mode"] == "colocated_fallback", r.text
+    reserved = str(d.bodies("/reserve")[0]["request_id"])
+    wait_until(lambda: d.released_ids() == [reserved], what="the reservation released, not fenced")
+    assert d.cancelled_ids() == []
+    assert d.active_reservations() == []
 
 
 def test_slow_prefill_runs_into_the_deadline_with_504_and_both_legs_cancelled(cluster: Cluster) -> None:
