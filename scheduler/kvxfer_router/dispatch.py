@@ -226,7 +226,8 @@ class Dispatcher:
             raise LegFailure(request_id, worker, stage, f"POST {path} answered a non-object body: {_detail(resp.text)}")
         return data
 
-    async def cancel_legs(self, request_id: str, workers: list[WorkerView], *, prefill_never_sent: bool = False) -> None:
+    async def cancel_legs(self, request_id: str, workers: list[WorkerView], *,
+                          prefill_never_sent: bool = False) -> None:
         """``POST /cancel`` to each of ``workers`` concurrently; failures are logged only,
         since clean-up must never turn into a second error for the client.
 
