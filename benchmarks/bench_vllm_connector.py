@@ -170,9 +170,10 @@ def main() -> None:
         ex_row = next((e for e in summary if e["system"] == "vllm + ExampleConnector" and e["tokens"] == s["tokens"]), None)
         ratio = f"{ex_row['ttft_ms'] / s['ttft_ms']:.2f}x" if ex_row and s["system"] == "vllm + kvxfer" else ""
         tail = s["push_tail_ms"]
+        tail_ms = f"{tail:.1f}" if tail is not None else ""
+        tail_share = f"{tail / s['ttft_ms']:.1%}" if tail is not None else ""
         print(f"{s['system']:<26}{s['tokens']:>7}{s['ttft_ms']:>11.1f}{(s['itl_ms'] or 0):>9.1f}"
-              f"{(f'{tail:.1f}' if tail is not None else ''):>9}"
-              f"{(f'{tail / s['ttft_ms']:.1%}' if tail is not None else ''):>10}{ratio:>11}")
+              f"{tail_ms:>9}{tail_share:>10}{ratio:>11}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps({"model": str(model), "shape": shape.__dict__,
                                                          "summary": summary, "rows": rows}, indent=1))

@@ -348,16 +348,7 @@ def create_app(
                             for code, what in _ERROR_STATUSES.items()}})
     async def completions(request: Request) -> Response:
         """OpenAI-compatible completion; see the module docs of ``dispatch``."""
-        try:
-            job, req = await service.parse_completion(request)
-            ticket = service.admission.admit(job.request_id, job.model, needs_prefill=job.needs_prefill)
-        except RouterError as exc:
-            return exc.to_response()
-        lifecycle = service.dispatcher.start(job, ticket)
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        if req.stream:
-            return await _stream_response(request, lifecycle, include_usage)
-        return await _full_response(request, lifecycle)
+        return await serve(request, service.parse_completion)
 
     @app.post("/v1/chat/completions",
               responses={200: {"description": "A chat completion, or server-sent events of chunks when `stream` is true"},
@@ -365,8 +356,12 @@ def create_app(
                             for code, what in _ERROR_STATUSES.items()}})
     async def chat_completions(request: Request) -> Response:
         """OpenAI-compatible chat completion (text messages)."""
+        return await serve(request, service.parse_chat)
+
+    async def serve(request: Request, parse: Any) -> Response:
+        # Both endpoints: parse and admit (4xx/429/503 before anything is sent), then run.
         try:
-            job, req = await service.parse_chat(request)
+            job, req = await parse(request)
             ticket = service.admission.admit(job.request_id, job.model, needs_prefill=job.needs_prefill)
         except RouterError as exc:
             return exc.to_response()
