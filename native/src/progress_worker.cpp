@@ -212,23 +212,30 @@ bool ProgressWorker::wait_imm(uint32_t imm, uint64_t count, int64_t deadline_ns)
     if (lost && imm_.get(imm) < count) throw_lost(imm_, imm, count);
     return reached;
   }
-  imm_waiters_.fetch_add(1, std::memory_order_seq_cst);
   bool reached = false, lost = false;
+  const int slot = imm_wait_slots_.claim(imm, count);
+  // Without a slot (all taken) this waiter is woken on every arrival round instead.
+  std::atomic<uint32_t>& word = slot >= 0 ? imm_wait_slots_.word(slot) : imm_epoch_;
+  if (slot < 0) imm_waiters_.fetch_add(1, std::memory_order_seq_cst);
   for (;;) {
-    uint32_t epoch = imm_epoch_.load(std::memory_order_seq_cst);
+    uint32_t seen = word.load(std::memory_order_seq_cst);
+    std::atomic_thread_fence(std::memory_order_seq_cst);  // pairs with ImmWaiters::wake_ready
     if (imm_.get(imm) >= count) {
       reached = true;
       break;
     }
-    // Arrivals bump the epoch whether or not they were counted, so a drop wakes us too.
+    // Arrivals wake us whether or not they were counted, so a drop wakes us too.
     if (imm_.lost(imm)) {
       lost = true;
       break;
     }
     if (monotonic_ns() >= deadline_ns || stopping_.load()) break;
-    futex_wait_until(&imm_epoch_, epoch, std::min(deadline_ns, monotonic_ns() + 100'000'000));
+    futex_wait_until(&word, seen, std::min(deadline_ns, monotonic_ns() + 100'000'000));
   }
-  imm_waiters_.fetch_sub(1, std::memory_order_seq_cst);
+  if (slot >= 0)
+    imm_wait_slots_.release(slot);
+  else
+    imm_waiters_.fetch_sub(1, std::memory_order_seq_cst);
   if (lost) throw_lost(imm_, imm, count);
   return reached;
 }
@@ -694,6 +701,8 @@ bool ProgressWorker::run_round() {
     imm_arrived_ = false;
     imm_epoch_.fetch_add(1, std::memory_order_seq_cst);
     if (imm_waiters_.load(std::memory_order_seq_cst)) futex_wake_all(&imm_epoch_);
+    imm_wait_slots_.wake_ready(
+        [this](uint32_t imm, uint64_t count) { return imm_.get(imm) >= count || imm_.lost(imm); });
   }
   if (events_pending_ || !event_overflow_.empty()) flush_events();
   int64_t now = monotonic_ns();
@@ -756,6 +765,7 @@ void ProgressWorker::shut_down() {
   // Wake everyone blocked on an immediate or a message so they see the close.
   imm_epoch_.fetch_add(1);
   futex_wake_all(&imm_epoch_);
+  imm_wait_slots_.wake_all();
   inbox_seq_.fetch_add(1);
   futex_wake_all(&inbox_seq_);
 }

@@ -19,6 +19,7 @@
 #include "bounded_queue.hpp"
 #include "engine_types.hpp"
 #include "imm_counter.hpp"
+#include "imm_waiters.hpp"
 #include "rail_group.hpp"
 
 namespace kvxfer {
@@ -202,7 +203,8 @@ class ProgressWorker {
   bool events_pending_ = false;
 
   std::atomic<uint32_t> imm_epoch_{0};
-  std::atomic<uint32_t> imm_waiters_{0};
+  std::atomic<uint32_t> imm_waiters_{0};  // wait_imm callers without a slot in imm_wait_slots_
+  ImmWaiters imm_wait_slots_;
   std::atomic<uint32_t> inbox_seq_{0};
   std::atomic<uint32_t> sleeping_{0};
   std::atomic<bool> stopping_{false};
