@@ -160,6 +160,7 @@ class ProgressWorker {
   void finish_transfer(TransferState& t, TransferStatus status, const std::string& error);
   void check_deadlines(int64_t now);
   void sleep_until_work(int64_t wake_by_ns);
+  size_t ops_in_flight() const;  // posted, not yet completed, over all rails
   void push_event(const EngineEvent& e);
   void flush_events();
   void post_recv_slots();
