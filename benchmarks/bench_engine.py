@@ -100,6 +100,8 @@ T1_TCP_RATIO, T2_BARE_RATIO, T3_SINGLE_RATIO, T4_MEMCPY_RATIO = 0.90, 2.0, 0.90,
 DEEP_BARE_RATIO = 0.90
 T1_MIN_SIZE = 1 * MIB
 T2_PAGE_SIZE = 16 * KIB
+# The deep-window bare runs of a --quick run (each costs seconds of libfabric start-up).
+QUICK_DEEP_CASES = ((PAGED_RANDOM, 16 * KIB), (SINGLE, 1 * MIB))
 TCP_CLASS_PROVIDERS = ("net", "tcp", "sockets")
 # The engine's same-host path (process_vm_writev, immediates over net): not a libfabric
 # provider, so its bare-loop baseline is libfabric's own same-host provider, shm.
@@ -615,7 +617,8 @@ def bare_settings(cases: list[tuple[str, int]], configs: list[EngineConfig], rep
     adjacent rows compare with single writes instead. T2's baseline (random, 16 KiB) gets
     the full repeats, the others one run each; with `only_t2` (quick runs) it is the only
     shallow run. The deep-window loop (F1, F2) runs at every single and random-page size of
-    every configuration on a libfabric provider (same-host has no fabric to compare with).
+    every configuration on a libfabric provider (same-host has no fabric to compare with);
+    quick runs only at QUICK_DEEP_CASES.
     """
     out: list[BareRun] = []
 
@@ -639,7 +642,7 @@ def bare_settings(cases: list[tuple[str, int]], configs: list[EngineConfig], rep
         if cfg.provider == SAME_HOST:
             continue
         for kind, size in cases:
-            if kind == PAGED_ADJACENT:
+            if kind == PAGED_ADJACENT or (only_t2 and (kind, size) not in QUICK_DEEP_CASES):
                 continue
             add(BareRun(cfg.provider, size, cfg.max_inflight_per_rail, kind == PAGED_RANDOM, 1,
                         cfg.rails, engine_delivery_complete(cfg.delivery_complete), deep=True))
