@@ -2,6 +2,7 @@
 
 #include <sched.h>
 #include <sys/epoll.h>
+#include <sys/prctl.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
@@ -587,6 +588,10 @@ void ProgressWorker::idle(int64_t idle_since, int64_t wake_by_ns) {
 }
 
 void ProgressWorker::loop() {
+  // Timer slack of 1 us for this thread: its kBusyNapUs naps would otherwise last the
+  // default 50 us slack longer (3.5x the nap). A/B on an idle machine, net, random pages:
+  // 4 KiB +25-35% pages/s, 16 KiB within noise.
+  prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
   int64_t idle_since = 0;
   while (!stopping_.load(std::memory_order_relaxed)) {
     if (run_round()) {
