@@ -8,7 +8,10 @@ processes, all threads), beside limits measured in the same run:
 - memcpy and one loopback TCP stream (benchmarks/machine_limits.py), measured before and
   after every table;
 - a bare libfabric fi_writedata loop on the same provider (kvxfer-bare-writedata), at
-  window 1 (the bare loop the targets name) and, for random pages, window 16.
+  window 1 (the bare loop T2 names) and deep: as many writes in flight as the engine
+  keeps (max_inflight_per_rail per rail, on as many rails, each rail its own endpoint;
+  delivery-complete when the engine's writes are), with the CPU seconds per GB of both of
+  its processes (getrusage over the timed loop).
 
 and a verdict per target of the issue:
   T1  single writes >= 1 MiB at >= 90% of one loopback TCP stream (tcp-class providers)
@@ -16,6 +19,9 @@ and a verdict per target of the issue:
   T3  adjacent pages at >= 90% of single-write speed (same bytes per write call)
   T4  same host (shm, and the engine's own same-host path) at >= 50% of memcpy
       (single writes >= 1 MiB)
+  F1  fabric single writes (4 KiB .. 64 MiB) at >= 0.9x the deep-window bare loop
+  F2  fabric paged writes at random indices (1 .. 64 KiB pages) at >= 0.9x the deep bare loop
+      (F1 and F2 also per row, in the table's "deep" column: ok / LOW)
 
 Method: the target is a separate process (engine_peer_process.py) that registers a
 region and publishes its descriptor. The initiator submits one case's units (a single
@@ -90,8 +96,12 @@ BARE_W16_PAGE_SIZES = [1 * KIB, 4 * KIB, 16 * KIB, 64 * KIB]
 
 # Targets of the issue, as ratios.
 T1_TCP_RATIO, T2_BARE_RATIO, T3_SINGLE_RATIO, T4_MEMCPY_RATIO = 0.90, 2.0, 0.90, 0.50
+# F1/F2: the engine against a bare loop that keeps as many writes in flight as it does.
+DEEP_BARE_RATIO = 0.90
 T1_MIN_SIZE = 1 * MIB
 T2_PAGE_SIZE = 16 * KIB
+# The deep-window bare runs of a --quick run (each costs seconds of libfabric start-up).
+QUICK_DEEP_CASES = ((PAGED_RANDOM, 16 * KIB), (SINGLE, 1 * MIB))
 TCP_CLASS_PROVIDERS = ("net", "tcp", "sockets")
 # The engine's same-host path (process_vm_writev, immediates over net): not a libfabric
 # provider, so its bare-loop baseline is libfabric's own same-host provider, shm.
@@ -206,39 +216,83 @@ def merge_limits(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def run_bare_once(binary: Path, provider: str, size: int, count: int, window: int,
-                  random: bool) -> dict[str, Any]:
+                  random: bool, rails: int = 1, delivery_complete: bool = False) -> dict[str, Any]:
     region = max(64 * MIB, 4 * size)
     cmd = [str(binary), "--provider", provider, "--size", str(size), "--count", str(count),
-           "--window", str(window), "--region", str(region)]
+           "--window", str(window), "--region", str(region), "--rails", str(rails)]
     if random:
         cmd.append("--random")
+    if delivery_complete:
+        cmd.append("--delivery-complete")
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=BARE_RUN_TIMEOUT_S)
     if res.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {res.returncode}: {res.stderr.strip()[-400:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def bare_key(provider: str, size: int, window: int, random: bool) -> str:
-    return f"{provider}/{size}/w{window}/{'random' if random else 'seq'}"
+def bare_key(provider: str, size: int, window: int, random: bool, rails: int = 1,
+             delivery_complete: bool = False) -> str:
+    """Key of one bare-loop setting in the results (window is per rail)."""
+    # One rail without delivery-complete keeps the key older result files use.
+    extra = (f"/r{rails}" if rails > 1 else "") + ("/dc" if delivery_complete else "")
+    return f"{provider}/{size}/w{window}{extra}/{'random' if random else 'seq'}"
 
 
-def measure_bare(binary: Path, provider: str, size: int, window: int, random: bool,
-                 repeats: int, args: argparse.Namespace) -> dict[str, Any]:
-    """GB/s and Mops/s of the bare loop (median/min/max over `repeats` processes).
+@dataclass(frozen=True)
+class BareRun:
+    """One bare-loop setting to measure: `window` writes in flight per rail."""
+
+    provider: str
+    size: int
+    window: int
+    random: bool
+    repeats: int
+    rails: int = 1
+    delivery_complete: bool = False
+    deep: bool = False  # the deep-window baseline of some configuration
+
+    def key(self) -> str:
+        return bare_key(self.provider, self.size, self.window, self.random, self.rails, self.delivery_complete)
+
+
+def measure_bare(binary: Path, run: BareRun, args: argparse.Namespace) -> dict[str, Any]:
+    """GB/s, Mops/s and CPU s/GB of the bare loop (median/min/max over `repeats` processes).
 
     Every invocation pays 1.5-3 s of libfabric start-up (fi_getinfo reads /proc/kallsyms,
     in both of its processes) outside its timed loop, so counts are fixed by a byte budget
-    instead of a calibration run, and only T2's baseline is repeated.
+    instead of a calibration run, and only T2's baseline is repeated. A deep window gets a
+    larger budget and at least 4 windows of writes, so filling and draining the pipeline
+    is a small part of the run.
     """
-    count = max(2, min(args.bare_max_ops, args.bare_bytes // size))
-    base = {"provider": provider, "size": size, "window": window, "random": random, "count": count}
+    size = run.size
+    if run.deep:
+        # At least 4 windows of writes, unless that is over 4x the byte budget (a window of
+        # 64 MiB writes is 16 GiB: the engine has 16 such transfers in flight, not 256).
+        by_bytes = args.bare_deep_bytes // size
+        floor = min(4 * run.window * run.rails, 4 * by_bytes)
+        count = max(8, min(max(floor, by_bytes), args.bare_deep_max_ops))
+    else:
+        count = max(2, min(args.bare_max_ops, args.bare_bytes // size))
+    base = {"provider": run.provider, "size": size, "window": run.window, "random": run.random,
+            "rails": run.rails, "delivery_complete": run.delivery_complete, "deep": run.deep, "count": count}
     try:
-        runs = [run_bare_once(binary, provider, size, count, window, random) for _ in range(repeats)]
+        runs = [run_bare_once(binary, run.provider, size, count, run.window, run.random, run.rails,
+                              run.delivery_complete) for _ in range(run.repeats)]
     except (RuntimeError, subprocess.SubprocessError, ValueError) as e:
         return {**base, "error": str(e)}
-    return {**base, "gbps": summary([r["gbytes_per_s"] for r in runs]),
-            "mops": summary([r["ops_per_s"] / 1e6 for r in runs]),
-            "seconds": [r["seconds"] for r in runs]}
+    out = {**base, "gbps": summary([r["gbytes_per_s"] for r in runs]),
+           "mops": summary([r["ops_per_s"] / 1e6 for r in runs]),
+           "seconds": [r["seconds"] for r in runs]}
+    if all("initiator_cpu_s" in r for r in runs):
+        # Both processes over their timed loops: the bare loop busy-polls on both sides.
+        out["cpu_s_per_gb"] = summary([(r["initiator_cpu_s"] + r["target_cpu_s"]) / (size * count) * 1e9
+                                       for r in runs])
+    return out
+
+
+def engine_delivery_complete(delivery_complete: str) -> bool:
+    """Whether the engine's writes complete on delivery in this setting (on by default)."""
+    return delivery_complete != "off"
 
 
 # --------------------------------------------------------------------------------------
@@ -556,18 +610,26 @@ def case_list(args: argparse.Namespace) -> list[tuple[str, int]]:
     return cases
 
 
-def bare_settings(cases: list[tuple[str, int]], providers: list[str], repeats: int,
-                  windows: tuple[int, ...], only_t2: bool) -> list[tuple[str, int, int, bool, int]]:
-    """(provider, size, window, random, repeats) of the bare runs the table shows.
+def bare_settings(cases: list[tuple[str, int]], configs: list[EngineConfig], repeats: int,
+                  windows: tuple[int, ...], only_t2: bool) -> list[BareRun]:
+    """The bare runs the tables show.
 
-    Every bare invocation spends 1.5-3 s in libfabric start-up here, so the loop runs
-    where it answers something: random pages at every page size (window 1; window 16 at
-    every other size), single writes at every other size (window 1); adjacent rows compare
-    with single writes instead. T2's baseline (random, 16 KiB) gets the full repeats, the
-    others one run each; with `only_t2` (quick runs) it is the only bare run.
+    Every bare invocation spends 1.5-3 s in libfabric start-up here, so the shallow loop
+    runs where it answers something: random pages at every page size (window 1; window 16,
+    if asked for, at every other size), single writes at every other size (window 1);
+    adjacent rows compare with single writes instead. T2's baseline (random, 16 KiB) gets
+    the full repeats, the others one run each; with `only_t2` (quick runs) it is the only
+    shallow run. The deep-window loop (F1, F2) runs at every single and random-page size of
+    every configuration on a libfabric provider (same-host has no fabric to compare with);
+    quick runs only at QUICK_DEEP_CASES.
     """
-    out = []
-    for provider in providers:
+    out: list[BareRun] = []
+
+    def add(run: BareRun) -> None:
+        if all(r.key() != run.key() for r in out):
+            out.append(run)
+
+    for provider in dict.fromkeys(c.provider for c in configs):
         for kind, size in cases:
             rnd = kind == PAGED_RANDOM
             if kind == PAGED_ADJACENT or (only_t2 and (kind, size) != (PAGED_RANDOM, T2_PAGE_SIZE)):
@@ -577,11 +639,26 @@ def bare_settings(cases: list[tuple[str, int]], providers: list[str], repeats: i
             for window in windows if rnd else windows[:1]:
                 if window != 1 and size not in BARE_W16_PAGE_SIZES and size != T2_PAGE_SIZE:
                     continue
-                n = repeats if rnd and size == T2_PAGE_SIZE else 1
-                run = (bare_provider(provider), size, window, rnd, n)
-                if run not in out:
-                    out.append(run)
+                add(BareRun(bare_provider(provider), size, window, rnd,
+                            repeats if rnd and size == T2_PAGE_SIZE else 1))
+    for cfg in configs:
+        if cfg.provider == SAME_HOST:
+            continue
+        for kind, size in cases:
+            if kind == PAGED_ADJACENT or (only_t2 and (kind, size) not in QUICK_DEEP_CASES):
+                continue
+            add(BareRun(cfg.provider, size, cfg.max_inflight_per_rail, kind == PAGED_RANDOM, 1,
+                        cfg.rails, engine_delivery_complete(cfg.delivery_complete), deep=True))
     return out
+
+
+def deep_bare(config: dict[str, Any], bare: dict[str, Any], kind: str, size: int) -> dict[str, Any] | None:
+    """The deep-window bare result a case row of `config` compares with, if measured."""
+    if kind == PAGED_ADJACENT or config["provider"] == SAME_HOST:
+        return None
+    b = bare.get(bare_key(config["provider"], size, config["max_inflight_per_rail"], kind == PAGED_RANDOM,
+                          config["rails"], engine_delivery_complete(config["delivery_complete"])))
+    return b if b and "gbps" in b else None
 
 
 def interpolate_single(cases: dict[tuple[str, int], dict[str, Any]], nbytes: int) -> tuple[float, str] | None:
@@ -621,6 +698,12 @@ def annotate(config: dict[str, Any], limits: dict[str, Any], bare: dict[str, Any
             if b and "gbps" in b:
                 c[f"bare_w{window}_gbps"] = b["gbps"]["median"]
                 c[f"x_bare_w{window}"] = g / b["gbps"]["median"]
+        deep = deep_bare(config, bare, c["kind"], c["size"])
+        if deep:
+            c["bare_deep_gbps"] = deep["gbps"]["median"]
+            c["x_bare_deep"] = g / deep["gbps"]["median"]
+            c["bare_deep_cpu_s_per_gb"] = deep.get("cpu_s_per_gb", {}).get("median")
+            c["deep_met"] = c["x_bare_deep"] >= DEEP_BARE_RATIO
         if c["kind"] == PAGED_ADJACENT:
             ref = interpolate_single(by_key, c["bytes_per_unit"])
             if ref:
@@ -655,6 +738,13 @@ def verdicts(config: dict[str, Any]) -> list[dict[str, Any]]:
             [(size_text(c["size"]), c["x_single"]) for c in rows
              if c["kind"] == PAGED_ADJACENT and c["size"] == T2_PAGE_SIZE and "x_single" in c],
             T3_SINGLE_RATIO)
+    if config["provider"] != SAME_HOST:
+        verdict("F1", f"single writes at >= {DEEP_BARE_RATIO:g}x the deep-window bare loop",
+                [(size_text(c["size"]), c["x_bare_deep"]) for c in rows
+                 if c["kind"] == SINGLE and "x_bare_deep" in c], DEEP_BARE_RATIO)
+        verdict("F2", f"random pages at >= {DEEP_BARE_RATIO:g}x the deep-window bare loop",
+                [(size_text(c["size"]), c["x_bare_deep"]) for c in rows
+                 if c["kind"] == PAGED_RANDOM and "x_bare_deep" in c], DEEP_BARE_RATIO)
     if config["provider"] in SAME_HOST_CLASS:
         verdict("T4", f"same host single writes >= 1 MiB at >= {T4_MEMCPY_RATIO:.0%} of memcpy",
                 [(size_text(c["size"]), c["x_memcpy"]) for c in rows
@@ -672,8 +762,11 @@ def print_table(config: dict[str, Any], limits: dict[str, Any]) -> None:
     where = config.get("limits_source", "measured around this table")
     print(f"   limits {where}: TCP stream {tcp:.2f} GB/s, memcpy {memcpy:.2f} GB/s; "
           f"{config['pages_per_write']} pages per paged write")
+    deep_window = config["max_inflight_per_rail"] * config["rails"]
+    print(f"   deep = bare fi_writedata loop with {config['max_inflight_per_rail']} writes in flight per rail x "
+          f"{config['rails']} rail(s) = {deep_window}; 'deep' column: ok if x deep >= {DEEP_BARE_RATIO:g}")
     head = (f"{'case':<22}{'GB/s':>7} {'min..max':>12}{'Mops/s':>9}{'CPU s/GB':>9}{'xTCP':>6}{'xmemcpy':>8}"
-            f"{'bare1':>7}{'x bare1':>8}{'bare16':>7}{'x bare16':>9}  {'x single':<8}")
+            f"{'bare1':>7}{'x bare1':>8}{'deep':>7}{'x deep':>7}{'CPU/GB':>7}{'deep':>5}  {'x single':<8}")
     print(head)
     print("-" * len(head))
     names = {SINGLE: "single", PAGED_RANDOM: "paged random", PAGED_ADJACENT: "paged adjacent"}
@@ -687,8 +780,9 @@ def print_table(config: dict[str, Any], limits: dict[str, Any]) -> None:
         bad = "" if c["checksum_ok"] else "  CHECKSUM MISMATCH"
         print(f"{name:<22}{g['median']:>7.3f} {g['min']:>5.2f}..{g['max']:<5.2f}{c['mops']['median']:>9.4g}"
               f"{c['cpu_s_per_gb']['median']:>9.2f}{c['x_tcp_stream']:>6.2f}{c['x_memcpy']:>8.2f}{fmt(c.get('bare_w1_gbps'), '.3f'):>7}"
-              f"{fmt(c.get('x_bare_w1')):>8}{fmt(c.get('bare_w16_gbps'), '.3f'):>7}"
-              f"{fmt(c.get('x_bare_w16')):>9}  {xs}{bad}")
+              f"{fmt(c.get('x_bare_w1')):>8}{fmt(c.get('bare_deep_gbps'), '.3f'):>7}"
+              f"{fmt(c.get('x_bare_deep')):>7}{fmt(c.get('bare_deep_cpu_s_per_gb')):>7}"
+              f"{ {True: 'ok', False: 'LOW', None: '-'}[c.get('deep_met')]:>5}  {xs}{bad}")
     for v in config["verdicts"]:
         if v["met"] is None:
             continue
@@ -700,7 +794,7 @@ def print_table(config: dict[str, Any], limits: dict[str, Any]) -> None:
 def overall(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per target: met by which configurations (a target counts as met if any rail count meets it)."""
     out = []
-    for target in ("T1", "T2", "T3", "T4"):
+    for target in ("T1", "T2", "T3", "T4", "F1", "F2"):
         rows = [(c["label_short"], v) for c in configs for v in c["verdicts"] if v["target"] == target]
         if not rows:
             continue
@@ -738,6 +832,12 @@ def plot(result: dict[str, Any], path: Path) -> None:
                            [c["gbps"]["max"] - c["gbps"]["median"] for c in pts]]
                     ax.errorbar(x, y, yerr=err, marker="o", capsize=3,
                                 label=f"kvxfer {kind} ({cfg['label_short'].split(' ', 1)[1]})")
+            for cfg in (c for c in result["configs"] if c["provider"] == provider):
+                deep = sorted((c["size"], c["bare_deep_gbps"]) for c in cfg["cases"]
+                              if c["kind"] == kinds[0] and "bare_deep_gbps" in c)
+                if deep:
+                    ax.plot(*zip(*deep), "--", marker="+",
+                            label=f"bare deep window ({cfg['label_short'].split(' ', 1)[1]})")
             for window, style in ((1, ":"), (16, "-.")):
                 # The bare loop that each panel's rows compare with (adjacent rows: none).
                 for kind in (kinds[0],):
@@ -799,8 +899,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # Bare loop counts: about 0.1-0.3 s per run here at window 1.
     a.bare_bytes = (16 if a.quick else 64) * MIB
     a.bare_max_ops = 600 if a.quick else 2000
-    # Window 1 is the bare loop of the targets; window 16 is shown for transparency (full runs).
-    a.bare_windows = (1,) if a.quick else (1, 16)
+    # Window 1 is T2's bare loop; the deep window (F1, F2) replaced window 16 as the ceiling.
+    a.bare_windows = (1,)
+    # Deep-window runs: more bytes, so the pipeline's fill and drain stay a small part.
+    a.bare_deep_bytes = (64 if a.quick else 256) * MIB
+    # Small writes over tcp ran at about 4,000/s under load here: 40,000 is 10 s.
+    a.bare_deep_max_ops = 20_000 if a.quick else 40_000
     a.limits_bytes = (64 if a.quick else 256) * MIB
     a.limits_repeats = 3 if a.quick else 5
     a.region_bytes = parse_size(a.region_bytes or ("64M" if a.quick else "256M"))
@@ -860,7 +964,7 @@ def main(argv: list[str] | None = None) -> int:
     baselines = json.loads(Path(args.baselines_from).read_text()) if args.baselines_from else None
     binary = None if baselines else find_bare_writedata()
     meta["bare_binary"] = str(binary) if binary else f"from {args.baselines_from}"
-    bare_todo = [] if baselines else bare_settings(cases, providers, args.repeats, args.bare_windows, args.quick)
+    bare_todo = [] if baselines else bare_settings(cases, configs, args.repeats, args.bare_windows, args.quick)
 
     n_limits = 0 if baselines else (2 if args.interleave else len(configs) + 2)
     progress = tqdm(total=n_limits + len(bare_todo) + len(configs) * len(cases) * (1 + args.repeats),
@@ -877,11 +981,11 @@ def main(argv: list[str] | None = None) -> int:
     # each table's ratios use the two measurements around it (the load changes).
     limit_runs = [] if baselines else [limits_now("start")]
     bare: dict[str, Any] = dict(baselines["bare"]) if baselines else {}
-    for provider, size, window, rnd, repeats in bare_todo:
-        progress.set_description(f"bare {provider} {size_text(size)} w{window}{' rnd' if rnd else ''}")
+    for run in bare_todo:
+        progress.set_description(f"bare {run.provider} {size_text(run.size)} w{run.window} r{run.rails}"
+                                 f"{' rnd' if run.random else ''}")
         t = time.monotonic()
-        b = bare[bare_key(provider, size, window, rnd)] = measure_bare(binary, provider, size, window,
-                                                                       rnd, repeats, args)
+        b = bare[run.key()] = measure_bare(binary, run, args)
         b["elapsed_s"] = time.monotonic() - t
         progress.update(1)
 

@@ -1,19 +1,26 @@
 // The "what libfabric alone does" baseline for the benchmarks: a minimal fi_writemsg
 // loop between two processes (forked here), with remote CQ data counted at the target.
-// No kvxfer code: one endpoint, one write at a time unless --window says otherwise.
+// No kvxfer code: one endpoint per rail, one write at a time unless --window says otherwise.
 //
-//   kvxfer-bare-writedata --provider net --size 16384 --count 20000 [--window 1]
+//   kvxfer-bare-writedata --provider net --size 16384 --count 20000 [--window 1] [--rails 1]
 //                         [--region 268435456] [--random] [--host 127.0.0.1]
 //                         [--delivery-complete]
+// --window: writes in flight per rail. --rails N: N endpoints (each its own fabric, domain,
+// CQ) in each process, as the engine's rails are; writes go round-robin over them, so the
+// deep-window baseline of an engine is --window max_inflight_per_rail --rails rails.
 // --delivery-complete: a write completes once the target holds it (as kvxfer's writes do by
 // default), so window 1 measures a full round trip: the latency floor under the engine.
-// Prints one JSON line: provider, size, count, window, seconds, gbytes_per_s, ops_per_s.
+// Prints one JSON line: provider, size, count, window, rails, seconds, gbytes_per_s,
+// ops_per_s, and the CPU seconds (getrusage, all threads) each process spent in the timed
+// loop: initiator_cpu_s from its first post to its last completion, target_cpu_s from its
+// first arrival to its last (the target busy-polls, as a bare loop does).
 #include <rdma/fabric.h>
 #include <rdma/fi_cm.h>
 #include <rdma/fi_domain.h>
 #include <rdma/fi_endpoint.h>
 #include <rdma/fi_errno.h>
 #include <rdma/fi_rma.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -21,6 +28,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -33,6 +41,7 @@ struct Options {
   size_t size = 16384;
   size_t count = 10000;
   size_t window = 1;
+  size_t rails = 1;
   size_t region = 256u << 20;
   bool random = false;
   bool delivery_complete = false;
@@ -106,12 +115,27 @@ struct Endpoint {
   }
 };
 
-struct TargetInfo {
+constexpr size_t kMaxRails = 16;
+
+struct TargetRail {
   char name[256];
   size_t name_len;
   uint64_t key;
   uint64_t base;
 };
+struct TargetInfo {
+  TargetRail rails[kMaxRails];
+};
+struct InitiatorResult {
+  double seconds;
+  double cpu_s;
+};
+
+double cpu_seconds() {
+  struct rusage ru = {};
+  getrusage(RUSAGE_SELF, &ru);
+  return ru.ru_utime.tv_sec + ru.ru_stime.tv_sec + (ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) / 1e6;
+}
 
 }  // namespace
 
@@ -128,88 +152,129 @@ int main(int argc, char** argv) {
     else if (a == "--size") o.size = std::stoull(next());
     else if (a == "--count") o.count = std::stoull(next());
     else if (a == "--window") o.window = std::stoull(next());
+    else if (a == "--rails") o.rails = std::stoull(next());
     else if (a == "--region") o.region = std::stoull(next());
     else if (a == "--random") o.random = true;
     else if (a == "--delivery-complete") o.delivery_complete = true;
     else {
-      std::fprintf(stderr, "usage: %s --provider P --size BYTES --count N [--window W] [--region BYTES] [--random]"
+      std::fprintf(stderr, "usage: %s --provider P --size BYTES --count N [--window W] [--rails R] [--region BYTES] [--random]"
                            " [--delivery-complete]\n", argv[0]);
       return 2;
     }
   }
   if (o.size > o.region) o.region = o.size;
+  if (o.rails == 0 || o.rails > kMaxRails || o.window == 0) {
+    std::fprintf(stderr, "--rails must be 1..%zu and --window >= 1\n", kMaxRails);
+    return 2;
+  }
   int to_child[2], to_parent[2];
   if (pipe(to_child) || pipe(to_parent)) return 2;
   pid_t pid = fork();
   if (pid == 0) {  // initiator
     TargetInfo t;
     if (read(to_child[0], &t, sizeof t) != sizeof t) return 2;
-    Endpoint ep(o);
-    fi_addr_t dest;
-    if (fi_av_insert(ep.av, t.name, 1, &dest, 0, nullptr) != 1) die("fi_av_insert", -FI_EINVAL);
+    std::vector<std::unique_ptr<Endpoint>> eps;
+    std::vector<fi_addr_t> dest(o.rails);
+    std::vector<void*> desc(o.rails);
     std::vector<char> src(o.region, 7);
-    fid_mr* mr = ep.reg(src.data(), src.size(), 2);
-    void* desc = fi_mr_desc(mr);
+    for (size_t r = 0; r < o.rails; ++r) {
+      eps.push_back(std::make_unique<Endpoint>(o));
+      if (fi_av_insert(eps[r]->av, t.rails[r].name, 1, &dest[r], 0, nullptr) != 1) die("fi_av_insert", -FI_EINVAL);
+      desc[r] = fi_mr_desc(eps[r]->reg(src.data(), src.size(), 2));
+    }
     size_t slots = o.region / o.size;
     std::mt19937_64 rng(1);
+    std::vector<size_t> inflight(o.rails, 0);
+    double cpu0 = cpu_seconds();
     auto start = std::chrono::steady_clock::now();
-    size_t posted = 0, done = 0;
+    size_t posted = 0, done = 0, rail = 0;
     while (done < o.count) {
-      while (posted < o.count && posted - done < o.window) {
+      // Round-robin over the rails; a rail whose window is full (or whose provider queue
+      // is) is skipped until its completions are read.
+      for (size_t tries = 0; posted < o.count && tries < o.rails;) {
+        size_t r = rail;
+        if (inflight[r] >= o.window) {
+          rail = (rail + 1) % o.rails;
+          ++tries;
+          continue;
+        }
         size_t slot = o.random ? rng() % slots : posted % slots;
         struct iovec iov = {src.data() + slot * o.size, o.size};
-        struct fi_rma_iov rma = {t.base + slot * o.size, o.size, t.key};
+        struct fi_rma_iov rma = {t.rails[r].base + slot * o.size, o.size, t.rails[r].key};
         struct fi_msg_rma msg = {};
         msg.msg_iov = &iov;
-        msg.desc = &desc;
+        msg.desc = &desc[r];
         msg.iov_count = 1;
-        msg.addr = dest;
+        msg.addr = dest[r];
         msg.rma_iov = &rma;
         msg.rma_iov_count = 1;
         msg.data = posted;
         uint64_t flags = FI_COMPLETION | FI_REMOTE_CQ_DATA;
         if (o.delivery_complete) flags |= FI_DELIVERY_COMPLETE;
-        ssize_t rc = fi_writemsg(ep.ep, &msg, flags);
-        if (rc == -FI_EAGAIN) break;
+        ssize_t rc = fi_writemsg(eps[r]->ep, &msg, flags);
+        if (rc == -FI_EAGAIN) {
+          rail = (rail + 1) % o.rails;
+          ++tries;
+          continue;
+        }
         if (rc) die("fi_writemsg", static_cast<int>(rc));
         ++posted;
+        ++inflight[r];
+        tries = 0;
+        rail = (rail + 1) % o.rails;
       }
-      done += ep.poll();
+      for (size_t r = 0; r < o.rails; ++r) {
+        size_t n = eps[r]->poll();
+        inflight[r] -= n;
+        done += n;
+      }
     }
-    double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    InitiatorResult res;
+    res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    res.cpu_s = cpu_seconds() - cpu0;
     char ok = 1;
-    if (write(to_parent[1], &secs, sizeof secs) != sizeof secs) return 2;
+    if (write(to_parent[1], &res, sizeof res) != sizeof res) return 2;
     if (read(to_child[0], &ok, 1) != 1) return 2;  // target saw every immediate
     return 0;
   }
   // target
-  Endpoint ep(o);
+  std::vector<std::unique_ptr<Endpoint>> eps;
   std::vector<char> dst(o.region, 0);
-  fid_mr* mr = ep.reg(dst.data(), dst.size(), 1);
   TargetInfo t = {};
-  t.name_len = sizeof t.name;
-  fi_getname(&ep.ep->fid, t.name, &t.name_len);
-  t.key = fi_mr_key(mr);
-  t.base = ep.virt_addr ? reinterpret_cast<uint64_t>(dst.data()) : 0;
+  for (size_t r = 0; r < o.rails; ++r) {
+    eps.push_back(std::make_unique<Endpoint>(o));
+    fid_mr* mr = eps[r]->reg(dst.data(), dst.size(), 1);
+    t.rails[r].name_len = sizeof t.rails[r].name;
+    fi_getname(&eps[r]->ep->fid, t.rails[r].name, &t.rails[r].name_len);
+    t.rails[r].key = fi_mr_key(mr);
+    t.rails[r].base = eps[r]->virt_addr ? reinterpret_cast<uint64_t>(dst.data()) : 0;
+  }
   if (write(to_child[1], &t, sizeof t) != sizeof t) return 2;
   size_t arrived = 0;
+  double cpu_first = 0;
   auto limit = std::chrono::steady_clock::now() + std::chrono::seconds(120);
   while (arrived < o.count) {
-    arrived += ep.poll();
+    for (size_t r = 0; r < o.rails; ++r) {
+      size_t n = eps[r]->poll();
+      if (n && arrived == 0) cpu_first = cpu_seconds();
+      arrived += n;
+    }
     if (std::chrono::steady_clock::now() > limit) { std::fprintf(stderr, "target timed out\n"); kill(pid, 9); return 3; }
   }
-  double secs = 0;
-  if (read(to_parent[0], &secs, sizeof secs) != sizeof secs) return 2;
+  double target_cpu = cpu_seconds() - cpu_first;
+  InitiatorResult res = {};
+  if (read(to_parent[0], &res, sizeof res) != sizeof res) return 2;
   char ok = 1;
   if (write(to_child[1], &ok, 1) != 1) return 2;
   int status = 0;
   waitpid(pid, &status, 0);
   double bytes = static_cast<double>(o.size) * o.count;
-  std::printf("{\"provider\": \"%s\", \"size\": %zu, \"count\": %zu, \"window\": %zu, \"random\": %s, "
-              "\"delivery_complete\": %s, "
-              "\"seconds\": %.6f, \"gbytes_per_s\": %.4f, \"ops_per_s\": %.1f}\n",
-              o.provider.c_str(), o.size, o.count, o.window, o.random ? "true" : "false",
-              o.delivery_complete ? "true" : "false", secs,
-              bytes / secs / 1e9, o.count / secs);
+  std::printf("{\"provider\": \"%s\", \"size\": %zu, \"count\": %zu, \"window\": %zu, \"rails\": %zu, "
+              "\"random\": %s, \"delivery_complete\": %s, "
+              "\"seconds\": %.6f, \"gbytes_per_s\": %.4f, \"ops_per_s\": %.1f, "
+              "\"initiator_cpu_s\": %.6f, \"target_cpu_s\": %.6f}\n",
+              o.provider.c_str(), o.size, o.count, o.window, o.rails, o.random ? "true" : "false",
+              o.delivery_complete ? "true" : "false", res.seconds,
+              bytes / res.seconds / 1e9, o.count / res.seconds, res.cpu_s, target_cpu);
   return 0;
 }

@@ -217,7 +217,7 @@ PYBIND11_MODULE(_native, m) {
             TransferStatePtr t;
             {
               py::gil_scoped_release release;
-              t = e->write(mr, so, remote, dof, len, i);
+              t = e->submit(mr, remote, {SingleWrite{so, dof, len}, i});
             }
             return PyTransfer{t, &e->worker(), e};
           })
@@ -234,14 +234,13 @@ PYBIND11_MODULE(_native, m) {
             uint64_t ps = non_negative(page_size, "page_size"), ss = non_negative(src_stride, "src_stride"),
                      ds = non_negative(dst_stride, "dst_stride"), so = non_negative(src_offset, "src_offset"),
                      dof = non_negative(dst_offset, "dst_offset");
-            const int64_t* sp = src_pages.data();
-            const int64_t* dp = dst_pages.data();
             size_t n = static_cast<size_t>(src_pages.size());
+            PagedWrite w{{src_pages.data(), n}, {dst_pages.data(), n}, ps, ss, ds, so, dof};
             TransferStatePtr t;
             {
               // The arrays stay referenced by this frame, so planning reads them in place.
               py::gil_scoped_release release;
-              t = e->write_paged(mr, sp, dp, n, ps, ss, ds, so, dof, remote, i);
+              t = e->submit(mr, remote, {w, i});
             }
             return PyTransfer{t, &e->worker(), e};
           })

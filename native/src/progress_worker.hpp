@@ -1,7 +1,10 @@
 // The progress worker: one thread that owns a rail group's domains and completion queues.
 // Submitting threads plan a WorkBatch and push it through a lock-free queue; the worker
-// resolves peers, posts ops within per-rail inflight limits, reads completions, counts
-// immediates, enforces deadlines and reports events. Nothing else touches libfabric.
+// resolves peers, posts ops within per-rail inflight limits, reads completions, copies
+// same-host writes and enforces deadlines. Nothing else touches libfabric. What it hands
+// on lives in its own pieces, each owning its state: immediates and their waiters
+// (immediate_tracker.hpp), events for asyncio (worker_events.hpp), received control
+// messages (control_inbox.hpp).
 #pragma once
 
 #include <atomic>
@@ -18,8 +21,11 @@
 
 #include "bounded_queue.hpp"
 #include "engine_types.hpp"
+#include "control_inbox.hpp"
 #include "imm_counter.hpp"
+#include "immediate_tracker.hpp"
 #include "rail_group.hpp"
+#include "worker_events.hpp"
 
 namespace kvxfer {
 
@@ -51,26 +57,9 @@ struct WorkerSettings {
   bool caller_drives_progress = false;
 };
 
-enum class EventKind : uint32_t { kTransferDone = 1, kImmReached = 2 };
-
-struct EngineEvent {
-  EventKind kind;
-  uint64_t token;   // transfer id, or the token given to expect_imm
-  // TransferStatus for transfers; for kImmReached 0, or kFailed when the immediate's
-  // arrivals were dropped (ImmCounterTable::lost) and the count can never be reached.
-  uint32_t status;
-};
-
 struct RailStats {
   std::atomic<uint64_t> bytes_posted{0}, bytes_completed{0}, ops_posted{0}, ops_completed{0},
       completion_errors{0}, imm_received{0};
-};
-
-// Engine-wide counters, not tied to a rail. Written by the worker, read by anyone.
-struct EngineStats {
-  std::atomic<uint64_t> inbox_dropped_messages{0}, inbox_dropped_bytes{0};
-  // What the inbox holds now (recv takes away, the worker adds).
-  std::atomic<uint64_t> inbox_messages{0}, inbox_bytes{0};
 };
 
 class ProgressWorker {
@@ -83,10 +72,10 @@ class ProgressWorker {
   // Runs fn on the worker thread (registration, peers) and waits for it, rethrowing.
   void run_on_worker(std::function<void()> fn, int64_t timeout_ns);
 
-  const ImmCounterTable& imm_counters() const { return imm_; }
+  const ImmCounterTable& imm_counters() const { return imms_.table(); }
   const EngineStats& engine_stats() const { return engine_stats_; }
-  void consume_imm(uint32_t imm, uint64_t units) { imm_.consume(imm, units); }
-  void reset_imm(uint32_t imm) { imm_.reset(imm); }
+  void consume_imm(uint32_t imm, uint64_t units) { imms_.table().consume(imm, units); }
+  void reset_imm(uint32_t imm) { imms_.table().reset(imm); }
   // Waits for a transfer: on its status word, or by making progress where the caller drives.
   bool wait_transfer(TransferState& t, int64_t deadline_ns);
   // True once count units of imm arrived, false at the deadline; throws
@@ -98,7 +87,7 @@ class ProgressWorker {
 
   std::optional<std::string> recv(int64_t deadline_ns);
 
-  int event_fd() const { return event_fd_; }
+  int event_fd() const { return events_.fd(); }
   std::vector<EngineEvent> take_events();
 
   const std::vector<std::unique_ptr<RailStats>>& stats() const { return stats_; }
@@ -125,10 +114,6 @@ class ProgressWorker {
     std::string error;
     bool failed = false;
   };
-  struct Expectation {
-    uint64_t count;
-    uint64_t token;
-  };
 
   void loop();
   // One pass over submissions, completions, posts, copies, events and deadlines; true if
@@ -143,10 +128,6 @@ class ProgressWorker {
   bool drain_submissions();
   bool post_pending(size_t rail);
   bool poll_rail(size_t rail);
-  void on_arrival(uint64_t cq_data);
-  void on_message(RecvSlot* slot, size_t len);
-  // Ends every expectation of imm with kFailed: its arrivals are being dropped.
-  void fail_expectations(uint32_t imm);
   void repost(RecvSlot* slot);
   void complete_op(RailOp* op, const std::string* error, bool posted = true);
   // Finishes `parts` parts of a batch (failing it with `error` if given); the last one
@@ -159,20 +140,19 @@ class ProgressWorker {
   void finish_transfer(TransferState& t, TransferStatus status, const std::string& error);
   void check_deadlines(int64_t now);
   void sleep_until_work(int64_t wake_by_ns);
-  void push_event(const EngineEvent& e);
-  void flush_events();
+  size_t ops_in_flight() const;  // posted, not yet completed, over all rails
   void post_recv_slots();
   void fail_everything(const std::string& why);
 
   RailGroup& rails_;
   WorkerSettings settings_;
-  ImmCounterTable imm_;
+  EngineStats engine_stats_;
+  EventQueue events_;
+  ControlInbox inbox_;
+  ImmediateTracker imms_;
 
   BoundedQueue<WorkBatch*> submissions_{4096};
   BoundedQueue<std::shared_ptr<ControlTask>> controls_{256};
-  BoundedQueue<EngineEvent> events_{1 << 16};
-  BoundedQueue<std::string*> inbox_;  // sized from inbox_max_messages
-  std::deque<EngineEvent> event_overflow_;  // worker only
 
   // Worker-only state.
   std::vector<std::deque<RailOp*>> pending_;
@@ -184,7 +164,6 @@ class ProgressWorker {
   std::unordered_map<WorkBatch*, std::pair<BatchList*, BatchList::iterator>> where_;
   std::vector<RecvSlot*> recv_retry_;
   std::unordered_map<uint64_t, std::vector<fi_addr_t>> peers_;
-  std::unordered_map<uint32_t, std::vector<Expectation>> expectations_;
   // One contiguous array, sized once: a completion's op_context is trusted as a receive
   // slot only if it points into it (providers may hand back stale contexts on remote
   // writes; libfabric 1.17's net provider did, and dereferencing one crashed the worker).
@@ -197,17 +176,10 @@ class ProgressWorker {
   std::vector<RailRegistration> recv_registrations_;
   std::vector<std::unique_ptr<RailStats>> stats_;
   RailStats same_host_stats_;
-  EngineStats engine_stats_;
-  bool imm_arrived_ = false;
-  bool events_pending_ = false;
 
-  std::atomic<uint32_t> imm_epoch_{0};
-  std::atomic<uint32_t> imm_waiters_{0};
-  std::atomic<uint32_t> inbox_seq_{0};
   std::atomic<uint32_t> sleeping_{0};
   std::atomic<bool> stopping_{false};
   int wake_fd_ = -1;   // eventfd: submitters wake the sleeping worker
-  int event_fd_ = -1;  // eventfd: the worker tells asyncio loops that events wait
   int epoll_fd_ = -1;
   bool all_rails_have_wait_fd_ = true;
   int64_t last_activity_ns_ = 0;  // worker only: last round that did something

@@ -42,9 +42,21 @@ std::vector<std::string> RailGroup::rail_addresses() const {
   return out;
 }
 
-void RailGroup::plan_write(WorkBatch& batch, const MemoryRegion& local, uint64_t src_offset,
-                           const MemoryDescriptor& remote, uint64_t dst_offset, uint64_t length,
-                           std::optional<uint32_t> imm) const {
+void RailGroup::plan(WorkBatch& batch, const MemoryRegion& local, const MemoryDescriptor& remote,
+                     const TransferRequest& request) const {
+  if (const auto* w = std::get_if<SingleWrite>(&request.shape))
+    plan_write(batch, local, remote, *w, request.imm);
+  else if (const auto* p = std::get_if<PagedWrite>(&request.shape))
+    plan_paged_write(batch, local, remote, *p, request.imm);
+  else if (!request.imm)
+    throw BoundsError("an immediate-only write needs an immediate");
+  else
+    plan_imm_only(batch, *request.imm, std::get<ImmOnly>(request.shape).units);
+}
+
+void RailGroup::plan_write(WorkBatch& batch, const MemoryRegion& local, const MemoryDescriptor& remote,
+                           const SingleWrite& write, std::optional<uint32_t> imm) const {
+  const uint64_t src_offset = write.src_offset, dst_offset = write.dst_offset, length = write.length;
   check_write_bounds(src_offset, local.length, dst_offset, remote.length, length);
 
   const bool weighted = weighted_imm();
@@ -91,14 +103,14 @@ void RailGroup::plan_write(WorkBatch& batch, const MemoryRegion& local, uint64_t
   finish_batch(batch);
 }
 
-void RailGroup::plan_paged_write(WorkBatch& batch, const MemoryRegion& local,
-                                 const int64_t* src_pages, const int64_t* dst_pages, size_t count,
-                                 uint64_t page_size, uint64_t src_stride, uint64_t dst_stride,
-                                 uint64_t src_offset, uint64_t dst_offset,
-                                 const MemoryDescriptor& remote,
-                                 std::optional<uint32_t> imm) const {
-  check_paged_bounds(src_pages, dst_pages, count, page_size, src_stride, dst_stride, src_offset,
-                     dst_offset, local.length, remote.length);
+void RailGroup::plan_paged_write(WorkBatch& batch, const MemoryRegion& local, const MemoryDescriptor& remote,
+                                 const PagedWrite& write, std::optional<uint32_t> imm) const {
+  check_paged_bounds(write, local.length, remote.length);
+  const int64_t* src_pages = write.src_pages.data;
+  const int64_t* dst_pages = write.dst_pages.data;
+  const size_t count = write.count();
+  const uint64_t page_size = write.page_size, src_stride = write.src_stride, dst_stride = write.dst_stride;
+  const uint64_t src_offset = write.src_offset, dst_offset = write.dst_offset;
 
   const bool weighted = weighted_imm();
   const size_t max_iov = weighted ? std::min(kMaxIov, caps().iov_limit) : 1;

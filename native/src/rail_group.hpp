@@ -15,6 +15,7 @@
 #include "engine_types.hpp"
 #include "fabric_rail.hpp"
 #include "same_host_path.hpp"
+#include "transfer_request.hpp"
 
 namespace kvxfer {
 
@@ -128,15 +129,15 @@ class RailGroup {
   bool weighted_imm() const { return caps().cq_data_size >= 8; }
   std::vector<std::string> rail_addresses() const;
 
-  void plan_write(WorkBatch& batch, const MemoryRegion& local, uint64_t src_offset,
-                  const MemoryDescriptor& remote, uint64_t dst_offset, uint64_t length,
-                  std::optional<uint32_t> imm) const;
+  // Plans any request into the batch's fabric ops: validated whole first (write_bounds.hpp).
+  void plan(WorkBatch& batch, const MemoryRegion& local, const MemoryDescriptor& remote,
+            const TransferRequest& request) const;
 
-  void plan_paged_write(WorkBatch& batch, const MemoryRegion& local, const int64_t* src_pages,
-                        const int64_t* dst_pages, size_t count, uint64_t page_size,
-                        uint64_t src_stride, uint64_t dst_stride, uint64_t src_offset,
-                        uint64_t dst_offset, const MemoryDescriptor& remote,
-                        std::optional<uint32_t> imm) const;
+  void plan_write(WorkBatch& batch, const MemoryRegion& local, const MemoryDescriptor& remote,
+                  const SingleWrite& write, std::optional<uint32_t> imm) const;
+
+  void plan_paged_write(WorkBatch& batch, const MemoryRegion& local, const MemoryDescriptor& remote,
+                        const PagedWrite& write, std::optional<uint32_t> imm) const;
 
   // Immediate-only messages that together add `units` to the receiver's count of imm.
   void plan_imm_only(WorkBatch& batch, uint32_t imm, uint64_t units = 1) const;

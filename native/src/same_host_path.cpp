@@ -288,25 +288,27 @@ void add_piece(SameHostCopy& copy, uint64_t src, uint64_t dst, uint64_t len) {
 
 }  // namespace
 
-std::unique_ptr<SameHostCopy> plan_same_host_write(SameHostPeerPtr peer, SharedMappingPtr mapping,
-                                                   const MemoryRegion& local,
-                                                   uint64_t src_offset, const MemoryDescriptor& remote,
-                                                   uint64_t dst_offset, uint64_t length) {
+namespace {
+
+std::unique_ptr<SameHostCopy> plan_single(SameHostPeerPtr peer, SharedMappingPtr mapping,
+                                          const MemoryRegion& local, const MemoryDescriptor& remote,
+                                          const SingleWrite& write) {
+  const uint64_t src_offset = write.src_offset, dst_offset = write.dst_offset, length = write.length;
   check_write_bounds(src_offset, local.length, dst_offset, remote.length, length);
   auto copy = new_copy(std::move(peer), std::move(mapping), remote);
   add_piece(*copy, local.addr + src_offset, remote.addr + dst_offset, length);
   return copy;
 }
 
-std::unique_ptr<SameHostCopy> plan_same_host_paged(SameHostPeerPtr peer, SharedMappingPtr mapping,
-                                                   const MemoryRegion& local,
-                                                   const int64_t* src_pages, const int64_t* dst_pages,
-                                                   size_t count, uint64_t page_size,
-                                                   uint64_t src_stride, uint64_t dst_stride,
-                                                   uint64_t src_offset, uint64_t dst_offset,
-                                                   const MemoryDescriptor& remote) {
-  check_paged_bounds(src_pages, dst_pages, count, page_size, src_stride, dst_stride, src_offset,
-                     dst_offset, local.length, remote.length);
+std::unique_ptr<SameHostCopy> plan_paged(SameHostPeerPtr peer, SharedMappingPtr mapping,
+                                         const MemoryRegion& local, const MemoryDescriptor& remote,
+                                         const PagedWrite& write) {
+  check_paged_bounds(write, local.length, remote.length);
+  const int64_t* src_pages = write.src_pages.data;
+  const int64_t* dst_pages = write.dst_pages.data;
+  const size_t count = write.count();
+  const uint64_t page_size = write.page_size, src_stride = write.src_stride, dst_stride = write.dst_stride;
+  const uint64_t src_offset = write.src_offset, dst_offset = write.dst_offset;
   auto copy = new_copy(std::move(peer), std::move(mapping), remote);
   copy->local.reserve(count);
   copy->remote.reserve(count);
@@ -326,6 +328,18 @@ std::unique_ptr<SameHostCopy> plan_same_host_paged(SameHostPeerPtr peer, SharedM
   }
   add_piece(*copy, run_src, run_dst, run_len);
   return copy;
+}
+
+}  // namespace
+
+std::unique_ptr<SameHostCopy> plan_same_host(SameHostPeerPtr peer, SharedMappingPtr mapping,
+                                             const MemoryRegion& local, const MemoryDescriptor& remote,
+                                             const TransferRequest& request) {
+  if (const auto* w = std::get_if<SingleWrite>(&request.shape))
+    return plan_single(std::move(peer), std::move(mapping), local, remote, *w);
+  if (const auto* p = std::get_if<PagedWrite>(&request.shape))
+    return plan_paged(std::move(peer), std::move(mapping), local, remote, *p);
+  return nullptr;
 }
 
 }  // namespace kvxfer

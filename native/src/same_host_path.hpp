@@ -35,6 +35,7 @@
 
 #include "descriptors.hpp"
 #include "engine_types.hpp"
+#include "transfer_request.hpp"
 
 namespace kvxfer {
 
@@ -180,19 +181,11 @@ struct SameHostCopy {
   std::string run_slice(uint64_t* copied);
 };
 
-// Plans a single write: validated like the fabric path (write_bounds.hpp).
-std::unique_ptr<SameHostCopy> plan_same_host_write(SameHostPeerPtr peer, SharedMappingPtr mapping,
-                                                   const MemoryRegion& local,
-                                                   uint64_t src_offset, const MemoryDescriptor& remote,
-                                                   uint64_t dst_offset, uint64_t length);
-
-// Plans a paged write; runs of pages adjacent on both sides become one piece.
-std::unique_ptr<SameHostCopy> plan_same_host_paged(SameHostPeerPtr peer, SharedMappingPtr mapping,
-                                                   const MemoryRegion& local,
-                                                   const int64_t* src_pages, const int64_t* dst_pages,
-                                                   size_t count, uint64_t page_size,
-                                                   uint64_t src_stride, uint64_t dst_stride,
-                                                   uint64_t src_offset, uint64_t dst_offset,
-                                                   const MemoryDescriptor& remote);
+// Plans the copy of a request's bytes (a single or paged write), validated like the fabric
+// path (write_bounds.hpp); runs of pages adjacent on both sides become one piece. Null for
+// an immediate-only request: it has no bytes, and its immediates go over the fabric.
+std::unique_ptr<SameHostCopy> plan_same_host(SameHostPeerPtr peer, SharedMappingPtr mapping,
+                                             const MemoryRegion& local, const MemoryDescriptor& remote,
+                                             const TransferRequest& request);
 
 }  // namespace kvxfer

@@ -229,19 +229,25 @@ static void check_local(const MemoryRegionPtr& local) {
   if (!local || local->rails.empty()) throw EngineError("local memory region is not registered");
 }
 
+TransferStatePtr TransferEngine::submit(const MemoryRegionPtr& local, const RemoteRegionPtr& remote,
+                                        const TransferRequest& request) {
+  check_open();
+  if (request.moves_bytes()) check_local(local);
+  auto batch = new_batch(next_transfer_id_, remote->owner);
+  // Bytes to a peer on this kernel are copied; immediates always go over the fabric.
+  if (remote->same_host && request.moves_bytes())
+    return start_copy(std::move(batch),
+                      plan_same_host(remote->same_host, remote->mapping, *local, remote->descriptor, request),
+                      request.imm, request.units());
+  static const MemoryRegion kNoRegion;  // an immediate-only request reads no local memory
+  rails_->plan(*batch, local ? *local : kNoRegion, remote->descriptor, request);
+  return start(std::move(batch));
+}
+
 TransferStatePtr TransferEngine::write(const MemoryRegionPtr& local, uint64_t src_offset,
                                        const RemoteRegionPtr& remote, uint64_t dst_offset,
                                        uint64_t length, std::optional<uint32_t> imm) {
-  check_open();
-  check_local(local);
-  auto batch = new_batch(next_transfer_id_, remote->owner);
-  if (remote->same_host)
-    return start_copy(std::move(batch),
-                      plan_same_host_write(remote->same_host, remote->mapping, *local, src_offset,
-                                           remote->descriptor, dst_offset, length),
-                      imm, 1);
-  rails_->plan_write(*batch, *local, src_offset, remote->descriptor, dst_offset, length, imm);
-  return start(std::move(batch));
+  return submit(local, remote, {SingleWrite{src_offset, dst_offset, length}, imm});
 }
 
 TransferStatePtr TransferEngine::write_paged(const MemoryRegionPtr& local, const int64_t* src_pages,
@@ -250,18 +256,8 @@ TransferStatePtr TransferEngine::write_paged(const MemoryRegionPtr& local, const
                                              uint64_t dst_stride, uint64_t src_offset,
                                              uint64_t dst_offset, const RemoteRegionPtr& remote,
                                              std::optional<uint32_t> imm) {
-  check_open();
-  check_local(local);
-  auto batch = new_batch(next_transfer_id_, remote->owner);
-  if (remote->same_host)
-    return start_copy(std::move(batch),
-                      plan_same_host_paged(remote->same_host, remote->mapping, *local, src_pages,
-                                           dst_pages, count, page_size, src_stride, dst_stride,
-                                           src_offset, dst_offset, remote->descriptor),
-                      imm, count);
-  rails_->plan_paged_write(*batch, *local, src_pages, dst_pages, count, page_size, src_stride,
-                           dst_stride, src_offset, dst_offset, remote->descriptor, imm);
-  return start(std::move(batch));
+  PagedWrite w{{src_pages, count}, {dst_pages, count}, page_size, src_stride, dst_stride, src_offset, dst_offset};
+  return submit(local, remote, {w, imm});
 }
 
 TransferStatePtr TransferEngine::start_copy(std::unique_ptr<WorkBatch> batch,

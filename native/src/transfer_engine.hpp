@@ -15,6 +15,7 @@
 #include "engine_types.hpp"
 #include "progress_worker.hpp"
 #include "rail_group.hpp"
+#include "transfer_request.hpp"
 
 namespace kvxfer {
 
@@ -66,6 +67,10 @@ class TransferEngine {
   RemoteRegionPtr parse_remote(const std::string& descriptor_blob) const;
   std::shared_ptr<const EngineAddress> parse_peer(const std::string& address_blob) const;
 
+  // Any request to a remote region: validated whole, then the same-host copy or the rails.
+  TransferStatePtr submit(const MemoryRegionPtr& local, const RemoteRegionPtr& remote,
+                          const TransferRequest& request);
+  // Shorthands for submit() with a SingleWrite or a PagedWrite.
   TransferStatePtr write(const MemoryRegionPtr& local, uint64_t src_offset,
                          const RemoteRegionPtr& remote, uint64_t dst_offset, uint64_t length,
                          std::optional<uint32_t> imm);

@@ -5,6 +5,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "transfer_request.hpp"
+
 namespace kvxfer {
 
 // [src_offset, +length) inside the local region and [dst_offset, +length) inside the
@@ -18,5 +20,10 @@ void check_paged_bounds(const int64_t* src_pages, const int64_t* dst_pages, size
                         uint64_t page_size, uint64_t src_stride, uint64_t dst_stride,
                         uint64_t src_offset, uint64_t dst_offset, uint64_t local_length,
                         uint64_t remote_length);
+
+inline void check_paged_bounds(const PagedWrite& w, uint64_t local_length, uint64_t remote_length) {
+  check_paged_bounds(w.src_pages.data, w.dst_pages.data, w.count(), w.page_size, w.src_stride, w.dst_stride,
+                     w.src_offset, w.dst_offset, local_length, remote_length);
+}
 
 }  // namespace kvxfer

@@ -54,7 +54,7 @@ std::unique_ptr<RailGroup> Planner::group_;
 
 TEST_F(Planner, SmallSingleWriteIsOneOpOnRailZeroWorthOneUnit) {
   WorkBatch b = batch();
-  group_->plan_write(b, local_, 100, remote_, 200, 4 * KiB, 7u);
+  group_->plan(b, local_, remote_, {SingleWrite{100, 200, 4 * KiB}, 7u});
   ASSERT_EQ(b.ops.size(), 1u);
   const RailOp& op = b.ops[0];
   EXPECT_EQ(op.rail, 0);
@@ -71,7 +71,7 @@ TEST_F(Planner, SmallSingleWriteIsOneOpOnRailZeroWorthOneUnit) {
 TEST_F(Planner, LargeSingleWriteIsShardedOverBothRailsOnPageBoundariesAndWeighsOneUnit) {
   WorkBatch b = batch();
   const uint64_t len = 10 * MiB + 123;  // > 4 MiB ops: 3 by size, rounded up to 4 for 2 rails
-  group_->plan_write(b, local_, 0, remote_, 0, len, 9u);
+  group_->plan(b, local_, remote_, {SingleWrite{0, 0, len}, 9u});
   ASSERT_EQ(b.ops.size(), 4u);
   uint64_t next = 0, bytes = 0;
   for (size_t i = 0; i < b.ops.size(); ++i) {
@@ -93,7 +93,7 @@ TEST_F(Planner, LargeSingleWriteIsShardedOverBothRailsOnPageBoundariesAndWeighsO
 
 TEST_F(Planner, WriteWithoutImmediateCarriesTheTrafficOnlyWeight) {
   WorkBatch b = batch();
-  group_->plan_write(b, local_, 0, remote_, 0, 64 * KiB, std::nullopt);
+  group_->plan(b, local_, remote_, {SingleWrite{0, 0, 64 * KiB}, std::nullopt});
   ASSERT_EQ(b.ops.size(), 1u);
   EXPECT_TRUE(b.ops[0].has_cq_data);
   EXPECT_EQ(weight_of(b.ops[0]), kTrafficOnlyWeight);
@@ -101,7 +101,7 @@ TEST_F(Planner, WriteWithoutImmediateCarriesTheTrafficOnlyWeight) {
 
 TEST_F(Planner, OutOfBoundsWriteIsRefusedBeforeAnyOpIsPlanned) {
   WorkBatch b = batch();
-  EXPECT_THROW(group_->plan_write(b, local_, 0, remote_, remote_.length - 1, 2, 1u), BoundsError);
+  EXPECT_THROW(group_->plan(b, local_, remote_, {SingleWrite{0, remote_.length - 1, 2}, 1u}), BoundsError);
   EXPECT_TRUE(b.ops.empty());
 }
 
@@ -112,8 +112,7 @@ TEST_F(Planner, PagedWriteCoalescesPagesAdjacentOnBothSidesIntoOneSegment) {
   std::vector<int64_t> src(8), dst(8);
   std::iota(src.begin(), src.end(), 0);
   std::iota(dst.begin(), dst.end(), 10);
-  group_->plan_paged_write(b, local_, src.data(), dst.data(), 8, 4 * KiB, 4 * KiB, 4 * KiB, 0, 0,
-                           remote_, 5u);
+  group_->plan(b, local_, remote_, {PagedWrite{{src.data(), 8}, {dst.data(), 8}, 4 * KiB, 4 * KiB, 4 * KiB, 0, 0}, 5u});
   ASSERT_EQ(b.ops.size(), 2u);
   for (size_t r = 0; r < 2; ++r) {
     const RailOp& op = b.ops[r];
@@ -130,8 +129,7 @@ TEST_F(Planner, PagedWriteGathersScatteredPagesIntoSegmentsUpToTheIovLimit) {
   // 6 pages, none adjacent to the previous on the remote side: on one rail's share of 3
   // pages each, 3 segments fit into one op (iov limit 4).
   std::vector<int64_t> src = {0, 1, 2, 3, 4, 5}, dst = {9, 3, 7, 1, 5, 11};
-  group_->plan_paged_write(b, local_, src.data(), dst.data(), 6, 4 * KiB, 4 * KiB, 4 * KiB, 0, 0,
-                           remote_, 5u);
+  group_->plan(b, local_, remote_, {PagedWrite{{src.data(), 6}, {dst.data(), 6}, 4 * KiB, 4 * KiB, 4 * KiB, 0, 0}, 5u});
   ASSERT_EQ(b.ops.size(), 2u);
   EXPECT_EQ(b.ops[0].iov_count, 3u);
   EXPECT_EQ(b.ops[0].rma[1].addr, kRemoteBase + 3 * 4 * KiB);
@@ -140,8 +138,7 @@ TEST_F(Planner, PagedWriteGathersScatteredPagesIntoSegmentsUpToTheIovLimit) {
   WorkBatch many = batch();
   std::vector<int64_t> s(20), d(20);
   for (int i = 0; i < 20; ++i) s[i] = i, d[i] = 2 * i;  // every page its own segment
-  group_->plan_paged_write(many, local_, s.data(), d.data(), 20, 4 * KiB, 4 * KiB, 4 * KiB, 0, 0,
-                           remote_, 5u);
+  group_->plan(many, local_, remote_, {PagedWrite{{s.data(), 20}, {d.data(), 20}, 4 * KiB, 4 * KiB, 4 * KiB, 0, 0}, 5u});
   for (const auto& op : many.ops) EXPECT_LE(op.iov_count, kMaxIov);
   EXPECT_EQ(many.ops.size(), 6u) << "10 pages per rail in ops of at most 4 segments: 3 per rail";
   EXPECT_EQ(total_weight(many), 20 * kImmUnit);
@@ -152,8 +149,7 @@ TEST_F(Planner, PagedRunsStopAtMaxCoalesceBytes) {
   const size_t n = 2 * 64;  // 64 pages of 128 KiB per rail: 8 MiB, two 4 MiB ops per rail
   std::vector<int64_t> p(n);
   std::iota(p.begin(), p.end(), 0);
-  group_->plan_paged_write(b, local_, p.data(), p.data(), n, 128 * KiB, 128 * KiB, 128 * KiB, 0, 0,
-                           remote_, 5u);
+  group_->plan(b, local_, remote_, {PagedWrite{{p.data(), n}, {p.data(), n}, 128 * KiB, 128 * KiB, 128 * KiB, 0, 0}, 5u});
   EXPECT_EQ(b.ops.size(), 4u);
   for (const auto& op : b.ops) EXPECT_LE(op.bytes, 4 * MiB);
   EXPECT_EQ(total_weight(b), n * kImmUnit);
@@ -166,6 +162,26 @@ TEST_F(Planner, ImmediateOnlyWorthMoreThanOneOpCanCarryIsSplit) {
   EXPECT_EQ(weight_of(b.ops[0]), kMaxPagesPerOp * kImmUnit);
   EXPECT_EQ(weight_of(b.ops[1]), 5 * kImmUnit);
   EXPECT_THROW(group_->plan_imm_only(b, 3u, 0), BoundsError);
+}
+
+TEST_F(Planner, OneRequestTypeCountsWhatEachVariantAddsAtTheReceiver) {
+  // Through plan(): a request's ops together carry exactly request.units() units.
+  std::vector<int64_t> src = {0, 2, 4}, dst = {1, 3, 5};
+  const TransferRequest requests[] = {
+      {SingleWrite{0, 0, 3 * MiB}, 4u},
+      {PagedWrite{{src.data(), 3}, {dst.data(), 3}, 4 * KiB, 4 * KiB, 4 * KiB, 0, 0}, 4u},
+      {ImmOnly{kMaxPagesPerOp + 2}, 4u},
+  };
+  const uint64_t expected_units[] = {1, 3, kMaxPagesPerOp + 2};
+  for (size_t i = 0; i < 3; ++i) {
+    WorkBatch b = batch();
+    group_->plan(b, local_, remote_, requests[i]);
+    EXPECT_EQ(requests[i].units(), expected_units[i]) << "request " << i;
+    EXPECT_EQ(total_weight(b), expected_units[i] * kImmUnit) << "request " << i;
+  }
+  WorkBatch b = batch();
+  EXPECT_THROW(group_->plan(b, local_, remote_, {ImmOnly{1}, std::nullopt}), BoundsError)
+      << "an immediate-only request without an immediate";
 }
 
 }  // namespace

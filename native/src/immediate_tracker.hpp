@@ -1,0 +1,145 @@
+// Immediates at the receiving end: the ImmCounter table, the expectations asyncio awaits
+// (expect_imm), and the threads blocked in wait_imm. The worker counts each arrival and,
+// once per round, wakes whoever's count was reached; any thread reads counts and waits.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "engine_types.hpp"
+#include "futex_wait.hpp"
+#include "imm_counter.hpp"
+#include "imm_waiters.hpp"
+#include "rail_group.hpp"
+#include "worker_events.hpp"
+
+namespace kvxfer {
+
+class ImmediateTracker {
+ public:
+  ImmediateTracker(size_t capacity, EventQueue& events) : table_(capacity), events_(events) {}
+
+  ImmCounterTable& table() { return table_; }
+  const ImmCounterTable& table() const { return table_; }
+
+  // Worker only: one arrival's CQ data (the immediate and what it is worth, encode_imm).
+  void on_arrival(uint64_t cq_data) {
+    uint32_t imm = static_cast<uint32_t>(cq_data);
+    uint32_t weight = static_cast<uint32_t>(cq_data >> 32);
+    if (weight == kTrafficOnlyWeight) return;  // a write without an immediate: traffic only
+    // A peer whose provider has 4-byte CQ data sends no weight: each arrival is one unit.
+    uint64_t total = table_.add(imm, weight ? weight : kImmUnit) / kImmUnit;
+    arrived_ = true;  // also when dropped: blocked waiters must look at it
+    if (expectations_.empty()) return;
+    if (total == 0 && table_.lost(imm)) {
+      fail_expectations(imm);
+      return;
+    }
+    auto it = expectations_.find(imm);
+    if (it == expectations_.end()) return;
+    auto& list = it->second;
+    for (size_t i = 0; i < list.size();) {
+      if (total >= list[i].count) {
+        events_.push({EventKind::kImmReached, list[i].token, 0});
+        list[i] = list.back();
+        list.pop_back();
+      } else {
+        ++i;
+      }
+    }
+    if (list.empty()) expectations_.erase(it);
+  }
+
+  // Worker only: report `token` once count units of imm arrived (at once if they have).
+  void expect(uint32_t imm, uint64_t count, uint64_t token) {
+    if (table_.get(imm) >= count)
+      events_.push({EventKind::kImmReached, token, 0});
+    else if (table_.lost(imm))
+      events_.push({EventKind::kImmReached, token, static_cast<uint32_t>(TransferStatus::kFailed)});
+    else
+      expectations_[imm].push_back({count, token});
+  }
+
+  // Worker only, once per round: wakes the waiters that arrivals of this round concern.
+  void after_round() {
+    if (!arrived_) return;
+    arrived_ = false;
+    epoch_.fetch_add(1, std::memory_order_seq_cst);
+    if (unslotted_waiters_.load(std::memory_order_seq_cst)) futex_wake_all(&epoch_);
+    waiters_.wake_ready([this](uint32_t imm, uint64_t count) { return table_.get(imm) >= count || table_.lost(imm); });
+  }
+
+  // Any thread but the worker: true once count units of imm arrived, false at the deadline
+  // or once `stopping`; throws ImmCounterOverflow when imm cannot be counted.
+  bool wait(uint32_t imm, uint64_t count, int64_t deadline_ns, const std::atomic<bool>& stopping) {
+    bool reached = false, lost = false;
+    const int slot = waiters_.claim(imm, count);
+    // Without a slot (all taken) this waiter is woken on every arrival round instead.
+    std::atomic<uint32_t>& word = slot >= 0 ? waiters_.word(slot) : epoch_;
+    if (slot < 0) unslotted_waiters_.fetch_add(1, std::memory_order_seq_cst);
+    for (;;) {
+      uint32_t seen = word.load(std::memory_order_seq_cst);
+      std::atomic_thread_fence(std::memory_order_seq_cst);  // pairs with ImmWaiters::wake_ready
+      if (table_.get(imm) >= count) {
+        reached = true;
+        break;
+      }
+      // Arrivals wake us whether or not they were counted, so a drop wakes us too.
+      if (table_.lost(imm)) {
+        lost = true;
+        break;
+      }
+      if (monotonic_ns() >= deadline_ns || stopping.load()) break;
+      futex_wait_until(&word, seen, std::min(deadline_ns, monotonic_ns() + 100'000'000));
+    }
+    if (slot >= 0)
+      waiters_.release(slot);
+    else
+      unslotted_waiters_.fetch_sub(1, std::memory_order_seq_cst);
+    if (lost) throw_lost(imm, count);
+    return reached;
+  }
+
+  [[noreturn]] void throw_lost(uint32_t imm, uint64_t count) const {
+    throw ImmCounterOverflow(
+        "imm " + std::to_string(imm) + ": " + std::to_string(table_.get(imm)) + " of " + std::to_string(count) +
+        " arrived, and no more can be counted: the immediate table is full (" +
+        std::to_string(table_.capacity()) + " distinct values, imm_table_capacity) and " +
+        std::to_string(table_.overflowed()) + " arrivals were dropped");
+  }
+
+  // Wakes every blocked waiter (the engine is stopping).
+  void wake_all() {
+    epoch_.fetch_add(1);
+    futex_wake_all(&epoch_);
+    waiters_.wake_all();
+  }
+
+ private:
+  struct Expectation {
+    uint64_t count;
+    uint64_t token;
+  };
+  // Ends every expectation of imm with kFailed: its arrivals are being dropped.
+  void fail_expectations(uint32_t imm) {
+    auto it = expectations_.find(imm);
+    if (it == expectations_.end()) return;
+    for (const auto& e : it->second)
+      events_.push({EventKind::kImmReached, e.token, static_cast<uint32_t>(TransferStatus::kFailed)});
+    expectations_.erase(it);
+  }
+
+  ImmCounterTable table_;
+  EventQueue& events_;
+  std::unordered_map<uint32_t, std::vector<Expectation>> expectations_;  // worker only
+  bool arrived_ = false;                                                 // worker only
+  std::atomic<uint32_t> epoch_{0};  // bumped by every arrival round: for unslotted waiters
+  std::atomic<uint32_t> unslotted_waiters_{0};
+  ImmWaiters waiters_;
+};
+
+}  // namespace kvxfer
