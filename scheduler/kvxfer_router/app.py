@@ -468,7 +468,7 @@ async def _full_response(request: Request, lifecycle: RequestLifecycle) -> Respo
     if lifecycle.job.kind == "chat":
         return JSONResponse(chat_completion_body(completion_id(lifecycle.request_id), now_s(), lifecycle.job.model,
                                                  text, end.finish_reason, end.usage),
-                            headers=_headers(lifecycle.request_id))
+                            headers=_headers(lifecycle))
     body = Completion(
         id=completion_id(lifecycle.request_id), created=now_s(), model=lifecycle.job.model,
         choices=[CompletionChoice(text="".join(t.text for t in tokens) + end.text, finish_reason=end.finish_reason)],
