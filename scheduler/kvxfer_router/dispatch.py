@@ -21,12 +21,13 @@ can interrupt because it runs shielded in a separate task.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Union
+from typing import Any, AsyncIterator, Awaitable, Union
 
 import httpx
 
@@ -225,6 +226,45 @@ class Dispatcher:
         if not isinstance(data, dict):
             raise LegFailure(request_id, worker, stage, f"POST {path} answered a non-object body: {_detail(resp.text)}")
         return data
+
+    async def stream_lines(
+        self, worker: WorkerView, path: str, body: dict[str, Any], *, stage: str, request_id: str,
+        rejected_statuses: tuple[int, ...], end_marker: str,
+    ) -> AsyncIterator[str]:
+        """The lines of a streamed POST to ``worker``, each within its deadline, or :class:`LegFailure`.
+
+        The first line may take ``first_token_timeout_s`` (prefill and admission come first),
+        every later one ``token_idle_timeout_s``. A status of 400 or more fails the leg, as a
+        client error when it is in ``rejected_statuses``; so does a stream that ends before
+        the caller stopped reading at ``end_marker`` (its protocol's last line). Use it with
+        ``contextlib.aclosing``, so that an early return closes the connection.
+        """
+        s = self.settings
+        timeout = httpx.Timeout(s.first_token_timeout_s, connect=s.connect_timeout_s, write=s.control_timeout_s)
+        try:
+            async with self.client.stream("POST", worker.url(path), timeout=timeout,
+                                          **self.signer.request(worker.url(path), body)) as resp:
+                if resp.status_code >= 400:
+                    text = (await asyncio.wait_for(resp.aread(), s.control_timeout_s)).decode(errors="replace")
+                    raise LegFailure(request_id, worker, stage, f"POST {path} answered {resp.status_code}: "
+                                     f"{_detail(text)}", rejected=resp.status_code in rejected_statuses)
+                lines = resp.aiter_lines()
+                wait_s = s.first_token_timeout_s
+                while True:
+                    try:
+                        line = await asyncio.wait_for(lines.__anext__(), wait_s)
+                    except StopAsyncIteration:
+                        raise LegFailure(request_id, worker, stage, f"stream ended before {end_marker}") from None
+                    except asyncio.TimeoutError:
+                        raise LegFailure(request_id, worker, stage, f"no stream line within {wait_s}s",
+                                         timed_out=True) from None
+                    wait_s = s.token_idle_timeout_s
+                    yield line
+        except (httpx.TimeoutException, asyncio.TimeoutError) as exc:
+            raise LegFailure(request_id, worker, stage, f"POST {path} timed out: {type(exc).__name__}",
+                             timed_out=True) from exc
+        except httpx.HTTPError as exc:
+            raise LegFailure(request_id, worker, stage, f"POST {path}: {type(exc).__name__}: {exc}") from exc
 
     async def cancel_legs(self, request_id: str, workers: list[WorkerView], *,
                           prefill_never_sent: bool = False) -> None:
@@ -488,47 +528,29 @@ class RequestLifecycle:
     async def _stream(self, decode: WorkerView, path: str, body: dict[str, Any], wrid: str) -> None:
         """Read a decode NDJSON stream, emitting tokens and the finish event."""
         stage = "generate"
-        s = self._s
-        timeout = httpx.Timeout(s.first_token_timeout_s, connect=s.connect_timeout_s, write=s.control_timeout_s)
-        try:
-            async with self._d.client.stream("POST", decode.url(path), timeout=timeout,
-                                             **self._d.signer.request(decode.url(path), body)) as resp:
-                if resp.status_code >= 400:
-                    text = (await asyncio.wait_for(resp.aread(), s.control_timeout_s)).decode(errors="replace")
-                    raise LegFailure(wrid, decode, stage, f"POST {path} answered {resp.status_code}: {_detail(text)}",
-                                     rejected=path == "/generate_local" and resp.status_code in _REQUEST_REJECTED_STATUSES)
-                lines = resp.aiter_lines()
-                wait_s = s.first_token_timeout_s
-                while True:
-                    try:
-                        line = await asyncio.wait_for(lines.__anext__(), wait_s)
-                    except StopAsyncIteration:
-                        raise LegFailure(wrid, decode, stage, "stream ended before its done line") from None
-                    except asyncio.TimeoutError:
-                        raise LegFailure(wrid, decode, stage, f"no stream line within {wait_s}s", timed_out=True) from None
-                    wait_s = s.token_idle_timeout_s
-                    if not line.strip():
-                        continue
-                    try:
-                        msg = json.loads(line)
-                    except ValueError:
-                        raise LegFailure(wrid, decode, stage, f"unreadable stream line {_detail(line)!r}") from None
-                    if not isinstance(msg, dict):
-                        raise LegFailure(wrid, decode, stage, f"unexpected stream line {_detail(line)!r}")
-                    if msg.get("done"):
-                        if msg.get("finish_reason") == "error" or msg.get("error"):
-                            # Decode ends a failed generation with an error done line, not
-                            # a broken stream; it is a leg failure like any other.
-                            raise LegFailure(wrid, decode, stage, f"generation failed: {_detail(str(msg.get('error')))}")
-                        self._finish(msg)
-                        return
-                    if "token" not in msg:
-                        raise LegFailure(wrid, decode, stage, f"unexpected stream line {_detail(line)!r}")
-                    self._token(int(msg["token"]), str(msg.get("text", "")))
-        except (httpx.TimeoutException, asyncio.TimeoutError) as exc:
-            raise LegFailure(wrid, decode, stage, f"POST {path} timed out: {type(exc).__name__}", timed_out=True) from exc
-        except httpx.HTTPError as exc:
-            raise LegFailure(wrid, decode, stage, f"POST {path}: {type(exc).__name__}: {exc}") from exc
+        rejected = _REQUEST_REJECTED_STATUSES if path == "/generate_local" else ()
+        stream = self._d.stream_lines(decode, path, body, stage=stage, request_id=wrid,
+                                      rejected_statuses=rejected, end_marker="its done line")
+        async with contextlib.aclosing(stream) as lines:
+            async for line in lines:
+                if not line.strip():
+                    continue
+                try:
+                    msg = json.loads(line)
+                except ValueError:
+                    raise LegFailure(wrid, decode, stage, f"unreadable stream line {_detail(line)!r}") from None
+                if not isinstance(msg, dict):
+                    raise LegFailure(wrid, decode, stage, f"unexpected stream line {_detail(line)!r}")
+                if msg.get("done"):
+                    if msg.get("finish_reason") == "error" or msg.get("error"):
+                        # Decode ends a failed generation with an error done line, not
+                        # a broken stream; it is a leg failure like any other.
+                        raise LegFailure(wrid, decode, stage, f"generation failed: {_detail(str(msg.get('error')))}")
+                    self._finish(msg)
+                    return
+                if "token" not in msg:
+                    raise LegFailure(wrid, decode, stage, f"unexpected stream line {_detail(line)!r}")
+                self._token(int(msg["token"]), str(msg.get("text", "")))
 
     # --- events ----------------------------------------------------------------------------
 

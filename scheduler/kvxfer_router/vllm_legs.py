@@ -15,11 +15,10 @@ legs on a disconnect work as for kvxfer's own workers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 from typing import TYPE_CHECKING, Any
-
-import httpx
 
 from .openai_api import usage_from
 
@@ -35,8 +34,8 @@ def _paths(kind: str) -> str:
     return "/v1/chat/completions" if kind == "chat" else "/v1/completions"
 
 
-def leg_bodies(body: dict[str, Any], kind: str, transfer_id: str, decode: "WorkerView | None",
-               prefill: "WorkerView | None") -> tuple[dict[str, Any] | None, dict[str, Any]]:
+def leg_bodies(body: dict[str, Any], kind: str, transfer_id: str, decode: WorkerView | None,
+               prefill: WorkerView | None) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """(prefill body or None, decode body) for one attempt."""
     decode_body = copy.deepcopy(body)
     decode_body["stream"] = True
@@ -56,7 +55,7 @@ def leg_bodies(body: dict[str, Any], kind: str, transfer_id: str, decode: "Worke
     return prefill_body, decode_body
 
 
-async def run_vllm_legs(lc: "RequestLifecycle", decode: "WorkerView", prefill: "WorkerView | None",
+async def run_vllm_legs(lc: RequestLifecycle, decode: WorkerView, prefill: WorkerView | None,
                         attempt_id: str) -> None:
     """Run one attempt; raises LegFailure like the kvxfer legs do."""
     from .dispatch import LegFailure, RequestState
@@ -66,7 +65,7 @@ async def run_vllm_legs(lc: "RequestLifecycle", decode: "WorkerView", prefill: "
     transfer_id = attempt_id  # minted by the router for this attempt (worker_auth.mint_worker_request_id)
     prefill_body, decode_body = leg_bodies(job.body, job.kind, transfer_id, decode, prefill)
     path = _paths(job.kind)
-    d = lc._d  # noqa: SLF001 - the legs are part of the lifecycle, kept in their own module
+    d = lc._d
     s = d.settings
     lc.state = RequestState.TRANSFERRING if prefill_body else RequestState.GENERATING
     prefill_leg: asyncio.Future[Any] | None = None
@@ -95,59 +94,41 @@ async def run_vllm_legs(lc: "RequestLifecycle", decode: "WorkerView", prefill: "
         await asyncio.gather(*legs, return_exceptions=True)
 
 
-async def _relay_stream(lc: "RequestLifecycle", decode: "WorkerView", path: str, body: dict[str, Any],
+async def _relay_stream(lc: RequestLifecycle, decode: WorkerView, path: str, body: dict[str, Any],
                         attempt_id: str) -> None:
+    """Relay vLLM's server-sent events as the lifecycle's token and finish events."""
     from .dispatch import LegFailure, _detail
 
-    s = lc._d.settings  # noqa: SLF001
     stage = "generate"
-    timeout = httpx.Timeout(s.first_token_timeout_s, connect=s.connect_timeout_s, write=s.control_timeout_s)
     chat = lc.job.kind == "chat"
     usage: dict[str, Any] | None = None
     finish: str | None = None
-    try:
-        async with lc._d.client.stream("POST", decode.url(path), json=body, timeout=timeout) as resp:  # noqa: SLF001
-            if resp.status_code >= 400:
-                text = (await asyncio.wait_for(resp.aread(), s.control_timeout_s)).decode(errors="replace")
-                raise LegFailure(attempt_id, decode, stage, f"POST {path} answered {resp.status_code}: {_detail(text)}",
-                                 rejected=resp.status_code in (400, 422))
-            lines = resp.aiter_lines()
-            wait_s = s.first_token_timeout_s
-            while True:
-                try:
-                    line = await asyncio.wait_for(lines.__anext__(), wait_s)
-                except StopAsyncIteration:
-                    raise LegFailure(attempt_id, decode, stage, "stream ended before [DONE]") from None
-                except asyncio.TimeoutError:
-                    raise LegFailure(attempt_id, decode, stage, f"no event within {wait_s}s", timed_out=True) from None
-                wait_s = s.token_idle_timeout_s
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    lc._finish({"finish_reason": finish or "stop", "usage": usage})  # noqa: SLF001
-                    return
-                try:
-                    chunk = json.loads(data)
-                except ValueError:
-                    raise LegFailure(attempt_id, decode, stage, f"unreadable event {_detail(data)!r}") from None
-                if not isinstance(chunk, dict):
-                    raise LegFailure(attempt_id, decode, stage, f"unexpected event {_detail(data)!r}")
-                if "error" in chunk:
-                    raise LegFailure(attempt_id, decode, stage, f"generation failed: {_detail(json.dumps(chunk))}")
-                if isinstance(chunk.get("usage"), dict):
-                    usage = chunk["usage"]
-                for choice in chunk.get("choices") or ():
-                    text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
-                    if text:
-                        lc._token(-1, str(text))  # noqa: SLF001
-                    if choice.get("finish_reason"):
-                        finish = str(choice["finish_reason"])
-    except (httpx.TimeoutException, asyncio.TimeoutError) as exc:
-        raise LegFailure(attempt_id, decode, stage, f"POST {path} timed out: {type(exc).__name__}",
-                         timed_out=True) from exc
-    except httpx.HTTPError as exc:
-        raise LegFailure(attempt_id, decode, stage, f"POST {path}: {type(exc).__name__}: {exc}") from exc
+    stream = lc._d.stream_lines(decode, path, body, stage=stage, request_id=attempt_id,
+                                rejected_statuses=(400, 422), end_marker="[DONE]")
+    async with contextlib.aclosing(stream) as lines:
+        async for line in lines:
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                lc._finish({"finish_reason": finish or "stop", "usage": usage})
+                return
+            try:
+                chunk = json.loads(data)
+            except ValueError:
+                raise LegFailure(attempt_id, decode, stage, f"unreadable event {_detail(data)!r}") from None
+            if not isinstance(chunk, dict):
+                raise LegFailure(attempt_id, decode, stage, f"unexpected event {_detail(data)!r}")
+            if "error" in chunk:
+                raise LegFailure(attempt_id, decode, stage, f"generation failed: {_detail(json.dumps(chunk))}")
+            if isinstance(chunk.get("usage"), dict):
+                usage = chunk["usage"]
+            for choice in chunk.get("choices") or ():
+                text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+                if text:
+                    lc._token(-1, str(text))
+                if choice.get("finish_reason"):
+                    finish = str(choice["finish_reason"])
 
 
 __all__ = ["RESERVED_FIELDS", "leg_bodies", "run_vllm_legs", "usage_from"]

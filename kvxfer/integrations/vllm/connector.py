@@ -60,8 +60,8 @@ class KvxferConnector(KVConnectorBase_V1):
     """Pushes prefill KV layer by layer with one-sided writes; admits decode requests on
     kvxfer's ImmCounter. Settings: `ConnectorSettings` (kv_connector_extra_config)."""
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
-                 kv_cache_config: "KVCacheConfig | None" = None) -> None:
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         config = vllm_config.kv_transfer_config
         self.settings = ConnectorSettings.from_extra_config(config.kv_connector_extra_config)
@@ -75,7 +75,7 @@ class KvxferConnector(KVConnectorBase_V1):
             model = vllm_config.model_config
             name = model.served_model_name
             name = name[0] if isinstance(name, (list, tuple)) else name
-            self._worker = WorkerSide(self.settings, self.kv_role, str(name or model.model), vllm_config)
+            self._worker = WorkerSide(self.settings, self.kv_role, str(name or model.model))
 
     # ---- worker side -----------------------------------------------------------------------
 
@@ -88,7 +88,7 @@ class KvxferConnector(KVConnectorBase_V1):
         if self._worker is not None and isinstance(connector_metadata, KvxferStepMetadata):
             self._worker.bind(connector_metadata)
 
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None
         self._worker.start_load_kv()
 
@@ -123,28 +123,28 @@ class KvxferConnector(KVConnectorBase_V1):
 
     # ---- scheduler side --------------------------------------------------------------------
 
-    def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
         if self._scheduler is not None:
             self._scheduler.bind_kv_cache_manager(kv_cache_manager)
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._scheduler is not None
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
         return self._scheduler.build_connector_meta(scheduler_output)
 
-    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self._scheduler is not None:
             self._scheduler.update_connector_output(connector_output)
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)
 

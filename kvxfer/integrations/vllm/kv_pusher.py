@@ -26,9 +26,10 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from kvxfer.errors import TransferError
 from kvxfer.kv.protocol import KVReservation, encode_abort
@@ -353,11 +354,6 @@ class KVPusher:
         self._by_request.pop(push.request_id, None)
         self._by_transfer.pop(push.transfer_id, None)
         self._report.add(push.request_id)
-
-    @property
-    def busy(self) -> bool:
-        """Whether any push is still tracked."""
-        return bool(self._by_request)
 
     def _write_digests(self, push: PrefillPush, tail_s: float) -> None:
         if not self.settings.kv_digest_dir or push.reservation is None:

@@ -28,8 +28,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvxfer.errors import TransferError
-from kvxfer.kv.protocol import (KVReservation, encode_cancel, encode_imm, encode_reservation_message,
-                                generations_per_slot)
+from kvxfer.kv.protocol import (
+    KVReservation,
+    encode_cancel,
+    encode_imm,
+    encode_reservation_message,
+    generations_per_slot,
+)
 from kvxfer.transfer.engine import RegisteredMemory, TransferEngine
 
 from .connector_metrics import ConnectorMetrics

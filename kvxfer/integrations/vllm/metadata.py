@@ -39,7 +39,7 @@ class TransferParams:
     peer_engine: bytes
 
     @classmethod
-    def parse(cls, params: Any) -> "TransferParams | None":
+    def parse(cls, params: Any) -> TransferParams | None:
         """None when the request is not a kvxfer hand-off (no "kvxfer" key)."""
         if not isinstance(params, dict) or "kvxfer" not in params:
             return None
@@ -103,7 +103,7 @@ class KvxferWorkerReport(KVConnectorWorkerMetadata):
 
     reservations_arrived: set[str] = field(default_factory=set)
 
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> "KvxferWorkerReport":
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KvxferWorkerReport:
         if isinstance(other, KvxferWorkerReport):
             return KvxferWorkerReport(self.reservations_arrived | other.reservations_arrived)
         return self

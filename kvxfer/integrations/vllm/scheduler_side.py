@@ -22,8 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .metadata import (KvxferStepMetadata, KvxferWorkerReport, LoadSpec, PushSpec, TransferParams,
-                       TransferParamsError)
+from .metadata import KvxferStepMetadata, KvxferWorkerReport, LoadSpec, PushSpec, TransferParams, TransferParamsError
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -63,26 +62,24 @@ class SchedulerSide:
         self._pushes: dict[str, _ActivePush] = {}
         self._finished_pushes: list[str] = []
         self._awaiting_send: set[str] = set()  # finished on vLLM's side, blocks held for the push
-        self.bad_params = 0
 
     def bind_kv_cache_manager(self, manager: Any) -> None:
         """vLLM's block manager, to read a request's block table."""
         self._kv_cache_manager = manager
 
-    def _params(self, request: "Request") -> TransferParams | None:
+    def _params(self, request: Request) -> TransferParams | None:
         try:
             return TransferParams.parse(request.kv_transfer_params)
         except TransferParamsError as exc:
             # The router validates before it sends; a client reaching the instance directly
-            # with bad params gets its request computed here, and the refusal is counted.
-            self.bad_params += 1
+            # with bad params gets its request computed here, and the refusal is logged.
             log.warning("request %s: ignoring kv_transfer_params: %s", request.request_id, exc)
             request.kv_transfer_params = None
             return None
 
     # ---- decode ------------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Decode leg: all prompt tokens beyond the local prefix hit load asynchronously."""
         rid = request.request_id
         if rid in self._loads_in_flight or rid in self._pending_loads:
@@ -98,7 +95,7 @@ class SchedulerSide:
         self._pending_loads[rid] = _PendingLoad(params, num_computed_tokens)
         return n, True
 
-    def _gate_prefill(self, request: "Request", params: TransferParams) -> tuple[int | None, bool]:
+    def _gate_prefill(self, request: Request, params: TransferParams) -> tuple[int | None, bool]:
         # Compute only once the decoder's reservation is here, so that every layer's pages
         # leave as soon as the layer is computed; past reservation_wait_s compute anyway
         # (the pages are pushed from the kept blocks when the reservation comes).
@@ -113,7 +110,7 @@ class SchedulerSide:
             self._pushes[rid] = _ActivePush(params, request.num_prompt_tokens)
         return 0, False
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """The blocks of a decode leg are known: queue its load for the worker."""
         pending = self._pending_loads.get(request.request_id)
         if pending is None or pending.spec_sent or num_external_tokens <= 0:
@@ -130,7 +127,7 @@ class SchedulerSide:
 
     # ---- every step ----------------------------------------------------------------------
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KvxferStepMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvxferStepMetadata:
         """This step's loads to start, pushes to make, finished and preempted pushes."""
         meta = KvxferStepMetadata(idle=scheduler_output.total_num_scheduled_tokens == 0,
                                   awaiting_reservations=bool(self._gated_since))
@@ -160,7 +157,7 @@ class SchedulerSide:
             self._pushes[rid].pushed_to = self._pushes[rid].prompt_tokens
         return meta
 
-    def update_connector_output(self, output: "KVConnectorOutput") -> None:
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
         """Loads and pushes the worker reported finished."""
         for rid in output.finished_recving or ():
             self._loads_in_flight.discard(rid)
@@ -170,7 +167,7 @@ class SchedulerSide:
         if isinstance(report, KvxferWorkerReport):
             self._arrived |= report.reservations_arrived
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Keep the blocks while a load or push may still write them or read from them."""
         rid = request.request_id
         self._pending_loads.pop(rid, None)

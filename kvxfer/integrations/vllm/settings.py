@@ -6,7 +6,7 @@ vllm`) use these names, so they are a public contract: renaming one is a breakin
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -25,10 +25,10 @@ class ConnectorSettings(BaseModel):
     # -- the transfer engine -------------------------------------------------------------
     provider: str = Field("auto", description="libfabric provider: auto, net, tcp, shm, efa, verbs")
     rails: int = Field(1, ge=1, description="endpoints (NICs) used as one")
-    same_host: Optional[bool] = Field(
+    same_host: bool | None = Field(
         None, description="copy straight into a peer process on this host (None: KVXFER_SAME_HOST, else on); "
         "False forces the fabric, as between pods")
-    bind_host: Optional[str] = Field(None, description="address the engine binds (default KVXFER_BIND_HOST)")
+    bind_host: str | None = Field(None, description="address the engine binds (default KVXFER_BIND_HOST)")
     transfer_timeout_s: float = Field(10.0, gt=0, description="a posted write not complete by then fails")
 
     # -- decode side (kv_consumer) -------------------------------------------------------
@@ -52,22 +52,22 @@ class ConnectorSettings(BaseModel):
         "dropped and counted)")
 
     # -- registry and metrics ------------------------------------------------------------
-    etcd: Optional[str] = Field(None, description="comma-separated etcd endpoints; None: do not register")
+    etcd: str | None = Field(None, description="comma-separated etcd endpoints; None: do not register")
     etcd_prefix: str = Field("/kvxfer", description="registry key prefix")
     lease_ttl_s: int = Field(5, ge=1, description="registry lease TTL")
-    advertise_url: Optional[str] = Field(None, description="this instance's OpenAI API URL, as the router reaches it")
+    advertise_url: str | None = Field(None, description="this instance's OpenAI API URL, as the router reaches it")
     registration_wait_s: float = Field(
         900.0, gt=0, description="how long to wait for this instance's API to answer before registering (model "
         "loading and warm-up come first; a record published earlier would send the router to a closed port)")
-    registry_role: Optional[Literal["prefill", "decode"]] = Field(
+    registry_role: Literal["prefill", "decode"] | None = Field(
         None, description="role published in the registry (default from kv_role; kv_both: decode)")
-    worker_id: Optional[str] = Field(None, description="id in the registry (default vllm-ROLE-PID)")
-    cluster_key_file: Optional[str] = Field(None, description="cluster key that signs the registry record")
+    worker_id: str | None = Field(None, description="id in the registry (default vllm-ROLE-PID)")
+    cluster_key_file: str | None = Field(None, description="cluster key that signs the registry record")
     insecure: bool = Field(False, description="publish an unsigned registry record (local development only)")
     metrics_port: int = Field(0, ge=0, le=65535, description="port of the connector's own /metrics (0: off)")
 
     # -- test hooks ------------------------------------------------------------------------
-    kv_digest_dir: Optional[str] = Field(
+    kv_digest_dir: str | None = Field(
         None, description="test hook: write a digest of every pushed and every admitted page here")
     fault_injection: str = Field(
         "", description="test hooks, off when empty; comma-separated: misplace_page (swap two destination "
@@ -75,7 +75,7 @@ class ConnectorSettings(BaseModel):
         "for transfers whose id starts with fault-HOOK (e.g. fault-misplace_page-1)")
 
     @classmethod
-    def from_extra_config(cls, extra: Any) -> "ConnectorSettings":
+    def from_extra_config(cls, extra: Any) -> ConnectorSettings:
         """Parses `kv_connector_extra_config` (unknown keys are an error, so a typo is not ignored)."""
         data = dict(extra or {})
         try:

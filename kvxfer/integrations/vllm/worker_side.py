@@ -31,11 +31,10 @@ _MAX_MESSAGES_PER_POLL = 256
 class WorkerSide:
     """Engine, pusher and receiver of one vLLM worker."""
 
-    def __init__(self, settings: ConnectorSettings, kv_role: str, model_name: str, vllm_config: Any) -> None:
+    def __init__(self, settings: ConnectorSettings, kv_role: str, model_name: str) -> None:
         self.settings = settings
         self.kv_role = kv_role
         self.model_name = model_name
-        self._vllm_config = vllm_config
         self.metrics = ConnectorMetrics(kv_role)
         self.engine: TransferEngine | None = None
         self.region: KVRegion | None = None
