@@ -229,14 +229,7 @@ class RouterService:
         max_tokens = self._check_common(obj, req.model, asked, request_id)
         if self.model_engine(req.model) == "vllm":
             return self._vllm_job(request_id, req.model, max_tokens, "chat", obj), req
-        tokens = self.encode_prompt(render_chat(req.messages))
-        limit = self.settings.prompt_limit(req.model)
-        if len(tokens) > limit:
-            raise RouterError(400, f"messages are {len(tokens)} tokens, model {req.model!r} accepts at most {limit}",
-                              request_id=request_id, param="messages", code="context_length_exceeded")
-        job = CompletionJob(request_id=request_id, model=req.model, prompt_tokens=tokens, max_tokens=max_tokens,
-                            needs_prefill=len(tokens) >= self.settings.disaggregation_min_prompt_tokens, kind="chat")
-        return job, req
+        return self._kvxfer_job(request_id, req.model, render_chat(req.messages), max_tokens, "chat"), req
 
     async def parse_completion(self, request: Request) -> tuple[CompletionJob, CompletionRequest]:
         """Validate a ``/v1/completions`` request into a job, or raise a 4xx
@@ -250,20 +243,21 @@ class RouterService:
         max_tokens = self._check_common(obj, req.model, req.max_tokens, request_id)
         if self.model_engine(req.model) == "vllm":
             return self._vllm_job(request_id, req.model, max_tokens, "completion", obj), req
-        tokens = self.encode_prompt(req.prompt)
+        return self._kvxfer_job(request_id, req.model, req.prompt, max_tokens, "completion"), req
+
+    def _kvxfer_job(self, request_id: str, model: str, text: str, max_tokens: int, kind: str) -> CompletionJob:
+        # kvxfer's own workers: the router tokenizes (chat: the rendered messages) and checks
+        # the model's context; the prompt's length decides whether it is disaggregated.
+        param, subject = ("prompt", "prompt is") if kind == "completion" else ("messages", "messages are")
+        tokens = self.encode_prompt(text)
         if not tokens:
-            raise RouterError(400, "prompt is empty", request_id=request_id, param="prompt", code="invalid_value")
-        limit = self.settings.prompt_limit(req.model)
+            raise RouterError(400, f"{param} is empty", request_id=request_id, param=param, code="invalid_value")
+        limit = self.settings.prompt_limit(model)
         if len(tokens) > limit:
-            raise RouterError(
-                400, f"prompt is {len(tokens)} tokens, model {req.model!r} accepts at most {limit}",
-                request_id=request_id, param="prompt", code="context_length_exceeded",
-            )
-        job = CompletionJob(
-            request_id=request_id, model=req.model, prompt_tokens=tokens, max_tokens=max_tokens,
-            needs_prefill=len(tokens) >= self.settings.disaggregation_min_prompt_tokens,
-        )
-        return job, req
+            raise RouterError(400, f"{subject} {len(tokens)} tokens, model {model!r} accepts at most {limit}",
+                              request_id=request_id, param=param, code="context_length_exceeded")
+        return CompletionJob(request_id=request_id, model=model, prompt_tokens=tokens, max_tokens=max_tokens,
+                             needs_prefill=len(tokens) >= self.settings.disaggregation_min_prompt_tokens, kind=kind)
 
 
 def create_app(

@@ -221,6 +221,28 @@ def test_non_streaming_completion_returns_text_and_usage(cluster: Cluster) -> No
     assert body["id"].startswith("cmpl-") and r.headers["x-request-id"] in body["id"]
 
 
+def test_chat_completion_on_kvxfer_workers_sends_the_rendered_messages(cluster: Cluster) -> None:
+    d = cluster.decode("d1")
+    cluster.prefill("p1")
+    cluster.start_router()
+    messages = [{"role": "user", "content": LONG_PROMPT}]
+
+    r = cluster.client.post(cluster.url + "/v1/chat/completions",
+                            json={"model": MODEL, "messages": messages, "max_tokens": 50})
+    streamed = cluster.client.post(cluster.url + "/v1/chat/completions",
+                                   json={"model": MODEL, "messages": messages, "max_tokens": 50, "stream": True})
+
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "hello world"}
+    rendered = f"user: {LONG_PROMPT}\nassistant: "
+    assert d.bodies("/reserve")[0]["prompt_tokens"] == [BOS, *rendered.encode()]
+    chunks = [json.loads(e) for e in sse_events(streamed.text)[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == "hello world"
+
+
 def test_short_prompt_skips_disaggregation_and_runs_on_decode_alone(cluster: Cluster) -> None:
     d = cluster.decode("d1")
     p = cluster.prefill("p1")
