@@ -149,6 +149,8 @@ def test_each_layer_is_posted_before_the_next_is_computed_and_the_tail_is_measur
     tid = f"lbl-{uuid.uuid4().hex[:8]}"
     disaggregated(fleet, _prompt(150, seed=11), tid, salt=tid)
     record = digests(fleet, "prefill", tid)
+    # The prefiller waited for the reservation: no page had to be caught up after its layer.
+    assert record["caught_up_pages"] == 0
     saved, posted = record["layer_saved_at"], record["layer_posted_at"]
     for layer in range(len(saved) - 1):
         assert saved[layer] <= posted[layer] <= saved[layer + 1], (layer, saved, posted)

@@ -84,6 +84,8 @@ class PrefillPush:
     last_completed_at: float = 0.0
     #: computed_end of the step being executed (set by on_step, applied per saved layer).
     pending_end: int = 0
+    #: pages posted late, from the kept blocks, because the reservation came after their layer.
+    caught_up_pages: int = 0
 
     def __post_init__(self) -> None:
         self.computed_upto = [0] * self.num_layers
@@ -235,10 +237,12 @@ class KVPusher:
                 self._post(push, layer)
 
     def _catch_up(self, push: PrefillPush) -> None:
+        before = push.pages_posted
         for layer in range(push.num_layers):
             if push.state is not PushState.PUSHING:
-                return
+                break
             self._post(push, layer)
+        push.caught_up_pages += push.pages_posted - before
 
     def _post(self, push: PrefillPush, layer: int) -> None:
         res = push.reservation
@@ -363,6 +367,7 @@ class KVPusher:
                  for layer in range(push.num_layers) for p in range(res.first_page, push.total_pages)]
         record: dict[str, Any] = {
             "transfer_id": push.transfer_id, "role": "prefill", "pages": pages, "tail_s": tail_s,
+            "caught_up_pages": push.caught_up_pages,
             "layer_saved_at": push.layer_saved_at, "layer_posted_at": push.layer_posted_at,
         }
         Path(self.settings.kv_digest_dir, f"prefill-{push.transfer_id}.json").write_text(json.dumps(record))

@@ -87,6 +87,8 @@ class KvxferStepMetadata(KVConnectorMetadata):
 
     loads: list[LoadSpec] = field(default_factory=list)
     pushes: list[PushSpec] = field(default_factory=list)
+    #: prefill requests vLLM finished whose blocks wait for the push (report them finished_sending).
+    finished_pushes: list[str] = field(default_factory=list)
     #: prefill requests preempted (their blocks are gone): stop pushing.
     preempted: list[str] = field(default_factory=list)
     #: nothing is scheduled this step: the worker may block briefly on pending loads.
