@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "futex_wait.hpp"
+#include "gil_release.hpp"
 #include "transfer_engine.hpp"
 
 namespace kvxfer {
@@ -134,7 +135,7 @@ PYBIND11_MODULE(_native, m) {
             // Small same-host writes finish inside write(): no GIL round trip for them.
             if (t.state->status.load(std::memory_order_acquire) != 0) return true;
             int64_t deadline = deadline_after(timeout_s);
-            py::gil_scoped_release release;
+            GilRelease release;
             return t.worker->wait_transfer(*t.state, deadline);  // the worker outlives close()
           }, py::arg("timeout_s"))
       .def("request_notify", [](PyTransfer& t) {
@@ -165,7 +166,7 @@ PYBIND11_MODULE(_native, m) {
              s.worker.inbox_max_messages = inbox_max_messages;
              s.worker.inbox_max_bytes = inbox_max_bytes;
              s.populate_on_register = populate_on_register;
-             py::gil_scoped_release release;
+             GilRelease release;
              return std::make_shared<TransferEngine>(s);
            }),
            py::arg("provider"), py::arg("rails"), py::arg("bind_host"), py::arg("transfer_timeout_s"),
@@ -198,11 +199,11 @@ PYBIND11_MODULE(_native, m) {
       })
       .def("register", [](TransferEngine& e, uintptr_t addr, uint64_t length, int share_fd,
                           uint64_t share_offset) {
-            py::gil_scoped_release release;
+            GilRelease release;
             return e.register_memory(addr, length, share_fd, share_offset);
           }, py::arg("addr"), py::arg("length"), py::arg("share_fd") = -1, py::arg("share_offset") = 0)
       .def("deregister", [](TransferEngine& e, const MemoryRegionPtr& r) {
-            py::gil_scoped_release release;
+            GilRelease release;
             e.deregister(r);
           })
       .def("descriptor", [](const TransferEngine& e, const MemoryRegion& r) { return py::bytes(e.descriptor(r)); })
@@ -216,7 +217,7 @@ PYBIND11_MODULE(_native, m) {
                      len = non_negative(length, "length");
             TransferStatePtr t;
             {
-              py::gil_scoped_release release;
+              GilRelease release;
               t = e->submit(mr, remote, {SingleWrite{so, dof, len}, i});
             }
             return PyTransfer{t, &e->worker(), e};
@@ -239,26 +240,26 @@ PYBIND11_MODULE(_native, m) {
             TransferStatePtr t;
             {
               // The arrays stay referenced by this frame, so planning reads them in place.
-              py::gil_scoped_release release;
+              GilRelease release;
               t = e->submit(mr, remote, {w, i});
             }
             return PyTransfer{t, &e->worker(), e};
           })
       .def("write_imm", [](std::shared_ptr<TransferEngine> e, std::shared_ptr<EngineAddress> peer, int64_t imm) {
             auto i = to_imm(imm);
-            py::gil_scoped_release release;
+            GilRelease release;
             return PyTransfer{e->write_imm(peer, *i), &e->worker(), e};
           })
       .def("send", [](std::shared_ptr<TransferEngine> e, std::shared_ptr<EngineAddress> peer, const py::bytes& payload) {
             std::string p = payload;
-            py::gil_scoped_release release;
+            GilRelease release;
             return PyTransfer{e->send(peer, std::move(p)), &e->worker(), e};
           })
       .def("recv", [](TransferEngine& e, double timeout_s) -> py::object {
             int64_t deadline = deadline_after(timeout_s);
             std::optional<std::string> msg;
             {
-              py::gil_scoped_release release;
+              GilRelease release;
               msg = e.worker().recv(deadline);
             }
             if (!msg) return py::none();
@@ -270,12 +271,12 @@ PYBIND11_MODULE(_native, m) {
       .def("wait_imm", [](TransferEngine& e, int64_t imm, uint64_t count, double timeout_s) {
             auto i = to_imm(imm);
             int64_t deadline = deadline_after(timeout_s);
-            py::gil_scoped_release release;
+            GilRelease release;
             return e.worker().wait_imm(*i, count, deadline);
           })
       .def("expect_imm", [](TransferEngine& e, int64_t imm, uint64_t count, uint64_t token) {
             auto i = to_imm(imm);
-            py::gil_scoped_release release;
+            GilRelease release;
             e.worker().expect_imm(*i, count, token);
           })
       .def_property_readonly("event_fd", [](TransferEngine& e) { return e.worker().event_fd(); })
@@ -287,11 +288,11 @@ PYBIND11_MODULE(_native, m) {
             return out;
           })
       .def("connect", [](TransferEngine& e, std::shared_ptr<EngineAddress> peer) {
-            py::gil_scoped_release release;
+            GilRelease release;
             e.connect(peer);
           })
       .def("forget", [](TransferEngine& e, std::shared_ptr<EngineAddress> peer) {
-            py::gil_scoped_release release;
+            GilRelease release;
             e.forget(*peer);
           })
       .def("stats", [](TransferEngine& e) {
@@ -318,7 +319,7 @@ PYBIND11_MODULE(_native, m) {
             return stats_dict(e.worker().same_host_stats());
           })
       .def("close", [](TransferEngine& e) {
-            py::gil_scoped_release release;
+            GilRelease release;
             e.close();
           })
       .def_property_readonly("closed", &TransferEngine::closed);

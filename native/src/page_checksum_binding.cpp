@@ -3,6 +3,7 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include "gil_release.hpp"
 #include "page_checksum.hpp"
 
 namespace py = pybind11;
@@ -19,7 +20,7 @@ void bind_page_checksum(py::module_& m) {
         if (!PyBuffer_IsContiguous(info.view(), 'C')) throw py::value_error("crc32c needs a contiguous buffer");
         const auto* p = static_cast<const uint8_t*>(info.ptr);
         size_t n = static_cast<size_t>(info.size) * static_cast<size_t>(info.itemsize);
-        py::gil_scoped_release release;
+        GilRelease release;
         return portable ? crc32c_portable(p, n, crc) : crc32c(p, n, crc);
       },
       py::arg("data"), py::arg("crc") = 0, py::arg("portable") = false,
@@ -33,7 +34,7 @@ void bind_page_checksum(py::module_& m) {
         size_t count = static_cast<size_t>(pages.size());
         {
           // Pages are read in place (the KV cache): no copy, other threads run meanwhile.
-          py::gil_scoped_release release;
+          GilRelease release;
           page_crc32c(reinterpret_cast<const uint8_t*>(address), length, offset, page_bytes, ids, count, dst);
         }
         return out;
