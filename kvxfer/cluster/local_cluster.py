@@ -113,6 +113,10 @@ class LocalCluster:
         return LocalEtcd(log_path=self.log_dir / "etcd.log")
 
     def _signal(self, proc: subprocess.Popen[bytes], sig: int) -> None:
+        if self.engine == "vllm" and sig == signal.SIGTERM and proc is not self.router:
+            # vLLM drains on SIGTERM to its API server; its worker process dies on one.
+            os.kill(proc.pid, sig)
+            return
         os.killpg(proc.pid, sig)
 
     @property

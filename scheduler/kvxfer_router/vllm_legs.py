@@ -103,6 +103,7 @@ async def _relay_stream(lc: RequestLifecycle, decode: WorkerView, path: str, bod
     chat = lc.job.kind == "chat"
     usage: dict[str, Any] | None = None
     finish: str | None = None
+    tokens = 0
     stream = lc._d.stream_lines(decode, path, body, stage=stage, request_id=attempt_id,
                                 rejected_statuses=(400, 422), end_marker="[DONE]")
     async with contextlib.aclosing(stream) as lines:
@@ -111,6 +112,11 @@ async def _relay_stream(lc: RequestLifecycle, decode: WorkerView, path: str, bod
                 continue
             data = line[5:].strip()
             if data == "[DONE]":
+                if finish == "abort" and tokens == 0:
+                    # vLLM refuses a request that arrives while it drains (SIGTERM) this way;
+                    # nothing reached the client, so the attempt may be retried elsewhere.
+                    raise LegFailure(attempt_id, decode, stage, "the instance aborted the request before its "
+                                     "first token (draining?)")
                 lc._finish({"finish_reason": finish or "stop", "usage": usage})
                 return
             try:
@@ -126,6 +132,7 @@ async def _relay_stream(lc: RequestLifecycle, decode: WorkerView, path: str, bod
             for choice in chunk.get("choices") or ():
                 text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
                 if text:
+                    tokens += 1
                     lc._token(-1, str(text))
                 if choice.get("finish_reason"):
                     finish = str(choice["finish_reason"])

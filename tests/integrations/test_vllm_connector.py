@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -155,6 +156,25 @@ def test_each_layer_is_posted_before_the_next_is_computed_and_the_tail_is_measur
     for layer in range(len(saved) - 1):
         assert saved[layer] <= posted[layer] <= saved[layer + 1], (layer, saved, posted)
     assert record["tail_s"] > 0
+
+
+def test_a_reservation_arriving_after_the_prompt_was_computed_is_caught_up_exactly(fleet: VllmFleet) -> None:
+    # The prefiller stops waiting after reservation_wait_s and computes; its blocks are kept,
+    # and a decoder that reserves afterwards still gets every page of every layer, exact.
+    p, d = fleet.record("prefill-a"), fleet.record("decode-a")
+    tid = f"late-{uuid.uuid4().hex[:8]}"
+    prompt = _prompt(150, seed=13)  # three chunks of the prefill instance
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 5, "cache_salt": tid}
+    on_p = httpx.post(fleet.instances["prefill-a"].url + "/v1/completions", timeout=60,
+                      json={**body, "max_tokens": 1, "kv_transfer_params": _params("prefill", tid, d.engine_address)})
+    assert on_p.status_code == 200, on_p.text
+    on_d = httpx.post(fleet.instances["decode-a"].url + "/v1/completions", timeout=60,
+                      json={**body, "kv_transfer_params": _params("decode", tid, p.engine_address)})
+    assert on_d.status_code == 200, on_d.text
+    assert_same_as_colocated(on_d.json()["choices"][0], colocated(fleet, prompt))
+    record = digests(fleet, "prefill", tid)
+    assert record["caught_up_pages"] == 4 * 5  # every page came from the kept blocks
+    assert kv_pages_equal(fleet, tid)
 
 
 # ---- faults ---------------------------------------------------------------------------------
@@ -306,6 +326,66 @@ def test_router_refuses_client_kv_transfer_params(router: str) -> None:
     r = httpx.post(router + "/v1/completions", timeout=30, json={
         "model": "tiny", "prompt": "hi", "kv_transfer_params": {"kvxfer": {"role": "decode"}}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params"
+
+
+# ---- scale up and drain, through the router --------------------------------------------------
+
+def test_decode_instance_added_under_load_gets_traffic_recomputes_and_drains_on_sigterm(
+        fleet: VllmFleet, router: str) -> None:
+    prompt_text = "The license grants permission " * 12
+    ref = httpx.post(fleet.instances["prefill-a"].url + "/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": prompt_text, "max_tokens": 6, "temperature": 0,
+        "cache_salt": uuid.uuid4().hex}).json()["choices"][0]["text"]
+    answers: list[tuple[int, str]] = []
+    stop = threading.Event()
+
+    def client() -> None:
+        while not stop.is_set():
+            r = httpx.post(router + "/v1/completions", timeout=120,
+                           json={"model": "tiny", "prompt": prompt_text, "max_tokens": 6, "temperature": 0})
+            answers.append((r.status_code, r.json()["choices"][0]["text"] if r.status_code == 200 else r.text))
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        clients = [pool.submit(client) for _ in range(2)]
+        try:
+            # Scale up under load: the new instance registers (after its warm-up) and gets traffic.
+            decode_b = fleet.start("decode-b", "kv_consumer", "1", kv_load_failure_policy="recompute")
+            fleet.wait_ready("decode-b")
+            warmup = decode_b.served()
+            wait_until(lambda: decode_b.served() > warmup, timeout_s=120, interval_s=0.5,
+                       what="the router sending traffic to the new decode instance")
+
+            # kv_load_failure_policy=recompute: a stalled push ends in a local recompute, exact.
+            prompt = _prompt(120, seed=71)
+            tid = f"fault-stall_after_layer-rc-{uuid.uuid4().hex[:8]}"
+            _, on_d = disaggregated(fleet, prompt, tid, salt=tid, decode="decode-b")
+            assert on_d.status_code == 200, on_d.text
+            assert_same_as_colocated(on_d.json()["choices"][0], colocated(fleet, prompt))
+            assert f"transfer {tid} " in decode_b.log_text() and "load failed" in decode_b.log_text()
+
+            # SIGTERM with a request in flight on it: that request finishes whole, the
+            # instance leaves the registry, and the router's clients never see an error.
+            long_run = pool.submit(httpx.post, decode_b.url + "/v1/completions", timeout=120, json={
+                "model": "tiny", "prompt": _prompt(40, seed=72), "max_tokens": 300, "temperature": 0,
+                "ignore_eos": True})
+            wait_until(lambda: "Added request" in decode_b.log_text() or decode_b.served() > 0, timeout_s=5)
+            time.sleep(0.3)
+            decode_b.drain()
+            r = long_run.result()
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            assert choice["finish_reason"] == "length" and r.json()["usage"]["completion_tokens"] == 300
+            assert decode_b.process.wait(60) == 0
+            assert "withdrawing from the registry" in decode_b.log_text()
+            served_before = len(answers)
+            wait_until(lambda: len(answers) >= served_before + 4, timeout_s=60, interval_s=0.2,
+                       what="requests served after the drain")
+        finally:
+            stop.set()
+            for c in clients:
+                c.result()
+    assert answers and all(code == 200 and text == ref for code, text in answers), \
+        [a for a in answers if a != (200, ref)][:3]
 
 
 # ---- last: the prefiller dies -----------------------------------------------------------------

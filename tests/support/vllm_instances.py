@@ -43,6 +43,7 @@ class VllmInstance:
     spec: VllmInstanceSpec
     process: subprocess.Popen[bytes]
     log_path: Path
+    registers: bool = False
 
     @property
     def url(self) -> str:
@@ -52,6 +53,16 @@ class VllmInstance:
     def log_text(self) -> str:
         """Its log so far (for assertion messages)."""
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def drain(self) -> None:
+        """SIGTERM to the API server alone: vLLM drains (--shutdown-timeout) and exits; its
+        worker process would die at once on a SIGTERM of its own."""
+        if self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGTERM)
+
+    def served(self) -> int:
+        """Completions this instance answered 200 so far (its access log)."""
+        return self.log_text().count('"POST /v1/completions HTTP/1.1" 200')
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Signal the whole process group (API server, engine core, worker)."""
@@ -110,12 +121,13 @@ class VllmFleet:
         log_path = self.work_dir / f"{name}.log"
         proc = subprocess.Popen(spec.argv(), env=spec.env(), stdout=log_path.open("wb"), stderr=subprocess.STDOUT,
                                 start_new_session=True)
-        inst = VllmInstance(name, spec, proc, log_path)
+        inst = VllmInstance(name, spec, proc, log_path, registers=kv_role is not None and register)
         self.instances[name] = inst
         return inst
 
     def wait_ready(self, *names: str, timeout_s: float = READY_TIMEOUT_S) -> None:
-        """Until every named instance answers /v1/models; RuntimeError with its log tail if one dies."""
+        """Until every named instance answers /v1/models and, where it registers, has published its
+        record (it does so after its warm-up completion); RuntimeError with its log tail if one dies."""
         deadline = time.monotonic() + timeout_s
         for name in names:
             inst = self.instances[name]
@@ -131,6 +143,9 @@ class VllmFleet:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"vLLM instance {name} not ready in {timeout_s}s:\n{inst.log_text()[-4000:]}")
                 time.sleep(1.0)
+        for name in names:
+            if self.instances[name].registers:
+                self.record(name, timeout_s=max(60.0, deadline - time.monotonic()))
 
     def record(self, name: str, timeout_s: float = 60.0) -> WorkerRecord:
         """The instance's signed record in etcd."""

@@ -75,7 +75,14 @@ class KvxferConnector(KVConnectorBase_V1):
             model = vllm_config.model_config
             name = model.served_model_name
             name = name[0] if isinstance(name, (list, tuple)) else name
-            self._worker = WorkerSide(self.settings, self.kv_role, str(name or model.model))
+            self._worker = WorkerSide(self.settings, self.kv_role, str(name or model.model),
+                                      warmup_prompt_tokens=self._warmup_prompt_tokens(vllm_config, block_size))
+
+    def _warmup_prompt_tokens(self, vllm_config: VllmConfig, block_size: int) -> int:
+        if self.settings.warmup_prompt_tokens is not None:
+            return self.settings.warmup_prompt_tokens
+        chunk = int(vllm_config.scheduler_config.max_num_batched_tokens)
+        return max(0, min(chunk + block_size, int(vllm_config.model_config.max_model_len) - 2))
 
     # ---- worker side -----------------------------------------------------------------------
 

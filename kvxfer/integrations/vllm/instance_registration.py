@@ -12,6 +12,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -28,7 +29,7 @@ class InstanceRegistration:
     """Publishes this instance once its KV cache is registered; withdrawn at shutdown."""
 
     def __init__(self, settings: ConnectorSettings, kv_role: str, model: str, engine_address_hex: str,
-                 region: KVRegion) -> None:
+                 region: KVRegion, warmup_prompt_tokens: int = 0) -> None:
         if not settings.advertise_url:
             raise ConnectorConfigError("kv_connector_extra_config: etcd is set but advertise_url (this "
                                        "instance's OpenAI API URL, as the router reaches it) is not")
@@ -51,12 +52,18 @@ class InstanceRegistration:
         self._thread: threading.Thread | None = None
         self._last_running = -1
         self._wait_s = settings.registration_wait_s
+        self._warmup_tokens = warmup_prompt_tokens
+        self._warmup_timeout_s = settings.warmup_timeout_s
 
     def start(self) -> None:
-        """Registers in the background once the instance's own OpenAI API answers.
+        """Registers in the background once the instance's own OpenAI API answers and is warm.
 
         The KV cache is registered before vLLM's API server listens; a record published
-        then would send the router to a port that refuses connections.
+        then would send the router to a port that refuses connections. A fresh CPU instance
+        also spends seconds on its first request that asks for logprobs (measured: 6.9 s, then
+        0.7 s, on the test model), long enough for a hand-off to miss its load_timeout_s; so
+        one completion with logprobs that crosses a chunk boundary runs before the record
+        goes out.
         """
         def run() -> None:
             deadline = time.monotonic() + self._wait_s
@@ -72,6 +79,7 @@ class InstanceRegistration:
                 log.error("kvxfer connector: %s did not answer within registration_wait_s=%.0f; not registering",
                           url, self._wait_s)
                 return
+            self._warm_up()
             try:
                 self._registration.register(self._record)
                 log.info("kvxfer connector: registered %s as %s worker %s", self._record.http_url,
@@ -81,6 +89,25 @@ class InstanceRegistration:
 
         self._thread = threading.Thread(target=run, name="kvxfer-registration", daemon=True)
         self._thread.start()
+
+    def _warm_up(self) -> None:
+        if self._warmup_tokens <= 0:
+            return
+        # Token ids, not text: any tokenizer has ids 10..509, and the length is exact. A
+        # fresh cache salt keeps the warm-up out of the prefix cache users share.
+        prompt = [10 + i % 500 for i in range(self._warmup_tokens)]
+        body = {"model": self._record.model, "prompt": prompt, "max_tokens": 2, "temperature": 0, "logprobs": 5,
+                "cache_salt": f"kvxfer-warmup-{uuid.uuid4().hex}"}
+        started = time.monotonic()
+        try:
+            r = httpx.post(self._record.http_url.rstrip("/") + "/v1/completions", json=body,
+                           timeout=self._warmup_timeout_s, trust_env=False)
+            r.raise_for_status()
+        except httpx.HTTPError as exc:
+            log.warning("kvxfer connector: warm-up completion failed (%s); registering anyway", exc)
+            return
+        log.info("kvxfer connector: warm-up completion of %d prompt tokens took %.1f s",
+                 self._warmup_tokens, time.monotonic() - started)
 
     def note_load(self, running: int) -> None:
         """Publishes the number of hand-offs in flight (coalesced by the registration)."""

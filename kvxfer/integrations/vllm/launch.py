@@ -37,6 +37,9 @@ class VllmInstanceSpec:
     kv_load_failure_policy: Literal["fail", "recompute"] = "fail"
     extra_config: dict[str, Any] = field(default_factory=dict)
     enforce_eager: bool = True  # start-up in about a third of the time on CPU; same kernels
+    #: SIGTERM to the API server process (not its group: vLLM's worker dies on SIGTERM) drains:
+    #: requests in flight finish within this many seconds, new ones are refused.
+    shutdown_timeout_s: int = 30
     connector: str = "KvxferConnector"
     connector_module: str = "kvxfer.integrations.vllm"
 
@@ -55,6 +58,8 @@ class VllmInstanceSpec:
             args += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
         if self.enforce_eager:
             args.append("--enforce-eager")
+        if self.shutdown_timeout_s > 0:
+            args += ["--shutdown-timeout", str(self.shutdown_timeout_s)]
         if self.kv_role is not None:
             args += ["--kv-transfer-config", json.dumps(self.kv_transfer_config())]
         return args

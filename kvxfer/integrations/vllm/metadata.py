@@ -95,6 +95,9 @@ class KvxferStepMetadata(KVConnectorMetadata):
     idle: bool = False
     #: prefill requests wait for their reservation: the worker may block briefly on its inbox.
     awaiting_reservations: bool = False
+    #: the engine got SIGTERM and drains its requests: withdraw from the registry now, so
+    #: routers stop sending new ones (vLLM refuses requests added while it drains).
+    draining: bool = False
 
 
 @dataclass

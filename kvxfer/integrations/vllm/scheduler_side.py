@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import logging
 import math
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -62,6 +64,27 @@ class SchedulerSide:
         self._pushes: dict[str, _ActivePush] = {}
         self._finished_pushes: list[str] = []
         self._awaiting_send: set[str] = set()  # finished on vLLM's side, blocks held for the push
+        self._draining = False
+        self._watch_sigterm()
+
+    def _watch_sigterm(self) -> None:
+        # vLLM's API server answers SIGTERM by asking the engine core to drain (with
+        # --shutdown-timeout), which arrives here as SIGTERM too. Wrap vLLM's handler, so the
+        # worker learns of the drain on the next step and withdraws the registry record
+        # while the requests in flight finish.
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread (tests build us elsewhere)
+        previous = signal.getsignal(signal.SIGTERM)
+
+        def on_sigterm(signum: int, frame: Any) -> None:
+            self._draining = True
+            if callable(previous):
+                previous(signum, frame)
+            elif previous == signal.SIG_DFL:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                signal.raise_signal(signal.SIGTERM)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
 
     def bind_kv_cache_manager(self, manager: Any) -> None:
         """vLLM's block manager, to read a request's block table."""
@@ -130,7 +153,7 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvxferStepMetadata:
         """This step's loads to start, pushes to make, finished and preempted pushes."""
         meta = KvxferStepMetadata(idle=scheduler_output.total_num_scheduled_tokens == 0,
-                                  awaiting_reservations=bool(self._gated_since))
+                                  awaiting_reservations=bool(self._gated_since), draining=self._draining)
         for spec in self._loads_to_send:
             self._pending_loads.pop(spec.request_id, None)
             self._loads_in_flight.add(spec.request_id)

@@ -59,6 +59,13 @@ class ConnectorSettings(BaseModel):
     registration_wait_s: float = Field(
         900.0, gt=0, description="how long to wait for this instance's API to answer before registering (model "
         "loading and warm-up come first; a record published earlier would send the router to a closed port)")
+    warmup_prompt_tokens: int | None = Field(
+        None, ge=0, description="prompt tokens of the warm-up completion this instance sends itself before it "
+        "registers: a fresh CPU instance's first request with logprobs, or across a chunk boundary, takes seconds, "
+        "and a hand-off that meets it misses its load_timeout_s. Default: max_num_batched_tokens + one block (a prompt that crosses "
+        "a chunk boundary), capped below max_model_len; 0: no warm-up")
+    warmup_timeout_s: float = Field(300.0, gt=0, description="the warm-up completion fails after this long "
+                                    "(the instance then registers anyway, with a warning)")
     registry_role: Literal["prefill", "decode"] | None = Field(
         None, description="role published in the registry (default from kv_role; kv_both: decode)")
     worker_id: str | None = Field(None, description="id in the registry (default vllm-ROLE-PID)")

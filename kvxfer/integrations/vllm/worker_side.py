@@ -31,8 +31,10 @@ _MAX_MESSAGES_PER_POLL = 256
 class WorkerSide:
     """Engine, pusher and receiver of one vLLM worker."""
 
-    def __init__(self, settings: ConnectorSettings, kv_role: str, model_name: str) -> None:
+    def __init__(self, settings: ConnectorSettings, kv_role: str, model_name: str,
+                 warmup_prompt_tokens: int = 0) -> None:
         self.settings = settings
+        self.warmup_prompt_tokens = warmup_prompt_tokens
         self.kv_role = kv_role
         self.model_name = model_name
         self.metrics = ConnectorMetrics(kv_role)
@@ -71,7 +73,7 @@ class WorkerSide:
         self.metrics.serve(s.metrics_port)
         if s.etcd:
             self.registration = InstanceRegistration(s, self.kv_role, self.model_name, self.engine.address.hex(),
-                                                     self.region)
+                                                     self.region, self.warmup_prompt_tokens)
             self.registration.start()
 
     @staticmethod
@@ -93,6 +95,10 @@ class WorkerSide:
     def bind(self, meta: KvxferStepMetadata) -> None:
         """The scheduler's instructions for this step."""
         self._meta = meta
+        if meta.draining and self.registration is not None:
+            log.info("kvxfer connector: the engine drains its requests (SIGTERM); withdrawing from the registry")
+            self.registration.stop()
+            self.registration = None
         if self.pusher is not None:
             self.pusher.on_step(meta)
 
