@@ -129,6 +129,39 @@ class RegisteredMemory:
         return f"RegisteredMemory(addr=0x{self.address:x}, length={self.length})"
 
 
+class MemoryWindows:
+    """Parts of a registered buffer, each registered again with fresh random keys.
+
+    `descriptor` lets a peer write into these parts of the parent buffer only (anything
+    else is refused before it is posted, and the keys of the parent are not in it), and
+    only until `close()`: after that a fabric write with it fails at the writer and lands
+    nothing. Made by `TransferEngine.register_windows`; closing twice is harmless.
+    """
+
+    def __init__(self, engine: "TransferEngine", native: Any, parent: RegisteredMemory) -> None:
+        self._engine = engine
+        self._native = native
+        self.parent = parent
+        self.descriptor: bytes = engine._native.windows_descriptor(native)
+
+    @property
+    def ranges(self) -> list[tuple[int, int]]:
+        """(offset, length) of each window in the parent buffer, sorted."""
+        return [(int(o), int(n)) for o, n in self._native.ranges]
+
+    @property
+    def closed(self) -> bool:
+        """True once the windows' registrations are closed (by `close()` or the engine's)."""
+        return bool(self._native.closed)
+
+    def close(self) -> None:
+        """Revokes the descriptor: closes every window's registration on every rail."""
+        self._engine._native.close_windows(self._native)
+
+    def __repr__(self) -> str:
+        return f"MemoryWindows({len(self.ranges)} windows of {self.parent!r}, closed={self.closed})"
+
+
 class Transfer:
     """Handle of one submitted transfer: wait on it (with a timeout) or await it."""
 
@@ -355,6 +388,15 @@ class TransferEngine:
         self._native.deregister(region._native)
         region._registered = False
         self._regions.remove(region)
+
+    def register_windows(self, region: RegisteredMemory, ranges: list[tuple[int, int]]) -> MemoryWindows:
+        """Registers each (offset, length) of `region` again with fresh keys (see `MemoryWindows`).
+
+        Ranges must be non-empty, inside the region and disjoint (`BoundsError`). Costs one
+        provider registration per window per rail: see benchmarks/bench_registration.py.
+        """
+        native = self._native.register_windows(self._local(region), [(int(o), int(n)) for o, n in ranges])
+        return MemoryWindows(self, native, region)
 
     def _local(self, mr: Any) -> Any:
         # The native layer trusts its region handle: a raw buffer, another engine's region or

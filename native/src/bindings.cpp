@@ -105,6 +105,15 @@ PYBIND11_MODULE(_native, m) {
       .def_readonly("addr", &MemoryRegion::addr)
       .def_readonly("length", &MemoryRegion::length);
 
+  py::class_<MemoryWindows, MemoryWindowsPtr>(m, "MemoryWindows")
+      .def_readonly("id", &MemoryWindows::id)
+      .def_property_readonly("closed", [](const MemoryWindows& w) { return w.closed; })
+      .def_property_readonly("ranges", [](const MemoryWindows& w) {
+        std::vector<std::pair<uint64_t, uint64_t>> out;
+        for (const auto& x : w.windows) out.emplace_back(x.offset, x.length);
+        return out;
+      });
+
   py::class_<RemoteRegion, RemoteRegionPtr>(m, "RemoteRegion")
       .def_property_readonly("length", [](const RemoteRegion& r) { return r.descriptor.length; })
       .def_property_readonly("engine_id", [](const RemoteRegion& r) { return r.owner->engine_id; })
@@ -206,6 +215,16 @@ PYBIND11_MODULE(_native, m) {
             e.deregister(r);
           })
       .def("descriptor", [](const TransferEngine& e, const MemoryRegion& r) { return py::bytes(e.descriptor(r)); })
+      .def("register_windows", [](TransferEngine& e, const MemoryRegionPtr& parent,
+                                  std::vector<std::pair<uint64_t, uint64_t>> ranges) {
+            py::gil_scoped_release release;
+            return e.register_windows(parent, std::move(ranges));
+          })
+      .def("close_windows", [](TransferEngine& e, const MemoryWindowsPtr& w) {
+            py::gil_scoped_release release;
+            e.close_windows(w);
+          })
+      .def("windows_descriptor", [](const TransferEngine& e, const MemoryWindows& w) { return py::bytes(e.descriptor(w)); })
       .def("parse_remote", [](const TransferEngine& e, const py::bytes& b) { return e.parse_remote(b); })
       .def("parse_peer", [](const TransferEngine& e, const py::bytes& b) { return std::const_pointer_cast<EngineAddress>(e.parse_peer(b)); })
       .def("write", [](std::shared_ptr<TransferEngine> e, const MemoryRegionPtr& mr, int64_t src_offset,

@@ -2,7 +2,10 @@
 
 #include <rdma/fi_errno.h>
 
+#include <sys/random.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <set>
 
@@ -183,13 +186,35 @@ void FabricRail::close_all() noexcept {
   info_ = nullptr;
 }
 
-RailRegistration FabricRail::register_region(void* addr, size_t length, uint64_t requested_key) {
+namespace {
+
+// 64 bits from the kernel's CSPRNG: a memory key is a capability, so it must not be guessable.
+uint64_t random_mr_key() {
+  uint64_t key = 0;
+  char* out = reinterpret_cast<char*>(&key);
+  size_t got = 0;
+  while (got < sizeof key) {
+    ssize_t n = getrandom(out + got, sizeof key - got, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) throw EngineError(std::string("getrandom for a memory key failed: ") + std::strerror(errno));
+    got += static_cast<size_t>(n);
+  }
+  return key;
+}
+
+// Random keys collide with one already in use about never (n^2 / 2^65); a retry covers it.
+constexpr int kKeyAttempts = 4;
+
+}  // namespace
+
+RailRegistration FabricRail::register_region(void* addr, size_t length) {
   RailRegistration reg;
   struct fid_mr* mr = nullptr;
   uint64_t access = FI_WRITE | FI_REMOTE_WRITE | FI_SEND | FI_RECV;
-  check(fi_mr_reg(domain_, addr, length, access, 0, caps_.prov_key ? 0 : requested_key, 0, &mr,
-                  nullptr),
-        "fi_mr_reg");
+  int rc = -FI_ENOKEY;
+  for (int attempt = 0; attempt < kKeyAttempts && rc == -FI_ENOKEY; ++attempt)
+    rc = fi_mr_reg(domain_, addr, length, access, 0, caps_.prov_key ? 0 : random_mr_key(), 0, &mr, nullptr);
+  check(rc, "fi_mr_reg");
   if (caps_.mr_endpoint) {
     int rc = fi_mr_bind(mr, &ep_->fid, 0);
     if (!rc) rc = fi_mr_enable(mr);

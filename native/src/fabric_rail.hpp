@@ -52,7 +52,11 @@ class FabricRail {
   const RailCapabilities& caps() const { return caps_; }
   const std::string& address() const { return address_; }
 
-  RailRegistration register_region(void* addr, size_t length, uint64_t requested_key);
+  // Registers [addr, addr + length) for local use and remote writes. The key is the
+  // provider's own (FI_MR_PROV_KEY) or 64 random bits from getrandom(): a peer cannot
+  // guess it, so only holders of the descriptor can write (a key was once region id << 8,
+  // the same in every process, and one forged descriptor reached any KV cache).
+  RailRegistration register_region(void* addr, size_t length);
   void deregister(RailRegistration& reg);
 
   fi_addr_t insert_peer(const std::string& raw_address);

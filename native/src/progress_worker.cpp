@@ -102,7 +102,7 @@ void ProgressWorker::post_recv_slots() {
   for (size_t r = 0; r < rails_.size(); ++r) {
     recv_buffers_.emplace_back(settings_.recv_slots_per_rail * settings_.recv_slot_bytes);
     auto& buf = recv_buffers_.back();
-    recv_registrations_.push_back(rails_.rail(r).register_region(buf.data(), buf.size(), 0xfff0 + r));
+    recv_registrations_.push_back(rails_.rail(r).register_region(buf.data(), buf.size()));
     for (size_t i = 0; i < settings_.recv_slots_per_rail; ++i) {
       RecvSlot& slot = recv_slots_[r * settings_.recv_slots_per_rail + i];
       slot.rail = static_cast<uint16_t>(r);
@@ -331,7 +331,7 @@ bool ProgressWorker::drain_submissions() {
       if (rails_.caps().mr_local && !batch->payload.empty()) {
         for (size_t r = 0; r < rails_.size(); ++r)
           batch->payload_registration.push_back(
-              rails_.rail(r).register_region(batch->payload.data(), batch->payload.size(), 0));
+              rails_.rail(r).register_region(batch->payload.data(), batch->payload.size()));
         for (auto& op : batch->ops) op.desc[0] = batch->payload_registration[op.rail].local_desc;
       }
     } catch (const std::exception& e) {
