@@ -220,6 +220,14 @@ class DecodeMetrics:
             "kvxfer_decode_caller_limit_rejections",
             "Reservations refused (429) because their caller already held max_reservations_per_caller.",
             registry=registry)
+        self.reservation_registrations = Counter(
+            "kvxfer_decode_reservation_registrations",
+            "Per-reservation memory registrations made (kv_registration=per_reservation); each is closed when "
+            "its reservation stops waiting for KV.", registry=registry)
+        self.reservation_registrations_open = Gauge(
+            "kvxfer_decode_reservation_registrations_open",
+            "Per-reservation registrations whose descriptor can still write (reservations waiting for KV).",
+            registry=registry)
         self.stray_immediates = Counter(
             "kvxfer_decode_stray_immediates",
             "Immediates that arrived for a reservation before it existed (or beyond its expected count): "

@@ -10,10 +10,8 @@ does not: this is what the per-reservation registration relies on).
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
 
-import numpy as np
 import pytest
 from support.engine_pairs import KIB, LOOPBACK, EnginePair, assert_same_bytes, assert_zero
 from support.engine_peer import seeded_bytes
