@@ -337,6 +337,9 @@ _ENGINE_COUNTERS: tuple[tuple[str, str, str], ...] = (
 #: Engine-wide counters (no rail label): (metric name, engine_stats() key, help). Losses the
 #: engine used to take silently; any increase is worth an alert.
 _ENGINE_WIDE_COUNTERS: tuple[tuple[str, str, str], ...] = (
+    ("kvxfer_engine_imm_foreign_dropped", "imm_foreign_dropped",
+     "Immediates from a sender other than the one peer their reservation names (bind_imm_source): dropped, "
+     "never credited."),
     ("kvxfer_engine_imm_table_overflows", "imm_table_overflows",
      "Immediate arrivals dropped because the engine's immediate table was full "
      "(imm_table_capacity distinct values); waits on those immediates fail."),

@@ -532,6 +532,20 @@ class TransferEngine:
         """Adds a peer now instead of at its first transfer."""
         self._native.connect(self._peer(address))
 
+    def bind_imm_source(self, imm: int, address: bytes) -> bool:
+        """Credits `imm` from now on only with arrivals sent by the engine at `address`.
+
+        Arrivals of `imm` from any other sender are dropped and counted
+        (`engine_stats()["imm_foreign_dropped"]`). Returns False, binding nothing, where the
+        provider cannot name a completion's sender (no FI_SOURCE: tcp in libfabric 1.17) or
+        the peer has another number of rails; `capabilities["source"]` says which.
+        """
+        return bool(self._native.bind_imm_source(int(imm), self._peer(address)))
+
+    def unbind_imm_source(self, imm: int) -> None:
+        """Lets any sender's arrivals count for `imm` again (see `bind_imm_source`)."""
+        self._native.unbind_imm_source(int(imm))
+
     def forget(self, address: bytes) -> None:
         """Drops a peer that went away; a later transfer to it reconnects."""
         peer = self._peer(address)

@@ -203,6 +203,7 @@ PYBIND11_MODULE(_native, m) {
         d["tx_size"] = c.tx_size;
         d["rx_size"] = c.rx_size;
         d["wait_fd"] = c.has_wait_fd;
+        d["source"] = c.source;
         return d;
       })
       .def("register", [](TransferEngine& e, uintptr_t addr, uint64_t length, int share_fd,
@@ -305,6 +306,14 @@ PYBIND11_MODULE(_native, m) {
               out.append(py::make_tuple(static_cast<uint32_t>(ev.kind), ev.token, ev.status));
             return out;
           })
+      .def("bind_imm_source", [](TransferEngine& e, uint32_t imm, std::shared_ptr<EngineAddress> peer) {
+            py::gil_scoped_release release;
+            return e.bind_imm_source(imm, peer);
+          })
+      .def("unbind_imm_source", [](TransferEngine& e, uint32_t imm) {
+            py::gil_scoped_release release;
+            e.unbind_imm_source(imm);
+          })
       .def("connect", [](TransferEngine& e, std::shared_ptr<EngineAddress> peer) {
             py::gil_scoped_release release;
             e.connect(peer);
@@ -325,6 +334,7 @@ PYBIND11_MODULE(_native, m) {
             const auto& imm = e.worker().imm_counters();
             py::dict d;
             d["imm_table_overflows"] = imm.overflowed();
+            d["imm_foreign_dropped"] = e.worker().imm_foreign_dropped();
             d["imm_table_capacity"] = imm.capacity();
             d["inbox_dropped_messages"] = s.inbox_dropped_messages.load();
             d["inbox_dropped_bytes"] = s.inbox_dropped_bytes.load();

@@ -39,10 +39,12 @@ bool uses_socket_addresses(const std::string& provider) {
   return provider == "tcp" || provider == "net" || provider == "sockets" || provider == "udp";
 }
 
-struct fi_info* make_hints(const std::string& provider) {
+struct fi_info* make_hints(const std::string& provider, bool want_source = false) {
   struct fi_info* hints = fi_allocinfo();
   if (!hints) throw EngineError("fi_allocinfo failed");
   hints->caps = FI_RMA | FI_WRITE | FI_REMOTE_WRITE | FI_MSG | FI_SEND | FI_RECV;
+  // FI_SOURCE lets the receiver learn who sent an immediate (ImmediateTracker::bind_source).
+  if (want_source) hints->caps |= FI_SOURCE;
   hints->ep_attr->type = FI_EP_RDM;
   // We can honour these modes: contexts are ours to give, and receive buffers are posted.
   hints->mode = FI_CONTEXT | FI_CONTEXT2 | FI_RX_CQ_DATA;
@@ -89,15 +91,18 @@ FabricRail::FabricRail(const std::string& provider, const std::string& bind_host
 
 FabricRail::~FabricRail() { close_all(); }
 
-void FabricRail::open(const std::string& provider, const std::string& bind_host,
-                      size_t device_index) {
+struct fi_info* FabricRail::choose(const std::string& provider, const std::string& bind_host,
+                                   size_t device_index, bool want_source) {
   const bool pin_host = !bind_host.empty() && uses_socket_addresses(provider);
   struct fi_info* all = nullptr;
-  struct fi_info* hints = make_hints(provider);
+  struct fi_info* hints = make_hints(provider, want_source);
   int rc = fi_getinfo(kFabricApiVersion, pin_host ? bind_host.c_str() : nullptr, nullptr,
                       pin_host ? FI_SOURCE : 0, hints, &all);
   fi_freeinfo(hints);
-  if (rc) throw FabricError("no libfabric provider '" + provider + "' with RDM+RMA here", rc);
+  if (rc) {
+    if (want_source) return nullptr;  // the caller asks again without FI_SOURCE
+    throw FabricError("no libfabric provider '" + provider + "' with RDM+RMA here", rc);
+  }
 
   // fi_getinfo lists one entry per NIC (and per address family): pick the n-th match.
   struct fi_info* chosen = nullptr;
@@ -115,12 +120,17 @@ void FabricRail::open(const std::string& provider, const std::string& bind_host,
     for (auto* i = all; i; i = i->next)
       if (provider_matches(i->fabric_attr->prov_name, provider) && k++ == want) chosen = i;
   }
-  if (!chosen) {
-    fi_freeinfo(all);
-    throw EngineError("libfabric lists no endpoint for provider '" + provider + "'");
-  }
-  info_ = fi_dupinfo(chosen);
+  struct fi_info* copy = chosen ? fi_dupinfo(chosen) : nullptr;
   fi_freeinfo(all);
+  if (!copy && !want_source) throw EngineError("libfabric lists no endpoint for provider '" + provider + "'");
+  return copy;
+}
+
+void FabricRail::open(const std::string& provider, const std::string& bind_host,
+                      size_t device_index) {
+  // With FI_SOURCE where the provider offers it (net), else without (tcp in 1.17).
+  info_ = choose(provider, bind_host, device_index, true);
+  if (!info_) info_ = choose(provider, bind_host, device_index, false);
 
   const uint64_t mr_mode = info_->domain_attr->mr_mode;
   caps_.provider = info_->fabric_attr->prov_name;
@@ -138,6 +148,7 @@ void FabricRail::open(const std::string& provider, const std::string& bind_host,
   caps_.tx_size = info_->tx_attr->size;
   caps_.rx_size = info_->rx_attr->size;
   caps_.inject_size = info_->tx_attr->inject_size;
+  caps_.source = info_->caps & FI_SOURCE;
 
   check(fi_fabric(info_->fabric_attr, &fabric_, nullptr), "fi_fabric");
   check(fi_domain(fabric_, info_, &domain_, nullptr), "fi_domain");
@@ -257,7 +268,13 @@ ssize_t FabricRail::post_recv(void* buf, size_t len, void* desc, void* context) 
 }
 
 ssize_t FabricRail::read_completions(struct fi_cq_data_entry* entries, size_t count) {
-  ssize_t n = fi_cq_read(cq_, entries, count);
+  ssize_t n;
+  if (caps_.source) {
+    if (sources_.size() < count) sources_.resize(count);
+    n = fi_cq_readfrom(cq_, entries, count, sources_.data());
+  } else {
+    n = fi_cq_read(cq_, entries, count);
+  }
   if (n == -FI_EAGAIN) return 0;
   return n;
 }

@@ -436,7 +436,7 @@ bool ProgressWorker::poll_rail(size_t r) {
       auto& e = entries[i];
       if (e.flags & (FI_RECV | FI_REMOTE_WRITE)) {
         if (e.flags & FI_REMOTE_CQ_DATA) {
-          imms_.on_arrival(e.data);
+          imms_.on_arrival(e.data, r, rail.source(i));
           if ((e.data >> 32) != kTrafficOnlyWeight)
             stats_[r]->imm_received.fetch_add(1, std::memory_order_relaxed);
         } else if (is_recv_slot(e.op_context)) {

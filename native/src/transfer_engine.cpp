@@ -400,6 +400,25 @@ void TransferEngine::connect(std::shared_ptr<const EngineAddress> peer) {
   worker_->run_on_worker([&] { worker_->peer_addresses(*peer); }, 30'000'000'000LL);
 }
 
+bool TransferEngine::bind_imm_source(uint32_t imm, std::shared_ptr<const EngineAddress> peer) {
+  check_open();
+  for (size_t r = 0; r < rails_->size(); ++r)
+    if (!rails_->rail(r).caps().source) return false;
+  // Our rail r hears the peer's rail r only when both have as many rails (RailGroup::remote_rail);
+  // otherwise one rail of ours hears several of the peer's, which this one-sender check
+  // does not model.
+  if (peer->rail_addresses.size() != rails_->size()) return false;
+  // The peer goes into the AV first: only then can a completion name it.
+  worker_->run_on_worker([&] { worker_->bind_imm_source(imm, worker_->peer_addresses(*peer)); },
+                         30'000'000'000LL);
+  return true;
+}
+
+void TransferEngine::unbind_imm_source(uint32_t imm) {
+  check_open();
+  worker_->run_on_worker([&] { worker_->unbind_imm_source(imm); }, 30'000'000'000LL);
+}
+
 void TransferEngine::forget(const EngineAddress& peer) {
   check_open();
   uint64_t id = peer.engine_id;

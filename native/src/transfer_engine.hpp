@@ -95,6 +95,11 @@ class TransferEngine {
   TransferStatePtr send(std::shared_ptr<const EngineAddress> peer, std::string payload);
 
   void connect(std::shared_ptr<const EngineAddress> peer);
+  // From now on `imm` is credited only with arrivals sent by `peer`'s endpoints; others are
+  // dropped and counted (imm_foreign_dropped). False, and nothing bound, where the provider
+  // cannot name the sender of a completion (no FI_SOURCE, e.g. tcp in libfabric 1.17).
+  bool bind_imm_source(uint32_t imm, std::shared_ptr<const EngineAddress> peer);
+  void unbind_imm_source(uint32_t imm);
   void forget(const EngineAddress& peer);
 
   ProgressWorker& worker() { return *worker_; }

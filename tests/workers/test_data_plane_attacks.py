@@ -2,11 +2,11 @@
 network and PID namespaces, so all KV crosses the fabric) and a cluster key.
 
 The outsider holds what a leak would give it: a reservation's descriptor (stolen while the
-reservation lives, or kept after it ended) and the decoder's engine address. With
-`kv_registration: per_reservation` (the default) each case ends in an error at the
-outsider or a refusal at the decoder, and the KV of the legitimate requests running
-beside it is byte-for-byte the colocated reference (the receipt's digest) with the full
-CRC-32C check on.
+reservation lives, or kept after it ended), its immediate, and the decoder's engine
+address. With `kv_registration: per_reservation` (the default) and the router naming the
+prefiller in /reserve, each case ends in an error at the outsider, a dropped and counted
+arrival, or a refusal at the decoder, and the KV of the legitimate requests is
+byte-for-byte the colocated reference (the receipt's digest) with the full CRC-32C check on.
 """
 
 from __future__ import annotations
@@ -197,31 +197,51 @@ def test_a_descriptor_kept_after_its_reservation_ended_writes_nothing(plane: Dat
     asyncio.run(run())
 
 
-def test_forged_immediates_for_a_live_reservation_are_refused_at_admission(plane: DataPlane) -> None:
-    # No provider here reports the sender of an immediate-only message to the decoder, so a
-    # stranger who knows a live reservation's immediate can complete its count: the
-    # decoder must then refuse the request (the mailbox lacks the reservation's nonce),
-    # count it, and the request beside it must be unaffected.
+def test_immediates_from_anyone_but_the_named_prefiller_are_dropped_counted_never_credited(
+        plane: DataPlane) -> None:
+    # The router names the prefiller in /reserve; on net (FI_SOURCE) the decoder's engine
+    # drops arrivals of the reservation's immediate from any other sender. The outsider
+    # sends a whole reservation's worth before the real push: without the check the count
+    # completes early (or overshoots) and the request fails; with it the request is exact.
     plane.pool_is_whole()
-    failures_before = plane.metric('kvxfer_decode_kv_integrity_failures_total{reason="mailbox_mismatch"}')
+    dropped_before = plane.metric("kvxfer_engine_imm_foreign_dropped_total")
+    prefill_address = info_of(plane, plane.prefill)["engine_address"]
+    decode_address = bytes.fromhex(info_of(plane, plane.decode)["engine_address"])
 
-    async def run() -> dict[str, Any]:
+    async def run() -> int:
         async with plane.client() as client:
-            victim = await reserve(client, plane.decode, "kx-imm-victim", PROMPT)
-            address = bytes.fromhex(parse_owner_address(plane))
-            for _ in range(victim["expected_count"]):
-                plane.outsider.write_imm(address, victim["imm"]).wait(OUTSIDER_TIMEOUT_S)
-            status, body = await generate_call(client, plane.decode, "kx-imm-victim", stream=False, timeout_s=10)
-            legit, pre, gen = await disaggregated(client, plane.decode, plane.prefill, "kx-legit-imm", PROMPT)
-            check_against_reference("kx-legit-imm", PROMPT, legit, pre, gen)
-            await cancel(client, plane, "kx-imm-victim")
-            return {"status": status, "body": body}
+            resp = await client.post(f"{plane.decode.url}/reserve", json={
+                "request_id": "kx-imm-victim", "prompt_tokens": PROMPT, "max_tokens": 16,
+                "prefill_engine_address": prefill_address})
+            assert resp.status_code == 200, resp.text
+            victim = resp.json()
+            forged = victim["expected_count"]
+            for _ in range(forged):
+                plane.outsider.write_imm(decode_address, victim["imm"]).wait(OUTSIDER_TIMEOUT_S)
+            pre, gen = await asyncio.gather(prefill_call(client, plane.prefill, "kx-imm-victim", PROMPT, victim),
+                                            generate_call(client, plane.decode, "kx-imm-victim", stream=False))
+            check_against_reference("kx-imm-victim", PROMPT, victim, pre, gen)
+            return int(forged)
 
-    result = asyncio.run(run())
-    assert result["status"] == 502 and "mailbox" in str(result["body"]), result
-    assert plane.metric('kvxfer_decode_kv_integrity_failures_total{reason="mailbox_mismatch"}') == failures_before + 1
+    forged = asyncio.run(run())
+    assert plane.metric("kvxfer_engine_imm_foreign_dropped_total") - dropped_before == forged
 
 
-def parse_owner_address(plane: DataPlane) -> str:
-    resp = httpx.get(f"{plane.decode.url}/info", auth=ControlTokenAuth(plane.key_path), trust_env=False)
-    return str(resp.json()["engine_address"])
+def test_a_malformed_prefiller_address_is_refused_and_takes_nothing(plane: DataPlane) -> None:
+    plane.pool_is_whole()
+
+    async def run() -> httpx.Response:
+        async with plane.client() as client:
+            return await client.post(f"{plane.decode.url}/reserve", json={
+                "request_id": "kx-bad-prefiller", "prompt_tokens": PROMPT, "max_tokens": 16,
+                "prefill_engine_address": "00" * 40})
+
+    resp = asyncio.run(run())
+    assert resp.status_code == 400 and "prefill_engine_address" in resp.text, resp.text
+    assert info_of(plane, plane.decode)["free_pages"] == NUM_PAGES
+
+
+def info_of(plane: DataPlane, worker: WorkerProc) -> dict[str, Any]:
+    resp = httpx.get(f"{worker.url}/info", auth=ControlTokenAuth(plane.key_path), trust_env=False)
+    assert resp.status_code == 200, resp.text
+    return dict(resp.json())

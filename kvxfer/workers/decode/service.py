@@ -36,7 +36,7 @@ from typing import Any, AsyncIterator
 import numpy as np
 from pydantic import Field
 
-from kvxfer.errors import TransferTimeout
+from kvxfer.errors import DescriptorError, TransferTimeout
 from kvxfer.kv.integrity import KVIntegrity, KVIntegrityError, TransferReceipt, prompt_kv_digest, verify_pages
 from kvxfer.kv.ledger import WAITING, NoSlotError, ReservationLedger
 from kvxfer.kv.ledger import ReservationState as Res
@@ -181,6 +181,9 @@ class DecodeRuntime:
         # Per-reservation registrations (kv_registration=per_reservation) by request id,
         # open while the reservation waits for its KV.
         self._windows: dict[str, tuple[MemoryWindows, MemoryWindows]] = {}
+        # Immediates bound to the prefiller a reservation names, by request id, while it waits.
+        self._bound_sources: dict[str, int] = {}
+        self._warned_unbound = False
         cfg = self.core.config
         # Each slot holds the record and one CRC-32C per (layer, page) of the longest prompt.
         max_prompt_pages = min(pages_for_tokens(cfg.max_context, cfg.block_size), settings.num_pages)
@@ -203,8 +206,15 @@ class DecodeRuntime:
         self._update_gauges()
 
     # -- reservation ------------------------------------------------------------------
-    def reserve(self, request_id: str, prompt_tokens: int, max_tokens: int, caller: str = "anonymous") -> KVReservation:
-        """Reserves pages for prompt + max_tokens and a mailbox slot/immediate, owned by `caller`."""
+    def reserve(self, request_id: str, prompt_tokens: int, max_tokens: int, caller: str = "anonymous",
+                prefill_address: bytes | None = None) -> KVReservation:
+        """Reserves pages for prompt + max_tokens and a mailbox slot/immediate, owned by `caller`.
+
+        With `prefill_address` (the engine address of the prefiller the router chose), the
+        reservation's immediate is credited only with arrivals from that engine where the
+        provider can tell (see `TransferEngine.bind_imm_source`); a malformed address is a
+        `Rejection.BAD_REQUEST` and takes nothing.
+        """
         cfg = self.core.config
         if self.core.draining:
             raise RequestRejected(Rejection.DRAINING, "worker is draining", request_id)
@@ -258,6 +268,8 @@ class DecodeRuntime:
                 log.warning("discarded %d immediates for %#x that arrived before request %s reserved it",
                             stray, job.imm, request_id)
             try:
+                if prefill_address is not None:
+                    self._bind_source(job, prefill_address)
                 descriptor, meta_descriptor = self._descriptors_for(job)
             except Exception:
                 # Nothing may stay taken for a reservation the caller never got.
@@ -300,9 +312,29 @@ class DecodeRuntime:
         self.metrics.reservation_registrations_open.set(len(self._windows))
         return kv.descriptor, mailbox.descriptor
 
+    def _bind_source(self, job: DecodeJob, prefill_address: bytes) -> None:
+        """Credits the job's immediate only from `prefill_address` (bound until it stops waiting)."""
+        try:
+            bound = self.core.engine.bind_imm_source(job.imm, prefill_address)
+        except (DescriptorError, ValueError) as exc:
+            raise RequestRejected(Rejection.BAD_REQUEST, f"prefill_engine_address: {exc}", job.request_id) from None
+        if bound:
+            self._bound_sources[job.request_id] = job.imm
+        elif not self._warned_unbound:
+            self._warned_unbound = True
+            log.warning("the %s provider cannot name the sender of an immediate (no FI_SOURCE, or rail counts "
+                        "differ): immediates are credited from any sender; scoped descriptors and the mailbox "
+                        "nonce still hold", self.core.engine.provider)
+
     def _close_windows(self, request_id: str) -> None:
         """Revokes a reservation's descriptors (the ledger calls it when the reservation
         stops waiting for its KV); a write with them then fails at its writer."""
+        imm = self._bound_sources.pop(request_id, None)
+        if imm is not None:
+            try:
+                self.core.engine.unbind_imm_source(imm)
+            except Exception:  # an engine closing under us dropped its bindings itself
+                log.exception("unbinding the immediate source of request %s failed", request_id)
         windows = self._windows.pop(request_id, None)
         if windows is None:
             return
