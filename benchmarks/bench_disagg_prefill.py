@@ -545,6 +545,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--control-timeout-s", type=float, default=30.0,
                         help="timeout of /reserve, /cancel and /info (default 30)")
     parser.add_argument("--startup-timeout-s", type=float, default=180.0, help="worker start deadline (default 180)")
+    parser.add_argument("--kv-registration", choices=("per_reservation", "whole_cache"), default="per_reservation",
+                        help="the decode worker's kv_registration (default per_reservation); compare runs with --name")
     parser.add_argument("--kv-integrity", choices=("off", "sampled", "full"), default="full",
                         help="the decode worker's kv_integrity (default full); compare runs with --name")
     parser.add_argument("--out", type=Path, default=HERE / "results", help="output directory (default benchmarks/results)")
@@ -587,6 +589,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         os.environ["KVXFER_KV_INTEGRITY"] = args.kv_integrity  # read by the decode worker
+        os.environ["KVXFER_KV_REGISTRATION"] = args.kv_registration  # read by the decode worker
         prefill = Worker("prefill", num_pages, args.provider, args.threads, log_dir, args.same_host)
         workers.append(prefill)
         decode = Worker("decode", num_pages, args.provider, args.threads, log_dir, args.same_host)
@@ -627,6 +630,7 @@ def main(argv: list[str] | None = None) -> int:
                "page_bytes": 128 * 1024, "chunk_tokens": CHUNK_TOKENS},
         "provider": args.provider,
         "kv_integrity": args.kv_integrity,
+        "kv_registration": args.kv_registration,
         "same_host": args.same_host,
         "threads_per_worker": args.threads,
         "num_pages_per_layer": num_pages,

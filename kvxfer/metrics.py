@@ -220,6 +220,14 @@ class DecodeMetrics:
             "kvxfer_decode_caller_limit_rejections",
             "Reservations refused (429) because their caller already held max_reservations_per_caller.",
             registry=registry)
+        self.reservation_registrations = Counter(
+            "kvxfer_decode_reservation_registrations",
+            "Per-reservation memory registrations made (kv_registration=per_reservation); each is closed when "
+            "its reservation stops waiting for KV.", registry=registry)
+        self.reservation_registrations_open = Gauge(
+            "kvxfer_decode_reservation_registrations_open",
+            "Per-reservation registrations whose descriptor can still write (reservations waiting for KV).",
+            registry=registry)
         self.stray_immediates = Counter(
             "kvxfer_decode_stray_immediates",
             "Immediates that arrived for a reservation before it existed (or beyond its expected count): "
@@ -329,6 +337,9 @@ _ENGINE_COUNTERS: tuple[tuple[str, str, str], ...] = (
 #: Engine-wide counters (no rail label): (metric name, engine_stats() key, help). Losses the
 #: engine used to take silently; any increase is worth an alert.
 _ENGINE_WIDE_COUNTERS: tuple[tuple[str, str, str], ...] = (
+    ("kvxfer_engine_imm_foreign_dropped", "imm_foreign_dropped",
+     "Immediates from a sender other than the one peer their reservation names (bind_imm_source): dropped, "
+     "never credited."),
     ("kvxfer_engine_imm_table_overflows", "imm_table_overflows",
      "Immediate arrivals dropped because the engine's immediate table was full "
      "(imm_table_capacity distinct values); waits on those immediates fail."),

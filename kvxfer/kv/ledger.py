@@ -25,7 +25,12 @@ walks it (no thread or timer per reservation).
 The ledger owns the slots (FIFO, so a freed slot is reused as late as possible) and the
 generations, and drives the `PageAllocator`; it never touches the engine: `forget_imm` is
 called with an entry's immediate when it is fenced and when it is freed, so the decoder
-resets its count there. Thread-safe: one lock, held only for bookkeeping.
+resets its count there; `close_writes` is called with the request id once, when the
+reservation stops waiting for its KV (ADMITTED, FAILED or CANCELLED), so the decoder
+revokes the descriptor it handed out for it (closes its per-reservation registration). A
+write the provider had already accepted may still be landing then, so closing does not
+shorten the fence: FAILED/CANCELLED pages stay FENCED as before. Thread-safe: one lock,
+held only for bookkeeping.
 """
 
 from __future__ import annotations
@@ -122,6 +127,7 @@ class ReservationLedger:
         reservation_ttl_s: float,
         fence_timeout_s: float,
         forget_imm: Callable[[int], None] = lambda imm: None,
+        close_writes: Callable[[str], None] = lambda request_id: None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not 0 < max_slots <= MAX_SLOTS:
@@ -132,6 +138,7 @@ class ReservationLedger:
         self.reservation_ttl_s = reservation_ttl_s
         self.fence_timeout_s = fence_timeout_s
         self._forget_imm = forget_imm
+        self._close_writes = close_writes
         self._clock = clock
         self._generations = generations_per_slot(max_slots)
         self._next_generation = [0] * max_slots
@@ -212,6 +219,10 @@ class ReservationLedger:
             entry.history.append((target, now))
             if reason:
                 entry.reason = reason
+            if previous in WAITING and target not in WAITING:
+                # No write of this reservation is wanted any more: revoke its descriptor
+                # before anything else can happen to its pages.
+                self._close_writes(request_id)
             if target is S.RECEIVING:
                 pass  # the TTL keeps running
             elif target is S.FENCED:

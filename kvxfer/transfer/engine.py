@@ -129,6 +129,39 @@ class RegisteredMemory:
         return f"RegisteredMemory(addr=0x{self.address:x}, length={self.length})"
 
 
+class MemoryWindows:
+    """Parts of a registered buffer, each registered again with fresh random keys.
+
+    `descriptor` lets a peer write into these parts of the parent buffer only (anything
+    else is refused before it is posted, and the keys of the parent are not in it), and
+    only until `close()`: after that a fabric write with it fails at the writer and lands
+    nothing. Made by `TransferEngine.register_windows`; closing twice is harmless.
+    """
+
+    def __init__(self, engine: "TransferEngine", native: Any, parent: RegisteredMemory) -> None:
+        self._engine = engine
+        self._native = native
+        self.parent = parent
+        self.descriptor: bytes = engine._native.windows_descriptor(native)
+
+    @property
+    def ranges(self) -> list[tuple[int, int]]:
+        """(offset, length) of each window in the parent buffer, sorted."""
+        return [(int(o), int(n)) for o, n in self._native.ranges]
+
+    @property
+    def closed(self) -> bool:
+        """True once the windows' registrations are closed (by `close()` or the engine's)."""
+        return bool(self._native.closed)
+
+    def close(self) -> None:
+        """Revokes the descriptor: closes every window's registration on every rail."""
+        self._engine._native.close_windows(self._native)
+
+    def __repr__(self) -> str:
+        return f"MemoryWindows({len(self.ranges)} windows of {self.parent!r}, closed={self.closed})"
+
+
 class Transfer:
     """Handle of one submitted transfer: wait on it (with a timeout) or await it."""
 
@@ -356,6 +389,15 @@ class TransferEngine:
         region._registered = False
         self._regions.remove(region)
 
+    def register_windows(self, region: RegisteredMemory, ranges: list[tuple[int, int]]) -> MemoryWindows:
+        """Registers each (offset, length) of `region` again with fresh keys (see `MemoryWindows`).
+
+        Ranges must be non-empty, inside the region and disjoint (`BoundsError`). Costs one
+        provider registration per window per rail: see benchmarks/bench_registration.py.
+        """
+        native = self._native.register_windows(self._local(region), [(int(o), int(n)) for o, n in ranges])
+        return MemoryWindows(self, native, region)
+
     def _local(self, mr: Any) -> Any:
         # The native layer trusts its region handle: a raw buffer, another engine's region or
         # a deregistered one would be posted with keys this engine's rails do not hold.
@@ -489,6 +531,20 @@ class TransferEngine:
     def connect(self, address: bytes) -> None:
         """Adds a peer now instead of at its first transfer."""
         self._native.connect(self._peer(address))
+
+    def bind_imm_source(self, imm: int, address: bytes) -> bool:
+        """Credits `imm` from now on only with arrivals sent by the engine at `address`.
+
+        Arrivals of `imm` from any other sender are dropped and counted
+        (`engine_stats()["imm_foreign_dropped"]`). Returns False, binding nothing, where the
+        provider cannot name a completion's sender (no FI_SOURCE: tcp in libfabric 1.17) or
+        the peer has another number of rails; `capabilities["source"]` says which.
+        """
+        return bool(self._native.bind_imm_source(int(imm), self._peer(address)))
+
+    def unbind_imm_source(self, imm: int) -> None:
+        """Lets any sender's arrivals count for `imm` again (see `bind_imm_source`)."""
+        self._native.unbind_imm_source(int(imm))
 
     def forget(self, address: bytes) -> None:
         """Drops a peer that went away; a later transfer to it reconnects."""

@@ -106,6 +106,15 @@ PYBIND11_MODULE(_native, m) {
       .def_readonly("addr", &MemoryRegion::addr)
       .def_readonly("length", &MemoryRegion::length);
 
+  py::class_<MemoryWindows, MemoryWindowsPtr>(m, "MemoryWindows")
+      .def_readonly("id", &MemoryWindows::id)
+      .def_property_readonly("closed", [](const MemoryWindows& w) { return w.closed; })
+      .def_property_readonly("ranges", [](const MemoryWindows& w) {
+        std::vector<std::pair<uint64_t, uint64_t>> out;
+        for (const auto& x : w.windows) out.emplace_back(x.offset, x.length);
+        return out;
+      });
+
   py::class_<RemoteRegion, RemoteRegionPtr>(m, "RemoteRegion")
       .def_property_readonly("length", [](const RemoteRegion& r) { return r.descriptor.length; })
       .def_property_readonly("engine_id", [](const RemoteRegion& r) { return r.owner->engine_id; })
@@ -195,6 +204,7 @@ PYBIND11_MODULE(_native, m) {
         d["tx_size"] = c.tx_size;
         d["rx_size"] = c.rx_size;
         d["wait_fd"] = c.has_wait_fd;
+        d["source"] = c.source;
         return d;
       })
       .def("register", [](TransferEngine& e, uintptr_t addr, uint64_t length, int share_fd,
@@ -207,6 +217,16 @@ PYBIND11_MODULE(_native, m) {
             e.deregister(r);
           })
       .def("descriptor", [](const TransferEngine& e, const MemoryRegion& r) { return py::bytes(e.descriptor(r)); })
+      .def("register_windows", [](TransferEngine& e, const MemoryRegionPtr& parent,
+                                  std::vector<std::pair<uint64_t, uint64_t>> ranges) {
+            py::gil_scoped_release release;
+            return e.register_windows(parent, std::move(ranges));
+          })
+      .def("close_windows", [](TransferEngine& e, const MemoryWindowsPtr& w) {
+            py::gil_scoped_release release;
+            e.close_windows(w);
+          })
+      .def("windows_descriptor", [](const TransferEngine& e, const MemoryWindows& w) { return py::bytes(e.descriptor(w)); })
       .def("parse_remote", [](const TransferEngine& e, const py::bytes& b) { return e.parse_remote(b); })
       .def("parse_peer", [](const TransferEngine& e, const py::bytes& b) { return std::const_pointer_cast<EngineAddress>(e.parse_peer(b)); })
       .def("write", [](std::shared_ptr<TransferEngine> e, const MemoryRegionPtr& mr, int64_t src_offset,
@@ -287,6 +307,14 @@ PYBIND11_MODULE(_native, m) {
               out.append(py::make_tuple(static_cast<uint32_t>(ev.kind), ev.token, ev.status));
             return out;
           })
+      .def("bind_imm_source", [](TransferEngine& e, uint32_t imm, std::shared_ptr<EngineAddress> peer) {
+            py::gil_scoped_release release;
+            return e.bind_imm_source(imm, peer);
+          })
+      .def("unbind_imm_source", [](TransferEngine& e, uint32_t imm) {
+            py::gil_scoped_release release;
+            e.unbind_imm_source(imm);
+          })
       .def("connect", [](TransferEngine& e, std::shared_ptr<EngineAddress> peer) {
             GilRelease release;
             e.connect(peer);
@@ -307,6 +335,7 @@ PYBIND11_MODULE(_native, m) {
             const auto& imm = e.worker().imm_counters();
             py::dict d;
             d["imm_table_overflows"] = imm.overflowed();
+            d["imm_foreign_dropped"] = e.worker().imm_foreign_dropped();
             d["imm_table_capacity"] = imm.capacity();
             d["inbox_dropped_messages"] = s.inbox_dropped_messages.load();
             d["inbox_dropped_bytes"] = s.inbox_dropped_bytes.load();

@@ -1,6 +1,8 @@
 #include "descriptors.hpp"
 
+#include <algorithm>
 #include <cstring>
+#include <iterator>
 
 #include "engine_types.hpp"
 
@@ -11,8 +13,12 @@ constexpr char kAddressMagic[4] = {'K', 'V', 'X', 'A'};
 constexpr char kDescriptorMagic[4] = {'K', 'V', 'X', 'D'};
 // 2: addresses carry a same-host identity, descriptors the region's virtual address and
 // its shareable file (same_host_path.hpp). 3: writes without an immediate carry
-// kTrafficOnlyWeight (rail_group.hpp), which a version-2 peer would count.
-constexpr uint16_t kWireVersion = 3;
+// kTrafficOnlyWeight (rail_group.hpp), which a version-2 peer would count. 4: descriptors
+// may list windows with their own keys (per-reservation registrations); the whole-region
+// keys are then absent, so a version-3 reader would misread them.
+constexpr uint16_t kWireVersion = 4;
+// A reservation's windows: one per layer of a model (hundreds at most).
+constexpr size_t kMaxWindows = 4096;
 // Generous bounds that still stop a corrupt length from allocating gigabytes.
 constexpr size_t kMaxRails = 64;
 constexpr size_t kMaxRailAddressBytes = 4096;
@@ -166,6 +172,15 @@ std::string MemoryDescriptor::serialize() const {
     w.put<uint64_t>(k.base);
     w.put<uint64_t>(k.key);
   }
+  w.put<uint16_t>(static_cast<uint16_t>(windows.size()));
+  for (const auto& win : windows) {
+    w.put<uint64_t>(win.offset);
+    w.put<uint64_t>(win.length);
+    for (const auto& k : win.rails) {
+      w.put<uint64_t>(k.base);
+      w.put<uint64_t>(k.key);
+    }
+  }
   return w.finish();
 }
 
@@ -179,18 +194,55 @@ MemoryDescriptor MemoryDescriptor::parse(const std::string& blob) {
   d.length = r.get<uint64_t>();
   d.share_fd = r.get<int32_t>();
   d.share_offset = r.get<uint64_t>();
+  const size_t owner_rails = d.owner.rail_addresses.size();
   uint16_t rails = r.get<uint16_t>();
-  if (rails != d.owner.rail_addresses.size())
-    r.fail("descriptor has " + std::to_string(rails) + " rail keys for " +
-           std::to_string(d.owner.rail_addresses.size()) + " rail addresses");
+  if (rails != owner_rails && rails != 0)
+    r.fail("descriptor has " + std::to_string(rails) + " rail keys for " + std::to_string(owner_rails) +
+           " rail addresses");
   for (uint16_t i = 0; i < rails; ++i) {
     RemoteRailKey k;
     k.base = r.get<uint64_t>();
     k.key = r.get<uint64_t>();
     d.rails.push_back(k);
   }
+  uint16_t windows = r.get<uint16_t>();
+  if (windows > kMaxWindows) r.fail("window count " + std::to_string(windows));
+  if ((rails == 0) == (windows == 0)) r.fail("descriptor needs either whole-region keys or windows, not both");
+  uint64_t previous_end = 0;
+  for (uint16_t i = 0; i < windows; ++i) {
+    RemoteWindow win;
+    win.offset = r.get<uint64_t>();
+    win.length = r.get<uint64_t>();
+    if (win.length == 0 || win.offset < previous_end || win.offset > d.length || win.length > d.length - win.offset)
+      r.fail("window " + std::to_string(i) + " is empty, unsorted or outside the region");
+    previous_end = win.offset + win.length;
+    for (size_t k = 0; k < owner_rails; ++k) {
+      RemoteRailKey key;
+      key.base = r.get<uint64_t>();
+      key.key = r.get<uint64_t>();
+      win.rails.push_back(key);
+    }
+    d.windows.push_back(std::move(win));
+  }
   r.expect_end();
   return d;
+}
+
+const RemoteRailKey* MemoryDescriptor::key_for(size_t rail, uint64_t offset, uint64_t length,
+                                               uint64_t* window_offset) const {
+  if (windows.empty()) {
+    *window_offset = 0;
+    return rail < rails.size() ? &rails[rail] : nullptr;
+  }
+  // The last window that starts at or before `offset` is the only one that can hold it.
+  auto it = std::upper_bound(windows.begin(), windows.end(), offset,
+                             [](uint64_t off, const RemoteWindow& w) { return off < w.offset; });
+  if (it == windows.begin()) return nullptr;
+  const RemoteWindow& w = *std::prev(it);
+  if (offset - w.offset > w.length || length > w.length - (offset - w.offset) || rail >= w.rails.size())
+    return nullptr;
+  *window_offset = w.offset;
+  return &w.rails[rail];
 }
 
 std::string to_hex(const std::string& bytes) {

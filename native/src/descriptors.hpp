@@ -34,6 +34,15 @@ struct RemoteRailKey {
   uint64_t key = 0;
 };
 
+// A part of a region with its own registration (its own keys): a descriptor that lists
+// windows lets its holder write into those windows only, and only while they stay
+// registered (TransferEngine::register_windows). `offset` and `length` are in the region.
+struct RemoteWindow {
+  uint64_t offset = 0;
+  uint64_t length = 0;
+  std::vector<RemoteRailKey> rails;  // base is the window's own (its VA, or 0)
+};
+
 struct MemoryDescriptor {
   EngineAddress owner;
   uint64_t region_id = 0;
@@ -41,7 +50,13 @@ struct MemoryDescriptor {
   uint64_t length = 0;
   int32_t share_fd = -1;  // the owner's memfd holding the region (-1: none), see RegionTable
   uint64_t share_offset = 0;
-  std::vector<RemoteRailKey> rails;
+  std::vector<RemoteRailKey> rails;  // the whole region's keys; empty when `windows` is set
+  std::vector<RemoteWindow> windows;  // sorted by offset, disjoint; empty: the whole region
+
+  // The key and base that reach [offset, offset + length) of the region on `rail`, with
+  // `*window_offset` set to where that key's range starts in the region; nullptr when no
+  // window covers the whole range (the planner refuses the write).
+  const RemoteRailKey* key_for(size_t rail, uint64_t offset, uint64_t length, uint64_t* window_offset) const;
 
   std::string serialize() const;
   static MemoryDescriptor parse(const std::string& blob);

@@ -126,4 +126,20 @@ struct MemoryRegion {
 };
 using MemoryRegionPtr = std::shared_ptr<MemoryRegion>;
 
+// Parts of a registered region, each registered again with its own fresh keys
+// (TransferEngine::register_windows): the descriptor of a window set reaches only those
+// parts, and closing the set revokes it. The parent stays registered for local reads.
+struct MemoryWindows {
+  struct Window {
+    uint64_t offset = 0;  // in the parent region
+    uint64_t length = 0;
+    std::vector<RailRegistration> rails;
+  };
+  uint64_t id = 0;
+  MemoryRegionPtr parent;
+  std::vector<Window> windows;  // sorted by offset, disjoint
+  bool closed = false;          // set under the engine's regions_mutex_
+};
+using MemoryWindowsPtr = std::shared_ptr<MemoryWindows>;
+
 }  // namespace kvxfer

@@ -2,7 +2,10 @@
 
 #include <rdma/fi_errno.h>
 
+#include <sys/random.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <set>
 
@@ -36,10 +39,12 @@ bool uses_socket_addresses(const std::string& provider) {
   return provider == "tcp" || provider == "net" || provider == "sockets" || provider == "udp";
 }
 
-struct fi_info* make_hints(const std::string& provider) {
+struct fi_info* make_hints(const std::string& provider, bool want_source = false) {
   struct fi_info* hints = fi_allocinfo();
   if (!hints) throw EngineError("fi_allocinfo failed");
   hints->caps = FI_RMA | FI_WRITE | FI_REMOTE_WRITE | FI_MSG | FI_SEND | FI_RECV;
+  // FI_SOURCE lets the receiver learn who sent an immediate (ImmediateTracker::bind_source).
+  if (want_source) hints->caps |= FI_SOURCE;
   hints->ep_attr->type = FI_EP_RDM;
   // We can honour these modes: contexts are ours to give, and receive buffers are posted.
   hints->mode = FI_CONTEXT | FI_CONTEXT2 | FI_RX_CQ_DATA;
@@ -86,15 +91,18 @@ FabricRail::FabricRail(const std::string& provider, const std::string& bind_host
 
 FabricRail::~FabricRail() { close_all(); }
 
-void FabricRail::open(const std::string& provider, const std::string& bind_host,
-                      size_t device_index) {
+struct fi_info* FabricRail::choose(const std::string& provider, const std::string& bind_host,
+                                   size_t device_index, bool want_source) {
   const bool pin_host = !bind_host.empty() && uses_socket_addresses(provider);
   struct fi_info* all = nullptr;
-  struct fi_info* hints = make_hints(provider);
+  struct fi_info* hints = make_hints(provider, want_source);
   int rc = fi_getinfo(kFabricApiVersion, pin_host ? bind_host.c_str() : nullptr, nullptr,
                       pin_host ? FI_SOURCE : 0, hints, &all);
   fi_freeinfo(hints);
-  if (rc) throw FabricError("no libfabric provider '" + provider + "' with RDM+RMA here", rc);
+  if (rc) {
+    if (want_source) return nullptr;  // the caller asks again without FI_SOURCE
+    throw FabricError("no libfabric provider '" + provider + "' with RDM+RMA here", rc);
+  }
 
   // fi_getinfo lists one entry per NIC (and per address family): pick the n-th match.
   struct fi_info* chosen = nullptr;
@@ -112,12 +120,17 @@ void FabricRail::open(const std::string& provider, const std::string& bind_host,
     for (auto* i = all; i; i = i->next)
       if (provider_matches(i->fabric_attr->prov_name, provider) && k++ == want) chosen = i;
   }
-  if (!chosen) {
-    fi_freeinfo(all);
-    throw EngineError("libfabric lists no endpoint for provider '" + provider + "'");
-  }
-  info_ = fi_dupinfo(chosen);
+  struct fi_info* copy = chosen ? fi_dupinfo(chosen) : nullptr;
   fi_freeinfo(all);
+  if (!copy && !want_source) throw EngineError("libfabric lists no endpoint for provider '" + provider + "'");
+  return copy;
+}
+
+void FabricRail::open(const std::string& provider, const std::string& bind_host,
+                      size_t device_index) {
+  // With FI_SOURCE where the provider offers it (net), else without (tcp in 1.17).
+  info_ = choose(provider, bind_host, device_index, true);
+  if (!info_) info_ = choose(provider, bind_host, device_index, false);
 
   const uint64_t mr_mode = info_->domain_attr->mr_mode;
   caps_.provider = info_->fabric_attr->prov_name;
@@ -135,6 +148,7 @@ void FabricRail::open(const std::string& provider, const std::string& bind_host,
   caps_.tx_size = info_->tx_attr->size;
   caps_.rx_size = info_->rx_attr->size;
   caps_.inject_size = info_->tx_attr->inject_size;
+  caps_.source = info_->caps & FI_SOURCE;
 
   check(fi_fabric(info_->fabric_attr, &fabric_, nullptr), "fi_fabric");
   check(fi_domain(fabric_, info_, &domain_, nullptr), "fi_domain");
@@ -183,13 +197,35 @@ void FabricRail::close_all() noexcept {
   info_ = nullptr;
 }
 
-RailRegistration FabricRail::register_region(void* addr, size_t length, uint64_t requested_key) {
+namespace {
+
+// 64 bits from the kernel's CSPRNG: a memory key is a capability, so it must not be guessable.
+uint64_t random_mr_key() {
+  uint64_t key = 0;
+  char* out = reinterpret_cast<char*>(&key);
+  size_t got = 0;
+  while (got < sizeof key) {
+    ssize_t n = getrandom(out + got, sizeof key - got, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) throw EngineError(std::string("getrandom for a memory key failed: ") + std::strerror(errno));
+    got += static_cast<size_t>(n);
+  }
+  return key;
+}
+
+// Random keys collide with one already in use about never (n^2 / 2^65); a retry covers it.
+constexpr int kKeyAttempts = 4;
+
+}  // namespace
+
+RailRegistration FabricRail::register_region(void* addr, size_t length) {
   RailRegistration reg;
   struct fid_mr* mr = nullptr;
   uint64_t access = FI_WRITE | FI_REMOTE_WRITE | FI_SEND | FI_RECV;
-  check(fi_mr_reg(domain_, addr, length, access, 0, caps_.prov_key ? 0 : requested_key, 0, &mr,
-                  nullptr),
-        "fi_mr_reg");
+  int rc = -FI_ENOKEY;
+  for (int attempt = 0; attempt < kKeyAttempts && rc == -FI_ENOKEY; ++attempt)
+    rc = fi_mr_reg(domain_, addr, length, access, 0, caps_.prov_key ? 0 : random_mr_key(), 0, &mr, nullptr);
+  check(rc, "fi_mr_reg");
   if (caps_.mr_endpoint) {
     int rc = fi_mr_bind(mr, &ep_->fid, 0);
     if (!rc) rc = fi_mr_enable(mr);
@@ -232,7 +268,13 @@ ssize_t FabricRail::post_recv(void* buf, size_t len, void* desc, void* context) 
 }
 
 ssize_t FabricRail::read_completions(struct fi_cq_data_entry* entries, size_t count) {
-  ssize_t n = fi_cq_read(cq_, entries, count);
+  ssize_t n;
+  if (caps_.source) {
+    if (sources_.size() < count) sources_.resize(count);
+    n = fi_cq_readfrom(cq_, entries, count, sources_.data());
+  } else {
+    n = fi_cq_read(cq_, entries, count);
+  }
   if (n == -FI_EAGAIN) return 0;
   return n;
 }

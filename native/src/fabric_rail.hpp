@@ -37,6 +37,7 @@ struct RailCapabilities {
   size_t rx_size = 0;
   size_t inject_size = 0;
   bool has_wait_fd = false;
+  bool source = false;         // FI_SOURCE: completions can name their sender (fi_cq_readfrom)
 };
 
 class FabricRail {
@@ -52,7 +53,11 @@ class FabricRail {
   const RailCapabilities& caps() const { return caps_; }
   const std::string& address() const { return address_; }
 
-  RailRegistration register_region(void* addr, size_t length, uint64_t requested_key);
+  // Registers [addr, addr + length) for local use and remote writes. The key is the
+  // provider's own (FI_MR_PROV_KEY) or 64 random bits from getrandom(): a peer cannot
+  // guess it, so only holders of the descriptor can write (a key was once region id << 8,
+  // the same in every process, and one forged descriptor reached any KV cache).
+  RailRegistration register_region(void* addr, size_t length);
   void deregister(RailRegistration& reg);
 
   fi_addr_t insert_peer(const std::string& raw_address);
@@ -64,8 +69,12 @@ class FabricRail {
   ssize_t post_recv(void* buf, size_t len, void* desc, void* context);
 
   // Returns entries read (>= 0), or -FI_EAVAIL when an error entry waits (read it with
-  // read_error), or another negative errno.
+  // read_error), or another negative errno. source(i) is then the sender of entry i.
   ssize_t read_completions(struct fi_cq_data_entry* entries, size_t count);
+  // The AV address of the peer that sent entry i of the last read_completions:
+  // FI_ADDR_NOTAVAIL when the provider cannot tell (no FI_SOURCE) or the sender is not in
+  // this rail's AV (an engine we never connected to).
+  fi_addr_t source(size_t i) const { return caps_.source ? sources_[i] : FI_ADDR_NOTAVAIL; }
   // Reads one error entry and formats the provider's message.
   bool read_error(struct fi_cq_err_entry* entry, std::string* message);
 
@@ -75,6 +84,8 @@ class FabricRail {
 
  private:
   void open(const std::string& provider, const std::string& bind_host, size_t device_index);
+  struct fi_info* choose(const std::string& provider, const std::string& bind_host, size_t device_index,
+                         bool want_source);
   void close_all() noexcept;
 
   RailCapabilities caps_;
@@ -86,6 +97,7 @@ class FabricRail {
   struct fid_ep* ep_ = nullptr;
   std::string address_;
   int wait_fd_ = -1;
+  std::vector<fi_addr_t> sources_;  // filled by fi_cq_readfrom, one per entry read
 };
 
 // Names of the providers libfabric lists on this machine that can do RDM + RMA.

@@ -26,6 +26,27 @@ class ImmediateTracker {
   ImmCounterTable& table() { return table_; }
   const ImmCounterTable& table() const { return table_; }
 
+  // Worker only: from now on `imm` counts only arrivals whose completion names
+  // `sources[rail]` as sender on the rail they came in on (AV addresses of the one peer a
+  // reservation names); anything else is dropped and counted (foreign_dropped). Only on
+  // providers with FI_SOURCE: elsewhere every source reads FI_ADDR_NOTAVAIL.
+  void bind_source(uint32_t imm, std::vector<fi_addr_t> sources) { sources_[imm] = std::move(sources); }
+  void unbind_source(uint32_t imm) { sources_.erase(imm); }
+  uint64_t foreign_dropped() const { return foreign_dropped_.load(std::memory_order_relaxed); }
+
+  // Worker only: one arrival on `rail` from `source` (FabricRail::source), checked against
+  // its immediate's bound sender, if any, before it is counted.
+  void on_arrival(uint64_t cq_data, size_t rail, fi_addr_t source) {
+    if (!sources_.empty()) {
+      auto it = sources_.find(static_cast<uint32_t>(cq_data));
+      if (it != sources_.end() && (rail >= it->second.size() || it->second[rail] != source)) {
+        foreign_dropped_.fetch_add(1, std::memory_order_relaxed);
+        return;
+      }
+    }
+    on_arrival(cq_data);
+  }
+
   // Worker only: one arrival's CQ data (the immediate and what it is worth, encode_imm).
   void on_arrival(uint64_t cq_data) {
     uint32_t imm = static_cast<uint32_t>(cq_data);
@@ -136,6 +157,8 @@ class ImmediateTracker {
   ImmCounterTable table_;
   EventQueue& events_;
   std::unordered_map<uint32_t, std::vector<Expectation>> expectations_;  // worker only
+  std::unordered_map<uint32_t, std::vector<fi_addr_t>> sources_;         // worker only: bound senders
+  std::atomic<uint64_t> foreign_dropped_{0};
   bool arrived_ = false;                                                 // worker only
   std::atomic<uint32_t> epoch_{0};  // bumped by every arrival round: for unslotted waiters
   std::atomic<uint32_t> unslotted_waiters_{0};

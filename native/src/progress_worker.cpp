@@ -102,7 +102,7 @@ void ProgressWorker::post_recv_slots() {
   for (size_t r = 0; r < rails_.size(); ++r) {
     recv_buffers_.emplace_back(settings_.recv_slots_per_rail * settings_.recv_slot_bytes);
     auto& buf = recv_buffers_.back();
-    recv_registrations_.push_back(rails_.rail(r).register_region(buf.data(), buf.size(), 0xfff0 + r));
+    recv_registrations_.push_back(rails_.rail(r).register_region(buf.data(), buf.size()));
     for (size_t i = 0; i < settings_.recv_slots_per_rail; ++i) {
       RecvSlot& slot = recv_slots_[r * settings_.recv_slots_per_rail + i];
       slot.rail = static_cast<uint16_t>(r);
@@ -331,7 +331,7 @@ bool ProgressWorker::drain_submissions() {
       if (rails_.caps().mr_local && !batch->payload.empty()) {
         for (size_t r = 0; r < rails_.size(); ++r)
           batch->payload_registration.push_back(
-              rails_.rail(r).register_region(batch->payload.data(), batch->payload.size(), 0));
+              rails_.rail(r).register_region(batch->payload.data(), batch->payload.size()));
         for (auto& op : batch->ops) op.desc[0] = batch->payload_registration[op.rail].local_desc;
       }
     } catch (const std::exception& e) {
@@ -436,7 +436,7 @@ bool ProgressWorker::poll_rail(size_t r) {
       auto& e = entries[i];
       if (e.flags & (FI_RECV | FI_REMOTE_WRITE)) {
         if (e.flags & FI_REMOTE_CQ_DATA) {
-          imms_.on_arrival(e.data);
+          imms_.on_arrival(e.data, r, rail.source(i));
           if ((e.data >> 32) != kTrafficOnlyWeight)
             stats_[r]->imm_received.fetch_add(1, std::memory_order_relaxed);
         } else if (is_recv_slot(e.op_context)) {

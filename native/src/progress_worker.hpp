@@ -76,6 +76,10 @@ class ProgressWorker {
   const EngineStats& engine_stats() const { return engine_stats_; }
   void consume_imm(uint32_t imm, uint64_t units) { imms_.table().consume(imm, units); }
   void reset_imm(uint32_t imm) { imms_.table().reset(imm); }
+  // Worker thread only (run_on_worker): see ImmediateTracker::bind_source.
+  void bind_imm_source(uint32_t imm, std::vector<fi_addr_t> sources) { imms_.bind_source(imm, std::move(sources)); }
+  void unbind_imm_source(uint32_t imm) { imms_.unbind_source(imm); }
+  uint64_t imm_foreign_dropped() const { return imms_.foreign_dropped(); }
   // Waits for a transfer: on its status word, or by making progress where the caller drives.
   bool wait_transfer(TransferState& t, int64_t deadline_ns);
   // True once count units of imm arrived, false at the deadline; throws

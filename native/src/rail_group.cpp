@@ -42,6 +42,15 @@ std::vector<std::string> RailGroup::rail_addresses() const {
   return out;
 }
 
+fi_rma_iov RailGroup::remote_target(const MemoryDescriptor& remote, size_t r, uint64_t offset, uint64_t length) {
+  uint64_t window_offset = 0;
+  const RemoteRailKey* key = remote.key_for(remote_rail(r, remote), offset, length, &window_offset);
+  if (!key)
+    throw BoundsError("bytes [" + std::to_string(offset) + ", " + std::to_string(offset + length) +
+                      ") of the remote region lie outside the windows its descriptor grants");
+  return fi_rma_iov{key->base + (offset - window_offset), length, key->key};
+}
+
 void RailGroup::plan(WorkBatch& batch, const MemoryRegion& local, const MemoryDescriptor& remote,
                      const TransferRequest& request) const {
   if (const auto* w = std::get_if<SingleWrite>(&request.shape))
@@ -81,14 +90,11 @@ void RailGroup::plan_write(WorkBatch& batch, const MemoryRegion& local, const Me
     op.kind = OpKind::kWrite;
     op.rail = static_cast<uint16_t>(s % rails_.size());
     const auto& lreg = local.rails[op.rail];
-    const auto& rkey = remote.rails[remote_rail(op.rail, remote)];
     op.iov_count = 1;
     op.iov[0].iov_base = reinterpret_cast<void*>(local.addr + src_offset + begin);
     op.iov[0].iov_len = end - begin;
     op.desc[0] = lreg.local_desc;
-    op.rma[0].addr = rkey.base + dst_offset + begin;
-    op.rma[0].len = end - begin;
-    op.rma[0].key = rkey.key;
+    op.rma[0] = remote_target(remote, op.rail, dst_offset + begin, end - begin);
     op.bytes = end - begin;
     batch.ops.push_back(op);
   }
@@ -121,17 +127,18 @@ void RailGroup::plan_paged_write(WorkBatch& batch, const MemoryRegion& local, co
   for (size_t r = 0; r < rails; ++r) {
     size_t begin = count * r / rails, end = count * (r + 1) / rails;
     const auto& lreg = local.rails[r];
-    const auto& rkey = remote.rails[remote_rail(r, remote)];
     RailOp* op = nullptr;
     uint32_t weight = 0;
     for (size_t i = begin; i < end; ++i) {
       uintptr_t src = local.addr + src_offset + src_pages[i] * src_stride;
-      uint64_t dst = rkey.base + dst_offset + dst_pages[i] * dst_stride;
+      const fi_rma_iov target = remote_target(remote, r, dst_offset + dst_pages[i] * dst_stride, page_size);
+      const uint64_t dst = target.addr;
       if (op && weighted) {
         auto& last_iov = op->iov[op->iov_count - 1];
         auto& last_rma = op->rma[op->iov_count - 1];
+        // Two windows' keys never merge into one iov, even where their memory touches.
         bool adjacent = reinterpret_cast<uintptr_t>(last_iov.iov_base) + last_iov.iov_len == src &&
-                        last_rma.addr + last_rma.len == dst;
+                        last_rma.addr + last_rma.len == dst && last_rma.key == target.key;
         const bool room = weight < kMaxPagesPerOp;
         if (adjacent && room && op->bytes + page_size <= settings_.max_coalesce_bytes) {
           last_iov.iov_len += page_size;
@@ -145,9 +152,7 @@ void RailGroup::plan_paged_write(WorkBatch& batch, const MemoryRegion& local, co
           op->iov[k].iov_base = reinterpret_cast<void*>(src);
           op->iov[k].iov_len = page_size;
           op->desc[k] = lreg.local_desc;
-          op->rma[k].addr = dst;
-          op->rma[k].len = page_size;
-          op->rma[k].key = rkey.key;
+          op->rma[k] = target;
           op->bytes += page_size;
           ++weight;
           continue;
@@ -165,9 +170,7 @@ void RailGroup::plan_paged_write(WorkBatch& batch, const MemoryRegion& local, co
       op->iov[0].iov_base = reinterpret_cast<void*>(src);
       op->iov[0].iov_len = page_size;
       op->desc[0] = lreg.local_desc;
-      op->rma[0].addr = dst;
-      op->rma[0].len = page_size;
-      op->rma[0].key = rkey.key;
+      op->rma[0] = target;
       op->bytes = page_size;
       weight = 1;
     }

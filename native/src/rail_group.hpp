@@ -148,8 +148,13 @@ class RailGroup {
   void finish_batch(WorkBatch& batch) const;
   // Remote rail that local rail `r` talks to (peers may have a different rail count).
   static size_t remote_rail(size_t r, const MemoryDescriptor& remote) {
-    return r % remote.rails.size();
+    return r % remote.owner.rail_addresses.size();
   }
+  // Where [offset, offset + length) of the remote region is on our rail `r`: the address
+  // to put in fi_rma_iov and its key. A descriptor with windows reaches only inside one of
+  // them (each window is its own registration): anything else is a BoundsError here, before
+  // anything is posted.
+  static fi_rma_iov remote_target(const MemoryDescriptor& remote, size_t r, uint64_t offset, uint64_t length);
 
   std::vector<std::unique_ptr<FabricRail>> rails_;
   PlannerSettings settings_;

@@ -1,5 +1,7 @@
 #include "transfer_engine.hpp"
 
+#include <algorithm>
+
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -85,6 +87,12 @@ void TransferEngine::close() {
   worker_->stop();
   {
     std::lock_guard<std::mutex> lock(regions_mutex_);
+    for (auto& [id, set] : windows_) {
+      for (auto& w : set->windows)
+        for (size_t r = 0; r < w.rails.size(); ++r) rails_->rail(r).deregister(w.rails[r]);
+      set->closed = true;
+    }
+    windows_.clear();
     for (auto& [id, region] : regions_)
       for (size_t r = 0; r < region->rails.size(); ++r) rails_->rail(r).deregister(region->rails[r]);
     regions_.clear();
@@ -126,8 +134,7 @@ MemoryRegionPtr TransferEngine::register_memory(uintptr_t addr, uint64_t length,
   worker_->run_on_worker(
       [&] {
         for (size_t r = 0; r < rails_->size(); ++r)
-          region->rails.push_back(rails_->rail(r).register_region(
-              reinterpret_cast<void*>(addr), length, (region->id << 8) | r));
+          region->rails.push_back(rails_->rail(r).register_region(reinterpret_cast<void*>(addr), length));
       },
       30'000'000'000LL);
   std::lock_guard<std::mutex> lock(regions_mutex_);
@@ -149,6 +156,81 @@ void TransferEngine::deregister(const MemoryRegionPtr& region) {
         for (size_t r = 0; r < region->rails.size(); ++r) rails_->rail(r).deregister(region->rails[r]);
       },
       30'000'000'000LL);
+}
+
+MemoryWindowsPtr TransferEngine::register_windows(const MemoryRegionPtr& parent,
+                                                  std::vector<std::pair<uint64_t, uint64_t>> ranges) {
+  check_open();
+  if (!parent) throw EngineError("register_windows needs a registered region");
+  {
+    std::lock_guard<std::mutex> lock(regions_mutex_);
+    if (!regions_.count(parent->id)) throw EngineError("memory region is not registered");
+  }
+  if (ranges.empty()) throw BoundsError("register_windows needs at least one window");
+  std::sort(ranges.begin(), ranges.end());
+  uint64_t previous_end = 0;
+  for (const auto& [offset, length] : ranges) {
+    if (length == 0 || offset > parent->length || length > parent->length - offset)
+      throw BoundsError("window [" + std::to_string(offset) + ", +" + std::to_string(length) +
+                        ") is empty or outside the region of " + std::to_string(parent->length) + " bytes");
+    if (offset < previous_end) throw BoundsError("windows overlap at offset " + std::to_string(offset));
+    previous_end = offset + length;
+  }
+  auto set = std::make_shared<MemoryWindows>();
+  set->id = next_windows_id_.fetch_add(1);
+  set->parent = parent;
+  for (const auto& [offset, length] : ranges) set->windows.push_back({offset, length, {}});
+  // MR calls touch the domain, which belongs to the worker thread. A failure part-way
+  // closes what was registered, so nothing stays writable.
+  worker_->run_on_worker(
+      [&] {
+        try {
+          for (auto& w : set->windows)
+            for (size_t r = 0; r < rails_->size(); ++r)
+              w.rails.push_back(rails_->rail(r).register_region(
+                  reinterpret_cast<void*>(parent->addr + w.offset), w.length));
+        } catch (...) {
+          for (auto& w : set->windows)
+            for (size_t r = 0; r < w.rails.size(); ++r) rails_->rail(r).deregister(w.rails[r]);
+          throw;
+        }
+      },
+      30'000'000'000LL);
+  std::lock_guard<std::mutex> lock(regions_mutex_);
+  windows_[set->id] = set;
+  return set;
+}
+
+void TransferEngine::close_windows(const MemoryWindowsPtr& set) {
+  if (!set || closed()) return;
+  {
+    std::lock_guard<std::mutex> lock(regions_mutex_);
+    if (set->closed) return;
+    set->closed = true;
+    windows_.erase(set->id);
+  }
+  worker_->run_on_worker(
+      [&] {
+        for (auto& w : set->windows)
+          for (size_t r = 0; r < w.rails.size(); ++r) rails_->rail(r).deregister(w.rails[r]);
+      },
+      30'000'000'000LL);
+}
+
+std::string TransferEngine::descriptor(const MemoryWindows& set) const {
+  MemoryDescriptor d;
+  d.owner = address_;
+  d.region_id = set.parent->id;
+  d.addr = set.parent->addr;
+  d.length = set.parent->length;
+  d.share_fd = set.parent->share_fd;
+  d.share_offset = set.parent->share_offset;
+  for (const auto& w : set.windows) {
+    RemoteWindow rw{w.offset, w.length, {}};
+    for (const auto& r : w.rails) rw.rails.push_back({r.remote_base, r.key});
+    d.windows.push_back(std::move(rw));
+  }
+  return d.serialize();
 }
 
 std::string TransferEngine::descriptor(const MemoryRegion& region) const {
@@ -316,6 +398,25 @@ TransferStatePtr TransferEngine::send(std::shared_ptr<const EngineAddress> peer,
 void TransferEngine::connect(std::shared_ptr<const EngineAddress> peer) {
   check_open();
   worker_->run_on_worker([&] { worker_->peer_addresses(*peer); }, 30'000'000'000LL);
+}
+
+bool TransferEngine::bind_imm_source(uint32_t imm, std::shared_ptr<const EngineAddress> peer) {
+  check_open();
+  for (size_t r = 0; r < rails_->size(); ++r)
+    if (!rails_->rail(r).caps().source) return false;
+  // Our rail r hears the peer's rail r only when both have as many rails (RailGroup::remote_rail);
+  // otherwise one rail of ours hears several of the peer's, which this one-sender check
+  // does not model.
+  if (peer->rail_addresses.size() != rails_->size()) return false;
+  // The peer goes into the AV first: only then can a completion name it.
+  worker_->run_on_worker([&] { worker_->bind_imm_source(imm, worker_->peer_addresses(*peer)); },
+                         30'000'000'000LL);
+  return true;
+}
+
+void TransferEngine::unbind_imm_source(uint32_t imm) {
+  check_open();
+  worker_->run_on_worker([&] { worker_->unbind_imm_source(imm); }, 30'000'000'000LL);
 }
 
 void TransferEngine::forget(const EngineAddress& peer) {

@@ -64,6 +64,18 @@ class TransferEngine {
   void deregister(const MemoryRegionPtr& region);
   std::string descriptor(const MemoryRegion& region) const;
 
+  // Registers each (offset, length) of `parent` again, with fresh keys, on every rail: a
+  // descriptor that reaches only those windows, revoked by close_windows. No populate,
+  // no same-host table entry: the parent already did both (a same-host peer writes through
+  // the parent's mapping, see docs/architecture.md). Ranges must be non-empty, inside the
+  // parent and disjoint; they are sorted here.
+  MemoryWindowsPtr register_windows(const MemoryRegionPtr& parent,
+                                    std::vector<std::pair<uint64_t, uint64_t>> ranges);
+  // Closes every window's registration (idempotent; a no-op once the engine closed, which
+  // closed them). A fabric write that reaches the target after this fails at the writer.
+  void close_windows(const MemoryWindowsPtr& windows);
+  std::string descriptor(const MemoryWindows& windows) const;
+
   RemoteRegionPtr parse_remote(const std::string& descriptor_blob) const;
   std::shared_ptr<const EngineAddress> parse_peer(const std::string& address_blob) const;
 
@@ -83,6 +95,11 @@ class TransferEngine {
   TransferStatePtr send(std::shared_ptr<const EngineAddress> peer, std::string payload);
 
   void connect(std::shared_ptr<const EngineAddress> peer);
+  // From now on `imm` is credited only with arrivals sent by `peer`'s endpoints; others are
+  // dropped and counted (imm_foreign_dropped). False, and nothing bound, where the provider
+  // cannot name the sender of a completion (no FI_SOURCE, e.g. tcp in libfabric 1.17).
+  bool bind_imm_source(uint32_t imm, std::shared_ptr<const EngineAddress> peer);
+  void unbind_imm_source(uint32_t imm);
   void forget(const EngineAddress& peer);
 
   ProgressWorker& worker() { return *worker_; }
@@ -108,6 +125,8 @@ class TransferEngine {
   std::atomic<uint64_t> next_region_id_{1};
   std::mutex regions_mutex_;  // registration only, never on the transfer path
   std::unordered_map<uint64_t, MemoryRegionPtr> regions_;
+  std::unordered_map<uint64_t, MemoryWindowsPtr> windows_;  // open window sets, closed by close()
+  std::atomic<uint64_t> next_windows_id_{1};
   std::unique_ptr<RegionTable> region_table_;  // what same-host peers may write into
   mutable std::mutex same_host_mutex_;          // peer lookups at descriptor parse, not per write
   mutable std::unordered_map<uint64_t, std::shared_ptr<SameHostPeer>> same_host_peers_;

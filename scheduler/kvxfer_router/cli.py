@@ -110,9 +110,13 @@ def serve(app: Any, admin_app: Any | None, settings: RouterSettings) -> None:
 
     # In-flight requests end within their deadline, so that bounds a graceful shutdown
     # (SIGTERM); the app's own clean-up then takes at most shutdown_timeout_s.
+    # TLS only on the public port: the admin port stays on loopback (port-forward to reach it).
+    tls: dict[str, Any] = {}
+    if settings.tls_cert_file is not None:
+        tls = {"ssl_certfile": str(settings.tls_cert_file), "ssl_keyfile": str(settings.tls_key_file)}
     public = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port,
                                            log_level=settings.log_level.lower(),
-                                           timeout_graceful_shutdown=math.ceil(settings.request_deadline_s)))
+                                           timeout_graceful_shutdown=math.ceil(settings.request_deadline_s), **tls))
 
     async def run() -> None:
         admin_task = None

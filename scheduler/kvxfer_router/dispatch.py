@@ -500,7 +500,10 @@ class RequestLifecycle:
     async def _reserve(self, decode: WorkerView, prefill: WorkerView, wrid: str) -> dict[str, Any]:
         reply = await self._d.post_json(
             decode, "/reserve",
-            {"request_id": wrid, "prompt_tokens": self.job.prompt_tokens, "max_tokens": self.job.max_tokens},
+            # prefill_engine_address: the decoder credits this request's immediates only
+            # from that engine (where its provider can tell who sent them).
+            {"request_id": wrid, "prompt_tokens": self.job.prompt_tokens, "max_tokens": self.job.max_tokens,
+             "prefill_engine_address": prefill.engine_address},
             stage="reserve", request_id=wrid, total_timeout_s=self._s.control_timeout_s,
         )
         try:

@@ -45,6 +45,11 @@ class RouterSettings(BaseSettings):
         10.0, gt=0, description="Lifetime of the token on each worker call; workers refuse tokens that live "
         "longer than their control_token_max_lifetime_s.",
     )
+    tls_cert_file: Path | None = Field(
+        None, description="PEM certificate (chain) the public port serves HTTPS with, e.g. from a mounted "
+        "Kubernetes TLS Secret; needs tls_key_file. Unset: plain HTTP (TLS ends at an ingress, or none).",
+    )
+    tls_key_file: Path | None = Field(None, description="PEM private key of tls_cert_file.")
     admin_host: str = Field(
         "127.0.0.1", description="Address the admin HTTP server (GET /workers: worker inventory, engine "
         "addresses) binds; keep it off the public network.",
@@ -133,6 +138,8 @@ class RouterSettings(BaseSettings):
     @model_validator(mode="after")
     def _check_consistency(self) -> "RouterSettings":
         # Fail at start-up with a clear message rather than on the first unlucky request.
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together: set both (HTTPS) or neither (HTTP)")
         if self.default_max_tokens > self.max_tokens_limit:
             raise ValueError(
                 f"default_max_tokens ({self.default_max_tokens}) exceeds max_tokens_limit ({self.max_tokens_limit})"

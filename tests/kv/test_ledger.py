@@ -136,3 +136,16 @@ def test_slots_are_fifo_and_each_reuse_is_a_new_epoch() -> None:
     assert c.slot == a.slot and decode_imm(c.imm) == (a.slot, a.generation + 1)
     assert c.imm != a.imm and ledger.by_imm(a.imm) is None  # a late write of "a" counts for nobody
     assert len({a.imm, b.imm, c.imm}) == 3
+
+
+@pytest.mark.parametrize("edge", sorted(PATHS, key=lambda e: (e[0].value, e[1].value)),
+                         ids=lambda e: f"{e[0].value}-{e[1].value}")
+def test_writes_are_closed_exactly_once_when_a_reservation_stops_waiting(edge: tuple[S, S]) -> None:
+    closed: list[str] = []
+    ledger = ReservationLedger(PageAllocator(64, 16), 4, reservation_ttl_s=TTL_S, fence_timeout_s=FENCE_S,
+                               close_writes=closed.append)
+    ledger.open("r", 32)
+    for step in PATHS[edge]:
+        ledger.move("r", step)
+        # Closed the moment it leaves RESERVED/RECEIVING, never while it still waits for KV.
+        assert closed == ([] if step in (S.RESERVED, S.RECEIVING) else ["r"]), step

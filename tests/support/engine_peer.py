@@ -24,7 +24,7 @@ from typing import Any, Callable
 import numpy as np
 
 from kvxfer import SharedBuffer
-from kvxfer.transfer.engine import RegisteredMemory, Transfer, TransferEngine
+from kvxfer.transfer.engine import MemoryWindows, RegisteredMemory, Transfer, TransferEngine
 from kvxfer.errors import KvxferError
 
 
@@ -80,6 +80,7 @@ class EnginePeer:
         self.buffers: list[np.ndarray] = []
         self.regions: list[RegisteredMemory] = []
         self.stream: list[Transfer] = []
+        self.windows: list[MemoryWindows] = []
         self.add_region(size)
 
     def add_region(self, size: int) -> dict[str, Any]:
@@ -99,6 +100,16 @@ class EnginePeer:
     def op_deregister(self, region: int) -> dict[str, Any]:
         """Withdraws a region from the engine; its buffer stays allocated for reads."""
         self.engine.deregister(self.regions[region])
+        return {}
+
+    def op_register_windows(self, ranges: list[list[int]], region: int = 0) -> dict[str, Any]:
+        """Registers parts of a region again with fresh keys; the reply's `windows` names them."""
+        windows = self.engine.register_windows(self.regions[region], [(o, n) for o, n in ranges])
+        self.windows.append(windows)
+        return {"windows": len(self.windows) - 1, "descriptor": windows.descriptor.hex()}
+
+    def op_close_windows(self, windows: int) -> dict[str, Any]:
+        self.windows[windows].close()
         return {}
 
     def op_fill(

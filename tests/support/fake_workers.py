@@ -121,6 +121,7 @@ class ReserveBody(_Strict):
     request_id: str
     prompt_tokens: list[StrictInt]
     max_tokens: StrictInt
+    prefill_engine_address: str = ""  # hex; the router names the prefiller whose immediates count
 
 
 class GenerateBody(_Strict):

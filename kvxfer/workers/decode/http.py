@@ -74,7 +74,13 @@ def create_decode_app(runtime: DecodeRuntime) -> FastAPI:
         request_id = str(body_field(body, "request_id", str))
         tokens = token_list(body, runtime.core.config.vocab_size)
         max_tokens = body_field(body, "max_tokens", int)
-        return runtime.reserve(request_id, len(tokens), max_tokens, caller_of(request)).to_json()
+        prefill_hex = str(body_field(body, "prefill_engine_address", str, ""))
+        try:
+            prefill_address = bytes.fromhex(prefill_hex) if prefill_hex else None
+        except ValueError:
+            raise HTTPException(422, "field 'prefill_engine_address' must be hex") from None
+        return runtime.reserve(request_id, len(tokens), max_tokens, caller_of(request),
+                               prefill_address=prefill_address).to_json()
 
     @app.post("/generate")
     async def generate(request: Request) -> Any:

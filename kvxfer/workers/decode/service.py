@@ -36,7 +36,7 @@ from typing import Any, AsyncIterator
 import numpy as np
 from pydantic import Field
 
-from kvxfer.errors import TransferTimeout
+from kvxfer.errors import DescriptorError, TransferTimeout
 from kvxfer.kv.integrity import KVIntegrity, KVIntegrityError, TransferReceipt, prompt_kv_digest, verify_pages
 from kvxfer.kv.ledger import WAITING, NoSlotError, ReservationLedger
 from kvxfer.kv.ledger import ReservationState as Res
@@ -51,13 +51,27 @@ from kvxfer.kv.protocol import (
     mailbox_slot_bytes,
     pages_for_tokens,
 )
+from kvxfer.kv.write_windows import reservation_windows
 from kvxfer.metrics import DecodeMetrics
 from kvxfer.model.tokenizer import ByteTokenizer
 from kvxfer.model.transformer import DecodeRequest, FinishReason, finish_reason_after
+from kvxfer.transfer.engine import MemoryWindows
 from kvxfer.workers.rejection import Rejection, RequestRejected
 from kvxfer.workers.runtime import WorkerCore, WorkerSettings
 
 log = logging.getLogger("kvxfer.decode")
+
+
+class KVRegistration(str, Enum):
+    """What descriptor a reservation hands its prefiller (docs/architecture.md, "Data plane")."""
+
+    #: A registration of the reservation's own pages and mailbox slot, with fresh random
+    #: keys, closed when the reservation stops waiting for its KV: a stolen or old
+    #: descriptor writes nothing else and nothing after.
+    PER_RESERVATION = "per_reservation"
+    #: The one registration of the whole cache (and mailbox): no registration per request,
+    #: but its descriptor writes anywhere in the cache for the life of the worker.
+    WHOLE_CACHE = "whole_cache"
 
 
 class DecodeSettings(WorkerSettings):
@@ -90,6 +104,12 @@ class DecodeSettings(WorkerSettings):
     kv_integrity_sample_rate: float = Field(
         0.05, gt=0, le=1.0, description="share of each layer's pages checked when kv_integrity is 'sampled' "
         "(at least one page per layer)",
+    )
+    kv_registration: KVRegistration = Field(
+        KVRegistration.PER_RESERVATION, description="'per_reservation': each reservation gets its own memory "
+        "registration of its pages and mailbox slot with fresh random keys, closed at admission, failure, cancel "
+        "or TTL; 'whole_cache': every reservation hands out the one whole-cache descriptor (cheaper on RDMA NICs, "
+        "where a registration pins memory; see benchmarks/bench_registration.py)",
     )
     kv_receipt_digest: bool = Field(
         False, description="put kv.integrity.prompt_kv_digest of the landed prompt KV in the receipt (one more "
@@ -156,7 +176,14 @@ class DecodeRuntime:
             reservation_ttl_s=settings.reservation_ttl_s,
             fence_timeout_s=settings.fence_timeout_s,
             forget_imm=self.core.engine.reset_imm,
+            close_writes=self._close_windows,
         )
+        # Per-reservation registrations (kv_registration=per_reservation) by request id,
+        # open while the reservation waits for its KV.
+        self._windows: dict[str, tuple[MemoryWindows, MemoryWindows]] = {}
+        # Immediates bound to the prefiller a reservation names, by request id, while it waits.
+        self._bound_sources: dict[str, int] = {}
+        self._warned_unbound = False
         cfg = self.core.config
         # Each slot holds the record and one CRC-32C per (layer, page) of the longest prompt.
         max_prompt_pages = min(pages_for_tokens(cfg.max_context, cfg.block_size), settings.num_pages)
@@ -179,8 +206,15 @@ class DecodeRuntime:
         self._update_gauges()
 
     # -- reservation ------------------------------------------------------------------
-    def reserve(self, request_id: str, prompt_tokens: int, max_tokens: int, caller: str = "anonymous") -> KVReservation:
-        """Reserves pages for prompt + max_tokens and a mailbox slot/immediate, owned by `caller`."""
+    def reserve(self, request_id: str, prompt_tokens: int, max_tokens: int, caller: str = "anonymous",
+                prefill_address: bytes | None = None) -> KVReservation:
+        """Reserves pages for prompt + max_tokens and a mailbox slot/immediate, owned by `caller`.
+
+        With `prefill_address` (the engine address of the prefiller the router chose), the
+        reservation's immediate is credited only with arrivals from that engine where the
+        provider can tell (see `TransferEngine.bind_imm_source`); a malformed address is a
+        `Rejection.BAD_REQUEST` and takes nothing.
+        """
         cfg = self.core.config
         if self.core.draining:
             raise RequestRejected(Rejection.DRAINING, "worker is draining", request_id)
@@ -233,21 +267,83 @@ class DecodeRuntime:
                 self.metrics.stray_immediates.inc(stray)
                 log.warning("discarded %d immediates for %#x that arrived before request %s reserved it",
                             stray, job.imm, request_id)
+            try:
+                if prefill_address is not None:
+                    self._bind_source(job, prefill_address)
+                descriptor, meta_descriptor = self._descriptors_for(job)
+            except Exception:
+                # Nothing may stay taken for a reservation the caller never got.
+                self.ledger.end(request_id, Res.FAILED, writer_stopped=True, reason="registration failed")
+                self.jobs.pop(request_id, None)
+                raise
         self._update_gauges()
         return KVReservation(
             request_id=request_id,
-            descriptor=self.core.cache_region.descriptor,
+            descriptor=descriptor,
             pages=list(job.pages),
             num_pages=self.core.cache.num_pages,
             imm=job.imm,
             expected_count=job.expected_count,
             kv_layout=self.core.kv_layout,
-            meta_descriptor=self.mailbox_region.descriptor,
+            meta_descriptor=meta_descriptor,
             meta_offset=job.slot * self.mailbox_slot_stride,
             nonce=job.nonce,
             fence_timeout_s=self.settings.fence_timeout_s,
             checksums=self.settings.kv_integrity is not KVIntegrity.OFF,
         )
+
+    def _descriptors_for(self, job: DecodeJob) -> tuple[bytes, bytes]:
+        """The KV and mailbox descriptors a new reservation hands out (see `KVRegistration`)."""
+        if self.settings.kv_registration is KVRegistration.WHOLE_CACHE:
+            return self.core.cache_region.descriptor, self.mailbox_region.descriptor
+        cache = self.core.cache
+        prompt_pages = job.pages[:pages_for_tokens(job.prompt_tokens, self.core.config.block_size)]
+        engine = self.core.engine
+        kv = engine.register_windows(self.core.cache_region, reservation_windows(
+            prompt_pages, self.core.config.num_layers, cache.num_pages, cache.page_bytes))
+        try:
+            mailbox = engine.register_windows(
+                self.mailbox_region, [(job.slot * self.mailbox_slot_stride, self.mailbox_slot_stride)])
+        except Exception:
+            kv.close()
+            raise
+        self._windows[job.request_id] = (kv, mailbox)
+        self.metrics.reservation_registrations.inc()
+        self.metrics.reservation_registrations_open.set(len(self._windows))
+        return kv.descriptor, mailbox.descriptor
+
+    def _bind_source(self, job: DecodeJob, prefill_address: bytes) -> None:
+        """Credits the job's immediate only from `prefill_address` (bound until it stops waiting)."""
+        try:
+            bound = self.core.engine.bind_imm_source(job.imm, prefill_address)
+        except (DescriptorError, ValueError) as exc:
+            raise RequestRejected(Rejection.BAD_REQUEST, f"prefill_engine_address: {exc}", job.request_id) from None
+        if bound:
+            self._bound_sources[job.request_id] = job.imm
+        elif not self._warned_unbound:
+            self._warned_unbound = True
+            log.warning("the %s provider cannot name the sender of an immediate (no FI_SOURCE, or rail counts "
+                        "differ): immediates are credited from any sender; scoped descriptors and the mailbox "
+                        "nonce still hold", self.core.engine.provider)
+
+    def _close_windows(self, request_id: str) -> None:
+        """Revokes a reservation's descriptors (the ledger calls it when the reservation
+        stops waiting for its KV); a write with them then fails at its writer."""
+        imm = self._bound_sources.pop(request_id, None)
+        if imm is not None:
+            try:
+                self.core.engine.unbind_imm_source(imm)
+            except Exception:  # an engine closing under us dropped its bindings itself
+                log.exception("unbinding the immediate source of request %s failed", request_id)
+        windows = self._windows.pop(request_id, None)
+        if windows is None:
+            return
+        self.metrics.reservation_registrations_open.set(len(self._windows))
+        for part in windows:
+            try:
+                part.close()
+            except Exception:  # an engine closing under us closed them itself
+                log.exception("closing the registration of request %s failed", request_id)
 
     def job(self, request_id: str, caller: str = "anonymous") -> DecodeJob:
         """The job of a request id reserved by `caller`; `Rejection.UNKNOWN_REQUEST` if there is
