@@ -3,6 +3,8 @@ illegal ones, deadlines, slots and epochs."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from kvxfer.kv.ledger import TRANSITIONS, IllegalTransition, NoSlotError, ReservationLedger
@@ -136,3 +138,30 @@ def test_slots_are_fifo_and_each_reuse_is_a_new_epoch() -> None:
     assert c.slot == a.slot and decode_imm(c.imm) == (a.slot, a.generation + 1)
     assert c.imm != a.imm and ledger.by_imm(a.imm) is None  # a late write of "a" counts for nobody
     assert len({a.imm, b.imm, c.imm}) == 3
+
+
+def documented_transitions() -> dict[S, frozenset[S]]:
+    """The "Reservation states (decoder)" table of docs/architecture.md, as a transition map."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "architecture.md").read_text()
+    section = doc.split("**Reservation states (decoder).**", 1)[1]
+    lines = section.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    rows = []
+    for line in lines[start:]:  # the table is the first run of "|" lines
+        if not line.startswith("|"):
+            break
+        rows.append(line)
+    assert rows[0].replace(" ", "") == "|from|to|when|", rows[0]
+    table: dict[S, set[S]] = {state: set() for state in S}
+    for row in rows[2:]:  # past the header and its |---| line
+        sources, targets = (cell.strip() for cell in row.strip("|").split("|")[:2])
+        for source in sources.split(","):
+            for target in targets.split(","):
+                table[S[source.strip()]].add(S[target.strip()])
+    return {state: frozenset(targets) for state, targets in table.items()}
+
+
+def test_the_documented_table_is_the_code_table() -> None:
+    # docs/architecture.md says which transitions exist; the ledger enforces TRANSITIONS.
+    # One edge added or removed on either side (doc or code) fails here.
+    assert documented_transitions() == TRANSITIONS
