@@ -26,7 +26,7 @@ import asyncio
 import concurrent.futures
 import logging
 import math
-import signal
+import os
 import threading
 import time
 from typing import Any
@@ -79,6 +79,24 @@ class PrefillSettings(WorkerSettings):
         "", description="failure drill, off when empty: e.g. 'abort_after_layer:N' aborts every push before "
         "layer N; every form is in kvxfer/workers/prefill/faults.py"
     )
+
+
+#: How long the freeze drill waits at its point for the outside SIGSTOP and SIGCONT.
+FREEZE_WAIT_S = 120.0
+#: A pause between two short sleeps at least this long means the process was stopped.
+STOPPED_GAP_S = 0.5
+
+
+def wait_until_stopped_and_continued(timeout_s: float) -> bool:
+    """Holds the calling thread until the process was stopped and continued (seen as a gap in
+    CLOCK_MONOTONIC, which runs on while a process is stopped), or `timeout_s` passed."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        before = time.monotonic()
+        time.sleep(0.01)
+        if time.monotonic() - before >= STOPPED_GAP_S:
+            return True
+    return False
 
 
 class InjectedFault(TransferError):
@@ -345,13 +363,13 @@ class PrefillRuntime:
                 raise InjectedFault(request_id, f"fault injection: abort_after_layer:{faults.abort_before_layer}")
             if faults.freeze_before_layer == layer and chunk.first_block == 0:
                 # Frozen between writes, none in flight: what a SIGSTOP'd process looks like
-                # to its decoder. Whoever sends SIGCONT lets it go on.
+                # to its decoder. The stop comes from outside (a pod's PID 1 ignores a SIGSTOP
+                # it sends itself): this thread holds here until it has been stopped and
+                # continued, so no write of this push is posted before the SIGCONT.
                 session.wait(self.core.engine.transfer_timeout_s)
-                log.warning("fault injection: request %s: SIGSTOP before layer %d", request_id, layer)
-                # Directed at this thread: it stops before it returns. os.kill() would send it
-                # to the process, stopped through the main thread while this one ran on and
-                # posted the next write, which then landed after SIGCONT.
-                signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
+                log.warning("fault injection: request %s: frozen point before layer %d (pid %d): waiting for "
+                            "SIGSTOP and SIGCONT", request_id, layer, os.getpid())
+                wait_until_stopped_and_continued(FREEZE_WAIT_S)
             if faults.write_late_ms is not None and layer == 1 and chunk.first_block == 0:
                 time.sleep(faults.write_late_ms / 1e3)
             if extra_s:
