@@ -86,7 +86,7 @@ class RouterSettings(BaseSettings):
         0.1, gt=0, description="How often the event loop's lag is sampled (kvxfer_router_event_loop_lag_seconds)."
     )
     max_in_flight_per_worker: int = Field(
-        64, ge=1, description="Requests of this router one worker may have at once; when every eligible worker "
+        128, ge=1, description="Requests of this router one worker may have at once; when every eligible worker "
         "has that many, the router answers 429 with Retry-After (a starved worker would answer late and fail them).",
     )
     admission_max_loop_lag_s: float = Field(
