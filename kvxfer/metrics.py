@@ -79,6 +79,10 @@ KV_VERIFY_BUCKETS_SECONDS: tuple[float, ...] = (
 #: queue can take tens of seconds; 60 s is the router's default request deadline.
 TTFT_BUCKETS_SECONDS: tuple[float, ...] = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
+#: Event-loop lag: a healthy loop is below a millisecond; a second is an outage of its deadlines.
+LOOP_LAG_BUCKETS_SECONDS: tuple[float, ...] = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+)
 #: Inter-token latency: one decode step of a batch is ms-scale; seconds mean a stall.
 ITL_BUCKETS_SECONDS: tuple[float, ...] = (
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -157,6 +161,11 @@ class RouterMetrics:
             "Requests refused at admission, by HTTP code (429 overloaded, 503 no workers).",
             ["code"], registry=registry)
         _init_labels(self.rejected, REJECT_CODES)
+        self.event_loop_lag = Histogram(
+            "kvxfer_router_event_loop_lag_seconds",
+            "How much later than asked the router's event loop ran a timer (sampled every loop_lag_interval_s): "
+            "work on the loop delays every request's deadlines by this much.",
+            buckets=LOOP_LAG_BUCKETS_SECONDS, registry=registry)
         self.workers = Gauge(
             "kvxfer_router_workers", "Workers the router knows from the registry.",
             ["role", "state"], registry=registry)

@@ -165,6 +165,7 @@ class PushSession:
         self._local = np.asarray(local_pages, dtype=np.int64)
         self._remote = np.asarray(reservation.pages, dtype=np.int64)
         self._transfers: list[Transfer] = []
+        self._ok_seen = 0  # writes seen completed by the last poll()
         self._mailbox_transfer: Transfer | None = None
         self._cancelled = threading.Event()
         # Held while a write is decided and posted, and by cancel(): once cancel() returned,
@@ -289,6 +290,36 @@ class PushSession:
             request_id=self.reservation.request_id,
         )
         self._transfers.append(self._mailbox_transfer)
+
+    def poll(self) -> tuple[int, bool, Exception | None]:
+        """One look at the posted writes, for the push monitor (its thread only): writes
+        still in flight, whether any completed successfully since the last poll, and the
+        first failure (a `TransferTimeout` at the engine's deadline, else `TransferError`)."""
+        pending, ok = 0, 0
+        failure: Exception | None = None
+        for transfer in list(self._transfers):  # the compute thread may append meanwhile
+            if not transfer.done():
+                pending += 1
+                continue
+            try:
+                transfer._raise_if_failed()
+                ok += 1
+            except TransferError as exc:
+                failure = failure or exc
+        progressed = ok > self._ok_seen
+        self._ok_seen = ok
+        return pending, progressed, failure
+
+    def collect_stats(self) -> PushStats:
+        """The push's stats once every write completed (the monitor found them done).
+
+        The monitor looks every few milliseconds; the end of the push is the last write's
+        completion by the engine's clock, carried over to `perf_counter` time."""
+        now_perf, now_mono = time.perf_counter(), time.monotonic()
+        self._collect_write_times()
+        late_s = now_mono - self.stats.last_completed_at if self.stats.last_completed_at else 0.0
+        self.stats.transfers_done_at = now_perf - max(0.0, late_s)
+        return self.stats
 
     def wait(self, timeout_s: float) -> PushStats:
         """Waits until every write completed; raises the first TransferError.

@@ -40,6 +40,7 @@ STATUS_OF: dict[Rejection, int] = {
     Rejection.OVERLOADED: 429,
     Rejection.UNKNOWN_REQUEST: 404,
     Rejection.PUSH_FAILED: 502,
+    Rejection.DESTINATION_DOWN: 502,
     Rejection.KV_TIMEOUT: 504,
     Rejection.INTEGRITY: 502,
     Rejection.FAILED: 500,
@@ -54,7 +55,11 @@ def create_worker_app(title: str, core: WorkerCore, info: Callable[[], dict[str,
 
     @app.exception_handler(RequestRejected)
     async def rejected(_: Request, exc: RequestRejected) -> JSONResponse:
-        headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s is not None else None
+        retry_after_s = exc.retry_after_s
+        if retry_after_s is None and exc.reason is Rejection.OVERLOADED:
+            # Every "no room now" is a 429 the caller may retry: always say when.
+            retry_after_s = core.settings.retry_after_s
+        headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
         return JSONResponse({"detail": str(exc), "reason": exc.reason.value}, status_code=STATUS_OF[exc.reason],
                             headers=headers)
 

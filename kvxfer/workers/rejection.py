@@ -22,6 +22,7 @@ class Rejection(str, Enum):
     OVERLOADED = "overloaded"  # no page, slot or queue room now; retry later
     UNKNOWN_REQUEST = "unknown_request"  # no such request id on this worker
     PUSH_FAILED = "push_failed"  # the KV push to the decoder failed
+    DESTINATION_DOWN = "destination_down"  # the decoder stopped taking writes: the push failed at once
     KV_TIMEOUT = "kv_timeout"  # the KV did not arrive before its deadline
     INTEGRITY = "integrity"  # the landed KV failed its end-to-end check (kv.integrity)
     FAILED = "failed"  # the request failed on this worker (model error)

@@ -8,6 +8,7 @@ import logging
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -61,6 +62,7 @@ class WorkerSettings(BaseSettings):
     control_max_body_bytes: int = Field(4 << 20, gt=0, description="largest control request body read (413 beyond)")
     control_body_timeout_s: float = Field(10.0, gt=0, description="time a caller has to send a control body (408)")
     drain_timeout_s: float = 30.0
+    retry_after_s: int = Field(1, ge=0, description="Retry-After (seconds) sent with a 429 (no page, slot or queue room)")
     prefill_chunk_tokens: int = 256
 
 
@@ -70,6 +72,8 @@ class WorkerCore:
     def __init__(self, settings: WorkerSettings, role: Literal["prefill", "decode"]) -> None:
         self.settings = settings
         self.role = role
+        #: Run by close() before the engine closes: threads that call into the engine stop first.
+        self.closers: list[Callable[[], None]] = []
         self.worker_id = settings.worker_id or f"{role}-{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
         self.config = ModelConfig.preset(settings.model)
         self.model = Transformer(self.config)
@@ -152,4 +156,6 @@ class WorkerCore:
             except Exception as exc:  # revoke is best effort: the lease expires anyway
                 log.warning("revoke failed: %s", exc)
             self.registration = None
+        for closer in self.closers:
+            closer()
         self.engine.close()

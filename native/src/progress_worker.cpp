@@ -355,13 +355,34 @@ bool ProgressWorker::post_pending(size_t r) {
   auto& rail = rails_.rail(r);
   auto& st = *stats_[r];
   bool did = false;
-  while (!queue.empty() && inflight_[r] < settings_.max_inflight_per_rail) {
-    RailOp* op = queue.front();
+  // Peers whose provider queue answered EAGAIN in this pass. Their ops stay where they are
+  // (so each peer's order is kept) while ops to other peers behind them go ahead: a peer that
+  // stopped reading (frozen, dead, slow) must not hold up every other peer's writes on the
+  // rail until its own ops expire. Bounded scan: at most kMaxSkippedPerPass ops are stepped
+  // over per pass, so a long queue behind a stuck peer costs a bounded amount per turn.
+  constexpr size_t kMaxBlockedPeers = 8;
+  constexpr size_t kMaxSkippedPerPass = 256;
+  fi_addr_t blocked[kMaxBlockedPeers];
+  size_t n_blocked = 0;
+  size_t skipped = 0;
+  auto is_blocked = [&](fi_addr_t dest) {
+    for (size_t i = 0; i < n_blocked; ++i)
+      if (blocked[i] == dest) return true;
+    return false;
+  };
+  auto it = queue.begin();
+  while (it != queue.end() && inflight_[r] < settings_.max_inflight_per_rail) {
+    RailOp* op = *it;
     if (op->batch->failed) {
       // Its transfer already failed or timed out: never post the rest of it.
-      queue.pop_front();
+      it = queue.erase(it);
       complete_op(op, nullptr, /*posted=*/false);
       did = true;
+      continue;
+    }
+    if (is_blocked(op->dest)) {
+      if (++skipped > kMaxSkippedPerPass) break;
+      ++it;
       continue;
     }
     ssize_t rc;
@@ -392,8 +413,14 @@ bool ProgressWorker::post_pending(size_t r) {
       if (op->delivery_complete) flags |= FI_DELIVERY_COMPLETE;
       rc = rail.post_send(msg, flags);
     }
-    if (rc == -FI_EAGAIN) break;  // provider queue full: read completions, then retry
-    queue.pop_front();
+    if (rc == -FI_EAGAIN) {
+      // This peer's queue is full: read completions, then retry it; try the other peers now.
+      if (n_blocked == kMaxBlockedPeers) break;
+      blocked[n_blocked++] = op->dest;
+      ++it;
+      continue;
+    }
+    it = queue.erase(it);
     did = true;
     if (rc != 0) {
       std::string why = std::string("posting failed: ") + fi_strerror(static_cast<int>(-rc));

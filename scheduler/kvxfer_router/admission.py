@@ -74,6 +74,8 @@ class AdmissionController:
         self._directory = directory
         self._telemetry = telemetry
         self._active: set[str] = set()
+        #: The event loop's latest lag sample in seconds (set by the lag sampler).
+        self.loop_lag_s = 0.0
 
     @property
     def in_flight(self) -> int:
@@ -116,6 +118,19 @@ class AdmissionController:
             raise RouterError(
                 429,
                 f"router is at its limit of {self._settings.max_in_flight} requests in flight; retry later",
+                request_id=request_id,
+                type="rate_limit_error",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": str(self._settings.retry_after_s)},
+            )
+        if self._active and self.loop_lag_s > self._settings.admission_max_loop_lag_s:
+            # The loop is starved by the work in flight: a request admitted now would wait
+            # on it past its own deadlines (connects, control tokens) and fail for the
+            # router's own lag. With nothing in flight the lag is not ours to shed.
+            self._telemetry.rejected(429)
+            raise RouterError(
+                429,
+                f"router is overloaded (event loop {self.loop_lag_s:.2f} s behind); retry later",
                 request_id=request_id,
                 type="rate_limit_error",
                 code="rate_limit_exceeded",

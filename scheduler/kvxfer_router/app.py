@@ -15,8 +15,9 @@ import json
 import logging
 import re
 import uuid
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
@@ -31,6 +32,7 @@ from kvxfer.metrics import metrics_response
 from .admission import AdmissionController
 from .directory import WorkerDirectory
 from .dispatch import CompletionJob, Dispatcher, ErrorEvent, Event, FinishEvent, RequestLifecycle, TokenEvent
+from .loop_work import LoopOffload, sample_loop_lag
 from .openai_api import (
     REQUEST_ID_PATTERN,
     SSE_DONE,
@@ -135,6 +137,8 @@ class RouterService:
         self._owns_client = http_client is None
         self._dispatcher: Dispatcher | None = None
         self.signer = WorkerCallSigner.from_settings(settings)
+        self.offload = LoopOffload(settings.offload_threads, settings.offload_max_queued, settings.retry_after_s)
+        self._lag_sampler: asyncio.Task[None] | None = None
 
     @property
     def dispatcher(self) -> Dispatcher:
@@ -155,11 +159,20 @@ class RouterService:
         return self._dispatcher
 
     async def start(self) -> None:
-        """Open the outgoing HTTP client."""
+        """Open the outgoing HTTP client; start sampling the event loop's lag."""
         _ = self.dispatcher
+        self._lag_sampler = asyncio.ensure_future(sample_loop_lag(self.settings.loop_lag_interval_s, self._loop_lag))
+
+    def _loop_lag(self, seconds: float) -> None:
+        self.telemetry.loop_lag(seconds)
+        self.admission.loop_lag_s = seconds
 
     async def stop(self) -> None:
         """Cancel in-flight requests (bounded by ``shutdown_timeout_s``), close the client."""
+        if self._lag_sampler is not None:
+            self._lag_sampler.cancel()
+            self._lag_sampler = None
+        self.offload.close()
         if self._dispatcher is not None:
             await self._dispatcher.aclose()
         if self._owns_client and self._client is not None:
@@ -210,7 +223,10 @@ class RouterService:
                               request_id=rid, code="request_too_large")
         raw = await read_body_limited(request, self.settings.max_request_bytes,
                                       self.settings.request_body_timeout_s, rid)
-        obj = parse_json_body(raw, rid)
+        if len(raw) >= self.settings.offload_min_bytes:
+            obj = await self.offload.run(rid, parse_json_body, raw, rid)
+        else:
+            obj = parse_json_body(raw, rid)
         if not isinstance(obj, dict):
             raise RouterError(400, "request body must be a JSON object", request_id=rid, code="invalid_json")
         if isinstance(obj.get("request_id"), str) and _REQUEST_ID_RE.match(obj["request_id"]):
@@ -229,7 +245,7 @@ class RouterService:
         max_tokens = self._check_common(obj, req.model, asked, request_id)
         if self.model_engine(req.model) == "vllm":
             return self._vllm_job(request_id, req.model, max_tokens, "chat", obj), req
-        return self._kvxfer_job(request_id, req.model, render_chat(req.messages), max_tokens, "chat"), req
+        return await self._kvxfer_job(request_id, req.model, render_chat(req.messages), max_tokens, "chat"), req
 
     async def parse_completion(self, request: Request) -> tuple[CompletionJob, CompletionRequest]:
         """Validate a ``/v1/completions`` request into a job, or raise a 4xx
@@ -243,13 +259,16 @@ class RouterService:
         max_tokens = self._check_common(obj, req.model, req.max_tokens, request_id)
         if self.model_engine(req.model) == "vllm":
             return self._vllm_job(request_id, req.model, max_tokens, "completion", obj), req
-        return self._kvxfer_job(request_id, req.model, req.prompt, max_tokens, "completion"), req
+        return await self._kvxfer_job(request_id, req.model, req.prompt, max_tokens, "completion"), req
 
-    def _kvxfer_job(self, request_id: str, model: str, text: str, max_tokens: int, kind: str) -> CompletionJob:
+    async def _kvxfer_job(self, request_id: str, model: str, text: str, max_tokens: int, kind: str) -> CompletionJob:
         # kvxfer's own workers: the router tokenizes (chat: the rendered messages) and checks
         # the model's context; the prompt's length decides whether it is disaggregated.
         param, subject = ("prompt", "prompt is") if kind == "completion" else ("messages", "messages are")
-        tokens = self.encode_prompt(text)
+        if len(text) >= self.settings.offload_min_bytes:
+            tokens = await self.offload.run(request_id, self.encode_prompt, text)
+        else:
+            tokens = self.encode_prompt(text)
         if not tokens:
             raise RouterError(400, f"{param} is empty", request_id=request_id, param=param, code="invalid_value")
         limit = self.settings.prompt_limit(model)

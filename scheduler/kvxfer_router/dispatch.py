@@ -26,8 +26,9 @@ import enum
 import json
 import logging
 import time
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Union
+from typing import Any, Union
 
 import httpx
 
@@ -125,10 +126,13 @@ class LegFailure(Exception):
     """One leg (a call to one worker) failed. ``stage`` is ``reserve``, ``prefill`` or
     ``generate`` (``kvxfer.metrics.RETRY_STAGES``); ``timed_out`` marks a timeout;
     ``rejected`` marks a worker refusing the request's own content (a client error: no retry);
-    ``never_sent`` that the connection was never made, so the worker never saw the call."""
+    ``never_sent`` that the connection was never made, so the worker never saw the call;
+    ``status`` is the worker's HTTP status (None without an answer), ``worker_reason`` the
+    ``reason`` of its error body and ``retry_after_s`` its Retry-After, when it sent them."""
 
     def __init__(self, request_id: str, worker: WorkerView, stage: str, reason: str, *, timed_out: bool = False,
-                 rejected: bool = False, never_sent: bool = False) -> None:
+                 rejected: bool = False, never_sent: bool = False, status: int | None = None,
+                 worker_reason: str | None = None, retry_after_s: int | None = None) -> None:
         super().__init__(f"request {request_id}: {worker.role} worker {worker.worker_id} failed at {stage}: {reason}")
         self.request_id = request_id
         self.worker = worker
@@ -137,6 +141,16 @@ class LegFailure(Exception):
         self.timed_out = timed_out
         self.rejected = rejected
         self.never_sent = never_sent
+        self.status = status
+        self.worker_reason = worker_reason
+        self.retry_after_s = retry_after_s
+
+    @classmethod
+    def from_answer(cls, request_id: str, worker: WorkerView, stage: str, path: str, status: int, text: str,
+                    headers: Mapping[str, str], *, rejected: bool) -> LegFailure:
+        """The failure a worker's error answer (status >= 400) stands for."""
+        return cls(request_id, worker, stage, f"POST {path} answered {status}: {_detail(text)}", rejected=rejected,
+                   status=status, worker_reason=_reason(text), retry_after_s=_retry_after(headers))
 
 
 class Dispatcher:
@@ -162,7 +176,7 @@ class Dispatcher:
         self._live: set[RequestLifecycle] = set()
         self._background: set[asyncio.Task[Any]] = set()
 
-    def start(self, job: CompletionJob, ticket: AdmissionTicket) -> "RequestLifecycle":
+    def start(self, job: CompletionJob, ticket: AdmissionTicket) -> RequestLifecycle:
         """Start ``job`` in its own task; the ticket is released when the task ends."""
         lifecycle = RequestLifecycle(self, job, ticket)
         self._live.add(lifecycle)
@@ -217,8 +231,8 @@ class Dispatcher:
         except httpx.HTTPError as exc:
             raise LegFailure(request_id, worker, stage, f"POST {path}: {type(exc).__name__}: {exc}") from exc
         if resp.status_code >= 400:
-            raise LegFailure(request_id, worker, stage, f"POST {path} answered {resp.status_code}: {_detail(resp.text)}",
-                             rejected=path == "/reserve" and resp.status_code in _REQUEST_REJECTED_STATUSES)
+            raise LegFailure.from_answer(request_id, worker, stage, path, resp.status_code, resp.text, resp.headers,
+                                         rejected=path == "/reserve" and resp.status_code in _REQUEST_REJECTED_STATUSES)
         try:
             data = resp.json()
         except ValueError:
@@ -246,8 +260,8 @@ class Dispatcher:
                                           **self.signer.request(worker.url(path), body)) as resp:
                 if resp.status_code >= 400:
                     text = (await asyncio.wait_for(resp.aread(), s.control_timeout_s)).decode(errors="replace")
-                    raise LegFailure(request_id, worker, stage, f"POST {path} answered {resp.status_code}: "
-                                     f"{_detail(text)}", rejected=resp.status_code in rejected_statuses)
+                    raise LegFailure.from_answer(request_id, worker, stage, path, resp.status_code, text, resp.headers,
+                                                 rejected=resp.status_code in rejected_statuses)
                 lines = resp.aiter_lines()
                 wait_s = s.first_token_timeout_s
                 while True:
@@ -386,9 +400,21 @@ class RequestLifecycle:
             pair = select_pair(
                 self._d.directory, self.job.model, needs_prefill=self.job.needs_prefill,
                 policy=self._d.policy, load=self._d.load, exclude=exclude,
+                max_per_worker=self._s.max_in_flight_per_worker,
             )
             if pair is None and self.job.needs_prefill and self._s.colocated_fallback:
                 pair = self._colocated_fallback(exclude, last)
+            if pair is None and select_pair(
+                self._d.directory, self.job.model, needs_prefill=self.job.needs_prefill,
+                policy=self._d.policy, load=self._d.load, exclude=exclude,
+            ) is not None:
+                # Workers exist but each has max_in_flight_per_worker of ours: overload.
+                raise RouterError(
+                    429, f"every worker for model {self.job.model!r} has {self._s.max_in_flight_per_worker} "
+                    "requests of this router in flight; retry later",
+                    request_id=self.request_id, type="rate_limit_error", code="workers_overloaded",
+                    headers={"Retry-After": str(self._s.retry_after_s)},
+                )
             if pair is None:
                 if last is None:
                     raise RouterError(503, f"no compatible worker pair for model {self.job.model!r}",
@@ -422,7 +448,11 @@ class RequestLifecycle:
                     ) from failure
                 if self.tokens_sent:
                     raise self._upstream_error(failure, "after streaming had started") from failure
-                exclude.add(failure.worker.worker_id)
+                if failure.worker_reason == "destination_down" and pair.prefill is not None:
+                    # The prefiller is fine; the decoder it pushed to stopped taking writes.
+                    exclude.add(pair.decode.worker_id)
+                else:
+                    exclude.add(failure.worker.worker_id)
             finally:
                 self._d.load.release(pair)
         assert last is not None
@@ -433,7 +463,8 @@ class RequestLifecycle:
         """A decode worker alone for a request that needed prefill: no compatible prefill
         worker is eligible (none registered, or the one tried failed and is excluded)."""
         pair = select_pair(self._d.directory, self.job.model, needs_prefill=False,
-                           policy=self._d.policy, load=self._d.load, exclude=exclude)
+                           policy=self._d.policy, load=self._d.load, exclude=exclude,
+                           max_per_worker=self._s.max_in_flight_per_worker)
         if pair is not None:
             reason = "prefill_failed" if last is not None and last.worker.role == "prefill" else "no_prefiller"
             log.info("request %s: serving colocated on %s (%s)", self.request_id, pair.decode.worker_id, reason)
@@ -583,12 +614,37 @@ class RequestLifecycle:
             self._events.put_nowait(ErrorEvent(error))
 
     def _upstream_error(self, failure: LegFailure, context: str) -> RouterError:
+        if failure.status == 429:
+            # Every worker tried was full (pages, slots, queue): overload, never a 5xx.
+            retry_after_s = failure.retry_after_s if failure.retry_after_s is not None else self._s.retry_after_s
+            return RouterError(
+                429, f"{failure.worker.role} worker {failure.worker.worker_id} is overloaded at {failure.stage} "
+                f"({failure.reason}) {context}",
+                request_id=self.request_id, type="rate_limit_error", code="workers_overloaded",
+                headers={"Retry-After": str(retry_after_s)},
+            )
         status, code = (504, "worker_timeout") if failure.timed_out else (502, "worker_failed")
         return RouterError(
             status, f"{failure.worker.role} worker {failure.worker.worker_id} failed at {failure.stage} "
             f"({failure.reason}) {context}",
             request_id=self.request_id, type="server_error", code=code,
         )
+
+
+def _reason(text: str) -> str | None:
+    """The ``reason`` of a kvxfer worker's error body, if it has one."""
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        return None
+    reason = parsed.get("reason") if isinstance(parsed, dict) else None
+    return reason if isinstance(reason, str) else None
+
+
+def _retry_after(headers: Mapping[str, str]) -> int | None:
+    """A worker's Retry-After in whole seconds (None when absent or not a number)."""
+    value = headers.get("retry-after")
+    return int(value) if value is not None and value.strip().isdigit() else None
 
 
 def _detail(text: str) -> str:

@@ -172,13 +172,20 @@ def select_pair(
     policy: PairPolicy,
     load: LocalLoad,
     exclude: Collection[str] = (),
+    max_per_worker: int | None = None,
 ) -> WorkerPair | None:
     """Choose the workers for one attempt, or ``None`` when no eligible combination exists.
+
+    With ``max_per_worker``, a worker that already has that many of this router's requests
+    is not eligible (backpressure: past it, a starved worker answers every call late).
 
     The decode worker is chosen first among those that have at least one compatible prefill
     worker (so a decode worker whose layout no prefiller shares is never picked for a
     disaggregated request), then the prefill worker among the compatible ones.
     """
+    if max_per_worker is not None:
+        busy = {w.worker_id for w in directory.workers() if load.get(w.worker_id) >= max_per_worker}
+        exclude = set(exclude) | busy
     decodes = eligible(directory.workers("decode"), model, exclude)
     if not needs_prefill:
         return WorkerPair(policy.choose_decode(decodes, load), None) if decodes else None

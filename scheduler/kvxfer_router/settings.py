@@ -87,6 +87,25 @@ class RouterSettings(BaseSettings):
         256, ge=1, description="Requests dispatched at once; beyond it the router answers 429."
     )
     retry_after_s: int = Field(1, ge=0, description="Retry-After (seconds) sent with a 429.")
+    loop_lag_interval_s: float = Field(
+        0.1, gt=0, description="How often the event loop's lag is sampled (kvxfer_router_event_loop_lag_seconds)."
+    )
+    max_in_flight_per_worker: int = Field(
+        128, ge=1, description="Requests of this router one worker may have at once; when every eligible worker "
+        "has that many, the router answers 429 with Retry-After (a starved worker would answer late and fail them).",
+    )
+    admission_max_loop_lag_s: float = Field(
+        1.0, gt=0, description="While the event loop's latest lag sample is above this, new requests get 429 "
+        "with Retry-After: admitted ones would otherwise fail on the router's own deadlines.",
+    )
+    offload_threads: int = Field(2, ge=1, description="Threads that tokenize and parse big bodies off the event loop.")
+    offload_max_queued: int = Field(
+        1024, ge=0, description="Jobs that may wait for an offload thread; beyond it the router answers 429."
+    )
+    offload_min_bytes: int = Field(
+        8192, ge=0, description="Prompts of at least this many characters and bodies of this many bytes are tokenized or "
+        "parsed off the event loop."
+    )
     request_deadline_s: float = Field(
         300.0, gt=0, description="Whole-request deadline, admission to last token; past it: 504."
     )
@@ -149,6 +168,14 @@ class RouterSettings(BaseSettings):
             raise ValueError(
                 f"first_token_timeout_s ({self.first_token_timeout_s}) is shorter than "
                 f"kv_wait_timeout_s ({self.kv_wait_timeout_s})"
+            )
+        if self.http_max_connections < 2 * self.max_in_flight:
+            # An admitted disaggregated request holds two worker connections at once (its
+            # prefill and generate legs): a smaller pool makes admitted requests wait for a
+            # connection until their own deadlines fire, a failure of the router's making.
+            raise ValueError(
+                f"http_max_connections ({self.http_max_connections}) is below 2 x max_in_flight "
+                f"({self.max_in_flight}): admitted requests would starve for worker connections"
             )
         for model, limit in self.model_max_prompt_tokens.items():
             if limit < 1:

@@ -67,6 +67,11 @@ class RouterTelemetry:
         if self.metrics is not None:
             self.metrics.inter_token_latency.observe(seconds)
 
+    def loop_lag(self, seconds: float) -> None:
+        """The event loop ran a timer ``seconds`` late."""
+        if self.metrics is not None and hasattr(self.metrics, "event_loop_lag"):
+            self.metrics.event_loop_lag.observe(seconds)
+
     def retry(self, stage: str) -> None:
         """A request is retried on another pair after failing at ``stage``."""
         if self.metrics is not None:

@@ -3,6 +3,8 @@ illegal ones, deadlines, slots and epochs."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from kvxfer.kv.ledger import TRANSITIONS, IllegalTransition, NoSlotError, ReservationLedger
@@ -149,3 +151,30 @@ def test_writes_are_closed_exactly_once_when_a_reservation_stops_waiting(edge: t
         ledger.move("r", step)
         # Closed the moment it leaves RESERVED/RECEIVING, never while it still waits for KV.
         assert closed == ([] if step in (S.RESERVED, S.RECEIVING) else ["r"]), step
+
+
+def documented_transitions() -> dict[S, frozenset[S]]:
+    """The "Reservation states (decoder)" table of docs/architecture.md, as a transition map."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "architecture.md").read_text()
+    section = doc.split("**Reservation states (decoder).**", 1)[1]
+    lines = section.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    rows = []
+    for line in lines[start:]:  # the table is the first run of "|" lines
+        if not line.startswith("|"):
+            break
+        rows.append(line)
+    assert rows[0].replace(" ", "") == "|from|to|when|", rows[0]
+    table: dict[S, set[S]] = {state: set() for state in S}
+    for row in rows[2:]:  # past the header and its |---| line
+        sources, targets = (cell.strip() for cell in row.strip("|").split("|")[:2])
+        for source in sources.split(","):
+            for target in targets.split(","):
+                table[S[source.strip()]].add(S[target.strip()])
+    return {state: frozenset(targets) for state, targets in table.items()}
+
+
+def test_the_documented_table_is_the_code_table() -> None:
+    # docs/architecture.md says which transitions exist; the ledger enforces TRANSITIONS.
+    # One edge added or removed on either side (doc or code) fails here.
+    assert documented_transitions() == TRANSITIONS

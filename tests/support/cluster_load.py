@@ -83,12 +83,18 @@ class Result:
     error: str | None = None  # error message from the body, or the client-side exception
     body: Any = None
     serving_mode: str | None = None  # the router's X-Kvxfer-Serving-Mode header
+    retry_after: str | None = None  # the Retry-After header of an error answer
     started: float = 0.0
     ended: float = 0.0
 
     @property
     def ok(self) -> bool:
         return self.status == 200 and self.error is None and self.finish_reason in ("length", "stop")
+
+    @property
+    def clean_overload(self) -> bool:
+        """A 429 that says when to come back (Retry-After in whole seconds)."""
+        return self.status == 429 and self.retry_after is not None and self.retry_after.isdigit()
 
     @property
     def elapsed(self) -> float:
@@ -149,6 +155,7 @@ async def _do_complete(client: httpx.AsyncClient, router_url: str, payload: dict
         r = await client.post(url, json=payload, timeout=httpx.Timeout(60.0, connect=5.0))
         res.status = r.status_code
         res.serving_mode = r.headers.get("x-kvxfer-serving-mode")
+        res.retry_after = r.headers.get("retry-after")
         try:
             res.body = r.json()
         except ValueError:
@@ -164,6 +171,7 @@ async def _do_complete(client: httpx.AsyncClient, router_url: str, payload: dict
     async with client.stream("POST", url, json=payload, timeout=httpx.Timeout(60.0, connect=5.0)) as r:
         res.status = r.status_code
         res.serving_mode = r.headers.get("x-kvxfer-serving-mode")
+        res.retry_after = r.headers.get("retry-after")
         if r.status_code != 200:
             raw = await r.aread()
             try:

@@ -24,6 +24,7 @@ address, so KV between workers crosses the fabric; the test then talks to them f
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -35,7 +36,7 @@ from typing import Any
 
 import httpx
 
-from support.pod_namespaces import PodNetwork, pod_command, signal_pod
+from support.pod_namespaces import PodNetwork, pod_command, pod_pid1, signal_pod
 
 #: The console script installed next to the interpreter running the tests (.venv/bin).
 KVXFER = str(Path(sys.executable).with_name("kvxfer"))
@@ -129,6 +130,28 @@ class WorkerProc:
                 pass
         self.kill()
         self._log.close()
+
+    def main_pid(self) -> int:
+        """Host PID of the worker process itself (a pod's PID 1, else the process)."""
+        return pod_pid1(self.proc) if self.pod_ns is not None else self.proc.pid
+
+    def freeze(self) -> None:
+        """SIGSTOP the worker from outside (a pod's PID 1 honours it from an ancestor
+        namespace, not from itself); waits until the kernel shows it stopped."""
+        os.kill(self.main_pid(), signal.SIGSTOP)
+        stat = Path(f"/proc/{self.main_pid()}/stat")
+        deadline = time.monotonic() + 5.0
+        while stat.read_text().rsplit(")", 1)[1].split()[0] != "T":
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.role} worker {self.main_pid()} did not stop within 5 s")
+            time.sleep(0.01)
+
+    def thaw(self) -> None:
+        """SIGCONT the worker (nothing if it is gone)."""
+        if not self.alive():
+            return
+        with contextlib.suppress(ProcessLookupError, RuntimeError):
+            os.kill(self.main_pid(), signal.SIGCONT)
 
     def _signal_group(self, sig: int) -> None:
         if self.pod_ns is not None:

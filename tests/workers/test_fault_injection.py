@@ -1,6 +1,9 @@
-"""Fault injection over the fabric: real prefill and decode processes with the same-host
-path off (KVXFER_SAME_HOST=false, the KV crosses libfabric as between pods), one faulty
-prefiller per test (KVXFER_FAULT_INJECTION) beside a healthy one.
+"""Fault injection over the fabric, in pods: real prefill and decode processes, each in a
+network and PID namespace of its own on one bridge (tests/support/pod_namespaces.py), so
+the KV crosses libfabric as between Kubernetes pods; where namespaces cannot be made, plain
+processes on loopback with the same-host path off. One faulty prefiller per test
+(KVXFER_FAULT_INJECTION) beside a healthy one. The freeze comes from outside: the test
+SIGSTOPs the pod's PID 1 from the host (a PID 1 ignores a SIGSTOP it sends itself).
 
 Each fault must end in a clear error within its deadline, leak no page on any worker,
 leave a healthy request running beside it exact (its landed KV's digest equals the
@@ -10,11 +13,9 @@ colocated reference's), and write nothing into pages handed to another request.
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
+import contextlib
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -33,6 +34,8 @@ from support.kv_requests import (
     tokens_of,
     wait_pages_full,
 )
+from support.pod_cluster import POD_MODE_UNAVAILABLE
+from support.pod_namespaces import PodNetwork
 from support.waiting import wait_until
 from support.worker_procs import WorkerProc, WorkerSet
 
@@ -47,21 +50,40 @@ PROMPT = 300  # tokens: 19 pages per layer, one 256-token chunk then one more
 
 
 @pytest.fixture(scope="module")
-def fabric_pair(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[dict[str, WorkerProc]]:
-    """A decode worker (full integrity, receipt digests) and a healthy prefiller, fabric only."""
-    workers = WorkerSet(tmp_path_factory.mktemp("fault_workers"))
+def pod_set(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[WorkerSet]:
+    """The module's workers, pods of one network; the tests run on its bridge."""
+    net = PodNetwork() if POD_MODE_UNAVAILABLE is None else None
+    workers = WorkerSet(tmp_path_factory.mktemp("fault_workers"), pods=net)
     failed_before = request.session.testsfailed
     try:
-        decode, healthy = workers.start_many([
-            ("decode", {"env": {**FABRIC, **DIGEST_ENV, "KVXFER_FENCE_TIMEOUT_S": str(FENCE_S),
-                                "KVXFER_KV_INTEGRITY": "full"}}),
-            ("prefill", {"env": PREFILL_ENV}),
-        ])
-        yield {"decode": decode, "healthy": healthy}
+        with net.client() if net is not None else contextlib.nullcontext():
+            yield workers
     finally:
         if request.session.testsfailed > failed_before:
-            print(f"\n===== worker logs (module fixture) =====\n{workers.logs()}")
+            print(f"\n===== worker logs (module) =====\n{workers.logs()}")
         workers.close()
+        if net is not None:
+            net.close()
+
+
+@pytest.fixture(scope="module")
+def fabric_pair(pod_set: WorkerSet) -> dict[str, WorkerProc]:
+    """A decode worker (full integrity, receipt digests) and a healthy prefiller, fabric only."""
+    decode, healthy = pod_set.start_many([
+        ("decode", {"env": {**FABRIC, **DIGEST_ENV, "KVXFER_FENCE_TIMEOUT_S": str(FENCE_S),
+                            "KVXFER_KV_INTEGRITY": "full"}}),
+        ("prefill", {"env": PREFILL_ENV}),
+    ])
+    return {"decode": decode, "healthy": healthy}
+
+
+@pytest.fixture
+def own_workers(pod_set: WorkerSet) -> Iterator[WorkerSet]:
+    """Workers of one test on the module's network; killed when the test ends."""
+    first = len(pod_set.procs)
+    yield pod_set
+    for proc in pod_set.procs[first:]:
+        proc.kill()
 
 
 def faulty_prefiller(own_workers: WorkerSet, spec: str) -> WorkerProc:
@@ -183,14 +205,17 @@ def test_frozen_prefiller_resumed_after_reuse_writes_nothing(fabric_pair: dict[s
             status, body = await generate_call(client, decode, "frozen", stream=False, timeout_s=GEN_TIMEOUT_S)
             elapsed = time.monotonic() - t0
             assert status == 504 and elapsed < GEN_TIMEOUT_S + 1.0, (status, body, elapsed)
-            assert wait_until(lambda: Path(f"/proc/{faulty.pid}/stat").read_text().split()[2] == "T", 5, "frozen prefiller")
+            # At its freeze point (no write in flight), the test stops it from outside.
+            await asyncio.to_thread(wait_until, lambda: "frozen point before layer" in faulty.log_text(), 5,
+                                    "the prefiller at its freeze point")
+            faulty.freeze()
             # The fence passes (nobody vouched for the frozen writer): the pages are free again...
             await asyncio.to_thread(wait_pages_full, decode, FENCE_S + 5)
             # ...and go to the next request, whose KV lands; then the frozen prefiller wakes.
             res2 = await reserve(client, decode, "next", nxt)
             assert set(res2["pages"]) & set(reservation["pages"]), "the next request did not get the frozen one's pages"
             pre2 = await prefill_call(client, healthy, "next", nxt, res2)
-            os.kill(faulty.pid, signal.SIGCONT)
+            faulty.thaw()
             frozen_pre = await pre
             gen2 = await generate_call(client, decode, "next", stream=False)
             return (res2, pre2, gen2), frozen_pre

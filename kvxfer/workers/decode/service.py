@@ -93,7 +93,6 @@ class DecodeSettings(WorkerSettings):
         256, gt=0, description="live reservations (waiting for KV or decoding) one authenticated caller may hold; "
         "beyond it /reserve answers 429, so one caller cannot squat every page"
     )
-    retry_after_s: int = Field(1, ge=0, description="Retry-After (seconds) sent with a 429")
     reaper_interval_s: float = Field(
         0.05, gt=0, le=1.0, description="the reaper's longest sleep: granularity of the TTL and fence deadlines"
     )

@@ -10,7 +10,7 @@ Off when empty, and for tests and drills only: every push of the worker gets the
 | `flip_bit:L` | flips one bit of one page of layer L after checksumming it |
 | `swap_pages:L` | swaps two pages of layer L before checksumming (checksums agree; the oracle must not) |
 | `write_late:MS` | stands still MS ms before layer 1's write, then goes on (a starved process) |
-| `freeze_after_layer:N` | SIGSTOPs itself before layer N's write, once its earlier writes completed |
+| `freeze_after_layer:N` | holds before layer N's write, once its earlier writes completed, until it was SIGSTOPped and SIGCONTed from outside (a pod's PID 1 cannot stop itself) |
 """
 
 from __future__ import annotations

@@ -2,7 +2,12 @@
 into a decode worker's reserved pages as soon as they are final.
 
 Compute runs on one thread (the model is CPU-bound and each request uses every core);
-callers (the HTTP handlers of `http.py`) queue requests for it. A cancel stops a request's
+callers (the HTTP handlers of `http.py`) queue requests for it. That thread only computes
+and posts writes: it never waits for a decoder. The `PushMonitor` (kv/push_monitor.py)
+watches the writes of every push per destination and resolves each push's outcome, so a
+frozen or dead decoder fails its own pushes within `destination_stall_timeout_s` and slows
+no other destination, and a slow one delays only its own requests. A push's local pages are
+freed once none of its writes is in flight any more. A cancel stops a request's
 further writes and answers only once none of its writes is still in flight; the id is remembered for
 `cancel_memory_s`, so a /prefill that arrives after its cancel is refused (the decoder
 may have reused the pages on the strength of that answer). A push that cannot complete
@@ -21,7 +26,7 @@ import asyncio
 import concurrent.futures
 import logging
 import math
-import signal
+import os
 import threading
 import time
 from typing import Any
@@ -41,6 +46,7 @@ from kvxfer.kv.protocol import (
     pages_for_tokens,
 )
 from kvxfer.kv.push import PushSession
+from kvxfer.kv.push_monitor import DestinationDown, PushMonitor, WatchedPush
 from kvxfer.metrics import PrefillMetrics
 from kvxfer.workers.prefill.faults import FaultPlan, parse_fault_injection
 from kvxfer.workers.rejection import Rejection, RequestRejected
@@ -64,10 +70,33 @@ class PrefillSettings(WorkerSettings):
     cancel_memory_s: float = Field(
         600.0, gt=0, description="how long a cancelled request id is remembered (a late /prefill for it is refused)"
     )
+    destination_stall_timeout_s: float = Field(
+        0.5, gt=0, description="a decode destination with writes in flight and none completing for this long is "
+        "down: its pushes fail at once and new ones are refused until it takes writes again (a frozen or dead "
+        "decoder; the engine's transfer_timeout_s would notice only at its deadline)",
+    )
     fault_injection: str = Field(
         "", description="failure drill, off when empty: e.g. 'abort_after_layer:N' aborts every push before "
         "layer N; every form is in kvxfer/workers/prefill/faults.py"
     )
+
+
+#: How long the freeze drill waits at its point for the outside SIGSTOP and SIGCONT.
+FREEZE_WAIT_S = 120.0
+#: A pause between two short sleeps at least this long means the process was stopped.
+STOPPED_GAP_S = 0.5
+
+
+def wait_until_stopped_and_continued(timeout_s: float) -> bool:
+    """Holds the calling thread until the process was stopped and continued (seen as a gap in
+    CLOCK_MONOTONIC, which runs on while a process is stopped), or `timeout_s` passed."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        before = time.monotonic()
+        time.sleep(0.01)
+        if time.monotonic() - before >= STOPPED_GAP_S:
+            return True
+    return False
 
 
 class InjectedFault(TransferError):
@@ -80,8 +109,10 @@ def transfer_failure_reason(exc: Exception, cancelled: bool) -> str:
     The engine types its deadline (`TransferTimeout`); the rest it reports as text, so a
     failure to reach the peer is told from a fabric error completion by what it names.
     """
-    if cancelled:
+    if cancelled and not isinstance(exc, DestinationDown):
         return "cancelled"
+    if isinstance(exc, DestinationDown):
+        return "peer_unreachable"
     if isinstance(exc, TransferTimeout):
         return "timeout"
     text = str(exc).lower()
@@ -114,6 +145,8 @@ class PrefillRuntime:
         self._peers: set[bytes] = set()
         self._cancelled: dict[str, float] = {}  # request id -> monotonic expiry of the memory
         self._aborts: list[Any] = []  # abort sends not yet completed (kept referenced)
+        self.pushes = PushMonitor(settings.destination_stall_timeout_s)
+        self.core.closers.append(self.pushes.close)
         self.faults: FaultPlan = parse_fault_injection(settings.fault_injection)
         if self.faults.active:
             log.warning("fault injection on (%s): %s", settings.fault_injection, self.faults)
@@ -132,8 +165,9 @@ class PrefillRuntime:
         }
 
     def in_flight(self) -> int:
-        """Requests queued, computing or pushing."""
-        return self._queued
+        """Requests queued, computing or pushing (writes still in flight included)."""
+        with self._lock:
+            return max(self._queued, len(self.sessions))
 
     async def prefill(self, request_id: str, prompt: list[int], reservation: KVReservation,
                       caller: str = "anonymous") -> dict[str, Any]:
@@ -154,7 +188,13 @@ class PrefillRuntime:
                 request_id,
             )
         if self._queued >= self.settings.max_queue:
-            raise RequestRejected(Rejection.OVERLOADED, "prefill queue is full", request_id)
+            raise RequestRejected(Rejection.OVERLOADED, "prefill queue is full", request_id,
+                                  retry_after_s=self.settings.retry_after_s)
+        try:
+            self.pushes.check(reservation.descriptor)
+        except DestinationDown as exc:
+            self.metrics.count_transfer_failure("peer_unreachable")
+            raise RequestRejected(Rejection.DESTINATION_DOWN, f"request {request_id}: {exc}", request_id) from None
         if reservation.fence_timeout_s <= self.core.engine.transfer_timeout_s:
             raise RequestRejected(
                 Rejection.CONFLICT,
@@ -172,7 +212,8 @@ class PrefillRuntime:
             try:
                 local_pages = self.allocator.reserve(request_id, len(prompt))
             except OutOfPagesError as exc:
-                raise RequestRejected(Rejection.OVERLOADED, str(exc), request_id) from None
+                raise RequestRejected(Rejection.OVERLOADED, str(exc), request_id,
+                                      retry_after_s=self.settings.retry_after_s) from None
             slot = self._slot
             self._slot = (self._slot + 1) % self.settings.mailbox_slots
             try:
@@ -192,19 +233,47 @@ class PrefillRuntime:
             self._queued += 1
         self._update_gauges()
         loop = asyncio.get_running_loop()
+        push = self.pushes.watch(session, reservation.descriptor, loop, self._release)
+        # Retrieved even when nobody awaits it (the handler was cancelled, compute failed first).
+        push.outcome.add_done_callback(lambda f: f.cancelled() or f.exception())
+        computing = True
         try:
-            return await loop.run_in_executor(self._compute, self._run, request_id, prompt, session, local_pages)
+            result = await loop.run_in_executor(self._compute, self._run, request_id, prompt, session, local_pages, push)
+            with self._lock:
+                self._queued -= 1
+            computing = False
+            self._update_gauges()
+            # The compute thread is on to the next request; this push completes (or its
+            # destination is found down) on the monitor's watch.
+            stats = await push.outcome
+            if session.cancelled:
+                raise RequestRejected(Rejection.CONFLICT, f"request {request_id} was cancelled", request_id)
+            return self._push_result(result, stats)
+        except DestinationDown as exc:
+            self.metrics.count_transfer_failure("peer_unreachable")
+            raise RequestRejected(Rejection.DESTINATION_DOWN, f"request {request_id}: KV push failed: {exc}",
+                                  request_id) from None
         except (TransferError, EngineError) as exc:
             self.metrics.count_transfer_failure(transfer_failure_reason(exc, session.cancelled))
             raise RequestRejected(Rejection.PUSH_FAILED, f"request {request_id}: KV push failed: {exc}", request_id) from None
         finally:
-            with self._lock:
-                self.sessions.pop(request_id, None)
-                self._owners.pop(request_id, None)
-                self._queued -= 1
-                # Every write completed or failed by its deadline: the local pages are free.
-                self.allocator.free(request_id)
-            self._update_gauges()
+            if computing:
+                with self._lock:
+                    self._queued -= 1
+                self._update_gauges()
+
+    def _release(self, push: WatchedPush) -> None:
+        """None of the push's writes is in flight any more (the monitor's thread): a failed
+        push tells its decoder now, and the local pages are free."""
+        session = push.session
+        request_id = session.reservation.request_id
+        if push.error is not None:
+            self._send_abort(session, f"{type(push.error).__name__}: {push.error}")
+        with self._lock:
+            self.sessions.pop(request_id, None)
+            self._owners.pop(request_id, None)
+            self.allocator.free(request_id)
+        self._update_gauges()
 
     def accept_reservation(self, request_id: str, decode: dict[str, Any]) -> KVReservation:
         """Parses a decoder's reservation (`KVReservation.from_json`, which names any bad
@@ -242,21 +311,21 @@ class PrefillRuntime:
             )
         return reservation
 
-    def _run(self, request_id: str, prompt: list[int], session: PushSession, local_pages: list[int]) -> dict[str, Any]:
-        """Compute and push; a push that cannot complete ends with an abort to the decoder."""
+    def _run(self, request_id: str, prompt: list[int], session: PushSession, local_pages: list[int],
+             push: WatchedPush) -> dict[str, Any]:
+        """Compute and post every write (the compute thread); never waits for the decoder.
+
+        A push that cannot complete is ended here; the monitor sends the abort once none of
+        its writes is in flight (the decoder then fails the request and reuses the pages at once).
+        """
         try:
-            return self._compute_and_push(request_id, prompt, session, local_pages)
+            self.pushes.check(push.destination)
+            result = self._compute_and_push(request_id, prompt, session, local_pages, push)
         except BaseException as exc:
-            # Whatever stopped the push, wait until none of its writes is in flight, then
-            # tell the decoder: it fails the request now, not at its deadline, and may
-            # reuse the pages at once.
-            session.cancel()
-            try:
-                session.wait(self.core.engine.transfer_timeout_s)
-            except TransferError:
-                pass
-            self._send_abort(session, f"{type(exc).__name__}: {exc}")
+            self.pushes.end(push, exc)
             raise
+        self.pushes.posted(push)
+        return result
 
     def _send_abort(self, session: PushSession, why: str) -> None:
         reservation = session.reservation
@@ -275,7 +344,7 @@ class PrefillRuntime:
             del self._cancelled[rid]
 
     def _compute_and_push(
-        self, request_id: str, prompt: list[int], session: PushSession, local_pages: list[int]
+        self, request_id: str, prompt: list[int], session: PushSession, local_pages: list[int], push: WatchedPush
     ) -> dict[str, Any]:
         if session.cancelled:
             raise RequestRejected(Rejection.CONFLICT, f"request {request_id} was cancelled before compute", request_id)
@@ -288,17 +357,19 @@ class PrefillRuntime:
         faults = self.faults
 
         def on_layer_done(layer: int, chunk: Any) -> None:
+            if push.error is not None:  # its destination is down: stop computing for it
+                raise push.error
             if faults.abort_before_layer is not None and layer >= faults.abort_before_layer:
                 raise InjectedFault(request_id, f"fault injection: abort_after_layer:{faults.abort_before_layer}")
             if faults.freeze_before_layer == layer and chunk.first_block == 0:
                 # Frozen between writes, none in flight: what a SIGSTOP'd process looks like
-                # to its decoder. Whoever sends SIGCONT lets it go on.
+                # to its decoder. The stop comes from outside (a pod's PID 1 ignores a SIGSTOP
+                # it sends itself): this thread holds here until it has been stopped and
+                # continued, so no write of this push is posted before the SIGCONT.
                 session.wait(self.core.engine.transfer_timeout_s)
-                log.warning("fault injection: request %s: SIGSTOP before layer %d", request_id, layer)
-                # Directed at this thread: it stops before it returns. os.kill() would send it
-                # to the process, stopped through the main thread while this one ran on and
-                # posted the next write, which then landed after SIGCONT.
-                signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
+                log.warning("fault injection: request %s: frozen point before layer %d (pid %d): waiting for "
+                            "SIGSTOP and SIGCONT", request_id, layer, os.getpid())
+                wait_until_stopped_and_continued(FREEZE_WAIT_S)
             if faults.write_late_ms is not None and layer == 1 and chunk.first_block == 0:
                 time.sleep(faults.write_late_ms / 1e3)
             if extra_s:
@@ -314,26 +385,31 @@ class PrefillRuntime:
         )
         session.finish(result.first_token, len(prompt))
         compute_s = time.perf_counter() - t0
-        stats = session.wait(self.core.engine.transfer_timeout_s)
         if session.cancelled:
             raise RequestRejected(Rejection.CONFLICT, f"request {request_id} was cancelled", request_id)
         self.metrics.compute.observe(compute_s)
-        self.metrics.observe_transfer(stats.kv_bytes, max(stats.transfer_s, 1e-9), stats.wire_s)
-        self.metrics.peers_connected.set(len(self._peers))
         # The push is one write per (layer, chunk): per-layer compute is the compute time
-        # spread over those steps, per-layer transfer the engine's duration of those writes.
+        # spread over those steps.
         chunks = math.ceil(len(prompt) / self.settings.prefill_chunk_tokens)
         steps = self.core.config.num_layers * chunks
         return {
             "request_id": request_id,
             "first_token": result.first_token,
             "prefill_ms": compute_s * 1e3,
+            "chunks": chunks,
+            "layer_compute_ms_mean": compute_s * 1e3 / steps,
+        }
+
+    def _push_result(self, result: dict[str, Any], stats: Any) -> dict[str, Any]:
+        """The /prefill answer: the compute's figures and the completed push's."""
+        self.metrics.observe_transfer(stats.kv_bytes, max(stats.transfer_s, 1e-9), stats.wire_s)
+        self.metrics.peers_connected.set(len(self._peers))
+        return {
+            **result,
             "transfer_tail_ms": stats.tail_s * 1e3,
             "transfer_ms": stats.transfer_s * 1e3,
             "kv_bytes": stats.kv_bytes,
             "writes": stats.writes,
-            "chunks": chunks,
-            "layer_compute_ms_mean": compute_s * 1e3 / steps,
             "layer_transfer_ms_mean": stats.layer_transfer_s_mean * 1e3,
             "layer_transfer_ms_max": stats.layer_transfer_s_max * 1e3,
             "layer_submit_ms_mean": sum(stats.layer_push_s) * 1e3 / max(1, len(stats.layer_push_s)),
