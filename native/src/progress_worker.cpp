@@ -129,7 +129,38 @@ void ProgressWorker::submit(std::unique_ptr<WorkBatch> batch) {
     run_round();  // posts it now: nobody else will
     return;
   }
-  WorkBatch* raw = batch.release();
+  push_submission(batch.release());
+  wake_if_sleeping();
+}
+
+void ProgressWorker::submit_all(std::vector<std::unique_ptr<WorkBatch>>& batches) {
+  if (stopping_.load()) throw EngineError("engine is closed");
+  if (settings_.caller_drives_progress) {
+    check_caller();
+    for (auto& batch : batches) {
+      // A full queue is drained by a round of our own: this thread is the worker.
+      while (!submissions_.try_push(batch.get())) run_round();
+      batch.release();
+    }
+    run_round();
+    return;
+  }
+  for (size_t i = 0; i < batches.size(); ++i) {
+    try {
+      push_submission(batches[i].get());
+    } catch (...) {
+      // push_submission freed that batch; the ones not pushed yet go with the vector.
+      batches[i].release();
+      throw;
+    }
+    batches[i].release();
+    // A long list: let the worker start on the first ones while the rest are queued.
+    if ((i & 255) == 255) wake_if_sleeping();
+  }
+  wake_if_sleeping();
+}
+
+void ProgressWorker::push_submission(WorkBatch* raw) {
   int64_t deadline = monotonic_ns() + 5'000'000'000LL;
   while (!submissions_.try_push(raw)) {
     // Full queue: the worker is behind; back off briefly rather than spin on 2 cores.
@@ -137,8 +168,12 @@ void ProgressWorker::submit(std::unique_ptr<WorkBatch> batch) {
       delete raw;
       throw EngineError("engine submission queue stayed full for 5 s");
     }
+    wake_if_sleeping();
     usleep(50);
   }
+}
+
+void ProgressWorker::wake_if_sleeping() {
   if (sleeping_.load(std::memory_order_seq_cst)) {
     uint64_t one = 1;
     ssize_t ignored = write(wake_fd_, &one, sizeof one);
@@ -187,6 +222,12 @@ bool ProgressWorker::wait_transfer(TransferState& t, int64_t deadline_ns) {
   if (!settings_.caller_drives_progress) return t.wait_until(deadline_ns);
   if (!t.pending()) return true;
   return drive_until([&t] { return !t.pending(); }, deadline_ns);
+}
+
+bool ProgressWorker::wait_counter(CompletionCounter& counter, uint64_t n, int64_t deadline_ns) {
+  if (!settings_.caller_drives_progress) return counter.wait_at_least(n, deadline_ns);
+  if (counter.finished() >= n) return true;
+  return drive_until([&counter, n] { return counter.finished() >= n; }, deadline_ns);
 }
 
 bool ProgressWorker::wait_imm(uint32_t imm, uint64_t count, int64_t deadline_ns) {

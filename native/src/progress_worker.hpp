@@ -67,6 +67,8 @@ class ProgressWorker {
 
   // Hands a planned batch to the worker. Throws if the worker is stopped.
   void submit(std::unique_ptr<WorkBatch> batch);
+  // Hands many planned batches to the worker, waking it once (submit_many's path).
+  void submit_all(std::vector<std::unique_ptr<WorkBatch>>& batches);
   // Runs fn on the worker thread (registration, peers) and waits for it, rethrowing.
   void run_on_worker(std::function<void()> fn, int64_t timeout_ns);
 
@@ -76,6 +78,8 @@ class ProgressWorker {
   void reset_imm(uint32_t imm) { imms_.table().reset(imm); }
   // Waits for a transfer: on its status word, or by making progress where the caller drives.
   bool wait_transfer(TransferState& t, int64_t deadline_ns);
+  // Waits until at least n transfers of the counter finished, the same two ways.
+  bool wait_counter(CompletionCounter& counter, uint64_t n, int64_t deadline_ns);
   // True once count units of imm arrived, false at the deadline; throws
   // ImmCounterOverflow when imm cannot be counted (ImmCounterTable::lost).
   bool wait_imm(uint32_t imm, uint64_t count, int64_t deadline_ns);
@@ -120,6 +124,9 @@ class ProgressWorker {
   // What a round that did nothing is followed by: a yield, or a sleep of at most until
   // wake_by_ns once the idle spell is older than idle_spin_ns.
   void idle(int64_t idle_since, int64_t wake_by_ns);
+  // Pushes one batch, backing off while the queue is full (thread-driven progress).
+  void push_submission(WorkBatch* raw);
+  void wake_if_sleeping();
   // Caller-driven progress: rounds until done() or the deadline.
   bool drive_until(const std::function<bool()>& done, int64_t deadline_ns);
   void shut_down();
