@@ -100,6 +100,9 @@ T1_TCP_RATIO, T2_BARE_RATIO, T3_SINGLE_RATIO, T4_MEMCPY_RATIO = 0.90, 2.0, 0.90,
 DEEP_BARE_RATIO = 0.90
 T1_MIN_SIZE = 1 * MIB
 T2_PAGE_SIZE = 16 * KIB
+# Paged write calls in flight with the default window (each of --pages-per-write pages:
+# 16 x 256 pages keeps far more pages in flight than max_inflight_per_rail).
+PAGED_WINDOW = 16
 # The deep-window bare runs of a --quick run (each costs seconds of libfabric start-up).
 QUICK_DEEP_CASES = ((PAGED_RANDOM, 16 * KIB), (SINGLE, 1 * MIB))
 TCP_CLASS_PROVIDERS = ("net", "tcp", "sockets")
@@ -310,9 +313,20 @@ class EngineConfig:
     shard_min_bytes: int
     delivery_complete: str = "default"
 
+    def units_in_flight(self, kind: str) -> int:
+        """Write calls the initiator keeps in flight: --window, or with the default (0,
+        "deep") as many single writes as the deep bare loop keeps (max_inflight_per_rail
+        per rail) and PAGED_WINDOW paged calls (each of --pages-per-write pages)."""
+        if self.window:
+            return self.window
+        return self.max_inflight_per_rail * self.rails if kind == SINGLE else PAGED_WINDOW
+
+    def window_text(self) -> str:
+        return str(self.window) if self.window else f"deep: {self.units_in_flight(SINGLE)} single / {PAGED_WINDOW} paged"
+
     def label(self) -> str:
         dc = "" if self.delivery_complete == "default" else f", delivery_complete {self.delivery_complete}"
-        return (f"{self.provider}, rails={self.rails} (window {self.window}, max_inflight_per_rail "
+        return (f"{self.provider}, rails={self.rails} (window {self.window_text()}, max_inflight_per_rail "
                 f"{self.max_inflight_per_rail}, idle_spin_us {self.idle_spin_us:g}, shard_min_bytes "
                 f"{size_text(self.shard_min_bytes)}{dc})")
 
@@ -431,28 +445,35 @@ class Initiator:
         """n units of a case: seconds to the target's full count and to local completion,
         and the CPU seconds both processes spent (all threads) meanwhile."""
         assert self.target is not None
-        if spec.kind == SINGLE:
-            units = [spec.offset(k) for k in range(n)]
-        else:
-            units = [spec.page_lists(k) for k in range(n)]
-        eng, mr, desc, window = self.engine, self.mr, self.target.descriptor, self.cfg.window
+        eng, mr, desc = self.engine, self.mr, self.target.descriptor
+        window = self.cfg.units_in_flight(spec.kind)
+        # Submitted the way a user with a deep window would: batches of a quarter window in
+        # one call each, finishing into one counter, and one wait per batch for the window
+        # to have room (no handle and no GIL round trip per write).
+        batch = max(1, window // 4)
         size = spec.size
         self.target.request({"cmd": "arm", "imm": imm, "count": n * spec.pages})
-        inflight: deque[Any] = deque()
+        counter = eng.completion_counter()
+        if spec.kind == SINGLE:
+            offsets = np.fromiter((spec.offset(k) for k in range(n)), dtype=np.int64, count=n)
+        else:
+            src_lists, dst_lists = zip(*(spec.page_lists(k) for k in range(n)))
         cpu0 = self.cpu_seconds()
         t0 = time.monotonic()
-        if spec.kind == SINGLE:
-            for off in units:
-                inflight.append(eng.write(mr, off, desc, off, size, imm=imm))
-                if len(inflight) >= window:
-                    inflight.popleft().wait(TRANSFER_WAIT_TIMEOUT_S)
-        else:
-            for src_pages, dst_pages in units:
-                inflight.append(eng.write_paged(mr, src_pages, desc, dst_pages, size, imm=imm))
-                if len(inflight) >= window:
-                    inflight.popleft().wait(TRANSFER_WAIT_TIMEOUT_S)
-        while inflight:
-            inflight.popleft().wait(TRANSFER_WAIT_TIMEOUT_S)
+        submitted = 0
+        while submitted < n:
+            k = min(batch, n - submitted)
+            if submitted + k > window:
+                counter.wait(submitted + k - window, TRANSFER_WAIT_TIMEOUT_S)
+            end = submitted + k
+            if spec.kind == SINGLE:
+                part = offsets[submitted:end]
+                eng.write_many(mr, part, desc, part, size, imm=imm, counter=counter)
+            else:
+                eng.write_paged_many(mr, src_lists[submitted:end], desc, dst_lists[submitted:end], size,
+                                     imm=imm, counter=counter)
+            submitted = end
+        counter.wait(n, TRANSFER_WAIT_TIMEOUT_S)
         t_local = time.monotonic()
         cpu_local = self.cpu_seconds() - cpu0
         done = self.target.read()
@@ -467,7 +488,8 @@ class Initiator:
         spec.checksum(self.src, 1, "src")  # builds the random page lists before any timing
         # A run of a few units is mostly pipeline fill and drain, which underrates the steady
         # rate: warm-up and runs move at least warm_bytes, or 4 windows of units if less.
-        floor = max(args.min_units, min(4 * self.cfg.window, math.ceil(args.warm_bytes / spec.unit_bytes)))
+        floor = max(args.min_units, min(4 * self.cfg.units_in_flight(spec.kind),
+                                        math.ceil(args.warm_bytes / spec.unit_bytes)))
         n_warm = min(max_units, floor)
         warm_s = self._run(spec, n_warm, imm)["seconds"]
         return max(n_warm, min(max_units, int(n_warm / warm_s * args.seconds_per_repeat)))
@@ -499,6 +521,7 @@ class ConfigRun:
                       "pages_per_unit": s.pages, "runs": []} for s in specs]
         self.config: dict[str, Any] = {
             "provider": cfg.provider, "rails": cfg.rails, "window": cfg.window,
+            "window_single": cfg.units_in_flight(SINGLE), "window_paged": cfg.units_in_flight(PAGED_RANDOM),
             "max_inflight_per_rail": cfg.max_inflight_per_rail, "idle_spin_us": cfg.idle_spin_us,
             "shard_min_bytes": cfg.shard_min_bytes, "delivery_complete": cfg.delivery_complete,
             "pages_per_write": args.pages_per_write, "label": cfg.label(), "label_short": f"{cfg.provider} rails={cfg.rails}",
@@ -877,7 +900,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rails", default=None, help="comma list of rail counts (default 1,2; quick 1)")
     p.add_argument("--quick", action="store_true", help="few sizes, small totals: < 60 s")
     p.add_argument("--repeats", type=int, default=None, help="timed runs per case (default 3, quick 2)")
-    p.add_argument("--window", default="16", help="transfers in flight at the initiator (comma list)")
+    p.add_argument("--window", default="deep",
+                   help="write calls in flight at the initiator (comma list); deep: as many single writes as "
+                        f"the deep bare loop, {PAGED_WINDOW} paged calls")
     p.add_argument("--pages-per-write", type=int, default=256, help="pages per paged write call")
     p.add_argument("--region-bytes", default=None, help="registered region on each side (256M, quick 64M)")
     p.add_argument("--seconds-per-repeat", type=float, default=None,
@@ -924,7 +949,7 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         raise SystemExit(f"providers {missing} not available here (have {present})")
     configs = [
-        EngineConfig(p, int(r), int(w), int(mi), float(sp), parse_size(sh), dc)
+        EngineConfig(p, int(r), 0 if w == "deep" else int(w), int(mi), float(sp), parse_size(sh), dc)
         for p, r, w, mi, sp, sh, dc in itertools.product(
             providers, args.rails.split(","), args.window.split(","),
             args.max_inflight_per_rail.split(","), args.idle_spin_us.split(","),

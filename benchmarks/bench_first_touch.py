@@ -1,13 +1,21 @@
-"""How much slower is the first transfer into freshly registered memory, and does
-populate_on_register fix it?
+"""How much slower is the first transfer into freshly registered memory, and how close is
+the same-host path to memcpy, cold and warm?
 
 Two engines in this process (net provider over 127.0.0.1): a source with a filled buffer,
-and a target that registers a fresh anonymous mapping (no page touched yet), with
-populate_on_register off and on. For each path (same_host: process_vm_writev, fabric: the
-provider) it times the first write into the region (cold) and the next ones (warm), prints
-a table and writes JSON. On a shared 2-core machine, compare rows of one run only.
+and a target that registers fresh memory (no page touched yet), with populate_on_register
+off and on. Paths: `same_host` (process_vm_writev into an anonymous mapping),
+`same_host_mapped` (memcpy into the target's SharedBuffer, a memfd the source maps) and
+`fabric` (the net provider). For each path and size it times the first write into the
+region (cold) and the best of the next ones (warm), against memcpy between two warm
+buffers of the same size measured in the same run. Verdicts (issue 14):
 
-    .venv/bin/python benchmarks/bench_first_touch.py [--size-mib 256] [--repeats 3] [--json PATH]
+  first-touch  cold at >= 1/1.25 of warm (the first transfer within 1.25x of a warm one),
+               every path, with populate_on_register on (the default)
+  same-host    same-host paths at >= 0.7x memcpy for 1 MiB and larger, cold and warm
+
+Prints a table, writes JSON and a PNG. On a shared 2-core machine, compare rows of one run.
+
+    .venv/bin/python benchmarks/bench_first_touch.py [--sizes 1M,16M,256M] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -17,58 +25,166 @@ import json
 import mmap
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from kvxfer import SharedBuffer
 from kvxfer.transfer.engine import TransferEngine
 
-WAIT_S = 120.0  # one write of --size-mib on the slowest path, with margin
+sys.path.insert(0, str(Path(__file__).parent))
+from machine_limits import memcpy_gbps, parse_size
+
+WAIT_S = 120.0  # one write of the largest size on the slowest path, with margin
+PATHS = ("same_host", "same_host_mapped", "fabric")
+FIRST_TOUCH_MAX_SLOWDOWN = 1.25  # cold may take at most this many times a warm write
+SAME_HOST_MIN_X_MEMCPY = 0.7
+SAME_HOST_MIN_BYTES = 1 << 20
 
 
-def one_case(size: int, path: str, populate: bool, repeats: int) -> dict[str, float]:
-    same_host = path == "same_host"
+def fresh_region(path: str, size: int) -> tuple[np.ndarray, Any]:
+    """Untouched memory of `size` bytes for the target, and what keeps it alive."""
+    if path == "same_host_mapped":
+        buf = SharedBuffer(size)  # a memfd: the source maps it and copies with memcpy
+        return buf.array, buf
+    fresh = mmap.mmap(-1, size)  # anonymous, untouched: every page faults on first write
+    return np.frombuffer(fresh, dtype=np.uint8), fresh
+
+
+def one_path(path: str, populate: bool, sizes: list[int], repeats: int) -> list[dict[str, Any]]:
+    """Cold and warm write rates into fresh regions of every size, one engine pair."""
+    same_host = path != "fabric"
     opts = {"provider": "net", "bind_host": "127.0.0.1", "same_host": same_host}
+    rows = []
     with TransferEngine(**opts) as source, TransferEngine(**opts, populate_on_register=populate) as target:
-        src = np.full(size, 7, dtype=np.uint8)
+        src = np.full(max(sizes), 7, dtype=np.uint8)
         src_mr = source.register(src)
-        fresh = mmap.mmap(-1, size)  # anonymous, untouched: every page faults on first write
-        t0 = time.perf_counter()
-        dst_mr = target.register(np.frombuffer(fresh, dtype=np.uint8))
-        register_s = time.perf_counter() - t0
-        assert source.path_to(dst_mr.descriptor) == ("same_host" if same_host else "fabric")
-        times = []
-        for _ in range(1 + repeats):
+        imm = 1
+        for size in sizes:
+            view, keep = fresh_region(path, size)
             t0 = time.perf_counter()
-            source.write(src_mr, 0, dst_mr.descriptor, 0, size, imm=1).wait(WAIT_S)
-            target.wait_imm(1, len(times) + 1, WAIT_S)
-            times.append(time.perf_counter() - t0)
-        target.deregister(dst_mr)
-        del dst_mr
-        cold, warm = size / times[0] / 1e9, size / min(times[1:]) / 1e9
-        return {"register_s": register_s, "cold_gbps": cold, "warm_gbps": warm, "cold_over_warm": cold / warm}
+            dst_mr = target.register(view)
+            register_s = time.perf_counter() - t0
+            assert source.path_to(dst_mr.descriptor) == path, source.path_to(dst_mr.descriptor)
+            times = []
+            for k in range(1 + repeats):
+                t0 = time.perf_counter()
+                source.write(src_mr, 0, dst_mr.descriptor, 0, size, imm=imm).wait(WAIT_S)
+                target.wait_imm(imm, k + 1, WAIT_S)
+                times.append(time.perf_counter() - t0)
+            assert int(view[size - 1]) == 7, "the last byte did not land"
+            target.deregister(dst_mr)
+            del dst_mr, view
+            if isinstance(keep, SharedBuffer):
+                keep.close()
+            imm += 1
+            cold, warm = size / times[0] / 1e9, size / min(times[1:]) / 1e9
+            rows.append({"path": path, "populate_on_register": populate, "size": size,
+                         "register_s": register_s, "cold_gbps": cold, "warm_gbps": warm,
+                         "cold_over_warm": cold / warm})
+    return rows
+
+
+def annotate(rows: list[dict[str, Any]], memcpy: dict[int, float]) -> None:
+    """Adds the ratios to memcpy and the verdict columns to every row."""
+    for r in rows:
+        r["memcpy_gbps"] = memcpy[r["size"]]
+        r["cold_x_memcpy"] = r["cold_gbps"] / memcpy[r["size"]]
+        r["warm_x_memcpy"] = r["warm_gbps"] / memcpy[r["size"]]
+        r["first_touch_ok"] = r["cold_over_warm"] >= 1 / FIRST_TOUCH_MAX_SLOWDOWN
+        if r["path"] != "fabric" and r["size"] >= SAME_HOST_MIN_BYTES:
+            r["same_host_ok"] = min(r["cold_x_memcpy"], r["warm_x_memcpy"]) >= SAME_HOST_MIN_X_MEMCPY
+        else:
+            r["same_host_ok"] = None  # not a same-host row the target speaks of
+
+
+def verdicts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One line per target: met when its worst row meets it (populate on, the default)."""
+    on = [r for r in rows if r["populate_on_register"]]
+    sh = [r for r in on if r["same_host_ok"] is not None]
+    out = []
+    for name, text, group, key in (
+        ("first-touch", f"cold within {FIRST_TOUCH_MAX_SLOWDOWN:g}x of warm, every path", on, "first_touch_ok"),
+        ("same-host", f"same-host >= {SAME_HOST_MIN_X_MEMCPY:g}x memcpy, >= 1 MiB, cold and warm", sh,
+         "same_host_ok"),
+    ):
+        failing = [f"{r['path']} {r['size'] >> 20} MiB" for r in group if not r[key]]
+        out.append({"target": name, "text": text, "met": bool(group) and not failing, "failing": failing})
+    return out
+
+
+def plot(rows: list[dict[str, Any]], memcpy: dict[int, float], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(PATHS), figsize=(5 * len(PATHS), 4), sharey=True)
+    sizes = sorted(memcpy)
+    for ax, p in zip(axes, PATHS):
+        for populate, style in ((False, ":"), (True, "-")):
+            sel = sorted((r for r in rows if r["path"] == p and r["populate_on_register"] == populate),
+                         key=lambda r: r["size"])
+            if not sel:
+                continue
+            x = [r["size"] >> 20 for r in sel]
+            tag = "populate on" if populate else "populate off"
+            ax.plot(x, [r["cold_gbps"] for r in sel], style, marker="o", label=f"cold, {tag}")
+            ax.plot(x, [r["warm_gbps"] for r in sel], style, marker="s", label=f"warm, {tag}")
+        ax.plot([s >> 20 for s in sizes], [memcpy[s] for s in sizes], "k--", label="memcpy")
+        if p != "fabric":
+            ax.plot([s >> 20 for s in sizes], [SAME_HOST_MIN_X_MEMCPY * memcpy[s] for s in sizes], "k:",
+                    label=f"{SAME_HOST_MIN_X_MEMCPY:g}x memcpy")
+        ax.set_xscale("log", base=2)
+        ax.set_title(p)
+        ax.set_xlabel("write size (MiB)")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("GB/s")
+    axes[-1].legend(fontsize=7)
+    fig.suptitle("first write into freshly registered memory (cold) vs later ones (warm)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size-mib", type=int, default=256)
+    parser.add_argument("--sizes", default="1M,16M,256M", help="write sizes (each into its own fresh region)")
     parser.add_argument("--repeats", type=int, default=3, help="warm writes after the cold one")
+    parser.add_argument("--paths", default=",".join(PATHS))
     parser.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "first_touch.json")
     args = parser.parse_args()
-    size = args.size_mib << 20
+    sizes = sorted(parse_size(s) for s in args.sizes.split(","))
+    memcpy = {s: memcpy_gbps(s, repeats=max(3, args.repeats))["median"] for s in sizes}
     rows = []
-    for path in ("same_host", "fabric"):
+    for path in args.paths.split(","):
         for populate in (False, True):
-            rows.append({"path": path, "populate_on_register": populate, **one_case(size, path, populate, args.repeats)})
-    print(f"{'path':<10} {'populate':<9} {'register s':>10} {'cold GB/s':>10} {'warm GB/s':>10} {'cold/warm':>9}")
+            rows += one_path(path, populate, sizes, args.repeats)
+    # Again after the runs: memcpy moves with the load, so each size takes the better one.
+    for s in sizes:
+        memcpy[s] = max(memcpy[s], memcpy_gbps(s, repeats=max(3, args.repeats))["median"])
+    annotate(rows, memcpy)
+    mark = {True: "ok", False: "LOW", None: "-"}
+    print(f"{'path':<17}{'populate':<9}{'size':>8}{'register s':>11}{'cold GB/s':>10}{'warm GB/s':>10}"
+          f"{'memcpy':>8}{'cold/warm':>10}{'cold x mc':>10}{'warm x mc':>10}{'first':>6}{'same':>6}")
     for r in rows:
-        print(f"{r['path']:<10} {str(r['populate_on_register']):<9} {r['register_s']:>10.3f} "
-              f"{r['cold_gbps']:>10.2f} {r['warm_gbps']:>10.2f} {r['cold_over_warm']:>9.2f}")
+        print(f"{r['path']:<17}{r['populate_on_register']!s:<9}{r['size'] >> 20:>6}Mi{r['register_s']:>11.3f}"
+              f"{r['cold_gbps']:>10.2f}{r['warm_gbps']:>10.2f}{r['memcpy_gbps']:>8.2f}{r['cold_over_warm']:>10.2f}"
+              f"{r['cold_x_memcpy']:>10.2f}{r['warm_x_memcpy']:>10.2f}{mark[r['first_touch_ok']]:>6}"
+              f"{mark[r['same_host_ok']]:>6}")
+    results = verdicts(rows)
+    for v in results:
+        print(f"{v['target']:<12} {v['text']}: {'met' if v['met'] else 'NOT met: ' + ', '.join(v['failing'])}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-    args.json.write_text(json.dumps({"size_bytes": size, "uptime": load, "pid": os.getpid(), "rows": rows}, indent=2))
-    print(f"wrote {args.json}")
+    load = subprocess.run(["uptime"], check=False, capture_output=True, text=True).stdout.strip()
+    args.json.write_text(json.dumps({"sizes": sizes, "memcpy_gbps": memcpy, "uptime": load, "pid": os.getpid(),
+                                     "rows": rows, "verdicts": results}, indent=2))
+    png = args.json.with_suffix(".png")
+    plot(rows, memcpy, png)
+    print(f"wrote {args.json} and {png}")
 
 
 if __name__ == "__main__":

@@ -214,6 +214,62 @@ class Transfer:
         return self._engine._await_transfer(self).__await__()
 
 
+class CompletionCounter:
+    """What a group of transfers submitted with `write_many`/`write_paged_many` finishes into.
+
+    One counter serves any number of submit calls: keep a deep window in flight by waiting
+    for `submitted - window` finished, then submitting more. Reading or waiting takes one
+    call, whatever the number of transfers.
+    """
+
+    def __init__(self, native: Any) -> None:
+        self._native = native
+
+    @property
+    def submitted(self) -> int:
+        """Transfers submitted with this counter so far."""
+        return int(self._native.submitted)
+
+    @property
+    def finished(self) -> int:
+        """Transfers of this counter that finished, successfully or not."""
+        return int(self._native.finished)
+
+    @property
+    def failed(self) -> int:
+        """Transfers of this counter that failed or timed out."""
+        return int(self._native.failed)
+
+    @property
+    def first_error(self) -> str:
+        """Why the first failed transfer failed ("" while none has)."""
+        return str(self._native.first_error)
+
+    def wait(self, at_least: int | None = None, timeout: float = 30.0) -> None:
+        """Blocks until at least `at_least` transfers finished (default: all submitted).
+
+        Raises TransferTimeout at the deadline and TransferError once any transfer of the
+        counter failed (with the first failure's reason).
+        """
+        count = self.submitted if at_least is None else int(at_least)
+        if not self._native.wait(max(count, 0), float(timeout)):
+            raise TransferTimeout(None, f"{self.finished} of {count} transfers finished after {timeout} s")
+        if self._native.failed:
+            raise TransferError(None, f"{self.failed} transfers failed; first: {self.first_error}")
+
+    def __repr__(self) -> str:
+        return f"CompletionCounter(submitted={self.submitted}, finished={self.finished}, failed={self.failed})"
+
+
+def _offsets(values: Any, name: str) -> np.ndarray:
+    arr = np.asarray(values)
+    if arr.ndim == 0:
+        arr = arr.reshape(1)
+    if arr.dtype != np.int64 and arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise BoundsError(f"{name} must hold integers, got {arr.dtype}")
+    return np.ascontiguousarray(arr, dtype=np.int64)
+
+
 class _AsyncBridge:
     """Dispatches native engine events to asyncio futures of one event loop."""
 
@@ -509,6 +565,82 @@ class TransferEngine:
             imm,
         )
         return Transfer(self, native, request_id)
+
+    def completion_counter(self) -> CompletionCounter:
+        """A new counter for `write_many`/`write_paged_many` to finish transfers into."""
+        return CompletionCounter(self._native.completion_counter())
+
+    def _counter(self, counter: CompletionCounter) -> Any:
+        if not isinstance(counter, CompletionCounter):
+            raise EngineError(f"counter must come from completion_counter(), got {type(counter).__name__}")
+        return counter._native
+
+    def write_many(
+        self,
+        mr: RegisteredMemory,
+        src_offsets: Sequence[int] | np.ndarray,
+        remote_descriptor: bytes,
+        dst_offsets: Sequence[int] | np.ndarray,
+        length: int | Sequence[int] | np.ndarray,
+        imm: int | None = None,
+        *,
+        counter: CompletionCounter,
+    ) -> int:
+        """Submits one write per (src_offsets[i], dst_offsets[i]) in one call; returns how many.
+
+        Each is a `write` of its own (`length` bytes, or length[i]; with `imm`, one unit
+        each) that finishes into `counter` instead of returning a handle. Every write is
+        validated before any is submitted: a bad one raises BoundsError and none goes out.
+        """
+        return int(
+            self._native.write_many(
+                self._local(mr),
+                _offsets(src_offsets, "src_offsets"),
+                self._remote(remote_descriptor),
+                _offsets(dst_offsets, "dst_offsets"),
+                _offsets(length, "length"),
+                imm,
+                self._counter(counter),
+            )
+        )
+
+    def write_paged_many(
+        self,
+        mr: RegisteredMemory,
+        src_page_lists: Sequence[PageList],
+        remote_descriptor: bytes,
+        dst_page_lists: Sequence[PageList],
+        page_size: int,
+        src_stride: int | None = None,
+        dst_stride: int | None = None,
+        src_offset: int = 0,
+        dst_offset: int = 0,
+        imm: int | None = None,
+        *,
+        counter: CompletionCounter,
+    ) -> int:
+        """Submits one `write_paged` per pair of page lists in one call; returns how many.
+
+        Page lists are read in place (int64 NumPy arrays are not copied). Each write
+        finishes into `counter`; all are validated before any is submitted.
+        """
+        src = [_pages(p, "src_pages") for p in src_page_lists]
+        dst = [_pages(p, "dst_pages") for p in dst_page_lists]
+        return int(
+            self._native.write_paged_many(
+                self._local(mr),
+                src,
+                self._remote(remote_descriptor),
+                dst,
+                page_size,
+                page_size if src_stride is None else src_stride,
+                page_size if dst_stride is None else dst_stride,
+                src_offset,
+                dst_offset,
+                imm,
+                self._counter(counter),
+            )
+        )
 
     def write_imm(self, target: bytes, imm: int, *, request_id: Any = None) -> Transfer:
         """Immediate-only write (no payload) to a peer, given its address or a descriptor."""

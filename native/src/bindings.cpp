@@ -47,6 +47,30 @@ struct PyTransfer {
   std::shared_ptr<TransferEngine> engine;  // keeps the worker alive while Python holds this
 };
 
+// A completion counter as Python sees it: the counter plus the engine whose worker makes
+// progress when the caller drives it.
+struct PyCounter {
+  std::shared_ptr<CompletionCounter> counter;
+  std::shared_ptr<TransferEngine> engine;
+};
+
+// Page lists of a paged write, checked as one-dimensional and of equal lengths.
+PagedWrite paged_write(const PageArray& src_pages, const PageArray& dst_pages, int64_t page_size,
+                       int64_t src_stride, int64_t dst_stride, int64_t src_offset, int64_t dst_offset) {
+  if (src_pages.ndim() != 1 || dst_pages.ndim() != 1) throw BoundsError("page lists must be one-dimensional");
+  if (src_pages.size() != dst_pages.size())
+    throw BoundsError("src_pages has " + std::to_string(src_pages.size()) + " entries but dst_pages has " +
+                      std::to_string(dst_pages.size()));
+  size_t n = static_cast<size_t>(src_pages.size());
+  return PagedWrite{{src_pages.data(), n},
+                    {dst_pages.data(), n},
+                    non_negative(page_size, "page_size"),
+                    non_negative(src_stride, "src_stride"),
+                    non_negative(dst_stride, "dst_stride"),
+                    non_negative(src_offset, "src_offset"),
+                    non_negative(dst_offset, "dst_offset")};
+}
+
 py::dict stats_dict(const RailStats& s) {
   py::dict d;
   d["bytes_posted"] = s.bytes_posted.load();
@@ -153,6 +177,18 @@ PYBIND11_MODULE(_native, m) {
             return t.state->status.load(std::memory_order_seq_cst) != 0;
           });
 
+  py::class_<PyCounter>(m, "CompletionCounter")
+      .def_property_readonly("submitted", [](const PyCounter& c) { return c.counter->submitted(); })
+      .def_property_readonly("finished", [](const PyCounter& c) { return c.counter->finished(); })
+      .def_property_readonly("failed", [](const PyCounter& c) { return c.counter->failed(); })
+      .def_property_readonly("first_error", [](const PyCounter& c) { return c.counter->first_error(); })
+      .def("wait", [](PyCounter& c, uint64_t at_least, double timeout_s) {
+            if (c.counter->finished() >= at_least) return true;
+            int64_t deadline = deadline_after(timeout_s);
+            py::gil_scoped_release release;
+            return c.engine->worker().wait_counter(*c.counter, at_least, deadline);
+          }, py::arg("at_least"), py::arg("timeout_s"));
+
   py::class_<TransferEngine, std::shared_ptr<TransferEngine>>(m, "Engine")
       .def(py::init([](const std::string& provider, size_t rails, const std::string& bind_host,
                        double transfer_timeout_s, size_t max_inflight_per_rail, double idle_spin_us,
@@ -246,17 +282,8 @@ PYBIND11_MODULE(_native, m) {
                              const RemoteRegionPtr& remote, PageArray dst_pages, int64_t page_size,
                              int64_t src_stride, int64_t dst_stride, int64_t src_offset, int64_t dst_offset,
                              std::optional<int64_t> imm) {
-            if (src_pages.ndim() != 1 || dst_pages.ndim() != 1)
-              throw BoundsError("page lists must be one-dimensional");
-            if (src_pages.size() != dst_pages.size())
-              throw BoundsError("src_pages has " + std::to_string(src_pages.size()) + " entries but dst_pages has " +
-                                std::to_string(dst_pages.size()));
             auto i = to_imm(imm);
-            uint64_t ps = non_negative(page_size, "page_size"), ss = non_negative(src_stride, "src_stride"),
-                     ds = non_negative(dst_stride, "dst_stride"), so = non_negative(src_offset, "src_offset"),
-                     dof = non_negative(dst_offset, "dst_offset");
-            size_t n = static_cast<size_t>(src_pages.size());
-            PagedWrite w{{src_pages.data(), n}, {dst_pages.data(), n}, ps, ss, ds, so, dof};
+            PagedWrite w = paged_write(src_pages, dst_pages, page_size, src_stride, dst_stride, src_offset, dst_offset);
             TransferStatePtr t;
             {
               // The arrays stay referenced by this frame, so planning reads them in place.
@@ -265,6 +292,65 @@ PYBIND11_MODULE(_native, m) {
             }
             return PyTransfer{t, &e->worker(), e};
           })
+      .def("completion_counter", [](std::shared_ptr<TransferEngine> e) {
+            return PyCounter{std::make_shared<CompletionCounter>(), e};
+          })
+      .def("write_many", [](std::shared_ptr<TransferEngine> e, const MemoryRegionPtr& mr, PageArray src_offsets,
+                            const RemoteRegionPtr& remote, PageArray dst_offsets, PageArray lengths,
+                            std::optional<int64_t> imm, PyCounter& counter) {
+            // Offsets and lengths are read in place (the arrays stay referenced by this frame);
+            // a single length applies to every write.
+            if (src_offsets.ndim() != 1 || dst_offsets.ndim() != 1 || lengths.ndim() != 1)
+              throw BoundsError("offsets and lengths must be one-dimensional");
+            size_t n = static_cast<size_t>(src_offsets.size());
+            if (static_cast<size_t>(dst_offsets.size()) != n)
+              throw BoundsError("src_offsets has " + std::to_string(n) + " entries but dst_offsets has " +
+                                std::to_string(dst_offsets.size()));
+            if (lengths.size() != 1 && static_cast<size_t>(lengths.size()) != n)
+              throw BoundsError("lengths must have 1 or " + std::to_string(n) + " entries");
+            auto i = to_imm(imm);
+            if (counter.engine != e) throw EngineError("the completion counter belongs to another engine");
+            const int64_t *so = src_offsets.data(), *dof = dst_offsets.data(), *len = lengths.data();
+            const bool one_length = lengths.size() == 1;
+            py::gil_scoped_release release;
+            std::vector<TransferRequest> requests;
+            requests.reserve(n);
+            for (size_t k = 0; k < n; ++k)
+              requests.push_back({SingleWrite{non_negative(so[k], "src_offset"), non_negative(dof[k], "dst_offset"),
+                                              non_negative(len[one_length ? 0 : k], "length")},
+                                  i});
+            e->submit_many(mr, remote, requests, counter.counter);
+            return n;
+          }, py::arg("mr"), py::arg("src_offsets"), py::arg("remote"), py::arg("dst_offsets"), py::arg("lengths"),
+          py::arg("imm"), py::arg("counter"))
+      .def("write_paged_many", [](std::shared_ptr<TransferEngine> e, const MemoryRegionPtr& mr,
+                                  const py::list& src_lists, const RemoteRegionPtr& remote, const py::list& dst_lists,
+                                  int64_t page_size, int64_t src_stride, int64_t dst_stride, int64_t src_offset,
+                                  int64_t dst_offset, std::optional<int64_t> imm, PyCounter& counter) {
+            if (src_lists.size() != dst_lists.size())
+              throw BoundsError(std::to_string(src_lists.size()) + " source page lists but " +
+                                std::to_string(dst_lists.size()) + " destination page lists");
+            auto i = to_imm(imm);
+            if (counter.engine != e) throw EngineError("the completion counter belongs to another engine");
+            size_t n = src_lists.size();
+            // Held here so the page arrays stay alive (and unmoved) while planning reads them.
+            std::vector<PageArray> keep;
+            keep.reserve(2 * n);
+            std::vector<TransferRequest> requests;
+            requests.reserve(n);
+            for (size_t k = 0; k < n; ++k) {
+              keep.push_back(src_lists[k].cast<PageArray>());
+              keep.push_back(dst_lists[k].cast<PageArray>());
+              requests.push_back({paged_write(keep[2 * k], keep[2 * k + 1], page_size, src_stride, dst_stride,
+                                              src_offset, dst_offset),
+                                  i});
+            }
+            py::gil_scoped_release release;
+            e->submit_many(mr, remote, requests, counter.counter);
+            return n;
+          }, py::arg("mr"), py::arg("src_lists"), py::arg("remote"), py::arg("dst_lists"), py::arg("page_size"),
+          py::arg("src_stride"), py::arg("dst_stride"), py::arg("src_offset"), py::arg("dst_offset"),
+          py::arg("imm"), py::arg("counter"))
       .def("write_imm", [](std::shared_ptr<TransferEngine> e, std::shared_ptr<EngineAddress> peer, int64_t imm) {
             auto i = to_imm(imm);
             GilRelease release;

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "completion_counter.hpp"
 #include "futex_wait.hpp"
 
 namespace kvxfer {
@@ -73,6 +74,9 @@ struct TransferState {
   std::atomic<int64_t> completed_ns{0};
   uint64_t bytes = 0;
   std::string error;  // written by the worker before status is released
+  // Set before submission when the transfer was submitted in a group (submit_many): it
+  // finishes into this counter too.
+  std::shared_ptr<CompletionCounter> counter;
 
   bool pending() const {
     return status.load(std::memory_order_acquire) == static_cast<uint32_t>(TransferStatus::kPending);
@@ -84,6 +88,7 @@ struct TransferState {
     completed_ns.store(monotonic_ns(), std::memory_order_relaxed);
     status.store(static_cast<uint32_t>(s), std::memory_order_seq_cst);
     if (sleepers.load(std::memory_order_seq_cst)) futex_wake_all(&status);
+    if (counter) counter->on_finish(s == TransferStatus::kDone, why);
   }
   // True once complete, false at the deadline. A transfer younger than kWaitSpinNs may
   // complete any moment: its waiter yields in a loop rather than sleep, since a futex sleep

@@ -50,7 +50,8 @@ ProgressWorker::ProgressWorker(RailGroup& rails, WorkerSettings settings)
     : rails_(rails),
       settings_(settings),
       inbox_(settings.inbox_max_messages, settings.inbox_max_bytes, engine_stats_),
-      imms_(settings.imm_table_capacity, events_) {
+      imms_(settings.imm_table_capacity, events_),
+      deadlines_(settings.transfer_timeout_ns, kDeadlineCheckNs) {
   wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   epoll_fd_ = epoll_create1(EPOLL_CLOEXEC);
   if (wake_fd_ < 0 || epoll_fd_ < 0) throw EngineError("eventfd/epoll failed");
@@ -128,7 +129,38 @@ void ProgressWorker::submit(std::unique_ptr<WorkBatch> batch) {
     run_round();  // posts it now: nobody else will
     return;
   }
-  WorkBatch* raw = batch.release();
+  push_submission(batch.release());
+  wake_if_sleeping();
+}
+
+void ProgressWorker::submit_all(std::vector<std::unique_ptr<WorkBatch>>& batches) {
+  if (stopping_.load()) throw EngineError("engine is closed");
+  if (settings_.caller_drives_progress) {
+    check_caller();
+    for (auto& batch : batches) {
+      // A full queue is drained by a round of our own: this thread is the worker.
+      while (!submissions_.try_push(batch.get())) run_round();
+      batch.release();
+    }
+    run_round();
+    return;
+  }
+  for (size_t i = 0; i < batches.size(); ++i) {
+    try {
+      push_submission(batches[i].get());
+    } catch (...) {
+      // push_submission freed that batch; the ones not pushed yet go with the vector.
+      batches[i].release();
+      throw;
+    }
+    batches[i].release();
+    // A long list: let the worker start on the first ones while the rest are queued.
+    if ((i & 255) == 255) wake_if_sleeping();
+  }
+  wake_if_sleeping();
+}
+
+void ProgressWorker::push_submission(WorkBatch* raw) {
   int64_t deadline = monotonic_ns() + 5'000'000'000LL;
   while (!submissions_.try_push(raw)) {
     // Full queue: the worker is behind; back off briefly rather than spin on 2 cores.
@@ -136,8 +168,12 @@ void ProgressWorker::submit(std::unique_ptr<WorkBatch> batch) {
       delete raw;
       throw EngineError("engine submission queue stayed full for 5 s");
     }
+    wake_if_sleeping();
     usleep(50);
   }
+}
+
+void ProgressWorker::wake_if_sleeping() {
   if (sleeping_.load(std::memory_order_seq_cst)) {
     uint64_t one = 1;
     ssize_t ignored = write(wake_fd_, &one, sizeof one);
@@ -186,6 +222,12 @@ bool ProgressWorker::wait_transfer(TransferState& t, int64_t deadline_ns) {
   if (!settings_.caller_drives_progress) return t.wait_until(deadline_ns);
   if (!t.pending()) return true;
   return drive_until([&t] { return !t.pending(); }, deadline_ns);
+}
+
+bool ProgressWorker::wait_counter(CompletionCounter& counter, uint64_t n, int64_t deadline_ns) {
+  if (!settings_.caller_drives_progress) return counter.wait_at_least(n, deadline_ns);
+  if (counter.finished() >= n) return true;
+  return drive_until([&counter, n] { return counter.finished() >= n; }, deadline_ns);
 }
 
 bool ProgressWorker::wait_imm(uint32_t imm, uint64_t count, int64_t deadline_ns) {
@@ -251,48 +293,26 @@ void ProgressWorker::retire(WorkBatch* batch, size_t parts, const std::string* e
   if (!batch->failed) finish_transfer(*batch->transfer, TransferStatus::kDone, "");
   for (size_t r = 0; r < batch->payload_registration.size(); ++r)
     rails_.rail(r).deregister(batch->payload_registration[r]);
-  auto it = where_.find(batch);
-  if (it != where_.end()) {
-    auto [owner, position] = it->second;
-    where_.erase(it);
-    owner->erase(position);
-  }
-}
-
-std::string ProgressWorker::copy_slice(SameHostCopy& copy) {
-  uint64_t copied = 0;
-  std::string why = copy.run_slice(&copied);
-  if (copied) {
-    // A copy is posted and completed in one step.
-    same_host_stats_.ops_posted.fetch_add(1, std::memory_order_relaxed);
-    same_host_stats_.bytes_posted.fetch_add(copied, std::memory_order_relaxed);
-    same_host_stats_.ops_completed.fetch_add(1, std::memory_order_relaxed);
-    same_host_stats_.bytes_completed.fetch_add(copied, std::memory_order_relaxed);
-  }
-  if (!why.empty()) same_host_stats_.completion_errors.fetch_add(1, std::memory_order_relaxed);
-  return why;
-}
-
-std::string ProgressWorker::copy_inline(SameHostCopy& copy) {
-  std::string why;
-  while (why.empty() && !copy.done()) why = copy_slice(copy);
-  return why;
+  deadlines_.release(batch);  // frees it
 }
 
 bool ProgressWorker::run_copies() {
-  if (copies_.empty()) return false;
-  WorkBatch* batch = copies_.front();
-  std::string why;
-  if (!batch->failed) why = copy_slice(*batch->copy);
-  if (batch->failed || !why.empty()) {
-    // Failed or past its deadline: its immediates are never posted.
-    copies_.pop_front();
-    retire(batch, batch->ops.size() + 1, why.empty() ? nullptr : &why);
-  } else if (batch->copy->done()) {
-    // Every byte is in the peer's memory: now the immediates may tell it so.
-    copies_.pop_front();
-    for (auto& op : batch->ops) pending_[op.rail].push_back(&op);
-    retire(batch, 1, nullptr);
+  auto out = copies_.step();
+  switch (out.step) {
+    case SameHostCopyExecutor::Step::kIdle:
+      return false;
+    case SameHostCopyExecutor::Step::kProgress:
+      break;
+    case SameHostCopyExecutor::Step::kDropped:
+    case SameHostCopyExecutor::Step::kFailed:
+      // Failed or past its deadline: its immediates are never posted.
+      retire(out.batch, out.batch->ops.size() + 1, out.why.empty() ? nullptr : &out.why);
+      break;
+    case SameHostCopyExecutor::Step::kCopied:
+      // Every byte is in the peer's memory: now the immediates may tell it so.
+      for (auto& op : out.batch->ops) pending_[op.rail].push_back(&op);
+      retire(out.batch, 1, nullptr);
+      break;
   }
   return true;
 }
@@ -322,7 +342,6 @@ bool ProgressWorker::drain_submissions() {
   for (int n = 0; n < 256 && submissions_.try_pop(raw); ++n) {
     did = true;
     std::unique_ptr<WorkBatch> batch(raw);
-    batch->transfer->deadline_ns = monotonic_ns() + settings_.transfer_timeout_ns;
     try {
       if (batch->peer) {
         auto& addrs = peer_addresses(*batch->peer);
@@ -339,13 +358,11 @@ bool ProgressWorker::drain_submissions() {
                       std::string("cannot reach peer: ") + e.what());
       continue;
     }
-    if (batch->copy)
-      copies_.push_back(batch.get());
+    WorkBatch* accepted = deadlines_.track(std::move(batch), monotonic_ns());
+    if (accepted->copy)
+      copies_.enqueue(accepted);
     else
-      for (auto& op : batch->ops) pending_[op.rail].push_back(&op);
-    WorkBatch* key = batch.get();
-    live_.push_back(std::move(batch));
-    where_[key] = {&live_, std::prev(live_.end())};
+      for (auto& op : accepted->ops) pending_[op.rail].push_back(&op);
   }
   return did;
 }
@@ -481,24 +498,18 @@ bool ProgressWorker::poll_rail(size_t r) {
   return did;
 }
 
-void ProgressWorker::check_deadlines(int64_t now) {
-  while (!live_.empty() && live_.front()->transfer->deadline_ns <= now) {
-    auto& batch = live_.front();
-    if (!batch->failed) {
-      batch->failed = true;
-      finish_transfer(*batch->transfer, TransferStatus::kTimedOut,
-                      "transfer did not complete within " +
-                          std::to_string(settings_.transfer_timeout_ns / 1000000) +
-                          " ms (peer dead or unreachable?)");
-    }
-    // Its posted ops may still complete; keep the batch alive until they do. Their inflight
-    // slots go back now: ops to a dead peer may never complete, and holding their slots
-    // would stall every other peer on the rail once a dead peer had used up the budget.
-    for (auto& op : batch->ops) release_slot(&op);
-    WorkBatch* key = batch.get();
-    expired_.splice(expired_.end(), live_, live_.begin());
-    where_[key] = {&expired_, std::prev(expired_.end())};
+void ProgressWorker::on_expired(WorkBatch* batch) {
+  if (!batch->failed) {
+    batch->failed = true;
+    finish_transfer(*batch->transfer, TransferStatus::kTimedOut,
+                    "transfer did not complete within " + std::to_string(deadlines_.timeout_ns() / 1000000) +
+                        " ms (peer dead or unreachable?)");
   }
+  // Its posted ops may still complete; the tracker keeps the batch alive until they do.
+  // Their inflight slots go back now: ops to a dead peer may never complete, and holding
+  // their slots would stall every other peer on the rail once a dead peer had used up the
+  // budget.
+  for (auto& op : batch->ops) release_slot(&op);
 }
 
 void ProgressWorker::sleep_until_work(int64_t wake_by_ns) {
@@ -509,7 +520,7 @@ void ProgressWorker::sleep_until_work(int64_t wake_by_ns) {
   if (can_block) {
     // Deadlines need a look every few ms only while transfers are live; an engine with
     // nothing in flight sleeps longer (new work and arrivals wake it through the fds).
-    int timeout_ms = (live_.empty() && expired_.empty()) ? kIdleSleepMs : kMaxSleepMs;
+    int timeout_ms = deadlines_.empty() ? kIdleSleepMs : kMaxSleepMs;
     if (wake_by_ns != INT64_MAX) {
       // A caller's deadline: rounded up, so the last millisecond is slept, not spun.
       int64_t left_ms = (wake_by_ns - monotonic_ns() + 999'999) / 1'000'000;
@@ -561,12 +572,12 @@ size_t ProgressWorker::ops_in_flight() const {
 }
 
 void ProgressWorker::fail_everything(const std::string& why) {
-  for (auto* lst : {&live_, &expired_})
-    for (auto& b : *lst)
-      if (!b->failed) {
-        b->failed = true;
-        finish_transfer(*b->transfer, TransferStatus::kFailed, why);
-      }
+  deadlines_.for_each([&](WorkBatch* b) {
+    if (!b->failed) {
+      b->failed = true;
+      finish_transfer(*b->transfer, TransferStatus::kFailed, why);
+    }
+  });
   WorkBatch* raw;
   while (submissions_.try_pop(raw)) {
     finish_transfer(*raw->transfer, TransferStatus::kFailed, why);
@@ -597,10 +608,7 @@ bool ProgressWorker::run_round() {
   imms_.after_round();
   if (events_.pending()) events_.flush();
   int64_t now = monotonic_ns();
-  if (now >= next_deadline_check_) {
-    check_deadlines(now);
-    next_deadline_check_ = now + kDeadlineCheckNs;
-  }
+  deadlines_.expire_due(now, [this](WorkBatch* batch) { on_expired(batch); });
   if (did) last_activity_ns_ = now;
   return did;
 }

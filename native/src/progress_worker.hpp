@@ -1,8 +1,9 @@
 // The progress worker: one thread that owns a rail group's domains and completion queues.
 // Submitting threads plan a WorkBatch and push it through a lock-free queue; the worker
-// resolves peers, posts ops within per-rail inflight limits, reads completions, copies
-// same-host writes and enforces deadlines. Nothing else touches libfabric. What it hands
-// on lives in its own pieces, each owning its state: immediates and their waiters
+// resolves peers, posts ops within per-rail inflight limits and reads completions. Nothing
+// else touches libfabric. The rest lives in its own pieces, each owning its state and
+// driven by this thread: deadlines and the batches they guard (deadline_tracker.hpp),
+// same-host copies (same_host_copy_executor.hpp), immediates and their waiters
 // (immediate_tracker.hpp), events for asyncio (worker_events.hpp), received control
 // messages (control_inbox.hpp).
 #pragma once
@@ -11,7 +12,6 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
-#include <list>
 #include <memory>
 #include <optional>
 #include <string>
@@ -22,9 +22,12 @@
 #include "bounded_queue.hpp"
 #include "engine_types.hpp"
 #include "control_inbox.hpp"
+#include "deadline_tracker.hpp"
 #include "imm_counter.hpp"
 #include "immediate_tracker.hpp"
 #include "rail_group.hpp"
+#include "rail_stats.hpp"
+#include "same_host_copy_executor.hpp"
 #include "worker_events.hpp"
 
 namespace kvxfer {
@@ -57,11 +60,6 @@ struct WorkerSettings {
   bool caller_drives_progress = false;
 };
 
-struct RailStats {
-  std::atomic<uint64_t> bytes_posted{0}, bytes_completed{0}, ops_posted{0}, ops_completed{0},
-      completion_errors{0}, imm_received{0};
-};
-
 class ProgressWorker {
  public:
   ProgressWorker(RailGroup& rails, WorkerSettings settings);
@@ -69,6 +67,8 @@ class ProgressWorker {
 
   // Hands a planned batch to the worker. Throws if the worker is stopped.
   void submit(std::unique_ptr<WorkBatch> batch);
+  // Hands many planned batches to the worker, waking it once (submit_many's path).
+  void submit_all(std::vector<std::unique_ptr<WorkBatch>>& batches);
   // Runs fn on the worker thread (registration, peers) and waits for it, rethrowing.
   void run_on_worker(std::function<void()> fn, int64_t timeout_ns);
 
@@ -82,6 +82,8 @@ class ProgressWorker {
   uint64_t imm_foreign_dropped() const { return imms_.foreign_dropped(); }
   // Waits for a transfer: on its status word, or by making progress where the caller drives.
   bool wait_transfer(TransferState& t, int64_t deadline_ns);
+  // Waits until at least n transfers of the counter finished, the same two ways.
+  bool wait_counter(CompletionCounter& counter, uint64_t n, int64_t deadline_ns);
   // True once count units of imm arrived, false at the deadline; throws
   // ImmCounterOverflow when imm cannot be counted (ImmCounterTable::lost).
   bool wait_imm(uint32_t imm, uint64_t count, int64_t deadline_ns);
@@ -95,10 +97,10 @@ class ProgressWorker {
   std::vector<EngineEvent> take_events();
 
   const std::vector<std::unique_ptr<RailStats>>& stats() const { return stats_; }
-  const RailStats& same_host_stats() const { return same_host_stats_; }
+  const RailStats& same_host_stats() const { return copies_.stats(); }
   // Copies all of a same-host write on the calling thread. Safe from any thread: it
   // touches only the copy and atomic counters. Returns "" or why it failed.
-  std::string copy_inline(SameHostCopy& copy);
+  std::string copy_inline(SameHostCopy& copy) { return copies_.copy_inline(copy); }
   void stop();
 
   // Worker-thread-only peer table, used from run_on_worker tasks too.
@@ -126,6 +128,9 @@ class ProgressWorker {
   // What a round that did nothing is followed by: a yield, or a sleep of at most until
   // wake_by_ns once the idle spell is older than idle_spin_ns.
   void idle(int64_t idle_since, int64_t wake_by_ns);
+  // Pushes one batch, backing off while the queue is full (thread-driven progress).
+  void push_submission(WorkBatch* raw);
+  void wake_if_sleeping();
   // Caller-driven progress: rounds until done() or the deadline.
   bool drive_until(const std::function<bool()>& done, int64_t deadline_ns);
   void shut_down();
@@ -139,10 +144,10 @@ class ProgressWorker {
   void retire(WorkBatch* batch, size_t parts, const std::string* error);
   // Copies one slice of the oldest same-host write; true if there was one.
   bool run_copies();
-  std::string copy_slice(SameHostCopy& copy);  // one slice, counted in same_host_stats_
   void release_slot(RailOp* op);
   void finish_transfer(TransferState& t, TransferStatus status, const std::string& error);
-  void check_deadlines(int64_t now);
+  // Fails a batch whose deadline passed and gives back its ops' inflight slots.
+  void on_expired(WorkBatch* batch);
   void sleep_until_work(int64_t wake_by_ns);
   size_t ops_in_flight() const;  // posted, not yet completed, over all rails
   void post_recv_slots();
@@ -160,12 +165,9 @@ class ProgressWorker {
 
   // Worker-only state.
   std::vector<std::deque<RailOp*>> pending_;
-  std::deque<WorkBatch*> copies_;  // same-host writes in submission order
+  SameHostCopyExecutor copies_;
   std::vector<size_t> inflight_;
-  std::list<std::unique_ptr<WorkBatch>> live_;     // in deadline order
-  std::list<std::unique_ptr<WorkBatch>> expired_;  // timed out, ops still on the fabric
-  using BatchList = std::list<std::unique_ptr<WorkBatch>>;
-  std::unordered_map<WorkBatch*, std::pair<BatchList*, BatchList::iterator>> where_;
+  DeadlineTracker deadlines_;  // owns every accepted batch until it finished
   std::vector<RecvSlot*> recv_retry_;
   std::unordered_map<uint64_t, std::vector<fi_addr_t>> peers_;
   // One contiguous array, sized once: a completion's op_context is trusted as a receive
@@ -179,7 +181,6 @@ class ProgressWorker {
   std::vector<std::vector<char>> recv_buffers_;
   std::vector<RailRegistration> recv_registrations_;
   std::vector<std::unique_ptr<RailStats>> stats_;
-  RailStats same_host_stats_;
 
   std::atomic<uint32_t> sleeping_{0};
   std::atomic<bool> stopping_{false};
@@ -187,7 +188,6 @@ class ProgressWorker {
   int epoll_fd_ = -1;
   bool all_rails_have_wait_fd_ = true;
   int64_t last_activity_ns_ = 0;  // worker only: last round that did something
-  int64_t next_deadline_check_ = 0;  // worker only
   std::thread::id owner_;  // the thread that may drive progress when the caller drives it
   std::thread thread_;
 };

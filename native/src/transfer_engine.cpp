@@ -326,6 +326,45 @@ TransferStatePtr TransferEngine::submit(const MemoryRegionPtr& local, const Remo
   return start(std::move(batch));
 }
 
+void TransferEngine::submit_many(const MemoryRegionPtr& local, const RemoteRegionPtr& remote,
+                                 const std::vector<TransferRequest>& requests,
+                                 const std::shared_ptr<CompletionCounter>& counter) {
+  check_open();
+  if (!counter) throw EngineError("submit_many needs a completion counter");
+  bool moves_bytes = false;
+  for (const auto& r : requests) moves_bytes |= r.moves_bytes();
+  if (moves_bytes) check_local(local);
+  static const MemoryRegion kNoRegion;
+  const MemoryRegion& src = local ? *local : kNoRegion;
+  std::vector<std::unique_ptr<WorkBatch>> batches;
+  std::vector<std::unique_ptr<SameHostCopy>> copies;  // per request; null: over the rails
+  batches.reserve(requests.size());
+  copies.resize(requests.size());
+  // Plan (and so validate) every request before any is submitted.
+  for (size_t i = 0; i < requests.size(); ++i) {
+    auto batch = new_batch(next_transfer_id_, remote->owner);
+    batch->transfer->counter = counter;
+    if (remote->same_host && requests[i].moves_bytes())
+      copies[i] = plan_same_host(remote->same_host, remote->mapping, src, remote->descriptor, requests[i]);
+    else
+      rails_->plan(*batch, src, remote->descriptor, requests[i]);
+    batches.push_back(std::move(batch));
+  }
+  counter->add_submitted(requests.size());
+  std::vector<std::unique_ptr<WorkBatch>> to_rails;
+  to_rails.reserve(batches.size());
+  const int64_t now = monotonic_ns();
+  for (size_t i = 0; i < batches.size(); ++i) {
+    if (copies[i]) {
+      start_copy(std::move(batches[i]), std::move(copies[i]), requests[i].imm, requests[i].units());
+    } else {
+      batches[i]->transfer->submitted_ns = now;
+      to_rails.push_back(std::move(batches[i]));
+    }
+  }
+  worker_->submit_all(to_rails);
+}
+
 TransferStatePtr TransferEngine::write(const MemoryRegionPtr& local, uint64_t src_offset,
                                        const RemoteRegionPtr& remote, uint64_t dst_offset,
                                        uint64_t length, std::optional<uint32_t> imm) {

@@ -82,6 +82,12 @@ class TransferEngine {
   // Any request to a remote region: validated whole, then the same-host copy or the rails.
   TransferStatePtr submit(const MemoryRegionPtr& local, const RemoteRegionPtr& remote,
                           const TransferRequest& request);
+  // Many requests to one remote region in one call, each its own transfer finishing into
+  // `counter` (one wait for all of them instead of one per handle). All are validated and
+  // planned before any is submitted: a bad one throws and none goes out.
+  void submit_many(const MemoryRegionPtr& local, const RemoteRegionPtr& remote,
+                   const std::vector<TransferRequest>& requests,
+                   const std::shared_ptr<CompletionCounter>& counter);
   // Shorthands for submit() with a SingleWrite or a PagedWrite.
   TransferStatePtr write(const MemoryRegionPtr& local, uint64_t src_offset,
                          const RemoteRegionPtr& remote, uint64_t dst_offset, uint64_t length,
