@@ -185,7 +185,7 @@ PYBIND11_MODULE(_native, m) {
       .def("wait", [](PyCounter& c, uint64_t at_least, double timeout_s) {
             if (c.counter->finished() >= at_least) return true;
             int64_t deadline = deadline_after(timeout_s);
-            py::gil_scoped_release release;
+            GilRelease release;
             return c.engine->worker().wait_counter(*c.counter, at_least, deadline);
           }, py::arg("at_least"), py::arg("timeout_s"));
 
@@ -255,11 +255,11 @@ PYBIND11_MODULE(_native, m) {
       .def("descriptor", [](const TransferEngine& e, const MemoryRegion& r) { return py::bytes(e.descriptor(r)); })
       .def("register_windows", [](TransferEngine& e, const MemoryRegionPtr& parent,
                                   std::vector<std::pair<uint64_t, uint64_t>> ranges) {
-            py::gil_scoped_release release;
+            GilRelease release;
             return e.register_windows(parent, std::move(ranges));
           })
       .def("close_windows", [](TransferEngine& e, const MemoryWindowsPtr& w) {
-            py::gil_scoped_release release;
+            GilRelease release;
             e.close_windows(w);
           })
       .def("windows_descriptor", [](const TransferEngine& e, const MemoryWindows& w) { return py::bytes(e.descriptor(w)); })
@@ -312,7 +312,7 @@ PYBIND11_MODULE(_native, m) {
             if (counter.engine != e) throw EngineError("the completion counter belongs to another engine");
             const int64_t *so = src_offsets.data(), *dof = dst_offsets.data(), *len = lengths.data();
             const bool one_length = lengths.size() == 1;
-            py::gil_scoped_release release;
+            GilRelease release;
             std::vector<TransferRequest> requests;
             requests.reserve(n);
             for (size_t k = 0; k < n; ++k)
@@ -345,7 +345,7 @@ PYBIND11_MODULE(_native, m) {
                                               src_offset, dst_offset),
                                   i});
             }
-            py::gil_scoped_release release;
+            GilRelease release;
             e->submit_many(mr, remote, requests, counter.counter);
             return n;
           }, py::arg("mr"), py::arg("src_lists"), py::arg("remote"), py::arg("dst_lists"), py::arg("page_size"),
@@ -394,11 +394,11 @@ PYBIND11_MODULE(_native, m) {
             return out;
           })
       .def("bind_imm_source", [](TransferEngine& e, uint32_t imm, std::shared_ptr<EngineAddress> peer) {
-            py::gil_scoped_release release;
+            GilRelease release;
             return e.bind_imm_source(imm, peer);
           })
       .def("unbind_imm_source", [](TransferEngine& e, uint32_t imm) {
-            py::gil_scoped_release release;
+            GilRelease release;
             e.unbind_imm_source(imm);
           })
       .def("connect", [](TransferEngine& e, std::shared_ptr<EngineAddress> peer) {
