@@ -6,6 +6,7 @@
 
 #include <sys/uio.h>
 
+#include <algorithm>
 #include <memory>
 #include <optional>
 #include <string>
@@ -148,7 +149,10 @@ class RailGroup {
   void finish_batch(WorkBatch& batch) const;
   // Remote rail that local rail `r` talks to (peers may have a different rail count).
   static size_t remote_rail(size_t r, const MemoryDescriptor& remote) {
-    return r % remote.owner.rail_addresses.size();
+    // Keys per remote rail: the region's, or (a windowed descriptor) each window's.
+    const size_t keys = !remote.rails.empty() ? remote.rails.size()
+                        : remote.windows.empty() ? 1 : remote.windows.front().rails.size();
+    return r % std::max<size_t>(keys, 1);
   }
   // Where [offset, offset + length) of the remote region is on our rail `r`: the address
   // to put in fi_rma_iov and its key. A descriptor with windows reaches only inside one of

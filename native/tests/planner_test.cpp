@@ -185,4 +185,33 @@ TEST_F(Planner, OneRequestTypeCountsWhatEachVariantAddsAtTheReceiver) {
 }
 
 }  // namespace
+
+TEST_F(Planner, WindowedDescriptorUsesEachWindowsKeyAndRefusesBytesOutsideThem) {
+  // Two windows (pages 0-3 and 8-9), each with its own keys per rail and its own base.
+  MemoryDescriptor windowed = remote_;
+  windowed.rails.clear();
+  windowed.windows = {{0, 4 * 4 * KiB, {{0x1000, 101}, {0x1000, 102}}},
+                      {8 * 4 * KiB, 2 * 4 * KiB, {{0x9000, 201}, {0x9000, 202}}}};
+  std::vector<int64_t> src = {0, 1, 2, 3}, dst = {2, 3, 8, 9};
+  WorkBatch b = batch();
+  group_->plan(b, local_, windowed, {PagedWrite{{src.data(), 1}, {dst.data() + 2, 1}, 4 * KiB, 4 * KiB, 4 * KiB, 0, 0}, 5u});
+  ASSERT_EQ(b.ops.size(), 1u);
+  EXPECT_EQ(b.ops[0].rma[0].key, 201u);
+  EXPECT_EQ(b.ops[0].rma[0].addr, 0x9000u);  // offsets count from the window's start
+  // Pages 3 and 8: rail 0 takes page 3 (first window, its rail-0 key), rail 1 page 8
+  // (second window, its rail-1 key); no op mixes the two windows.
+  WorkBatch c = batch();
+  group_->plan(c, local_, windowed, {PagedWrite{{src.data(), 2}, {dst.data() + 1, 2}, 4 * KiB, 4 * KiB, 4 * KiB, 0, 0}, 5u});
+  uint64_t keys_seen = 0;
+  for (const auto& op : c.ops)
+    for (size_t k = 0; k < op.iov_count; ++k) keys_seen += op.rma[k].key;
+  EXPECT_EQ(keys_seen, 101u + 202u);
+  // A page in the gap, or a single write running past a window's end: refused.
+  std::vector<int64_t> gap = {5};
+  WorkBatch d = batch();
+  EXPECT_THROW(group_->plan(d, local_, windowed, {PagedWrite{{src.data(), 1}, {gap.data(), 1}, 4 * KiB, 4 * KiB, 4 * KiB, 0, 0}, 5u}),
+               BoundsError);
+  EXPECT_THROW(group_->plan(d, local_, windowed, {SingleWrite{0, 3 * 4 * KiB, 2 * 4 * KiB}, 1u}), BoundsError);
+}
+
 }  // namespace kvxfer

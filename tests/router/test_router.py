@@ -183,7 +183,9 @@ def test_streaming_completion_is_openai_sse_ending_in_done(cluster: Cluster) -> 
     # Inside the cluster the request has an id the router minted, never the client's.
     wrid = d.bodies("/reserve")[0]["request_id"]
     assert re.fullmatch(r"kx-[0-9a-f]{32}", wrid)
-    assert d.bodies("/reserve") == [{"request_id": wrid, "prompt_tokens": tokens, "max_tokens": 5}]
+    # It names the prefiller it chose: the decoder credits immediates only from that engine.
+    assert d.bodies("/reserve") == [{"request_id": wrid, "prompt_tokens": tokens, "max_tokens": 5,
+                                     "prefill_engine_address": p.engine_address}]
     assert d.bodies("/generate") == [{"request_id": wrid, "stream": True, "timeout_s": 2.0}]
     assert p.bodies("/prefill")[0]["request_id"] == wrid
     reservation = d.reserved[0]
