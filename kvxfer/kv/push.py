@@ -291,15 +291,17 @@ class PushSession:
         )
         self._transfers.append(self._mailbox_transfer)
 
-    def poll(self) -> tuple[int, bool, Exception | None]:
+    def poll(self) -> tuple[int, int, bool, Exception | None]:
         """One look at the posted writes, for the push monitor (its thread only): writes
-        still in flight, whether any completed successfully since the last poll, and the
-        first failure (a `TransferTimeout` at the engine's deadline, else `TransferError`)."""
-        pending, ok = 0, 0
+        still in flight and their bytes, whether any completed successfully since the last
+        poll, and the first failure (a `TransferTimeout` at the engine's deadline, else
+        `TransferError`)."""
+        pending, pending_bytes, ok = 0, 0, 0
         failure: Exception | None = None
         for transfer in list(self._transfers):  # the compute thread may append meanwhile
             if not transfer.done():
                 pending += 1
+                pending_bytes += transfer.bytes
                 continue
             try:
                 transfer._raise_if_failed()
@@ -308,7 +310,7 @@ class PushSession:
                 failure = failure or exc
         progressed = ok > self._ok_seen
         self._ok_seen = ok
-        return pending, progressed, failure
+        return pending, pending_bytes, progressed, failure
 
     def collect_stats(self) -> PushStats:
         """The push's stats once every write completed (the monitor found them done).

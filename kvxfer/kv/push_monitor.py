@@ -7,8 +7,10 @@ writes (a `done()` per transfer, a few hundred at most) and
 - resolves the push's outcome (an asyncio future the HTTP handler awaits) once every write
   completed, or at the first failed write;
 - declares a destination *down* when it has writes in flight and none of them completed
-  for `stall_timeout_s` (a frozen or dead decoder: over the fabric the engine would only
-  notice at its per-write deadline), or at once on a write that failed with a fabric
+  for `stall_timeout_s` plus the time its bytes in flight take at `min_rate_bytes_per_s`
+  (a frozen or dead decoder: over the fabric the engine would only notice at its per-write
+  deadline; a 32 MiB layer write to a healthy decoder on a starved machine may take longer
+  than the bare stall timeout), or at once on a write that failed with a fabric
   error (connection refused or reset). Every push to it then fails at once: it is
   cancelled (no further writes) and its outcome is `DestinationDown`; new pushes to it are
   refused (`check`) until one of its writes completes again or none is left in flight;
@@ -90,10 +92,12 @@ class _Destination:
 class PushMonitor:
     """One thread watching all pushes of a prefill worker, grouped by destination."""
 
-    def __init__(self, stall_timeout_s: float, poll_interval_s: float = 0.005) -> None:
-        if stall_timeout_s <= 0 or poll_interval_s <= 0:
-            raise ValueError("stall_timeout_s and poll_interval_s must be > 0")
+    def __init__(self, stall_timeout_s: float, min_rate_bytes_per_s: float = 50e6,
+                 poll_interval_s: float = 0.005) -> None:
+        if stall_timeout_s <= 0 or poll_interval_s <= 0 or min_rate_bytes_per_s <= 0:
+            raise ValueError("stall_timeout_s, min_rate_bytes_per_s and poll_interval_s must be > 0")
         self.stall_timeout_s = stall_timeout_s
+        self.min_rate_bytes_per_s = min_rate_bytes_per_s
         self.poll_interval_s = poll_interval_s
         self._lock = threading.Lock()
         self._pushes: dict[int, WatchedPush] = {}
@@ -179,16 +183,18 @@ class PushMonitor:
 
     def _poll_destination(self, dest: _Destination, now: float) -> list[WatchedPush]:
         in_flight = 0
+        in_flight_bytes = 0
         progressed = False
         fabric_error: str | None = None
         released: list[WatchedPush] = []
         for pid in list(dest.pushes):
             push = self._pushes[pid]
-            pending, push_progressed, failure = push.session.poll()
+            pending, pending_bytes, push_progressed, failure = push.session.poll()
             progressed |= push_progressed
             if failure is not None and not isinstance(failure, TransferTimeout):
                 fabric_error = fabric_error or str(failure)
             in_flight += pending
+            in_flight_bytes += pending_bytes
             if push.phase is PushPhase.POSTED and (failure is not None or not pending):
                 push.phase = PushPhase.ENDED
                 if failure is not None:
@@ -206,9 +212,11 @@ class PushMonitor:
             if dest.down_reason is not None:
                 log.warning("decode destination %s is taking writes again", dest.key[:16].hex())
                 dest.down_reason = None
-        stalled = in_flight > 0 and now - dest.quiet_since > self.stall_timeout_s
+        allowed_s = self.stall_timeout_s + in_flight_bytes / self.min_rate_bytes_per_s
+        stalled = in_flight > 0 and now - dest.quiet_since > allowed_s
         if dest.down_reason is None and (stalled or fabric_error is not None):
-            dest.down_reason = (f"no write completed for {now - dest.quiet_since:.2f} s with {in_flight} in flight"
+            dest.down_reason = (f"no write completed for {now - dest.quiet_since:.2f} s with {in_flight} in flight "
+                                f"({in_flight_bytes} bytes)"
                                 if fabric_error is None else f"fabric error: {fabric_error}")
             log.warning("decode destination %s is down: %s", dest.key[:16].hex(), dest.down_reason)
         if dest.down_reason is not None:

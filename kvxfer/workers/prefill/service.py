@@ -75,6 +75,10 @@ class PrefillSettings(WorkerSettings):
         "down: its pushes fail at once and new ones are refused until it takes writes again (a frozen or dead "
         "decoder; the engine's transfer_timeout_s would notice only at its deadline)",
     )
+    destination_min_rate_bytes_per_s: float = Field(
+        50e6, gt=0, description="a destination's writes in flight get destination_stall_timeout_s plus their "
+        "bytes at this rate before it counts as down: a big layer write to a slow but healthy decoder is not a stall",
+    )
     fault_injection: str = Field(
         "", description="failure drill, off when empty: e.g. 'abort_after_layer:N' aborts every push before "
         "layer N; every form is in kvxfer/workers/prefill/faults.py"
@@ -145,7 +149,7 @@ class PrefillRuntime:
         self._peers: set[bytes] = set()
         self._cancelled: dict[str, float] = {}  # request id -> monotonic expiry of the memory
         self._aborts: list[Any] = []  # abort sends not yet completed (kept referenced)
-        self.pushes = PushMonitor(settings.destination_stall_timeout_s)
+        self.pushes = PushMonitor(settings.destination_stall_timeout_s, settings.destination_min_rate_bytes_per_s)
         self.core.closers.append(self.pushes.close)
         self.faults: FaultPlan = parse_fault_injection(settings.fault_injection)
         if self.faults.active:

@@ -1,0 +1,132 @@
+"""The push monitor's rules (kvxfer.kv.push_monitor), on sessions whose writes the test
+completes by hand: when a destination is down, what fails with it, and what is released.
+The transfer path itself is covered with real processes in tests/workers/test_peer_isolation.py."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from kvxfer.errors import TransferError
+from kvxfer.kv.push import PushStats
+from kvxfer.kv.push_monitor import DestinationDown, PushMonitor
+
+STALL_S = 0.2
+RATE = 1e6  # bytes/s: 100 KB in flight buys 0.1 s more
+
+
+@dataclass
+class HandDrivenSession:
+    """What the monitor reads of a PushSession: writes the test marks done or failed."""
+
+    request_id: str
+    pending_bytes: list[int] = field(default_factory=list)
+    done: int = 0
+    seen: int = 0
+    failure: Exception | None = None
+    cancelled: bool = False
+    stats: PushStats = field(default_factory=PushStats)
+
+    @property
+    def reservation(self) -> Any:
+        return SimpleNamespace(request_id=self.request_id)
+
+    def poll(self) -> tuple[int, int, bool, Exception | None]:
+        progressed = self.done > self.seen
+        self.seen = self.done
+        return len(self.pending_bytes), sum(self.pending_bytes), progressed, self.failure
+
+    def complete_one(self) -> None:
+        self.pending_bytes.pop()
+        self.done += 1
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def collect_stats(self) -> PushStats:
+        return self.stats
+
+
+async def watch(monitor: PushMonitor, session: HandDrivenSession, dest: bytes, released: list[str]) -> Any:
+    push = monitor.watch(session, dest, asyncio.get_running_loop(),  # type: ignore[arg-type]
+                         lambda p: released.append(p.session.reservation.request_id))
+    return push
+
+
+def test_a_stuck_destination_fails_its_pushes_and_spares_a_healthy_one() -> None:
+    async def run() -> None:
+        monitor = PushMonitor(STALL_S, RATE, poll_interval_s=0.005)
+        released: list[str] = []
+        try:
+            stuck = HandDrivenSession("stuck", pending_bytes=[1000, 1000])
+            slow = HandDrivenSession("slow", pending_bytes=[1000] * 40)
+            stuck_push = await watch(monitor, stuck, b"A", released)
+            slow_push = await watch(monitor, slow, b"B", released)
+            monitor.posted(stuck_push)
+            monitor.posted(slow_push)
+            # B completes a write every 0.1 s (slow, but progressing); A never does.
+            for _ in range(4):
+                await asyncio.sleep(0.1)
+                slow.complete_one()
+            with pytest.raises(DestinationDown):
+                await asyncio.wait_for(stuck_push.outcome, 1.0)
+            assert stuck.cancelled and not slow.cancelled and not slow_push.outcome.done()
+            with pytest.raises(DestinationDown):
+                monitor.check(b"A")
+            monitor.check(b"B")
+            # A's writes are still in flight: not released (no abort, pages held) until they end.
+            assert released == []
+            stuck.pending_bytes.clear()
+            while slow.pending_bytes:
+                slow.complete_one()
+            assert await asyncio.wait_for(slow_push.outcome, 1.0) is slow.stats
+            await asyncio.sleep(0.05)
+            assert sorted(released) == ["slow", "stuck"]
+            monitor.check(b"A")  # nothing in flight any more: it may be tried again
+        finally:
+            monitor.close()
+
+    asyncio.run(run())
+
+
+def test_bytes_in_flight_extend_the_stall_allowance() -> None:
+    async def run() -> None:
+        monitor = PushMonitor(STALL_S, RATE, poll_interval_s=0.005)
+        try:
+            big = HandDrivenSession("big", pending_bytes=[300_000])  # STALL_S + 0.3 s allowed
+            push = await watch(monitor, big, b"C", [])
+            monitor.posted(push)
+            await asyncio.sleep(STALL_S + 0.15)
+            assert not push.outcome.done(), "declared down inside its bytes' allowance"
+            with pytest.raises(DestinationDown):
+                await asyncio.wait_for(push.outcome, 1.0)
+        finally:
+            monitor.close()
+
+    asyncio.run(run())
+
+
+def test_a_fabric_error_takes_the_destination_down_at_once() -> None:
+    async def run() -> None:
+        monitor = PushMonitor(10.0, RATE, poll_interval_s=0.005)
+        try:
+            failing = HandDrivenSession("failing", pending_bytes=[10])
+            other = HandDrivenSession("other", pending_bytes=[10])
+            failing_push = await watch(monitor, failing, b"D", [])
+            other_push = await watch(monitor, other, b"D", [])
+            monitor.posted(failing_push)
+            failing.failure = TransferError("failing", "connection reset by peer")
+            with pytest.raises(TransferError):
+                await asyncio.wait_for(failing_push.outcome, 1.0)
+            # The other push to the same decoder (still computing) fails with it.
+            with pytest.raises(DestinationDown):
+                await asyncio.wait_for(other_push.outcome, 1.0)
+            assert other.cancelled
+        finally:
+            monitor.close()
+
+    asyncio.run(run())
