@@ -312,6 +312,9 @@ class EngineConfig:
     idle_spin_us: float
     shard_min_bytes: int
     delivery_complete: str = "default"
+    # "many": write_many/write_paged_many into a CompletionCounter; "handles": one
+    # write/write_paged call and one Transfer handle per unit (the pre-batching way).
+    submit: str = "many"
 
     def units_in_flight(self, kind: str) -> int:
         """Write calls the initiator keeps in flight: --window, or with the default (0,
@@ -326,7 +329,8 @@ class EngineConfig:
 
     def label(self) -> str:
         dc = "" if self.delivery_complete == "default" else f", delivery_complete {self.delivery_complete}"
-        return (f"{self.provider}, rails={self.rails} (window {self.window_text()}, max_inflight_per_rail "
+        how = "" if self.submit == "many" else f", submit {self.submit}"
+        return (f"{self.provider}, rails={self.rails}{how} (window {self.window_text()}, max_inflight_per_rail "
                 f"{self.max_inflight_per_rail}, idle_spin_us {self.idle_spin_us:g}, shard_min_bytes "
                 f"{size_text(self.shard_min_bytes)}{dc})")
 
@@ -445,40 +449,61 @@ class Initiator:
         """n units of a case: seconds to the target's full count and to local completion,
         and the CPU seconds both processes spent (all threads) meanwhile."""
         assert self.target is not None
-        eng, mr, desc = self.engine, self.mr, self.target.descriptor
         window = self.cfg.units_in_flight(spec.kind)
-        # Submitted the way a user with a deep window would: batches of a quarter window in
-        # one call each, finishing into one counter, and one wait per batch for the window
-        # to have room (no handle and no GIL round trip per write).
-        batch = max(1, window // 4)
-        size = spec.size
         self.target.request({"cmd": "arm", "imm": imm, "count": n * spec.pages})
-        counter = eng.completion_counter()
+        offsets, lists = None, None
         if spec.kind == SINGLE:
             offsets = np.fromiter((spec.offset(k) for k in range(n)), dtype=np.int64, count=n)
         else:
-            src_lists, dst_lists = zip(*(spec.page_lists(k) for k in range(n)))
+            lists = tuple(zip(*(spec.page_lists(k) for k in range(n))))
+        submit = self._submit_with_handles if self.cfg.submit == "handles" else self._submit_many
         cpu0 = self.cpu_seconds()
         t0 = time.monotonic()
-        submitted = 0
-        while submitted < n:
-            k = min(batch, n - submitted)
-            if submitted + k > window:
-                counter.wait(submitted + k - window, TRANSFER_WAIT_TIMEOUT_S)
-            end = submitted + k
-            if spec.kind == SINGLE:
-                part = offsets[submitted:end]
-                eng.write_many(mr, part, desc, part, size, imm=imm, counter=counter)
-            else:
-                eng.write_paged_many(mr, src_lists[submitted:end], desc, dst_lists[submitted:end], size,
-                                     imm=imm, counter=counter)
-            submitted = end
-        counter.wait(n, TRANSFER_WAIT_TIMEOUT_S)
+        submit(spec, n, imm, window, offsets, lists)
         t_local = time.monotonic()
         cpu_local = self.cpu_seconds() - cpu0
         done = self.target.read()
         return {"seconds": done["t_end"] - t0, "local": t_local - t0,
                 "cpu_initiator_s": cpu_local, "cpu_target_s": done["cpu_s"]}
+
+    def _submit_many(self, spec: CaseSpec, n: int, imm: int, window: int, offsets: np.ndarray | None,
+                     lists: tuple[Any, Any] | None) -> None:
+        """The way a user with a deep window submits: calls of a quarter window each into one
+        CompletionCounter, and one counter wait per call for the window to have room (no
+        handle and no GIL round trip per write)."""
+        eng, mr, desc = self.engine, self.mr, self.target.descriptor
+        batch = max(1, window // 4)
+        counter = eng.completion_counter()
+        submitted = 0
+        while submitted < n:
+            end = min(submitted + batch, n)
+            if end > window:
+                counter.wait(end - window, TRANSFER_WAIT_TIMEOUT_S)
+            if offsets is not None:
+                part = offsets[submitted:end]
+                eng.write_many(mr, part, desc, part, spec.size, imm=imm, counter=counter)
+            else:
+                eng.write_paged_many(mr, lists[0][submitted:end], desc, lists[1][submitted:end], spec.size,
+                                     imm=imm, counter=counter)
+            submitted = end
+        counter.wait(n, TRANSFER_WAIT_TIMEOUT_S)
+
+    def _submit_with_handles(self, spec: CaseSpec, n: int, imm: int, window: int, offsets: np.ndarray | None,
+                             lists: tuple[Any, Any] | None) -> None:
+        """The pre-batching way: one call and one Transfer handle per unit, waiting on the
+        oldest handle whenever `window` are in flight (--submit handles, for A/B)."""
+        eng, mr, desc = self.engine, self.mr, self.target.descriptor
+        inflight: deque[Any] = deque()
+        for k in range(n):
+            if offsets is not None:
+                off = int(offsets[k])
+                inflight.append(eng.write(mr, off, desc, off, spec.size, imm=imm))
+            else:
+                inflight.append(eng.write_paged(mr, lists[0][k], desc, lists[1][k], spec.size, imm=imm))
+            if len(inflight) >= window:
+                inflight.popleft().wait(TRANSFER_WAIT_TIMEOUT_S)
+        while inflight:
+            inflight.popleft().wait(TRANSFER_WAIT_TIMEOUT_S)
 
     def calibrate(self, spec: CaseSpec, imm: int, args: argparse.Namespace) -> int:
         """Warm-up run; returns the units that make about --seconds-per-repeat."""
@@ -521,7 +546,7 @@ class ConfigRun:
                       "pages_per_unit": s.pages, "runs": []} for s in specs]
         self.config: dict[str, Any] = {
             "provider": cfg.provider, "rails": cfg.rails, "window": cfg.window,
-            "window_single": cfg.units_in_flight(SINGLE), "window_paged": cfg.units_in_flight(PAGED_RANDOM),
+            "submit": cfg.submit, "window_single": cfg.units_in_flight(SINGLE), "window_paged": cfg.units_in_flight(PAGED_RANDOM),
             "max_inflight_per_rail": cfg.max_inflight_per_rail, "idle_spin_us": cfg.idle_spin_us,
             "shard_min_bytes": cfg.shard_min_bytes, "delivery_complete": cfg.delivery_complete,
             "pages_per_write": args.pages_per_write, "label": cfg.label(), "label_short": f"{cfg.provider} rails={cfg.rails}",
@@ -904,6 +929,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="write calls in flight at the initiator (comma list); deep: as many single writes as "
                         f"the deep bare loop, {PAGED_WINDOW} paged calls")
     p.add_argument("--pages-per-write", type=int, default=256, help="pages per paged write call")
+    p.add_argument("--submit", default="many",
+                   help="many (write_many into a counter) or handles (one call and handle per unit); comma list")
     p.add_argument("--region-bytes", default=None, help="registered region on each side (256M, quick 64M)")
     p.add_argument("--seconds-per-repeat", type=float, default=None,
                    help="aim of one timed run (default 0.15, quick 0.05)")
@@ -949,13 +976,15 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         raise SystemExit(f"providers {missing} not available here (have {present})")
     configs = [
-        EngineConfig(p, int(r), 0 if w == "deep" else int(w), int(mi), float(sp), parse_size(sh), dc)
-        for p, r, w, mi, sp, sh, dc in itertools.product(
+        EngineConfig(p, int(r), 0 if w == "deep" else int(w), int(mi), float(sp), parse_size(sh), dc, sub)
+        for p, r, w, mi, sp, sh, dc, sub in itertools.product(
             providers, args.rails.split(","), args.window.split(","),
             args.max_inflight_per_rail.split(","), args.idle_spin_us.split(","),
-            args.shard_min_bytes.split(","), args.delivery_complete.split(","))
+            args.shard_min_bytes.split(","), args.delivery_complete.split(","), args.submit.split(","))
     ]
     for cfg in configs:
+        if cfg.submit not in ("many", "handles"):
+            raise SystemExit(f"--submit takes many or handles, not {cfg.submit!r}")
         if cfg.delivery_complete not in ("default", "on", "off"):
             raise SystemExit(f"--delivery-complete takes default, on or off, not {cfg.delivery_complete!r}")
     cases = case_list(args)
