@@ -20,12 +20,17 @@ from __future__ import annotations
 
 import contextlib
 import subprocess
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
+
+import pytest
 
 from kvxfer.cluster.local_cluster import LocalCluster
 from kvxfer.cluster.local_etcd import LocalEtcd
 from support.cluster_load import get_metrics, metric_value
 from support.pod_namespaces import PodNetwork, can_run_pods, pod_command, signal_pod
+from support.worker_procs import WorkerSet
 
 #: None where this machine can run pods, else why not (then `pod_cluster` falls back).
 POD_MODE_UNAVAILABLE = can_run_pods()
@@ -124,3 +129,23 @@ def client_of(cluster: LocalCluster) -> contextlib.AbstractContextManager[Any]:
     """The calling thread on `cluster`'s network for the block: a PodCluster's client
     namespace; nothing to enter on loopback."""
     return cluster.client() if isinstance(cluster, PodCluster) else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def pod_worker_set(work_dir: Path, request: pytest.FixtureRequest, label: str) -> Iterator[WorkerSet]:
+    """Workers as pods of one network (own network and PID namespace each), with the caller
+    on the pods' bridge, so KV between them crosses the fabric. Where namespaces cannot be
+    made: loopback with the same-host path off. Workers and the network are torn down at
+    exit; the workers' logs are printed if a test failed meanwhile."""
+    net = PodNetwork() if POD_MODE_UNAVAILABLE is None else None
+    workers = WorkerSet(work_dir, pods=net, env={"KVXFER_SAME_HOST": "false"} if net is None else None)
+    failed_before = request.session.testsfailed
+    try:
+        with net.client() if net is not None else contextlib.nullcontext():
+            yield workers
+    finally:
+        if request.session.testsfailed > failed_before:
+            print(f"\n===== worker logs ({label}) =====\n{workers.logs()}")
+        workers.close()
+        if net is not None:
+            net.close()

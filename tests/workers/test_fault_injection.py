@@ -13,7 +13,6 @@ colocated reference's), and write nothing into pages handed to another request.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -34,8 +33,7 @@ from support.kv_requests import (
     tokens_of,
     wait_pages_full,
 )
-from support.pod_cluster import POD_MODE_UNAVAILABLE
-from support.pod_namespaces import PodNetwork
+from support.pod_cluster import pod_worker_set
 from support.waiting import wait_until
 from support.worker_procs import WorkerProc, WorkerSet
 
@@ -52,18 +50,8 @@ PROMPT = 300  # tokens: 19 pages per layer, one 256-token chunk then one more
 @pytest.fixture(scope="module")
 def pod_set(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[WorkerSet]:
     """The module's workers, pods of one network; the tests run on its bridge."""
-    net = PodNetwork() if POD_MODE_UNAVAILABLE is None else None
-    workers = WorkerSet(tmp_path_factory.mktemp("fault_workers"), pods=net)
-    failed_before = request.session.testsfailed
-    try:
-        with net.client() if net is not None else contextlib.nullcontext():
-            yield workers
-    finally:
-        if request.session.testsfailed > failed_before:
-            print(f"\n===== worker logs (module) =====\n{workers.logs()}")
-        workers.close()
-        if net is not None:
-            net.close()
+    with pod_worker_set(tmp_path_factory.mktemp("fault_workers"), request, "module") as workers:
+        yield workers
 
 
 @pytest.fixture(scope="module")
