@@ -91,6 +91,12 @@ class AdmissionController:
         """Whether ``request_id`` holds a slot now."""
         return request_id in self._active
 
+    def _shed(self, request_id: str, message: str) -> RouterError:
+        """A 429 with Retry-After for a request turned away because the router is full, counted."""
+        self._telemetry.rejected(429)
+        return RouterError(429, message, request_id=request_id, type="rate_limit_error", code="rate_limit_exceeded",
+                           headers={"Retry-After": str(self._settings.retry_after_s)})
+
     def admit(self, request_id: str, model: str, *, needs_prefill: bool) -> AdmissionTicket:
         """Admit ``request_id`` or raise :class:`RouterError` (503, 409 or 429)."""
         # With the colocated fallback a decode worker alone can serve any request.
@@ -114,28 +120,14 @@ class AdmissionController:
                 code="duplicate_request_id",
             )
         if len(self._active) >= self._settings.max_in_flight:
-            self._telemetry.rejected(429)
-            raise RouterError(
-                429,
-                f"router is at its limit of {self._settings.max_in_flight} requests in flight; retry later",
-                request_id=request_id,
-                type="rate_limit_error",
-                code="rate_limit_exceeded",
-                headers={"Retry-After": str(self._settings.retry_after_s)},
-            )
+            raise self._shed(
+                request_id, f"router is at its limit of {self._settings.max_in_flight} requests in flight; retry later")
         if self._active and self.loop_lag_s > self._settings.admission_max_loop_lag_s:
             # The loop is starved by the work in flight: a request admitted now would wait
             # on it past its own deadlines (connects, control tokens) and fail for the
             # router's own lag. With nothing in flight the lag is not ours to shed.
-            self._telemetry.rejected(429)
-            raise RouterError(
-                429,
-                f"router is overloaded (event loop {self.loop_lag_s:.2f} s behind); retry later",
-                request_id=request_id,
-                type="rate_limit_error",
-                code="rate_limit_exceeded",
-                headers={"Retry-After": str(self._settings.retry_after_s)},
-            )
+            raise self._shed(request_id,
+                             f"router is overloaded (event loop {self.loop_lag_s:.2f} s behind); retry later")
         self._active.add(request_id)
         self._telemetry.request_admitted()
         return AdmissionTicket(self, request_id, Deadline(self._settings.request_deadline_s))

@@ -569,12 +569,7 @@ class RequestLifecycle:
             async for line in lines:
                 if not line.strip():
                     continue
-                try:
-                    msg = json.loads(line)
-                except ValueError:
-                    raise LegFailure(wrid, decode, stage, f"unreadable stream line {_detail(line)!r}") from None
-                if not isinstance(msg, dict):
-                    raise LegFailure(wrid, decode, stage, f"unexpected stream line {_detail(line)!r}")
+                msg = stream_object(line, wrid, decode, stage, "stream line")
                 if msg.get("done"):
                     if msg.get("finish_reason") == "error" or msg.get("error"):
                         # Decode ends a failed generation with an error done line, not
@@ -645,6 +640,18 @@ def _retry_after(headers: Mapping[str, str]) -> int | None:
     """A worker's Retry-After in whole seconds (None when absent or not a number)."""
     value = headers.get("retry-after")
     return int(value) if value is not None and value.strip().isdigit() else None
+
+
+def stream_object(text: str, wrid: str, decode: WorkerView, stage: str, what: str) -> dict[str, Any]:
+    """One JSON object of a decode stream (an NDJSON line or an SSE event's data); anything
+    else fails the leg with LegFailure naming `what` it was."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        raise LegFailure(wrid, decode, stage, f"unreadable {what} {_detail(text)!r}") from None
+    if not isinstance(obj, dict):
+        raise LegFailure(wrid, decode, stage, f"unexpected {what} {_detail(text)!r}")
+    return obj
 
 
 def _detail(text: str) -> str:

@@ -97,7 +97,7 @@ async def run_vllm_legs(lc: RequestLifecycle, decode: WorkerView, prefill: Worke
 async def _relay_stream(lc: RequestLifecycle, decode: WorkerView, path: str, body: dict[str, Any],
                         attempt_id: str) -> None:
     """Relay vLLM's server-sent events as the lifecycle's token and finish events."""
-    from .dispatch import LegFailure, _detail
+    from .dispatch import LegFailure, _detail, stream_object
 
     stage = "generate"
     chat = lc.job.kind == "chat"
@@ -119,12 +119,7 @@ async def _relay_stream(lc: RequestLifecycle, decode: WorkerView, path: str, bod
                                      "first token (draining?)")
                 lc._finish({"finish_reason": finish or "stop", "usage": usage})
                 return
-            try:
-                chunk = json.loads(data)
-            except ValueError:
-                raise LegFailure(attempt_id, decode, stage, f"unreadable event {_detail(data)!r}") from None
-            if not isinstance(chunk, dict):
-                raise LegFailure(attempt_id, decode, stage, f"unexpected event {_detail(data)!r}")
+            chunk = stream_object(data, attempt_id, decode, stage, "event")
             if "error" in chunk:
                 raise LegFailure(attempt_id, decode, stage, f"generation failed: {_detail(json.dumps(chunk))}")
             if isinstance(chunk.get("usage"), dict):
