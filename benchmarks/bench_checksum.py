@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvxfer import _native
+from kvxfer.transfer.native_library import native as _native
 
 sys.path.insert(0, str(Path(__file__).parent))
 from machine_limits import memcpy_gbps

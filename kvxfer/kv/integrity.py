@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer import _native
+from kvxfer.transfer.native_library import native as _native
 from kvxfer.errors import KvxferError
 from kvxfer.kv.cache import PagedKVCache
 from kvxfer.metrics import INTEGRITY_FAILURE_REASONS

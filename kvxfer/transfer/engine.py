@@ -17,7 +17,7 @@ from typing import Any, Callable, Generator, Iterable, Sequence
 
 import numpy as np
 
-from kvxfer import _native
+from kvxfer.transfer.native_library import native as _native
 from kvxfer.errors import BoundsError, EngineError, ImmCounterOverflow, TransferError, TransferTimeout
 from kvxfer.transfer.shared_memory import shared_buffer_of
 

@@ -39,3 +39,29 @@ def test_daemon_threads_blocked_in_the_engine_do_not_abort_interpreter_exit(run:
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "terminate called" not in proc.stderr
     assert "main thread returns" in proc.stdout
+
+
+SIGNALS_PROGRAM = textwrap.dedent("""
+    import os, signal, time
+    def caught() -> int:
+        for line in open("/proc/self/status"):
+            if line.startswith("SigCgt:"):
+                return int(line.split()[1], 16)
+        raise RuntimeError("no SigCgt")
+    before = caught()
+    from kvxfer.transfer.engine import TransferEngine  # loads libfabric and what it links
+    added = caught() & ~before
+    print("added", [signal.Signals(n).name for n in range(1, 32) if added >> (n - 1) & 1], flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)
+""")
+
+
+def test_loading_the_engine_leaves_crash_and_sigterm_handling_to_the_process() -> None:
+    # libinfinipath (linked by Debian's libfabric) installs SIGSEGV/SIGBUS/SIGILL/SIGABRT/
+    # SIGTERM handlers that call exit() from the handler; one suite run hung in them after a
+    # crash. Loading the engine must add no handler, and SIGTERM must still end the process.
+    proc = subprocess.run([sys.executable, "-c", SIGNALS_PROGRAM], capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert "added []" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    assert proc.returncode == -15, (proc.returncode, proc.stderr[-2000:])
