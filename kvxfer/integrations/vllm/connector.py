@@ -71,6 +71,7 @@ class KvxferConnector(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(block_size, self.settings.reservation_wait_s)
+            self._scheduler.watch_sigterm()
         else:
             model = vllm_config.model_config
             name = model.served_model_name

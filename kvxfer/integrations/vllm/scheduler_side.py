@@ -60,14 +60,17 @@ class SchedulerSide:
         self._kv_cache_manager: Any = None
         self._pending_loads: dict[str, _PendingLoad] = {}
         self._loads_in_flight: set[str] = set()  # sent to the worker, not reported finished
+        # Loads the worker reported failed: with kv_load_failure_policy=recompute vLLM asks
+        # again for the same request, which must then be computed here, not loaded again.
+        self._failed_loads: set[str] = set()
         self._loads_to_send: list[LoadSpec] = []
         self._pushes: dict[str, _ActivePush] = {}
         self._finished_pushes: list[str] = []
         self._awaiting_send: set[str] = set()  # finished on vLLM's side, blocks held for the push
         self._draining = False
-        self._watch_sigterm()
 
-    def _watch_sigterm(self) -> None:
+    def watch_sigterm(self) -> None:
+        """Learn of vLLM's drain (call once, in the EngineCore process)."""
         # vLLM's API server answers SIGTERM by asking the engine core to drain (with
         # --shutdown-timeout), which arrives here as SIGTERM too. Wrap vLLM's handler, so the
         # worker learns of the drain on the next step and withdraws the registry record
@@ -110,7 +113,7 @@ class SchedulerSide:
         params = self._params(request)
         if params is not None and params.role == "prefill":
             return self._gate_prefill(request, params)
-        if params is None:
+        if params is None or rid in self._failed_loads:
             return 0, False
         n = request.num_tokens - num_computed_tokens
         if n <= 0:
@@ -184,6 +187,9 @@ class SchedulerSide:
         """Loads and pushes the worker reported finished."""
         for rid in output.finished_recving or ():
             self._loads_in_flight.discard(rid)
+        for rid in output.failed_recving or ():
+            self._loads_in_flight.discard(rid)
+            self._failed_loads.add(rid)
         for rid in output.finished_sending or ():
             self._awaiting_send.discard(rid)
         report = output.kv_connector_worker_meta
@@ -195,6 +201,7 @@ class SchedulerSide:
         rid = request.request_id
         self._pending_loads.pop(rid, None)
         self._gated_since.pop(rid, None)
+        self._failed_loads.discard(rid)
         if rid in self._loads_in_flight:
             return True, None  # the worker cancels, fences, then reports finished_recving
         push = self._pushes.pop(rid, None)

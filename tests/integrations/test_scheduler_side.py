@@ -1,0 +1,37 @@
+"""The connector's scheduler half, driven with stand-ins for vLLM's request objects (no
+engine: what it answers vLLM, step by step). The hand-off itself is tested with real vLLM
+processes in test_vllm_connector.py."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vllm extra is not installed")
+
+from kvxfer.integrations.vllm.scheduler_side import SchedulerSide  # noqa: E402
+
+
+def decode_request(rid: str, tokens: int) -> SimpleNamespace:
+    return SimpleNamespace(request_id=rid, num_tokens=tokens, num_prompt_tokens=tokens, kv_transfer_params={
+        "kvxfer": {"role": "decode", "transfer_id": f"t-{rid}", "peer_engine": "00ff"}})
+
+
+def test_a_failed_load_is_computed_locally_when_vllm_asks_again() -> None:
+    # kv_load_failure_policy=recompute: vLLM resets the request and asks the connector again.
+    # Answering "load it" again would reserve, time out and fail forever (seen with real
+    # instances: a new failed load every 9 s); the request must be computed here instead.
+    side = SchedulerSide(block_size=32, reservation_wait_s=5.0)
+    req = decode_request("r1", 100)
+    assert side.get_num_new_matched_tokens(req, 0) == (100, True)
+    side.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4],)), 100)
+    meta = side.build_connector_meta(SimpleNamespace(
+        total_num_scheduled_tokens=0, num_scheduled_tokens={}, scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]), preempted_req_ids=None))
+    assert [spec.request_id for spec in meta.loads] == ["r1"]
+    side.update_connector_output(SimpleNamespace(finished_recving={"r1"}, failed_recving={"r1"},
+                                                 finished_sending=None, kv_connector_worker_meta=None))
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    # Another request with kvxfer params still loads.
+    assert side.get_num_new_matched_tokens(decode_request("r2", 40), 0) == (40, True)
