@@ -10,8 +10,10 @@ writes (a `done()` per transfer, a few hundred at most) and
   for `stall_timeout_s` plus the time its bytes in flight take at `min_rate_bytes_per_s`
   (a frozen or dead decoder: over the fabric the engine would only notice at its per-write
   deadline; a 32 MiB layer write to a healthy decoder on a starved machine may take longer
-  than the bare stall timeout), or at once on a write that failed with a fabric
-  error (connection refused or reset). Every push to it then fails at once: it is
+  than the bare stall timeout), or at once on a write that failed because the peer
+  itself is unreachable (connection refused or reset, no route: `_peer_unreachable`). A
+  write the decoder refused (its reservation's registration closed by a cancel: the
+  provider answers "Operation canceled") fails only its own push: the decoder is healthy. Every push to it then fails at once: it is
   cancelled (no further writes) and its outcome is `DestinationDown`; new pushes to it are
   refused (`check`) until one of its writes completes again or none is left in flight;
 - calls the push's `on_released` once none of its writes is in flight any more (bounded by
@@ -35,6 +37,19 @@ from kvxfer.errors import TransferError, TransferTimeout
 from kvxfer.kv.push import PushSession, PushStats
 
 log = logging.getLogger("kvxfer.push")
+
+#: fi_strerror texts (the engine's error message starts with one) that mean the peer
+#: itself cannot be reached, not that it refused one write.
+_PEER_UNREACHABLE = ("connection refused", "connection reset by peer", "broken pipe", "no route to host",
+                     "host is down", "network is unreachable", "transport endpoint is not connected")
+
+
+def _peer_unreachable(failure: BaseException) -> bool:
+    """Whether a failed write says the decoder is gone (then every push to it fails)."""
+    if isinstance(failure, TransferTimeout):
+        return False  # the stall rule judges slowness, with its allowance for bytes in flight
+    reason = failure.reason if isinstance(failure, TransferError) else str(failure)
+    return reason.lower().startswith(_PEER_UNREACHABLE)
 
 
 class DestinationDown(TransferError):
@@ -191,7 +206,7 @@ class PushMonitor:
             push = self._pushes[pid]
             pending, pending_bytes, push_progressed, failure = push.session.poll()
             progressed |= push_progressed
-            if failure is not None and not isinstance(failure, TransferTimeout):
+            if failure is not None and _peer_unreachable(failure):
                 fabric_error = fabric_error or str(failure)
             in_flight += pending
             in_flight_bytes += pending_bytes

@@ -130,3 +130,30 @@ def test_a_fabric_error_takes_the_destination_down_at_once() -> None:
             monitor.close()
 
     asyncio.run(run())
+
+
+def test_a_write_the_decoder_refused_fails_only_its_own_push() -> None:
+    # A cancel closes the reservation's registration: the provider fails the next write of
+    # that push ("Operation canceled"), and the decoder stays healthy for everyone else.
+    async def run() -> None:
+        monitor = PushMonitor(10.0, RATE, poll_interval_s=0.005)
+        try:
+            refused = HandDrivenSession("refused", pending_bytes=[10])
+            other = HandDrivenSession("other", pending_bytes=[10])
+            refused_push = await watch(monitor, refused, b"E", [])
+            other_push = await watch(monitor, other, b"E", [])
+            monitor.posted(refused_push)
+            monitor.posted(other_push)
+            refused.failure = TransferError("refused", "Operation canceled (Operation now in progress)")
+            with pytest.raises(TransferError) as failed:
+                await asyncio.wait_for(refused_push.outcome, 1.0)
+            assert not isinstance(failed.value, DestinationDown)
+            await asyncio.sleep(0.05)
+            assert not other_push.outcome.done() and not other.cancelled
+            monitor.check(b"E")  # new pushes to it are still taken
+            other.pending_bytes = []
+            await asyncio.wait_for(other_push.outcome, 1.0)
+        finally:
+            monitor.close()
+
+    asyncio.run(run())
