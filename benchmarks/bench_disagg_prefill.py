@@ -50,6 +50,15 @@ repeat) stays under 2 minutes.
   .venv/bin/python benchmarks/bench_disagg_prefill.py --quick     # 512, 1024
   .venv/bin/python benchmarks/bench_disagg_prefill.py --with-16k  # + 16384 (needs ~9 GB free)
   .venv/bin/python benchmarks/bench_disagg_prefill.py --lengths 4096 --repeats 3
+  .venv/bin/python benchmarks/bench_disagg_prefill.py --lengths 4096 --repeats 3 --kv-integrity full,sampled,off
+
+Integrity cost. `--kv-integrity` takes one mode or several (full, sampled, off: the
+decoder's kv_integrity). With several, one decode worker per mode runs beside the one
+prefill worker, and each repeat sends the same prompt disaggregated to every one of them
+(order rotating), so the modes are compared under the same load in one run. The
+integrity table shows, per mode, the disaggregated TTFT, its ratio to `off`, and the
+decoder's own check time (`verify_ms` and pages checked, from the transfer receipt). Four
+workers at 4K tokens hold 4 x 1.1 GB of KV cache.
 
 Writes <out>/<name>.json and <out>/<name>.png (default benchmarks/results/
 bench_disagg_prefill.*) and the workers' logs under <out>/<name>_logs/.
@@ -95,25 +104,32 @@ class Worker:
     """One `kvxfer prefill|decode` process in its own process group, logging to a file."""
 
     def __init__(self, role: str, num_pages: int, provider: str, threads: int, log_dir: Path,
-                 same_host: bool) -> None:
+                 same_host: bool, env_extra: dict[str, str] | None = None, name: str | None = None) -> None:
         self.role = role
-        self.log_path = log_dir / f"{role}.log"
+        self.name = name or role
+        self.log_path = log_dir / f"{self.name}.log"
         self._log = open(self.log_path, "wb")
         env = {
             **os.environ,
             "PYTHONUNBUFFERED": "1",
             "OMP_NUM_THREADS": str(threads),
             "MKL_NUM_THREADS": str(threads),
+            **(env_extra or {}),
         }
         args = [
             KVXFER, role, "--port", "0", "--model", MODEL, "--provider", provider,
             "--bind-host", "127.0.0.1", "--num-pages", str(num_pages),
-            "--worker-id", f"bench-{role}-{os.getpid()}",
+            "--worker-id", f"bench-{self.name}-{os.getpid()}",
             "--same-host" if same_host else "--no-same-host",
         ]
         if role == "decode":
             # A long prompt may take minutes of compute: the decoder must not give up on its KV.
             args += ["--kv-wait-timeout-s", "3600"]
+            env["KVXFER_RESERVATION_TTL_S"] = "3600"  # /reserve to admission spans the whole compute
+        else:
+            # A 32 MiB layer write to a healthy decoder on a loaded 2-core machine can go 0.6 s
+            # without a completion: no decoder is stuck here, so no push is failed for that.
+            env["KVXFER_DESTINATION_STALL_TIMEOUT_S"] = "10"
         self.proc = subprocess.Popen(
             args, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, env=env,
             start_new_session=True,  # own process group: killpg reaches everything it spawned
@@ -474,39 +490,127 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-async def measure(args: argparse.Namespace, prefill: Worker, decode: Worker, lengths: list[int], pbar: Any) -> dict[int, dict[str, list]]:
+async def measure(args: argparse.Namespace, prefill: Worker, decoders: dict[str, Worker], lengths: list[int],
+                  pbar: Any) -> dict[int, dict[str, Any]]:
+    """Per length: colocated runs (on the first mode's decoder) and, per integrity mode,
+    disaggregated runs; each repeat visits every mode, in an order that rotates."""
     timeout = httpx.Timeout(args.request_timeout_s, connect=10.0)
-    info = httpx.get(f"{decode.url}/info", timeout=10.0).json()
-    decode_engine = info["engine_address"]
-    results: dict[int, dict[str, list]] = {}
+    engines = {mode: httpx.get(f"{d.url}/info", timeout=10.0).json()["engine_address"] for mode, d in decoders.items()}
+    modes = list(decoders)
+    colocated_on = decoders[modes[0]]
+    results: dict[int, dict[str, Any]] = {}
     async with httpx.AsyncClient(timeout=timeout) as client:
-        # Warm-up of both paths (connections, engine peer setup, allocator): not recorded.
+        # Warm-up of every path (connections, engine peer setup, allocator): not recorded.
         warm = prompt_tokens(min(512, min(lengths)), seed=99)
         pbar.set_postfix_str("warm-up")
-        await run_colocated(client, decode, warm, timeout)
-        await run_disaggregated(client, prefill, decode, decode_engine, warm, timeout, args.control_timeout_s)
+        await run_colocated(client, colocated_on, warm, timeout)
+        for mode, decode in decoders.items():
+            await run_disaggregated(client, prefill, decode, engines[mode], warm, timeout, args.control_timeout_s)
         pbar.update(1)
         for length in lengths:
             tokens = prompt_tokens(length, seed=length)
             col: list[dict[str, Any]] = []
-            dis: list[dict[str, Any]] = []
+            dis: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
+            steps = ["col", *modes]
             for rep in range(args.repeats):
-                order = ("col", "dis") if rep % 2 == 0 else ("dis", "col")
-                for mode in order:
-                    pbar.set_postfix_str(f"{length} tokens, {'colocated' if mode == 'col' else 'disaggregated'} #{rep + 1}")
+                shift = rep % len(steps)
+                for step in steps[shift:] + steps[:shift]:
+                    what = "colocated" if step == "col" else f"disaggregated, kv_integrity={step}"
+                    pbar.set_postfix_str(f"{length} tokens, {what} #{rep + 1}")
                     load = os.getloadavg()[0]
-                    if mode == "col":
-                        m = await run_colocated(client, decode, tokens, timeout)
+                    if step == "col":
+                        m = await run_colocated(client, colocated_on, tokens, timeout)
                         col.append(m)
                     else:
-                        m = await run_disaggregated(client, prefill, decode, decode_engine, tokens, timeout, args.control_timeout_s)
-                        dis.append(m)
+                        m = await run_disaggregated(client, prefill, decoders[step], engines[step], tokens, timeout,
+                                                    args.control_timeout_s)
+                        dis[step].append(m)
                     m["load_1m"] = load
-                    m["mode"] = mode
+                    m["mode"] = "col" if step == "col" else "dis"
+                    m["kv_integrity"] = None if step == "col" else step
                     m["repeat"] = rep
                     pbar.update(cost_units(length))
             results[length] = {"colocated": col, "disaggregated": dis}
     return results
+
+
+def parse_receipt(header: str) -> dict[str, str]:
+    """The decoder's X-Kvxfer-Transfer-Receipt as a dict ({} when there was none)."""
+    return dict(part.split("=", 1) for part in header.split(";") if "=" in part)
+
+
+def integrity_rows(rows: list[dict[str, Any]], raw: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (length, mode): disaggregated TTFT, its ratio to `off` of the same length and run,
+    and the decoder's check (verify_ms, pages checked) from the receipts."""
+    out = []
+    for row in rows:
+        length, mode = row["prompt_tokens"], row["kv_integrity"]
+        receipts = [parse_receipt(d["receipt"]) for d in raw[length]["disaggregated"][mode]]
+        off = next((r for r in rows if r["prompt_tokens"] == length and r["kv_integrity"] == "off"), None)
+        out.append({
+            "prompt_tokens": length,
+            "kv_integrity": mode,
+            "ttft_disaggregated_ms": row["ttft_disaggregated_ms"],
+            "ttft_vs_off": row["ttft_disaggregated_ms"] / off["ttft_disaggregated_ms"] if off else float("nan"),
+            "verify_ms": median([float(r.get("verify_ms", "nan")) for r in receipts]),
+            "pages_checked": int(median([float(r.get("pages_checked", 0)) for r in receipts])),
+            "verify_pct_of_ttft": median([float(r.get("verify_ms", "nan")) for r in receipts])
+            / row["ttft_disaggregated_ms"] * 100,
+            "verdict": receipts[0].get("verdict", "?") if receipts else "?",
+            "cpu_disaggregated_s": row["cpu_disaggregated_s"],
+            "load_1m": row["load_1m"],
+        })
+    return out
+
+
+INTEGRITY_COLUMNS = [
+    ("tokens", "prompt_tokens", "{:d}"),
+    ("kv_integrity", "kv_integrity", "{}"),
+    ("TTFT dis ms", "ttft_disaggregated_ms", "{:.0f}"),
+    ("TTFT / off", "ttft_vs_off", "{:.3f}"),
+    ("verify ms", "verify_ms", "{:.2f}"),
+    ("verify % TTFT", "verify_pct_of_ttft", "{:.3f}"),
+    ("pages checked", "pages_checked", "{:d}"),
+    ("receipt verdict", "verdict", "{}"),
+    ("CPU dis s", "cpu_disaggregated_s", "{:.1f}"),
+    ("load 1m", "load_1m", "{:.1f}"),
+]
+
+
+def plot_integrity(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    """Per length: disaggregated TTFT and the decoder's verify time, one bar per mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths = sorted({r["prompt_tokens"] for r in rows})
+    modes = list(dict.fromkeys(r["kv_integrity"] for r in rows))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 5))
+    width = 0.8 / len(modes)
+    for i, mode in enumerate(modes):
+        xs = [j + i * width for j in range(len(lengths))]
+        by_len = {r["prompt_tokens"]: r for r in rows if r["kv_integrity"] == mode}
+        ax1.bar(xs, [by_len[n]["ttft_disaggregated_ms"] for n in lengths], width, label=mode)
+        ax2.bar(xs, [by_len[n]["verify_ms"] for n in lengths], width, label=mode)
+    for ax, ylabel, what in ((ax1, "ms", "disaggregated TTFT"), (ax2, "ms", "decoder verify time (receipt)")):
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(lengths))], [str(n) for n in lengths])
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{what} by kv_integrity")
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend()
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_modes(text: str) -> list[str]:
+    modes = list(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
+    if not modes or any(m not in ("off", "sampled", "full") for m in modes):
+        raise argparse.ArgumentTypeError(f"kv_integrity modes are off, sampled, full (comma-separated): {text!r}")
+    return modes
 
 
 def parse_lengths(text: str) -> list[int]:
@@ -546,9 +650,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="timeout of /reserve, /cancel and /info (default 30)")
     parser.add_argument("--startup-timeout-s", type=float, default=180.0, help="worker start deadline (default 180)")
     parser.add_argument("--kv-registration", choices=("per_reservation", "whole_cache"), default="per_reservation",
-                        help="the decode worker's kv_registration (default per_reservation); compare runs with --name")
-    parser.add_argument("--kv-integrity", choices=("off", "sampled", "full"), default="full",
-                        help="the decode worker's kv_integrity (default full); compare runs with --name")
+                        help="the decode workers' kv_registration (default per_reservation); compare runs with --name")
+    parser.add_argument("--kv-integrity", type=parse_modes, default=["full"],
+                        help="the decode worker's kv_integrity: off, sampled, full, or several comma-separated "
+                             "(one decode worker each, compared in one run; default full)")
     parser.add_argument("--out", type=Path, default=HERE / "results", help="output directory (default benchmarks/results)")
     parser.add_argument("--name", default="bench_disagg_prefill", help="output file stem (default bench_disagg_prefill)")
     args = parser.parse_args(argv)
@@ -566,10 +671,11 @@ def main(argv: list[str] | None = None) -> int:
     # Pages per layer-row: the longest prompt + its one generated token, plus one spare.
     num_pages = math.ceil((max(lengths) + 1) / 16) + 1
     per_worker = cache_bytes(num_pages)
-    need = 2 * per_worker + 2 * 600 * 2**20 + 1 * 2**30  # caches + ~600 MiB per process + 1 GiB margin
+    n_workers = 1 + len(args.kv_integrity)
+    need = n_workers * (per_worker + 600 * 2**20) + 1 * 2**30  # caches + ~600 MiB per process + 1 GiB margin
     avail = mem_available_bytes()
     if avail and need > avail:
-        print(f"not enough memory for {max(lengths)} tokens: two KV caches of {per_worker / 1e9:.1f} GB "
+        print(f"not enough memory for {max(lengths)} tokens: {n_workers} KV caches of {per_worker / 1e9:.1f} GB "
               f"(+ workers) need ~{need / 1e9:.1f} GB, {avail / 1e9:.1f} GB available; drop the longest length",
               file=sys.stderr)
         return 2
@@ -588,31 +694,43 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (e.g. `timeout`) must still reach the finally below that kills the workers.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
-        os.environ["KVXFER_KV_INTEGRITY"] = args.kv_integrity  # read by the decode worker
-        os.environ["KVXFER_KV_REGISTRATION"] = args.kv_registration  # read by the decode worker
         prefill = Worker("prefill", num_pages, args.provider, args.threads, log_dir, args.same_host)
         workers.append(prefill)
-        decode = Worker("decode", num_pages, args.provider, args.threads, log_dir, args.same_host)
-        workers.append(decode)
+        decoders: dict[str, Worker] = {}
+        for mode in args.kv_integrity:
+            name = "decode" if len(args.kv_integrity) == 1 else f"decode-{mode}"
+            decoders[mode] = Worker("decode", num_pages, args.provider, args.threads, log_dir, args.same_host,
+                                    env_extra={"KVXFER_KV_INTEGRITY": mode,
+                                                "KVXFER_KV_REGISTRATION": args.kv_registration}, name=name)
+            workers.append(decoders[mode])
         for w in workers:
             w.wait_ready(args.startup_timeout_s)
-        rss = {w.role: w.rss_bytes() for w in workers}
-        total = 1 + args.repeats * 2 * sum(cost_units(n) for n in lengths)
+        rss = {w.name: w.rss_bytes() for w in workers}
+        total = 1 + args.repeats * (1 + len(decoders)) * sum(cost_units(n) for n in lengths)
         with tqdm(total=total, unit="req512", bar_format="{l_bar}{bar}| {elapsed}<{remaining} {postfix}",
                   file=sys.stderr) as pbar:
-            raw = asyncio.run(measure(args, prefill, decode, lengths, pbar))
+            raw = asyncio.run(measure(args, prefill, decoders, lengths, pbar))
     finally:
         for w in reversed(workers):
             w.stop()
     elapsed = time.monotonic() - started
     uptime_end = subprocess.run(["uptime"], capture_output=True, text=True, timeout=10).stdout.strip()
 
-    rows = [summarize(n, raw[n]["colocated"], raw[n]["disaggregated"]) for n in lengths]
+    all_rows = [{**summarize(n, raw[n]["colocated"], raw[n]["disaggregated"][mode]), "kv_integrity": mode}
+                for n in lengths for mode in args.kv_integrity]
+    # The main table is the first mode's (as a one-mode run shows it); every mode has an
+    # integrity row.
+    rows = [r for r in all_rows if r["kv_integrity"] == args.kv_integrity[0]]
+    checks = integrity_rows(all_rows, raw)
     table = format_table(rows)
     line, goal = verdict(rows)
-    all_match = all(r["first_token_match"] for r in rows)
+    all_match = all(r["first_token_match"] for r in all_rows)
     print()
+    print(f"kv_integrity {args.kv_integrity[0]}:")
     print(table)
+    print()
+    print("integrity cost (disaggregated TTFT per decoder kv_integrity, same run; verify = the decoder's check):")
+    print(format_table(checks, INTEGRITY_COLUMNS))
     print()
     print("detail (CPU s = CPU seconds of the computing worker; load-independent, unlike wall times):")
     print(format_table(rows, DETAIL_COLUMNS))
@@ -631,6 +749,7 @@ def main(argv: list[str] | None = None) -> int:
         "provider": args.provider,
         "kv_integrity": args.kv_integrity,
         "kv_registration": args.kv_registration,
+        "integrity": checks,
         "same_host": args.same_host,
         "threads_per_worker": args.threads,
         "num_pages_per_layer": num_pages,
@@ -646,7 +765,7 @@ def main(argv: list[str] | None = None) -> int:
         "goal": {"rule": f"tail < {GOAL_TAIL_FRACTION:.0%} of disaggregated TTFT at >= {GOAL_MIN_TOKENS} tokens",
                  "met": goal, "verdict": line},
         "first_tokens_match": all_match,
-        "rows": rows,
+        "rows": all_rows,
         "raw": {str(n): raw[n] for n in lengths},
         "definitions": {
             "ttft_colocated_ms": "client: decode POST /generate_local (max_tokens=1, stream) -> first NDJSON token line",
@@ -664,8 +783,12 @@ def main(argv: list[str] | None = None) -> int:
     json_path = args.out / f"{args.name}.json"
     png_path = args.out / f"{args.name}.png"
     json_path.write_text(json.dumps(result, indent=2) + "\n")
-    plot(rows, png_path, f"kvxfer disaggregated prefill, {MODEL} (128 KiB pages, 256-token chunks), "
-                         f"{args.provider} loopback, {args.threads} thread/worker; {uptime_start}")
+    title = (f"kvxfer disaggregated prefill, {MODEL} (128 KiB pages, 256-token chunks), "
+             f"{args.provider} loopback, {args.threads} thread/worker; {uptime_start}")
+    if len(args.kv_integrity) > 1:
+        plot_integrity(checks, png_path, title)
+    else:
+        plot(rows, png_path, title)
     print(f"wrote {json_path} and {png_path}")
     if not all_match:
         return 1
