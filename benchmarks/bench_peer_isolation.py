@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     log_dir = args.out / f"{args.name}_logs"
     log_dir.mkdir(exist_ok=True)
-    uptime = subprocess.run(["uptime"], capture_output=True, text=True, timeout=10).stdout.strip()
+    uptime = subprocess.run(["uptime"], capture_output=True, text=True, timeout=10, check=False).stdout.strip()
     rows = [asyncio.run(measure_build(name, path, args, log_dir)) for name, path in builds]
     print(table(rows))
     print(f"uptime at start: {uptime}")
