@@ -8,6 +8,7 @@ from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from kvxfer.errors import TransferTimeout
 from kvxfer.workers.control_auth import caller_of
@@ -79,8 +80,11 @@ def create_decode_app(runtime: DecodeRuntime) -> FastAPI:
             prefill_address = bytes.fromhex(prefill_hex) if prefill_hex else None
         except ValueError:
             raise HTTPException(422, "field 'prefill_engine_address' must be hex") from None
-        return runtime.reserve(request_id, len(tokens), max_tokens, caller_of(request),
-                               prefill_address=prefill_address).to_json()
+        # In a thread: a reservation's registrations and immediate binding are hand-offs to
+        # the engine's progress thread, which must not stall every other request's I/O.
+        reservation = await run_in_threadpool(runtime.reserve, request_id, len(tokens), max_tokens,
+                                              caller_of(request), prefill_address=prefill_address)
+        return reservation.to_json()
 
     @app.post("/generate")
     async def generate(request: Request) -> Any:

@@ -401,14 +401,19 @@ class DecodeRuntime:
             # one): no proof that the last write landed, so the pages are fenced, not freed.
             self.end(job, RequestState.FAILED, error=str(exc), reason=Rejection.INTEGRITY)
             raise RequestRejected(Rejection.INTEGRITY, str(exc), job.request_id) from None
+        # Off the event loop: admission closes the reservation's registrations, a hand-off
+        # to the engine's progress thread that waits behind its work under load.
+        await loop.run_in_executor(None, self._mark_admitted, job)
+        job.receipt = receipt
+        log.info("transfer receipt %s: %s", job.request_id, receipt.header_value())
+        self._admit(job, first_token)
+
+    def _mark_admitted(self, job: DecodeJob) -> None:
         with self._lock:
             if job.state is not RequestState.RESERVED:
                 raise RequestRejected(Rejection.CONFLICT, f"request {job.request_id} was {job.state.value}", job.request_id)
             # Every write landed and checked out: none can come any more.
             self.ledger.move(job.request_id, Res.ADMITTED)
-        job.receipt = receipt
-        log.info("transfer receipt %s: %s", job.request_id, receipt.header_value())
-        self._admit(job, first_token)
 
     def _check_landed_kv(self, job: DecodeJob, landed_at: float) -> tuple[int, TransferReceipt]:
         """The first token and the receipt of a request whose count completed; raises
