@@ -41,9 +41,14 @@ class RouterSettings(BaseSettings):
         "router", pattern=r"^[A-Za-z0-9_\-]{1,64}$",
         description="Name this router signs worker calls with; workers scope request ids and limits to it.",
     )
+    # Why 25 s and not less: a token is single-use and bound to one method, path and body, so
+    # its lifetime only bounds how long an intercepted, undelivered token stays usable and how
+    # long workers remember its nonce. The worker checks it when its event loop gets to the
+    # request; at 10 s, a starved 2-core machine (a 200-stream burst at load 11-13) refused
+    # healthy /generate calls as expired. 25 s stays inside the workers' default 30 s limit.
     control_token_lifetime_s: float = Field(
-        10.0, gt=0, description="Lifetime of the token on each worker call; workers refuse tokens that live "
-        "longer than their control_token_max_lifetime_s.",
+        25.0, gt=0, description="Lifetime of the token on each worker call, in seconds; workers refuse tokens "
+        "that live longer than their control_token_max_lifetime_s (default 30).",
     )
     tls_cert_file: Path | None = Field(
         None, description="PEM certificate (chain) the public port serves HTTPS with, e.g. from a mounted "
