@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
+import os
 import re
 import statistics
 import sys
@@ -63,7 +64,8 @@ def push_tail_sum(metrics_url: str) -> tuple[float, float]:
     return total, count
 
 
-def run_kvxfer(fleet: VllmFleet, lengths: list[int], repeats: int, max_tokens: int, metrics_port: int) -> list[dict[str, Any]]:
+def run_kvxfer(fleet: VllmFleet, lengths: list[int], repeats: int, max_tokens: int, metrics_port: int,
+               progress: Any) -> list[dict[str, Any]]:
     p, d = fleet.record("kvxfer-prefill"), fleet.record("kvxfer-decode")
     p_url, d_url = fleet.instances["kvxfer-prefill"].url, fleet.instances["kvxfer-decode"].url
     rows = []
@@ -91,12 +93,13 @@ def run_kvxfer(fleet: VllmFleet, lengths: list[int], repeats: int, max_tokens: i
                 time.sleep(0.05)
             tail = (after[0] - before[0]) / max(1.0, after[1] - before[1])
             rows.append({"system": "vllm + kvxfer", "tokens": n, "ttft_s": ttft, "itl_s": itl, "push_tail_s": tail})
-            print(f"  {n:5d} tokens: colocated {ttft_colo*1e3:8.1f} ms, kvxfer {ttft*1e3:8.1f} ms "
-                  f"(tail {tail*1e3:.1f} ms)", flush=True)
+            progress.write(f"  {n:5d} tokens: colocated {ttft_colo*1e3:8.1f} ms, kvxfer {ttft*1e3:8.1f} ms "
+                           f"(tail {tail*1e3:.1f} ms)")
+            progress.update(2 * n)
     return rows
 
 
-def run_example(fleet: VllmFleet, lengths: list[int], repeats: int, max_tokens: int) -> list[dict[str, Any]]:
+def run_example(fleet: VllmFleet, lengths: list[int], repeats: int, max_tokens: int, progress: Any) -> list[dict[str, Any]]:
     p_url, d_url = fleet.instances["example-prefill"].url, fleet.instances["example-decode"].url
     rows = []
     for n in lengths:
@@ -110,7 +113,8 @@ def run_example(fleet: VllmFleet, lengths: list[int], repeats: int, max_tokens: 
             after_prefill = time.perf_counter() - start
             ttft_d, itl = stream_ttft(d_url, body)
             rows.append({"system": "vllm + ExampleConnector", "tokens": n, "ttft_s": after_prefill + ttft_d, "itl_s": itl})
-            print(f"  {n:5d} tokens: ExampleConnector {(after_prefill + ttft_d)*1e3:8.1f} ms", flush=True)
+            progress.write(f"  {n:5d} tokens: ExampleConnector {(after_prefill + ttft_d)*1e3:8.1f} ms")
+            progress.update(n)
     return rows
 
 
@@ -129,15 +133,38 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def goal_verdicts(summary: list[dict[str, Any]]) -> list[str]:
+    """The issue's goals at the longest prompt measured: push tail under 10% of TTFT, and
+    kvxfer's TTFT at least 1.5x better than ExampleConnector's."""
+    longest = max(s["tokens"] for s in summary)
+    mine = next((s for s in summary if s["system"] == "vllm + kvxfer" and s["tokens"] == longest), None)
+    example = next((s for s in summary if s["system"] == "vllm + ExampleConnector" and s["tokens"] == longest), None)
+    if mine is None or example is None:
+        return []
+    share = (mine["push_tail_ms"] or 0.0) / mine["ttft_ms"]
+    ratio = example["ttft_ms"] / mine["ttft_ms"]
+    return [f"goal: push tail < 10% of TTFT at {longest} tokens: {share:.2%} -> {'met' if share < 0.10 else 'NOT met'}",
+            (f"goal: TTFT >= 1.5x better than ExampleConnector at {longest} tokens: {ratio:.2f}x -> "
+             f"{'met' if ratio >= 1.5 else 'NOT met'}")]
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny model and short prompts (minutes)")
-    parser.add_argument("--lengths", type=str, help="prompt lengths, comma-separated (default 512,1024,2048,4096)")
-    parser.add_argument("--repeats", type=int, default=2, help="requests per length and system")
-    parser.add_argument("--max-tokens", type=int, default=8, help="tokens generated per request")
-    parser.add_argument("--model-dir", type=Path, help="a checkpoint to use instead of the generated one")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "vllm_connector")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help="the tiny test model and prompts of 64, 256 and 1024 tokens (minutes, not an hour)")
+    parser.add_argument("--lengths", type=str,
+                        help="prompt lengths in tokens, comma-separated (default 512,1024,2048,4096; --quick: 64,256,1024)")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="requests per length and system; the table shows medians (default 2)")
+    parser.add_argument("--max-tokens", type=int, default=8,
+                        help="tokens generated per request; inter-token latency comes from their gaps (default 8)")
+    parser.add_argument("--model-dir", type=Path,
+                        help="a Llama-architecture HF checkpoint to serve instead of the generated random one "
+                             "(default: a seeded ~1.1 B model, or the tiny one with --quick, made once under $TMPDIR)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "vllm_connector",
+                        help="output stem: writes OUT.json and OUT.png (default benchmarks/results/vllm_connector)")
     args = parser.parse_args()
+    from tqdm import tqdm
     lengths = [int(x) for x in (args.lengths or ("64,256,1024" if args.quick else "512,1024,2048,4096")).split(",")]
     work = Path(tempfile.mkdtemp(prefix="kvxfer-bench-vllm-"))
     shape = CheckpointShape() if args.quick else SHAPE_1B
@@ -152,7 +179,8 @@ def main() -> None:
         fleet.start("kvxfer-prefill", "kv_producer", "0", extra={"metrics_port": metrics_port}, **spec)
         fleet.start("kvxfer-decode", "kv_consumer", "1", **spec)
         fleet.wait_ready("kvxfer-prefill", "kvxfer-decode", timeout_s=1200)
-        rows += run_kvxfer(fleet, lengths, args.repeats, args.max_tokens, metrics_port)
+        progress = tqdm(total=3 * args.repeats * sum(lengths), unit="tok", desc="prompts", file=sys.stderr)
+        rows += run_kvxfer(fleet, lengths, args.repeats, args.max_tokens, metrics_port, progress)
     print("phase 2/2: vLLM + ExampleConnector", flush=True)
     storage = work / "example-storage"
     storage.mkdir(parents=True)
@@ -163,7 +191,8 @@ def main() -> None:
         fleet.start("example-decode", "kv_consumer", "1", register=False,
                     extra={"shared_storage_path": str(storage)}, **ex, **spec)
         fleet.wait_ready("example-prefill", "example-decode", timeout_s=1200)
-        rows += run_example(fleet, lengths, args.repeats, args.max_tokens)
+        rows += run_example(fleet, lengths, args.repeats, args.max_tokens, progress)
+    progress.close()
     summary = summarize(rows)
     print(f"\n{'system':<26}{'tokens':>7}{'TTFT ms':>11}{'ITL ms':>9}{'tail ms':>9}{'tail/TTFT':>10}{'vs Example':>11}")
     for s in summary:
@@ -174,9 +203,13 @@ def main() -> None:
         tail_share = f"{tail / s['ttft_ms']:.1%}" if tail is not None else ""
         print(f"{s['system']:<26}{s['tokens']:>7}{s['ttft_ms']:>11.1f}{(s['itl_ms'] or 0):>9.1f}"
               f"{tail_ms:>9}{tail_share:>10}{ratio:>11}")
+    verdicts = goal_verdicts(summary)
+    for line in verdicts:
+        print(line)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps({"model": str(model), "shape": shape.__dict__,
-                                                         "summary": summary, "rows": rows}, indent=1))
+    args.out.with_suffix(".json").write_text(json.dumps({
+        "model": str(model), "shape": shape.__dict__, "summary": summary, "rows": rows, "verdicts": verdicts,
+        "load_average_at_end": os.getloadavg(), "cpus": os.cpu_count()}, indent=1))
     try:
         import matplotlib
 

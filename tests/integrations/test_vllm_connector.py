@@ -22,13 +22,17 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
+import numpy as np
 import pytest
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed")
 
+from support.descriptor_forge import parse as parse_descriptor  # noqa: E402
+from support.descriptor_forge import whole_region_with_window_key  # noqa: E402
 from support.vllm_instances import VllmFleet, free_port  # noqa: E402
 from support.waiting import wait_until  # noqa: E402
 
+from kvxfer.errors import BoundsError, TransferError  # noqa: E402
 from kvxfer.integrations.vllm.checkpoint import make_checkpoint  # noqa: E402
 from kvxfer.kv.protocol import KVReservation, decode_abort, encode_imm, encode_reservation_message  # noqa: E402
 from kvxfer.transfer.engine import TransferEngine  # noqa: E402
@@ -192,6 +196,43 @@ def test_stalled_prefiller_fails_the_request_within_its_deadline_and_decode_keep
     # The decoder serves the next hand-off, and its blocks (maybe the same ones) hold the right bytes.
     ok = f"after-stall-{uuid.uuid4().hex[:8]}"
     _, on_d = disaggregated(fleet, _prompt(120, seed=21), ok, salt=ok)
+    assert on_d.status_code == 200 and kv_pages_equal(fleet, ok)
+
+
+def test_a_load_descriptor_writes_only_its_own_blocks_and_nothing_once_the_load_ended(fleet: VllmFleet) -> None:
+    # The prefiller stalls after layer 1, so the load stays pending until load_timeout_s:
+    # meanwhile its descriptor is live and stolen by an outside process.
+    tid = f"fault-stall_after_layer-scope-{uuid.uuid4().hex[:8]}"
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        legs = pool.submit(disaggregated, fleet, _prompt(120, seed=23), tid, salt=tid)
+        record_path = fleet.digests / f"reserved-{tid}.json"  # type: ignore[attr-defined]
+        wait_until(record_path.exists, timeout_s=30, interval_s=0.05, what=f"the reservation of {tid}")
+        record = json.loads(record_path.read_text())
+        stolen = bytes.fromhex(record["descriptor"])
+        block_bytes, blocks = record["block_bytes"], record["blocks"]
+        assert parse_descriptor(stolen).windows, "the load handed out a whole-cache descriptor"
+        outside = next(b for b in range(record["num_blocks"]) if b not in blocks)
+        with TransferEngine(bind_host="127.0.0.1", same_host=False) as outsider:
+            garbage = outsider.register(np.full(block_bytes, 0xA5, dtype=np.uint8))
+            # Live, through our own planner: a block outside the load is refused before posting.
+            with pytest.raises(BoundsError, match="outside the windows"):
+                outsider.write(garbage, 0, stolen, outside * block_bytes, block_bytes)
+            # Live and forged to claim the whole cache under the load's key: the provider refuses.
+            forged = whole_region_with_window_key(stolen)
+            window_start = parse_descriptor(stolen).windows[0][0]  # the forged offsets count from here
+            outside_in_layer_1 = (record["num_blocks"] + outside) * block_bytes
+            with pytest.raises(TransferError) as refused:
+                outsider.write(garbage, 0, forged, outside_in_layer_1 - window_start, block_bytes).wait(10)
+            assert "timed out" not in str(refused.value)
+            on_p, on_d = legs.result(timeout=120)
+            assert on_d.status_code >= 400 or on_d.json()["choices"][0].get("finish_reason") == "error", on_d.text
+            # The load ended (timed out and fenced): its descriptor writes nothing, even into its own blocks.
+            with pytest.raises(TransferError) as refused:
+                outsider.write(garbage, 0, stolen, blocks[0] * block_bytes, block_bytes).wait(10)
+            assert "timed out" not in str(refused.value)
+    # The decoder serves the next hand-off exactly, in blocks that may be the same ones.
+    ok = f"after-scope-{uuid.uuid4().hex[:8]}"
+    _, on_d = disaggregated(fleet, _prompt(120, seed=23), ok, salt=ok)
     assert on_d.status_code == 200 and kv_pages_equal(fleet, ok)
 
 

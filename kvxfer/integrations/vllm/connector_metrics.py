@@ -13,7 +13,7 @@ _SECONDS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 
 #: Values of the `reason` label of kvxfer_connector_failures_total, per `side`.
 FAILURE_REASONS = {"prefill": ("push_failed", "layout_mismatch"),
                    "decode": ("load_timeout", "cancelled", "prefill_aborted", "fence_timeout", "no_slot",
-                              "reservation_send_failed")}
+                              "reservation_send_failed", "registration_failed")}
 #: Values of the `reason` label of kvxfer_connector_dropped_messages_total.
 DROP_REASONS = ("early_reservations_full", "duplicate_reservation", "orphan_reservation", "unknown_cancel",
                 "unknown_abort", "malformed_reservation", "not_a_prefiller", "unknown_message")
@@ -46,6 +46,14 @@ class ConnectorMetrics:
                                         "control messages dropped, by reason", ["reason"], registry=self.registry)
         self.loads_in_flight = Gauge("kvxfer_connector_loads_in_flight", "reservations awaiting their writes",
                                      registry=self.registry)
+        self.registrations = Counter("kvxfer_connector_reservation_registrations",
+                                     "per-load registrations of a reservation's blocks (kv_registration="
+                                     "per_reservation)", registry=self.registry)
+        self.registrations_open = Gauge("kvxfer_connector_reservation_registrations_open",
+                                        "per-load registrations not yet revoked", registry=self.registry)
+        self.foreign_immediates = Gauge("kvxfer_connector_foreign_immediates_dropped",
+                                        "immediates dropped because their sender was not the prefiller the "
+                                        "load names (the engine's count)", registry=self.registry)
         # Every label value exported from the start, so dashboards see zeros, not gaps.
         for side, reasons in FAILURE_REASONS.items():
             for reason in reasons:

@@ -15,6 +15,12 @@ its own `transfer_timeout_s` is shorter than the fence (checked on both sides).
 
 The immediate of a reservation is a slot and a generation (`kvxfer.kv.protocol`): a slot
 comes back only with a new generation, so a late write of an earlier holder never counts.
+
+With `kv_registration: per_reservation` (the default) a load hands its prefiller a
+registration of its own blocks only, with fresh random keys, and credits its immediate only
+from the prefiller it names (where the provider can tell a sender). Both are revoked the
+moment the load leaves RESERVED: a stolen descriptor writes nothing outside the load's
+blocks, and nothing at all once the load was admitted, cancelled or timed out.
 """
 
 from __future__ import annotations
@@ -35,7 +41,8 @@ from kvxfer.kv.protocol import (
     encode_reservation_message,
     generations_per_slot,
 )
-from kvxfer.transfer.engine import RegisteredMemory, TransferEngine
+from kvxfer.kv.write_windows import reservation_windows
+from kvxfer.transfer.engine import MemoryWindows, RegisteredMemory, TransferEngine
 
 from .connector_metrics import ConnectorMetrics
 from .kv_region import KVRegion
@@ -68,6 +75,8 @@ class DecodeLoad:
     reason: str = ""
     fence_deadline: float = 0.0
     vllm_aborted: bool = False
+    windows: MemoryWindows | None = None  # its own registration (per_reservation), until revoked
+    source_bound: bool = False  # its immediate counts only arrivals from spec.prefill_engine
 
 
 class KVReceiver:
@@ -86,6 +95,8 @@ class KVReceiver:
         self._free_slots = list(range(slots - 1, -1, -1))
         self._loads: dict[str, DecodeLoad] = {}
         self._by_imm: dict[int, DecodeLoad] = {}
+        self._warned_unbound = False
+        metrics.foreign_immediates.set_function(lambda: float(engine.engine_stats().get("imm_foreign_dropped", 0)))
 
     # ---- starting and cancelling ----------------------------------------------------------
 
@@ -100,23 +111,64 @@ class KVReceiver:
             return
         slot = self._free_slots.pop()
         imm = encode_imm(slot, self._generation[slot])
+        load = DecodeLoad(spec, None, slot, now, now + self.settings.load_timeout_s)
+        self._loads[spec.request_id] = load
+        try:
+            descriptor = self._open_scope(load, imm)
+        except Exception as exc:  # a malformed prefiller address, a registration the provider refused
+            self._revoke(load)
+            self._to_failed(load, "registration_failed", f"scoping the reservation failed: {exc}")
+            return
         reservation = KVReservation(
-            request_id=spec.transfer_id, descriptor=self.memory.descriptor, pages=list(spec.block_ids),
+            request_id=spec.transfer_id, descriptor=descriptor, pages=list(spec.block_ids),
             num_pages=self.region.num_blocks, imm=imm, expected_count=self.region.num_layers * len(spec.block_ids),
             kv_layout=self.region.signature, meta_descriptor=b"", meta_offset=0,
             nonce=secrets.randbits(63), fence_timeout_s=self.settings.fence_timeout_s,
             first_page=spec.first_page, mailbox=False,
         )
-        load = DecodeLoad(spec, reservation, slot, now, now + self.settings.load_timeout_s)
-        self._loads[spec.request_id] = load
+        load.reservation = reservation
         self._by_imm[imm] = load
+        self.metrics.loads_in_flight.inc()  # _release decrements it, whatever happens next
+        self._write_reservation_record(load)
         try:
             self.engine.send(spec.prefill_engine, encode_reservation_message(reservation))
         except Exception as exc:
             # Nothing reached the prefiller, so no write can land: fail at once.
             self._to_failed(load, "reservation_send_failed", f"sending the reservation to the prefiller failed: {exc}")
-            return
-        self.metrics.loads_in_flight.inc()
+
+    def _open_scope(self, load: DecodeLoad, imm: int) -> bytes:
+        """The descriptor `load` hands out: its own registration (per_reservation) or the
+        whole cache's; and binds its immediate to the prefiller it names."""
+        descriptor = self.memory.descriptor
+        if self.settings.kv_registration == "per_reservation":
+            load.windows = self.engine.register_windows(self.memory, reservation_windows(
+                list(load.spec.block_ids), self.region.num_layers, self.region.num_blocks, self.region.block_bytes))
+            descriptor = load.windows.descriptor
+            self.metrics.registrations.inc()
+            self.metrics.registrations_open.inc()
+        load.source_bound = self.engine.bind_imm_source(imm, load.spec.prefill_engine)
+        if not load.source_bound and not self._warned_unbound:
+            self._warned_unbound = True
+            log.warning("the %s provider cannot name the sender of an immediate: immediates are credited from any "
+                        "sender; per-reservation descriptors still hold", self.engine.provider)
+        return descriptor
+
+    def _revoke(self, load: DecodeLoad) -> None:
+        """Closes the load's registration and unbinds its immediate (idempotent): from now on
+        a write with its descriptor fails at the writer and lands nothing."""
+        if load.windows is not None:
+            windows, load.windows = load.windows, None
+            self.metrics.registrations_open.dec()
+            try:
+                windows.close()
+            except Exception:  # an engine closing under us closed them itself
+                log.exception("closing the registration of transfer %s failed", load.spec.transfer_id)
+        if load.source_bound:
+            load.source_bound = False
+            try:
+                self.engine.unbind_imm_source(encode_imm(load.slot, self._generation[load.slot]))
+            except Exception:
+                log.exception("unbinding the immediate of transfer %s failed", load.spec.transfer_id)
 
     def cancel(self, request_id: str, why: str) -> None:
         """vLLM finished the request (aborted) while its load is pending: fence, then free."""
@@ -130,6 +182,7 @@ class KVReceiver:
     def _to_fencing(self, load: DecodeLoad, reason_label: str, why: str) -> None:
         res = load.reservation
         assert res is not None
+        self._revoke(load)
         load.state = LoadState.FENCING
         load.reason = why
         load.fence_deadline = time.monotonic() + self.settings.fence_timeout_s
@@ -144,6 +197,7 @@ class KVReceiver:
     def _to_failed(self, load: DecodeLoad, reason_label: str | None, why: str) -> None:
         if reason_label is not None:
             self.metrics.failures.labels(side="decode", reason=reason_label).inc()
+        self._revoke(load)
         load.state = LoadState.FAILED
         load.reason = load.reason or why
         log.warning("transfer %s (request %s): load failed: %s", load.spec.transfer_id, load.spec.request_id, why)
@@ -187,6 +241,7 @@ class KVReceiver:
             res = load.reservation
             if load.state is LoadState.RESERVED and res is not None:
                 if self.engine.imm_count(res.imm) >= res.expected_count:
+                    self._revoke(load)  # every write landed: none may come any more
                     load.state = LoadState.ADMITTED
                     self.metrics.admission_wait.observe(now - load.sent_at)
                     self.metrics.pages_received.inc(res.expected_count)
@@ -206,6 +261,7 @@ class KVReceiver:
         return finished, failed
 
     def _release(self, load: DecodeLoad) -> None:
+        self._revoke(load)
         del self._loads[load.spec.request_id]
         if load.reservation is not None:
             self._by_imm.pop(load.reservation.imm, None)
@@ -221,6 +277,16 @@ class KVReceiver:
     def pending(self) -> int:
         """Loads not yet reported to vLLM."""
         return len(self._loads)
+
+    def _write_reservation_record(self, load: DecodeLoad) -> None:
+        # Test hook: what a reservation hands out, for the tests that steal it.
+        if not self.settings.kv_digest_dir or load.reservation is None:
+            return
+        res = load.reservation
+        record = {"transfer_id": load.spec.transfer_id, "descriptor": res.descriptor.hex(), "blocks": list(res.pages),
+                  "num_blocks": self.region.num_blocks, "block_bytes": self.region.block_bytes,
+                  "num_layers": self.region.num_layers}
+        Path(self.settings.kv_digest_dir, f"reserved-{load.spec.transfer_id}.json").write_text(json.dumps(record))
 
     def _write_digests(self, load: DecodeLoad) -> None:
         if not self.settings.kv_digest_dir or load.reservation is None:

@@ -39,6 +39,11 @@ class ConnectorSettings(BaseModel):
         15.0, gt=0, description="after a failure, how long the decoder keeps the blocks without the "
         "prefiller's word that none of its writes can still land; must exceed transfer_timeout_s")
     max_concurrent_loads: int = Field(256, ge=1, le=4096, description="reservations in flight at once")
+    kv_registration: Literal["per_reservation", "whole_cache"] = Field(
+        "per_reservation", description="'per_reservation': each load hands its prefiller a registration of "
+        "its own blocks with fresh random keys, revoked (with the immediate's binding to that prefiller) when "
+        "the load stops waiting; 'whole_cache': the one descriptor of the whole cache, good for the life of "
+        "the instance (cheaper where a registration pins memory: benchmarks/bench_registration.py)")
     idle_wait_ms: float = Field(
         2.0, ge=0, description="on a step with nothing scheduled, how long the worker blocks on the "
         "ImmCounter instead of spinning while a load is pending")
