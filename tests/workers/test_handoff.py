@@ -1,7 +1,7 @@
 """The P/D hand-off's failure paths with real worker processes (kv.protocol, kv.ledger).
 
-1. abort: a prefiller that cannot complete a push (fault injection abort_after_layer:1)
-   tells the decoder, which fails /generate in well under a second although its KV wait
+1. abort (workers as pods, over the fabric): a prefiller that cannot complete a push
+   (fault injection abort_after_layer:1) tells the decoder, which fails /generate in well under a second although its KV wait
    timeout is 30 s; no page is left held on either side.
 2. TTL: a reservation nobody claims is failed after reservation_ttl_s, fenced, and its pages
    come back after the fence; a fenced reservation does not hold up shutdown.
@@ -43,8 +43,9 @@ KV_WAIT_S = 30.0
 PREFILL_ENV = {"KVXFER_TRANSFER_TIMEOUT_S": "2"}
 
 
-def test_aborted_push_fails_decode_at_once(own_workers: WorkerSet) -> None:
-    decode, prefill = own_workers.start_many([
+def test_aborted_push_fails_decode_at_once(pod_workers: WorkerSet) -> None:
+    # As pods: the abort and the KV before it cross the fabric, not the same-host copy.
+    decode, prefill = pod_workers.start_many([
         ("decode", {"env": {"KVXFER_KV_WAIT_TIMEOUT_S": str(KV_WAIT_S), "KVXFER_FENCE_TIMEOUT_S": "60"}}),
         ("prefill", {"env": {**PREFILL_ENV, "KVXFER_FAULT_INJECTION": "abort_after_layer:1"}}),
     ])
