@@ -26,6 +26,7 @@ import httpx
 
 from kvxfer.cluster.control_client import ControlTokenAuth
 from kvxfer.cluster.local_etcd import LocalEtcd
+from kvxfer.registry.signing import load_cluster_key, vllm_api_key
 
 log = logging.getLogger("kvxfer.cluster")
 
@@ -167,8 +168,10 @@ class LocalCluster:
             "provider": self.provider, "bind_host": "127.0.0.1", "etcd": self.etcd_url, "worker_id": name,
             "advertise_url": f"http://127.0.0.1:{port}",
         }
+        api_key: str | None = None
         if self.key_path is not None:
             extra["cluster_key_file"] = str(self.key_path)
+            api_key = vllm_api_key(load_cluster_key(self.key_path))  # the router sends it
         else:
             extra["insecure"] = True
         # Instances pinned apart: vLLM binds its compute thread to core 0 unless told, and
@@ -176,7 +179,7 @@ class LocalCluster:
         core = str((self._counter - 1) % (os.cpu_count() or 1))
         spec = VllmInstanceSpec(model_dir=model_dir, port=port, served_model_name=model_dir.name,
                                 kv_role="kv_producer" if role == "prefill" else "kv_consumer",
-                                cpu_cores=core, extra_config=extra)
+                                cpu_cores=core, extra_config=extra, api_key=api_key)
         self.workers[name] = self._spawn(name, spec.argv(), {**spec.env({}), **(extra_env or {})})
         return name
 

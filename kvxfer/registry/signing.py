@@ -49,6 +49,15 @@ def derive_key(cluster_key: bytes, purpose: str) -> bytes:
     return hmac.new(cluster_key, b"kvxfer/" + purpose.encode(), hashlib.sha256).digest()
 
 
+def vllm_api_key(cluster_key: bytes) -> str:
+    """The API key of every vLLM instance of a cluster (vLLM's `VLLM_API_KEY`, sent as
+    `Authorization: Bearer`), derived from the cluster key, so the router and the instances
+    share it without another secret to distribute. vLLM checks it on every /v1 path.
+    Unlike the control tokens it is a static bearer key: TLS or NetworkPolicies keep it off
+    the wire where others listen (docs/architecture.md, "Threat model")."""
+    return derive_key(cluster_key, "vllm-api").hex()
+
+
 class RecordSigner:
     """Seals records for etcd and opens them again, with the registry key of one cluster."""
 

@@ -216,7 +216,8 @@ class Dispatcher:
         timeout = httpx.Timeout(total_timeout_s, connect=self.settings.connect_timeout_s)
         try:
             resp = await asyncio.wait_for(
-                self.client.post(worker.url(path), timeout=timeout, **self.signer.request(worker.url(path), body)),
+                self.client.post(worker.url(path), timeout=timeout,
+                                 **self.signer.request(worker.url(path), body, worker.engine)),
                 total_timeout_s
             )
         except (httpx.TimeoutException, asyncio.TimeoutError) as exc:
@@ -257,7 +258,7 @@ class Dispatcher:
         timeout = httpx.Timeout(s.first_token_timeout_s, connect=s.connect_timeout_s, write=s.control_timeout_s)
         try:
             async with self.client.stream("POST", worker.url(path), timeout=timeout,
-                                          **self.signer.request(worker.url(path), body)) as resp:
+                                          **self.signer.request(worker.url(path), body, worker.engine)) as resp:
                 if resp.status_code >= 400:
                     text = (await asyncio.wait_for(resp.aread(), s.control_timeout_s)).decode(errors="replace")
                     raise LegFailure.from_answer(request_id, worker, stage, path, resp.status_code, text, resp.headers,

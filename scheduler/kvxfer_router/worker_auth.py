@@ -3,7 +3,8 @@ it mints for them.
 
 With a cluster key (`cluster_key_file`) every POST to a worker carries a `KvxferToken`
 (`kvxfer.registry.control_token`) bound to its path and exact body bytes, so the body is
-serialized here once and sent as those bytes. Without a key, calls go unsigned (workers
+serialized here once and sent as those bytes; a POST to a vLLM instance carries the
+cluster's vLLM API key instead (`kvxfer.registry.signing.vllm_api_key`). Without a key, calls go unsigned (workers
 without a key accept them; development only).
 
 Request ids towards workers are minted here, never taken from the client: a client's id
@@ -20,7 +21,7 @@ from typing import Any
 import httpx
 
 from kvxfer.registry.control_token import TokenSigner
-from kvxfer.registry.signing import load_cluster_key
+from kvxfer.registry.signing import load_cluster_key, vllm_api_key
 
 from .settings import RouterSettings
 
@@ -35,8 +36,9 @@ def mint_worker_request_id() -> str:
 class WorkerCallSigner:
     """Serializes a control-call body and adds the token that admits it at the worker."""
 
-    def __init__(self, signer: TokenSigner | None) -> None:
+    def __init__(self, signer: TokenSigner | None, vllm_key: str | None = None) -> None:
         self._signer = signer
+        self._vllm_key = vllm_key
 
     @classmethod
     def from_settings(cls, settings: RouterSettings) -> WorkerCallSigner:
@@ -46,17 +48,24 @@ class WorkerCallSigner:
                         "workers with a key refuse them. Development only.")
             return cls(None)
         key = load_cluster_key(settings.cluster_key_file)
-        return cls(TokenSigner(key, settings.control_issuer, settings.control_token_lifetime_s))
+        return cls(TokenSigner(key, settings.control_issuer, settings.control_token_lifetime_s), vllm_api_key(key))
 
     @property
     def signs(self) -> bool:
         """Whether calls carry a token."""
         return self._signer is not None
 
-    def request(self, url: str, body: dict[str, Any]) -> dict[str, Any]:
-        """Keyword arguments for httpx's POST of `body` to `url`: exact content and headers."""
+    def request(self, url: str, body: dict[str, Any], engine: str = "kvxfer") -> dict[str, Any]:
+        """Keyword arguments for httpx's POST of `body` to `url`: exact content and headers.
+
+        A kvxfer worker gets a token for this one call; a vLLM instance (`engine` "vllm")
+        gets the cluster's vLLM API key, the only credential vLLM checks.
+        """
         content = json.dumps(body, separators=(",", ":")).encode()
         headers = {"Content-Type": "application/json"}
-        if self._signer is not None:
+        if engine == "vllm":
+            if self._vllm_key is not None:
+                headers["Authorization"] = f"Bearer {self._vllm_key}"
+        elif self._signer is not None:
             headers.update(self._signer.header("POST", httpx.URL(url).path, content))
         return {"content": content, "headers": headers}

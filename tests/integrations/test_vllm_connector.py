@@ -80,9 +80,9 @@ def disaggregated(fleet: VllmFleet, prompt: list[int], tid: str, *, max_tokens: 
     if salt:
         body["cache_salt"] = salt
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        on_d = pool.submit(httpx.post, fleet.instances[decode].url + "/v1/completions",
+        on_d = pool.submit(httpx.post, fleet.instances[decode].url + "/v1/completions", headers=fleet.headers,
                            json={**body, "kv_transfer_params": _params("decode", tid, p.engine_address)}, timeout=120)
-        on_p = pool.submit(httpx.post, fleet.instances[prefill].url + "/v1/completions",
+        on_p = pool.submit(httpx.post, fleet.instances[prefill].url + "/v1/completions", headers=fleet.headers,
                            json={**body, "max_tokens": 1,
                                  "kv_transfer_params": _params("prefill", tid, d.engine_address)}, timeout=120)
         return on_p.result(), on_d.result()
@@ -91,7 +91,7 @@ def disaggregated(fleet: VllmFleet, prompt: list[int], tid: str, *, max_tokens: 
 def colocated(fleet: VllmFleet, prompt: list[int], max_tokens: int = 4) -> dict[str, Any]:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 5,
             "cache_salt": f"ref-{uuid.uuid4().hex}"}
-    r = httpx.post(fleet.instances["prefill-a"].url + "/v1/completions", json=body, timeout=120)
+    r = httpx.post(fleet.instances["prefill-a"].url + "/v1/completions", headers=fleet.headers, json=body, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]
 
@@ -170,10 +170,10 @@ def test_a_reservation_arriving_after_the_prompt_was_computed_is_caught_up_exact
     tid = f"late-{uuid.uuid4().hex[:8]}"
     prompt = _prompt(150, seed=13)  # three chunks of the prefill instance
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 5, "cache_salt": tid}
-    on_p = httpx.post(fleet.instances["prefill-a"].url + "/v1/completions", timeout=60,
+    on_p = httpx.post(fleet.instances["prefill-a"].url + "/v1/completions", headers=fleet.headers, timeout=60,
                       json={**body, "max_tokens": 1, "kv_transfer_params": _params("prefill", tid, d.engine_address)})
     assert on_p.status_code == 200, on_p.text
-    on_d = httpx.post(fleet.instances["decode-a"].url + "/v1/completions", timeout=60,
+    on_d = httpx.post(fleet.instances["decode-a"].url + "/v1/completions", headers=fleet.headers, timeout=60,
                       json={**body, "kv_transfer_params": _params("decode", tid, p.engine_address)})
     assert on_d.status_code == 200, on_d.text
     assert_same_as_colocated(on_d.json()["choices"][0], colocated(fleet, prompt))
@@ -242,11 +242,11 @@ def test_client_abort_on_decode_cancels_the_push_and_later_requests_are_exact(fl
     prompt = _prompt(120, seed=31)
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, "cache_salt": tid}
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        on_p = pool.submit(httpx.post, fleet.instances["prefill-a"].url + "/v1/completions",
+        on_p = pool.submit(httpx.post, fleet.instances["prefill-a"].url + "/v1/completions", headers=fleet.headers,
                            json={**body, "max_tokens": 1, "kv_transfer_params": _params("prefill", tid, d.engine_address)},
                            timeout=60)
         with pytest.raises(httpx.ReadTimeout):  # the client goes away while the load is pending
-            httpx.post(fleet.instances["decode-a"].url + "/v1/completions",
+            httpx.post(fleet.instances["decode-a"].url + "/v1/completions", headers=fleet.headers,
                        json={**body, "kv_transfer_params": _params("decode", tid, p.engine_address)}, timeout=1.5)
         assert on_p.result().status_code == 200
     prefill_log, decode_log = fleet.instances["prefill-a"], fleet.instances["decode-a"]
@@ -271,7 +271,7 @@ def test_layout_mismatch_is_refused_with_a_clear_error(fleet: VllmFleet) -> None
             expected_count=8, kv_layout="L4-H2-D64-float32-bs32-vllm-lbhnc-avx2", meta_descriptor=b"", meta_offset=0,
             nonce=7, fence_timeout_s=10.0, mailbox=False)
         engine.send(bytes.fromhex(p.engine_address), encode_reservation_message(reservation)).wait(10)
-        r = httpx.post(fleet.instances["prefill-a"].url + "/v1/completions", timeout=60, json={
+        r = httpx.post(fleet.instances["prefill-a"].url + "/v1/completions", headers=fleet.headers, timeout=60, json={
             "model": "tiny", "prompt": prompt, "max_tokens": 1, "cache_salt": tid,
             "kv_transfer_params": _params("prefill", tid, engine.address.hex())})
         assert r.status_code == 200
@@ -293,7 +293,7 @@ def test_bad_kv_transfer_params_disturb_nothing(fleet: VllmFleet) -> None:
     ref = colocated(fleet, prompt)
     for bad in ({"kvxfer": "yes"}, {"kvxfer": {"role": "decode", "transfer_id": "x", "peer_engine": "zz"}},
                 {"kvxfer": {"role": "sideways", "transfer_id": "x", "peer_engine": "00"}}):
-        r = httpx.post(fleet.instances["decode-a"].url + "/v1/completions", timeout=60, json={
+        r = httpx.post(fleet.instances["decode-a"].url + "/v1/completions", headers=fleet.headers, timeout=60, json={
             "model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 5,
             "cache_salt": uuid.uuid4().hex, "kv_transfer_params": bad})
         assert r.status_code == 200, r.text  # computed here, refusal logged and counted
@@ -302,6 +302,23 @@ def test_bad_kv_transfer_params_disturb_nothing(fleet: VllmFleet) -> None:
     ok = f"after-bad-{uuid.uuid4().hex[:8]}"
     _, on_d = disaggregated(fleet, prompt, ok, salt=ok)
     assert on_d.status_code == 200 and kv_pages_equal(fleet, ok)
+
+
+def test_the_instances_refuse_api_calls_without_the_clusters_api_key(fleet: VllmFleet) -> None:
+    # As `kvxfer up` runs them: anyone who reaches an instance's port could otherwise ask it
+    # to reserve blocks for, or push KV to, an engine of their choosing (kv_transfer_params).
+    url = fleet.instances["decode-a"].url + "/v1/completions"
+    tid = f"nokey-{uuid.uuid4().hex[:8]}"
+    body = {"model": "tiny", "prompt": _prompt(40, seed=61), "max_tokens": 2, "temperature": 0,
+            "kv_transfer_params": _params("decode", tid, fleet.record("prefill-a").engine_address)}
+    for headers in ({}, {"Authorization": "Bearer not-the-key"}, {"Authorization": fleet.headers["Authorization"] + "0"}):
+        r = httpx.post(url, json=body, headers=headers, timeout=30)
+        assert r.status_code == 401, (headers, r.status_code, r.text)
+    # Refused before vLLM saw the request: no reservation was made, so the prefiller never heard of it.
+    assert not (fleet.digests / f"reserved-{tid}.json").exists()  # type: ignore[attr-defined]
+    assert tid not in fleet.instances["prefill-a"].log_text() + fleet.instances["decode-a"].log_text()
+    plain = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+    assert httpx.post(url, json=plain, headers=fleet.headers, timeout=60).status_code == 200
 
 
 # ---- through the router ---------------------------------------------------------------------
@@ -335,7 +352,7 @@ def _models(url: str) -> list[str]:
 
 def test_router_serves_completions_through_vllm_legs_equal_to_colocated(fleet: VllmFleet, router: str) -> None:
     prompt_text = "The license grants permission " * 12
-    ref = httpx.post(fleet.instances["prefill-a"].url + "/v1/completions", timeout=60, json={
+    ref = httpx.post(fleet.instances["prefill-a"].url + "/v1/completions", headers=fleet.headers, timeout=60, json={
         "model": "tiny", "prompt": prompt_text, "max_tokens": 6, "temperature": 0,
         "cache_salt": uuid.uuid4().hex}).json()["choices"][0]["text"]
     r = httpx.post(router + "/v1/completions", timeout=120,
@@ -354,7 +371,7 @@ def test_router_serves_completions_through_vllm_legs_equal_to_colocated(fleet: V
 
 def test_router_serves_chat_completions(fleet: VllmFleet, router: str) -> None:
     messages = [{"role": "user", "content": "Say something about the license. " * 5}]
-    ref = httpx.post(fleet.instances["prefill-a"].url + "/v1/chat/completions", timeout=60, json={
+    ref = httpx.post(fleet.instances["prefill-a"].url + "/v1/chat/completions", headers=fleet.headers, timeout=60, json={
         "model": "tiny", "messages": messages, "max_tokens": 5, "temperature": 0,
         "cache_salt": uuid.uuid4().hex}).json()["choices"][0]["message"]["content"]
     r = httpx.post(router + "/v1/chat/completions", timeout=120,
@@ -381,7 +398,7 @@ CLIENT_PAUSE_S = 0.5  # between one client's requests in the scale-up test
 def test_decode_instance_added_under_load_gets_traffic_recomputes_and_drains_on_sigterm(
         fleet: VllmFleet, router: str) -> None:
     prompt_text = "The license grants permission " * 12
-    ref = httpx.post(fleet.instances["prefill-a"].url + "/v1/completions", timeout=60, json={
+    ref = httpx.post(fleet.instances["prefill-a"].url + "/v1/completions", headers=fleet.headers, timeout=60, json={
         "model": "tiny", "prompt": prompt_text, "max_tokens": 6, "temperature": 0,
         "cache_salt": uuid.uuid4().hex}).json()["choices"][0]["text"]
     answers: list[tuple[int, str]] = []
@@ -425,7 +442,7 @@ def test_decode_instance_added_under_load_gets_traffic_recomputes_and_drains_on_
             def long_stream() -> tuple[int, str | None, int]:
                 finish: str | None = None
                 completion_tokens = -1
-                with httpx.stream("POST", decode_b.url + "/v1/completions", timeout=120, json={
+                with httpx.stream("POST", decode_b.url + "/v1/completions", headers=fleet.headers, timeout=120, json={
                         "model": "tiny", "prompt": _prompt(40, seed=72), "max_tokens": 300, "temperature": 0,
                         "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}) as s:
                     for line in s.iter_lines():
@@ -467,13 +484,13 @@ def test_killed_prefiller_fails_its_load_in_time_and_decode_keeps_serving(fleet:
     prompt = _prompt(200, seed=61)
     fleet.instances["prefill-a"].kill()
     start = time.monotonic()
-    r = httpx.post(fleet.instances["decode-a"].url + "/v1/completions", timeout=120, json={
+    r = httpx.post(fleet.instances["decode-a"].url + "/v1/completions", headers=fleet.headers, timeout=120, json={
         "model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0,
         "kv_transfer_params": _params("decode", tid, p.engine_address)})
     elapsed = time.monotonic() - start
     assert r.status_code >= 400 or r.json()["choices"][0].get("finish_reason") == "error", r.text
     assert elapsed < TIMEOUTS["load_timeout_s"] + TIMEOUTS["fence_timeout_s"] + 5
-    again = httpx.post(fleet.instances["decode-a"].url + "/v1/completions", timeout=120, json={
+    again = httpx.post(fleet.instances["decode-a"].url + "/v1/completions", headers=fleet.headers, timeout=120, json={
         "model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0})
     assert again.status_code == 200
     del d

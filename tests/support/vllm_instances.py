@@ -23,6 +23,7 @@ import httpx
 from kvxfer.cluster.local_etcd import LocalEtcd
 from kvxfer.integrations.vllm.launch import KVRole, VllmInstanceSpec
 from kvxfer.registry import RegistrySettings, RegistryWatcher, WorkerRecord
+from kvxfer.registry.signing import load_cluster_key, vllm_api_key
 
 #: Start-up of one instance: about 20 s idle on 2 cores, several times that when loaded.
 READY_TIMEOUT_S = 420.0
@@ -81,11 +82,22 @@ class VllmFleet:
     instances: dict[str, VllmInstance] = field(default_factory=dict)
     etcd: LocalEtcd | None = None
     key_file: Path | None = None
+    #: vLLM's API key on every instance, as in a cluster (derived from the cluster key);
+    #: callers send `headers`. False: open APIs (another connector's instances).
+    require_api_key: bool = True
+    api_key: str | None = None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """What a caller of the instances' /v1 API sends (the router sends the same)."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def __enter__(self) -> "VllmFleet":
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.key_file = self.work_dir / "cluster.key"
         self.key_file.write_bytes(base64.b64encode(secrets.token_bytes(48)))
+        if self.require_api_key:
+            self.api_key = vllm_api_key(load_cluster_key(self.key_file))
         self.etcd = LocalEtcd(data_dir=self.work_dir / "etcd").start()
         return self
 
@@ -117,7 +129,8 @@ class VllmFleet:
             cfg.update(etcd=self.etcd.client_url, advertise_url=f"http://127.0.0.1:{port}",
                        cluster_key_file=str(self.key_file), worker_id=name, lease_ttl_s=2)
         spec = VllmInstanceSpec(model_dir=self.model_dir, port=port, kv_role=kv_role, cpu_cores=core,
-                                served_model_name=self.served_model_name, extra_config=cfg, **spec_fields)
+                                served_model_name=self.served_model_name, extra_config=cfg,
+                                api_key=self.api_key, **spec_fields)
         log_path = self.work_dir / f"{name}.log"
         proc = subprocess.Popen(spec.argv(), env=spec.env(), stdout=log_path.open("wb"), stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -136,7 +149,7 @@ class VllmFleet:
                     raise RuntimeError(f"vLLM instance {name} exited ({inst.process.returncode}):\n"
                                        f"{inst.log_text()[-4000:]}")
                 try:
-                    if httpx.get(inst.url + "/v1/models", timeout=2).status_code == 200:
+                    if httpx.get(inst.url + "/v1/models", timeout=2, headers=self.headers).status_code == 200:
                         break
                 except httpx.HTTPError:
                     pass

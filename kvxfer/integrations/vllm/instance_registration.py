@@ -70,7 +70,7 @@ class InstanceRegistration:
             url = self._record.http_url.rstrip("/") + "/v1/models"
             while time.monotonic() < deadline:
                 try:
-                    if httpx.get(url, timeout=2.0, trust_env=False).status_code == 200:
+                    if httpx.get(url, timeout=2.0, trust_env=False, headers=_own_api_headers()).status_code == 200:
                         break
                 except httpx.HTTPError:
                     pass
@@ -101,7 +101,7 @@ class InstanceRegistration:
         started = time.monotonic()
         try:
             r = httpx.post(self._record.http_url.rstrip("/") + "/v1/completions", json=body,
-                           timeout=self._warmup_timeout_s, trust_env=False)
+                           timeout=self._warmup_timeout_s, trust_env=False, headers=_own_api_headers())
             r.raise_for_status()
         except httpx.HTTPError as exc:
             log.warning("kvxfer connector: warm-up completion failed (%s); registering anyway", exc)
@@ -121,3 +121,9 @@ class InstanceRegistration:
             self._registration.revoke()
         except Exception as exc:  # the lease expires anyway
             log.warning("kvxfer connector: revoke failed: %s", exc)
+
+
+def _own_api_headers() -> dict[str, str]:
+    """The credential this instance's own API asks for (vLLM reads `VLLM_API_KEY` too)."""
+    key = os.environ.get("VLLM_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}

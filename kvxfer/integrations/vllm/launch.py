@@ -40,6 +40,10 @@ class VllmInstanceSpec:
     #: SIGTERM to the API server process (not its group: vLLM's worker dies on SIGTERM) drains:
     #: requests in flight finish within this many seconds, new ones are refused.
     shutdown_timeout_s: int = 30
+    #: vLLM's API key (`VLLM_API_KEY`, kept out of the command line that `ps` shows): every
+    #: /v1 call then needs `Authorization: Bearer KEY`. In a cluster it is
+    #: `kvxfer.registry.signing.vllm_api_key(cluster key)`, which the router sends. None: open.
+    api_key: str | None = None
     connector: str = "KvxferConnector"
     connector_module: str = "kvxfer.integrations.vllm"
 
@@ -80,4 +84,8 @@ class VllmInstanceSpec:
             "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
             "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "INFO"),
         })
+        if self.api_key:
+            env["VLLM_API_KEY"] = self.api_key
+        else:
+            env.pop("VLLM_API_KEY", None)
         return env
