@@ -36,7 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from kvxfer.integrations.vllm.checkpoint import SHAPE_1B, CheckpointShape, make_checkpoint  # noqa: E402
 from support.vllm_instances import VllmFleet  # noqa: E402
 
-REQUEST_TIMEOUT_S = 900.0
+REQUEST_TIMEOUT_S = 1800.0
+#: The kvxfer decoder's load_timeout_s here (see run_kvxfer's fleet).
+LOAD_TIMEOUT_S = 1500.0
 
 
 def prompt_of(n: int, seed: int) -> list[int]:
@@ -177,7 +179,13 @@ def main() -> None:
     metrics_port = 18999
     print(f"phase 1/2: vLLM + kvxfer (model {model})", flush=True)
     with VllmFleet(model, work / "kvxfer", served_model_name="bench",
-                   common_extra={"same_host": False, "bind_host": "127.0.0.1"}) as fleet:
+                   common_extra={"same_host": False, "bind_host": "127.0.0.1",
+                                 # A CPU prefills the 1.1 B model at about 10 tokens/s a core: the
+                                 # decoder's wait must cover a whole 4K prompt's compute.
+                                 "load_timeout_s": LOAD_TIMEOUT_S, "fence_timeout_s": 60.0,
+                                 # Requests here ask for no logprobs: a short warm-up is enough
+                                 # (the default, a chunk of 2K tokens, costs minutes on this model).
+                                 "warmup_prompt_tokens": 64}) as fleet:
         fleet.start("kvxfer-prefill", "kv_producer", "0", extra={"metrics_port": metrics_port}, **spec)
         fleet.start("kvxfer-decode", "kv_consumer", "1", **spec)
         fleet.wait_ready("kvxfer-prefill", "kvxfer-decode", timeout_s=1200)

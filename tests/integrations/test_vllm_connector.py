@@ -41,7 +41,9 @@ pytestmark = pytest.mark.timeout(900)
 
 BLOCK = 32
 CHUNK = 64  # max_num_batched_tokens of the prefill instance: prompts over it prefill in chunks
-TIMEOUTS = {"transfer_timeout_s": 2.0, "load_timeout_s": 6.0, "fence_timeout_s": 3.0, "reservation_wait_s": 5.0}
+TIMEOUTS = {"transfer_timeout_s": 2.0, "load_stall_timeout_s": 6.0, "load_timeout_s": 60.0, "fence_timeout_s": 3.0,
+            "reservation_wait_s": 5.0}
+SLOW_LAYER_MS = 2500  # fault slow_layers: 4 layers take 10 s in all, 2.5 s apart
 # One bf16 step at these magnitudes (|logprob| < 16): 2**-8 relative, 0.0625 absolute at most.
 LOGPROB_TOLERANCE = 0.0625
 
@@ -55,7 +57,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmFleet]:
     common = {"same_host": False, "bind_host": "127.0.0.1", "kv_digest_dir": str(digests), **TIMEOUTS}
     with VllmFleet(model, work, common_extra=common) as f:
         f.start("prefill-a", "kv_producer", "0", max_num_batched_tokens=CHUNK,
-                extra={"fault_injection": "misplace_page,stall_after_layer:1"})
+                extra={"fault_injection": f"misplace_page,stall_after_layer:1,slow_layers:{SLOW_LAYER_MS}"})
         f.start("decode-a", "kv_consumer", "1")
         f.wait_ready("prefill-a", "decode-a")
         f.digests = digests  # type: ignore[attr-defined]
@@ -190,7 +192,7 @@ def test_stalled_prefiller_fails_the_request_within_its_deadline_and_decode_keep
     on_p, on_d = disaggregated(fleet, _prompt(120, seed=21), tid, salt=tid)
     elapsed = time.monotonic() - start
     assert on_d.status_code >= 400 or on_d.json()["choices"][0].get("finish_reason") == "error", on_d.text
-    deadline = TIMEOUTS["load_timeout_s"] + TIMEOUTS["fence_timeout_s"] + 5
+    deadline = TIMEOUTS["load_stall_timeout_s"] + TIMEOUTS["fence_timeout_s"] + 5
     assert elapsed < deadline, f"failed after {elapsed:.1f}s, the deadline is {deadline}s"
     assert not (fleet.digests / f"decode-{tid}.json").exists()  # type: ignore[attr-defined]
     # The decoder serves the next hand-off, and its blocks (maybe the same ones) hold the right bytes.
@@ -199,8 +201,24 @@ def test_stalled_prefiller_fails_the_request_within_its_deadline_and_decode_keep
     assert on_d.status_code == 200 and kv_pages_equal(fleet, ok)
 
 
+def test_a_slow_prefiller_whose_layers_keep_landing_outlasts_the_stall_timeout(fleet: VllmFleet) -> None:
+    # Each layer takes SLOW_LAYER_MS more on the prefiller: the push lasts longer than the
+    # decoder's load_stall_timeout_s in all, but never that long between two layers. A long
+    # prompt on a slow (CPU) prefiller looks like this, and must not be cut off.
+    tid = f"fault-slow_layers-{uuid.uuid4().hex[:8]}"
+    prompt = _prompt(60, seed=71)  # one chunk: each layer is saved once
+    ref = colocated(fleet, prompt)
+    start = time.monotonic()
+    _, on_d = disaggregated(fleet, prompt, tid, salt=tid)
+    elapsed = time.monotonic() - start
+    assert on_d.status_code == 200, on_d.text
+    assert elapsed > TIMEOUTS["load_stall_timeout_s"], f"the push took {elapsed:.1f} s: no test of the stall timeout"
+    assert_same_as_colocated(on_d.json()["choices"][0], ref)
+    assert kv_pages_equal(fleet, tid)
+
+
 def test_a_load_descriptor_writes_only_its_own_blocks_and_nothing_once_the_load_ended(fleet: VllmFleet) -> None:
-    # The prefiller stalls after layer 1, so the load stays pending until load_timeout_s:
+    # The prefiller stalls after layer 1, so the load stays pending until load_stall_timeout_s:
     # meanwhile its descriptor is live and stolen by an outside process.
     tid = f"fault-stall_after_layer-scope-{uuid.uuid4().hex[:8]}"
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -489,7 +507,7 @@ def test_killed_prefiller_fails_its_load_in_time_and_decode_keeps_serving(fleet:
         "kv_transfer_params": _params("decode", tid, p.engine_address)})
     elapsed = time.monotonic() - start
     assert r.status_code >= 400 or r.json()["choices"][0].get("finish_reason") == "error", r.text
-    assert elapsed < TIMEOUTS["load_timeout_s"] + TIMEOUTS["fence_timeout_s"] + 5
+    assert elapsed < TIMEOUTS["load_stall_timeout_s"] + TIMEOUTS["fence_timeout_s"] + 5
     again = httpx.post(fleet.instances["decode-a"].url + "/v1/completions", headers=fleet.headers, timeout=120, json={
         "model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0})
     assert again.status_code == 200

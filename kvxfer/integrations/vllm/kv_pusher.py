@@ -229,6 +229,10 @@ class KVPusher:
 
     def save_layer(self, layer: int) -> None:
         """vLLM computed `layer` for this step's requests: post their final pages of it."""
+        for push in self._this_step:
+            slow_ms = self._fault("slow_layers", push.transfer_id)
+            if slow_ms is not None:
+                time.sleep(float(slow_ms) / 1000.0)  # test hook: this layer's compute took longer
         now = time.monotonic()
         for push in self._this_step:
             push.computed_upto[layer] = max(push.computed_upto[layer], push.pending_end)

@@ -3,7 +3,8 @@
 Each load vLLM parks in WAITING_FOR_REMOTE_KVS becomes a `DecodeLoad`:
 
     RESERVED --every expected page landed--> ADMITTED (reported loaded)
-        |--load_timeout_s passed / vLLM aborted the request--> FENCING (cancel sent)
+        |--load_timeout_s passed, or load_stall_timeout_s without a new write,
+        |  or vLLM aborted the request--------------------> FENCING (cancel sent)
         |--the prefiller's abort (no write in flight)-------> FAILED
     FENCING --prefiller confirms stopped, or fence_timeout_s passed--> FAILED (reported)
 
@@ -70,7 +71,9 @@ class DecodeLoad:
     reservation: KVReservation | None
     slot: int
     sent_at: float
-    deadline: float
+    deadline: float  # load_timeout_s after sent_at: the most a load may take
+    stall_deadline: float = 0.0  # load_stall_timeout_s after the last write landed (or sent_at)
+    landed: int = 0  # writes counted at the last poll
     state: LoadState = LoadState.RESERVED
     reason: str = ""
     fence_deadline: float = 0.0
@@ -111,7 +114,8 @@ class KVReceiver:
             return
         slot = self._free_slots.pop()
         imm = encode_imm(slot, self._generation[slot])
-        load = DecodeLoad(spec, None, slot, now, now + self.settings.load_timeout_s)
+        load = DecodeLoad(spec, None, slot, now, now + self.settings.load_timeout_s,
+                          stall_deadline=now + self.settings.load_stall_timeout_s)
         self._loads[spec.request_id] = load
         try:
             descriptor = self._open_scope(load, imm)
@@ -240,7 +244,11 @@ class KVReceiver:
         for rid, load in list(self._loads.items()):
             res = load.reservation
             if load.state is LoadState.RESERVED and res is not None:
-                if self.engine.imm_count(res.imm) >= res.expected_count:
+                landed = self.engine.imm_count(res.imm)
+                if landed > load.landed:  # progress: the prefiller is alive and pushing
+                    load.landed = landed
+                    load.stall_deadline = now + self.settings.load_stall_timeout_s
+                if landed >= res.expected_count:
                     self._revoke(load)  # every write landed: none may come any more
                     load.state = LoadState.ADMITTED
                     self.metrics.admission_wait.observe(now - load.sent_at)
@@ -248,8 +256,10 @@ class KVReceiver:
                     self._write_digests(load)
                 elif now > load.deadline:
                     self._to_fencing(load, "load_timeout", f"not every write landed within load_timeout_s="
-                                     f"{self.settings.load_timeout_s} ({self.engine.imm_count(res.imm)} of "
-                                     f"{res.expected_count} pages)")
+                                     f"{self.settings.load_timeout_s} ({landed} of {res.expected_count} pages)")
+                elif now > load.stall_deadline:
+                    self._to_fencing(load, "load_stalled", f"no write landed for load_stall_timeout_s="
+                                     f"{self.settings.load_stall_timeout_s} ({landed} of {res.expected_count} pages)")
             if load.state is LoadState.FENCING and now > load.fence_deadline:
                 self._to_failed(load, "fence_timeout", f"{load.reason}; the prefiller never confirmed, "
                                 f"fence_timeout_s={self.settings.fence_timeout_s} passed")

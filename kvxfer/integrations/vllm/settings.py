@@ -33,8 +33,12 @@ class ConnectorSettings(BaseModel):
 
     # -- decode side (kv_consumer) -------------------------------------------------------
     load_timeout_s: float = Field(
-        30.0, gt=0, description="a reservation whose writes have not all landed by then fails "
-        "(kv_load_failure_policy decides: fail or recompute)")
+        600.0, gt=0, description="a reservation whose writes have not all landed by then fails, however steadily "
+        "they come (kv_load_failure_policy decides: fail or recompute); it bounds how long a load holds its blocks")
+    load_stall_timeout_s: float = Field(
+        30.0, gt=0, description="a reservation that sees no new write land for this long (counted from the "
+        "reservation, then from each landed write) fails: a dead or stuck prefiller is noticed this soon, while a "
+        "long prompt on a slow prefiller, whose layers keep landing, is not cut off")
     fence_timeout_s: float = Field(
         15.0, gt=0, description="after a failure, how long the decoder keeps the blocks without the "
         "prefiller's word that none of its writes can still land; must exceed transfer_timeout_s")
@@ -83,7 +87,8 @@ class ConnectorSettings(BaseModel):
         None, description="test hook: write a digest of every pushed and every admitted page here")
     fault_injection: str = Field(
         "", description="test hooks, off when empty; comma-separated: misplace_page (swap two destination "
-        "pages), stall_after_layer:N (stop pushing after layer N, like a frozen process). A hook fires only "
+        "pages), stall_after_layer:N (stop pushing after layer N, like a frozen process), slow_layers:MS (each "
+        "layer takes MS ms longer, like a slow prefiller). A hook fires only "
         "for transfers whose id starts with fault-HOOK (e.g. fault-misplace_page-1)")
 
     @classmethod
