@@ -261,7 +261,8 @@ def test_client_abort_on_decode_cancels_the_push_and_later_requests_are_exact(fl
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, "cache_salt": tid}
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         on_p = pool.submit(httpx.post, fleet.instances["prefill-a"].url + "/v1/completions", headers=fleet.headers,
-                           json={**body, "max_tokens": 1, "kv_transfer_params": _params("prefill", tid, d.engine_address)},
+                           json={**body, "max_tokens": 1,
+                                 "kv_transfer_params": _params("prefill", tid, d.engine_address)},
                            timeout=60)
         with pytest.raises(httpx.ReadTimeout):  # the client goes away while the load is pending
             httpx.post(fleet.instances["decode-a"].url + "/v1/completions", headers=fleet.headers,
@@ -329,7 +330,8 @@ def test_the_instances_refuse_api_calls_without_the_clusters_api_key(fleet: Vllm
     tid = f"nokey-{uuid.uuid4().hex[:8]}"
     body = {"model": "tiny", "prompt": _prompt(40, seed=61), "max_tokens": 2, "temperature": 0,
             "kv_transfer_params": _params("decode", tid, fleet.record("prefill-a").engine_address)}
-    for headers in ({}, {"Authorization": "Bearer not-the-key"}, {"Authorization": fleet.headers["Authorization"] + "0"}):
+    wrong = ({}, {"Authorization": "Bearer not-the-key"}, {"Authorization": fleet.headers["Authorization"] + "0"})
+    for headers in wrong:
         r = httpx.post(url, json=body, headers=headers, timeout=30)
         assert r.status_code == 401, (headers, r.status_code, r.text)
     # Refused before vLLM saw the request: no reservation was made, so the prefiller never heard of it.
