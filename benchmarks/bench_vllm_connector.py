@@ -174,7 +174,12 @@ def main() -> None:
     shape = CheckpointShape() if args.quick else SHAPE_1B
     model = args.model_dir or make_checkpoint(Path(tempfile.gettempdir()) / f"kvxfer-bench-llama-{shape.layers}l-{shape.hidden}h",
                                               shape)
-    spec = {"max_model_len": max(lengths) + args.max_tokens + 64, "kv_cache_gib": 2.0 if not args.quick else 1.0}
+    max_model_len = max(lengths) + args.max_tokens + 64
+    # One chunk per prompt on every instance: vLLM 0.32's ExampleConnector fails a prompt
+    # longer than max_num_batched_tokens (shape mismatch, then EngineDeadError), and the
+    # three systems must compute the same way.
+    spec = {"max_model_len": max_model_len, "max_num_batched_tokens": max_model_len,
+            "kv_cache_gib": 2.0 if not args.quick else 1.0}
     rows: list[dict[str, Any]] = []
     metrics_port = 18999
     print(f"phase 1/2: vLLM + kvxfer (model {model})", flush=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,8 +54,14 @@ class VllmInstanceSpec:
         return f"http://{self.host}:{self.port}"
 
     def argv(self) -> list[str]:
-        """The command line."""
-        args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
+        """The command line, under `taskset -c cpu_cores` where taskset exists: the whole process
+        tree (API server, engine core, worker) stays on the instance's cores. The compute threads
+        are pinned by VLLM_CPU_OMP_THREADS_BIND anyway, but a decode instance's engine core steps
+        without pause while a load is pending, and unpinned it took CPU from the prefill
+        instance's compute (a 4K prefill of the 1.1 B model took 6% longer beside it)."""
+        taskset = shutil.which("taskset")
+        pin = [taskset, "-c", self.cpu_cores] if taskset else []
+        args = [*pin, sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
                 "--host", self.host, "--port", str(self.port), "--served-model-name", self.served_model_name,
                 "--block-size", str(self.block_size), "--max-model-len", str(self.max_model_len),
                 "--dtype", self.dtype, "--disable-log-stats", "--seed", "0"]
