@@ -180,6 +180,9 @@ def main() -> None:
     # three systems must compute the same way.
     spec = {"max_model_len": max_model_len, "max_num_batched_tokens": max_model_len,
             "kv_cache_gib": 2.0 if not args.quick else 1.0}
+    # One step then prefills a whole 4K prompt: minutes on a CPU core, past vLLM's 300 s
+    # default for one model execution (the engine core dies with a TimeoutError).
+    os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "3600")
     rows: list[dict[str, Any]] = []
     metrics_port = 18999
     print(f"phase 1/2: vLLM + kvxfer (model {model})", flush=True)
