@@ -34,7 +34,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from kvxfer.integrations.vllm.checkpoint import SHAPE_1B, CheckpointShape, make_checkpoint  # noqa: E402
-from support.vllm_instances import VllmFleet  # noqa: E402
+from support.vllm_instances import VllmFleet, free_port  # noqa: E402
 
 REQUEST_TIMEOUT_S = 1800.0
 #: The kvxfer decoder's load_timeout_s here (see run_kvxfer's fleet).
@@ -184,7 +184,7 @@ def main() -> None:
     # default for one model execution (the engine core dies with a TimeoutError).
     os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "3600")
     rows: list[dict[str, Any]] = []
-    metrics_port = 18999
+    metrics_port = free_port()  # a fixed one may still be held by an instance of an earlier run
     print(f"phase 1/2: vLLM + kvxfer (model {model})", flush=True)
     with VllmFleet(model, work / "kvxfer", served_model_name="bench",
                    common_extra={"same_host": False, "bind_host": "127.0.0.1",
