@@ -191,6 +191,9 @@ def main() -> None:
                                  # A CPU prefills the 1.1 B model at about 10 tokens/s a core: the
                                  # decoder's wait must cover a whole 4K prompt's compute.
                                  "load_timeout_s": LOAD_TIMEOUT_S, "fence_timeout_s": 60.0,
+                                 # ...and one layer of a one-chunk 4K prefill about 30 s: the
+                                 # gap between two layers' writes must stay under the stall bound.
+                                 "load_stall_timeout_s": LOAD_TIMEOUT_S,
                                  # Requests here ask for no logprobs: a short warm-up is enough
                                  # (the default, a chunk of 2K tokens, costs minutes on this model).
                                  "warmup_prompt_tokens": 64}) as fleet:
