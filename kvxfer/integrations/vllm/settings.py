@@ -38,7 +38,9 @@ class ConnectorSettings(BaseModel):
     load_stall_timeout_s: float = Field(
         30.0, gt=0, description="a reservation that sees no new write land for this long (counted from the "
         "reservation, then from each landed write) fails: a dead or stuck prefiller is noticed this soon, while a "
-        "long prompt on a slow prefiller, whose layers keep landing, is not cut off")
+        "long prompt on a slow prefiller, whose layers keep landing, is not cut off. It must exceed the prefiller's "
+        "compute of one layer of its largest chunk (max_num_batched_tokens): milliseconds on a GPU, about 30 s for "
+        "4K tokens of a 1.1 B model on one CPU core")
     fence_timeout_s: float = Field(
         15.0, gt=0, description="after a failure, how long the decoder keeps the blocks without the "
         "prefiller's word that none of its writes can still land; must exceed transfer_timeout_s")
