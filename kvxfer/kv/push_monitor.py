@@ -11,11 +11,12 @@ writes (a `done()` per transfer, a few hundred at most) and
   (a frozen or dead decoder: over the fabric the engine would only notice at its per-write
   deadline; a 32 MiB layer write to a healthy decoder on a starved machine may take longer
   than the bare stall timeout), or at once on a write that failed because the peer
-  itself is unreachable (connection refused or reset, no route: `_peer_unreachable`). A
-  write the decoder refused (its reservation's registration closed by a cancel: the
-  provider answers "Operation canceled") fails only its own push: the decoder is healthy. Every push to it then fails at once: it is
-  cancelled (no further writes) and its outcome is `DestinationDown`; new pushes to it are
-  refused (`check`) until one of its writes completes again or none is left in flight;
+  itself is unreachable (connection refused or reset, no route: `_peer_unreachable`).
+  Every push to a destination that is down fails at once: it is cancelled (no further
+  writes) and its outcome is `DestinationDown`; new pushes to it are refused (`check`)
+  until one of its writes completes again or none is left in flight. A write the decoder
+  refused (its reservation's registration closed by a cancel: the provider answers
+  "Operation canceled") fails only its own push: that decoder is healthy;
 - calls the push's `on_released` once none of its writes is in flight any more (bounded by
   the engine's per-write deadline): only then may the prefiller free the source pages and
   tell the decoder (abort) that nothing more can land.

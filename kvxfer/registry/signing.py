@@ -58,6 +58,11 @@ def vllm_api_key(cluster_key: bytes) -> str:
     return derive_key(cluster_key, "vllm-api").hex()
 
 
+def vllm_api_headers(api_key: str | None) -> dict[str, str]:
+    """The header that presents `api_key` to a vLLM instance (none for an open instance)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 class RecordSigner:
     """Seals records for etcd and opens them again, with the registry key of one cluster."""
 

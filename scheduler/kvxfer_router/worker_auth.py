@@ -4,8 +4,8 @@ it mints for them.
 With a cluster key (`cluster_key_file`) every POST to a worker carries a `KvxferToken`
 (`kvxfer.registry.control_token`) bound to its path and exact body bytes, so the body is
 serialized here once and sent as those bytes; a POST to a vLLM instance carries the
-cluster's vLLM API key instead (`kvxfer.registry.signing.vllm_api_key`). Without a key, calls go unsigned (workers
-without a key accept them; development only).
+cluster's vLLM API key instead (`kvxfer.registry.signing.vllm_api_key`). Without a key,
+calls go unsigned (workers without a key accept them; development only).
 
 Request ids towards workers are minted here, never taken from the client: a client's id
 (echoed back to it) could collide with, or name, another request inside the cluster.
@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 
 from kvxfer.registry.control_token import TokenSigner
-from kvxfer.registry.signing import load_cluster_key, vllm_api_key
+from kvxfer.registry.signing import load_cluster_key, vllm_api_headers, vllm_api_key
 
 from .settings import RouterSettings
 
@@ -64,8 +64,7 @@ class WorkerCallSigner:
         content = json.dumps(body, separators=(",", ":")).encode()
         headers = {"Content-Type": "application/json"}
         if engine == "vllm":
-            if self._vllm_key is not None:
-                headers["Authorization"] = f"Bearer {self._vllm_key}"
+            headers.update(vllm_api_headers(self._vllm_key))
         elif self._signer is not None:
             headers.update(self._signer.header("POST", httpx.URL(url).path, content))
         return {"content": content, "headers": headers}

@@ -23,7 +23,7 @@ import httpx
 from kvxfer.cluster.local_etcd import LocalEtcd
 from kvxfer.integrations.vllm.launch import KVRole, VllmInstanceSpec
 from kvxfer.registry import RegistrySettings, RegistryWatcher, WorkerRecord
-from kvxfer.registry.signing import load_cluster_key, vllm_api_key
+from kvxfer.registry.signing import load_cluster_key, vllm_api_headers, vllm_api_key
 
 #: Start-up of one instance: about 20 s idle on 2 cores, several times that when loaded.
 READY_TIMEOUT_S = 420.0
@@ -83,21 +83,19 @@ class VllmFleet:
     etcd: LocalEtcd | None = None
     key_file: Path | None = None
     #: vLLM's API key on every instance, as in a cluster (derived from the cluster key);
-    #: callers send `headers`. False: open APIs (another connector's instances).
-    require_api_key: bool = True
+    #: callers send `headers`.
     api_key: str | None = None
 
     @property
     def headers(self) -> dict[str, str]:
         """What a caller of the instances' /v1 API sends (the router sends the same)."""
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return vllm_api_headers(self.api_key)
 
     def __enter__(self) -> "VllmFleet":
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.key_file = self.work_dir / "cluster.key"
         self.key_file.write_bytes(base64.b64encode(secrets.token_bytes(48)))
-        if self.require_api_key:
-            self.api_key = vllm_api_key(load_cluster_key(self.key_file))
+        self.api_key = vllm_api_key(load_cluster_key(self.key_file))
         self.etcd = LocalEtcd(data_dir=self.work_dir / "etcd").start()
         return self
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 
 from kvxfer.registry import RegistrySettings, WorkerRecord, WorkerRegistration
+from kvxfer.registry.signing import vllm_api_headers
 
 from .kv_region import KVRegion
 from .settings import ConnectorConfigError, ConnectorSettings
@@ -125,5 +126,4 @@ class InstanceRegistration:
 
 def _own_api_headers() -> dict[str, str]:
     """The credential this instance's own API asks for (vLLM reads `VLLM_API_KEY` too)."""
-    key = os.environ.get("VLLM_API_KEY")
-    return {"Authorization": f"Bearer {key}"} if key else {}
+    return vllm_api_headers(os.environ.get("VLLM_API_KEY"))

@@ -79,7 +79,7 @@ class DecodeLoad:
     fence_deadline: float = 0.0
     vllm_aborted: bool = False
     windows: MemoryWindows | None = None  # its own registration (per_reservation), until revoked
-    source_bound: bool = False  # its immediate counts only arrivals from spec.prefill_engine
+    bound_imm: int | None = None  # its immediate, while it counts only arrivals from spec.prefill_engine
 
 
 class KVReceiver:
@@ -120,7 +120,6 @@ class KVReceiver:
         try:
             descriptor = self._open_scope(load, imm)
         except Exception as exc:  # a malformed prefiller address, a registration the provider refused
-            self._revoke(load)
             self._to_failed(load, "registration_failed", f"scoping the reservation failed: {exc}")
             return
         reservation = KVReservation(
@@ -150,8 +149,9 @@ class KVReceiver:
             descriptor = load.windows.descriptor
             self.metrics.registrations.inc()
             self.metrics.registrations_open.inc()
-        load.source_bound = self.engine.bind_imm_source(imm, load.spec.prefill_engine)
-        if not load.source_bound and not self._warned_unbound:
+        if self.engine.bind_imm_source(imm, load.spec.prefill_engine):
+            load.bound_imm = imm
+        elif not self._warned_unbound:
             self._warned_unbound = True
             log.warning("the %s provider cannot name the sender of an immediate: immediates are credited from any "
                         "sender; per-reservation descriptors still hold", self.engine.provider)
@@ -167,10 +167,10 @@ class KVReceiver:
                 windows.close()
             except Exception:  # an engine closing under us closed them itself
                 log.exception("closing the registration of transfer %s failed", load.spec.transfer_id)
-        if load.source_bound:
-            load.source_bound = False
+        if load.bound_imm is not None:
+            imm, load.bound_imm = load.bound_imm, None
             try:
-                self.engine.unbind_imm_source(encode_imm(load.slot, self._generation[load.slot]))
+                self.engine.unbind_imm_source(imm)
             except Exception:
                 log.exception("unbinding the immediate of transfer %s failed", load.spec.transfer_id)
 
