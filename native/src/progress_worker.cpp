@@ -38,6 +38,9 @@ constexpr useconds_t kQuietSleepMaxUs = 1000;
 // in flight is never delayed by it.
 constexpr size_t kBusyNapMinInflight = 64;
 constexpr useconds_t kBusyNapUs = 20;
+// How soon a quiet worker with ops still queued (see sleep_until_work) retries posting them
+// when no fd wakes it earlier.
+constexpr int kQueuedRetryMs = 1;
 
 ContextTag tag_of(void* context) {
   // Both context types start with fi_context2 followed by their tag.
@@ -515,12 +518,26 @@ void ProgressWorker::on_expired(WorkBatch* batch) {
 void ProgressWorker::sleep_until_work(int64_t wake_by_ns) {
   sleeping_.store(1, std::memory_order_seq_cst);
   bool can_block = submissions_.empty() && controls_.empty() && copies_.empty();
-  for (size_t r = 0; can_block && r < rails_.size(); ++r)
-    if (!pending_[r].empty()) can_block = false;
+  // Ops still queued on a rail wait for in-flight room or were refused by the provider
+  // (EAGAIN: that peer's queue is full, or its connection is not up yet). In a busy stream
+  // either clears within microseconds and the worker must retry at once (net moves the data
+  // only while this thread polls). But a peer first contacted while frozen never completes
+  // net's handshake, and one frozen mid-stream holds its ops and slots: those stay queued
+  // until their deadline, and retrying them at once spun this thread at a full core for
+  // that long (an abort message to a frozen decoder: 6 s) on the cores the other peers'
+  // traffic and the prefill compute need. So queued ops keep the worker awake only until
+  // nothing has happened for kQuietNs; then it sleeps as a quiet worker does, at most
+  // kQueuedRetryMs at a time, and retries them when it wakes.
+  bool quiet = monotonic_ns() - last_activity_ns_ > kQuietNs;
+  bool ops_queued = false;
+  for (size_t r = 0; r < rails_.size(); ++r)
+    if (!pending_[r].empty()) ops_queued = true;
+  if (ops_queued && !quiet) can_block = false;
   if (can_block) {
     // Deadlines need a look every few ms only while transfers are live; an engine with
     // nothing in flight sleeps longer (new work and arrivals wake it through the fds).
     int timeout_ms = deadlines_.empty() ? kIdleSleepMs : kMaxSleepMs;
+    if (ops_queued) timeout_ms = std::min(timeout_ms, kQueuedRetryMs);
     if (wake_by_ns != INT64_MAX) {
       // A caller's deadline: rounded up, so the last millisecond is slept, not spun.
       int64_t left_ms = (wake_by_ns - monotonic_ns() + 999'999) / 1'000'000;

@@ -249,8 +249,9 @@ class EnginePair:
 
 def spares_needed(provider: str) -> int:
     """Peers the dead-peer tests take from the pool: gone and frozen (not on shm, see
-    freezable), then the killed-peer test's initiator and victim."""
-    return 4 if freezable(provider) else 3
+    freezable), the refused-ops test's frozen peer, then the killed-peer test's initiator
+    and victim."""
+    return 5 if freezable(provider) else 3
 
 
 def freezable(provider: str) -> bool:

@@ -32,6 +32,7 @@ from support.engine_pairs import (
     fresh_imm,
 )
 from support.engine_peer import (
+    SAME_HOST_MODES,
     engine_options,
     seeded_bytes,
 )
@@ -233,6 +234,56 @@ def test_transfers_to_a_peer_that_is_gone_or_frozen_fail_in_bounded_time_and_oth
         # ...and even a message or an immediate alone to the gone peer fails.
         for transfer in small:
             assert_fails_within(transfer, FAIL_BOUND_S, started)
+
+
+# How long the refused-ops test watches the engine, and the most CPU its process may use
+# meanwhile, as a share of that time. Spinning on the refused ops took a whole core (0.95+);
+# retrying them with growing naps takes a few percent.
+REFUSED_WATCH_S = 1.5
+REFUSED_CPU_SHARE_MAX = 0.35
+
+
+def test_ops_a_frozen_peer_refuses_do_not_spin_the_engine_and_a_live_peer_still_gets_its_writes(
+    pairs: PairPool, provider: str, peers: OwnPeers
+) -> None:
+    """A peer frozen before we first wrote to it never answers the provider's connection
+    handshake, so the provider refuses every op to it (EAGAIN) until they expire. Those
+    refused ops must not keep the progress thread polling at full speed for the whole
+    deadline: on shared cores that spin takes the CPU the other peers' traffic and the
+    prefill compute need. The peer isolation benchmark lost a quarter of a healthy
+    decoder's completions to it (a prefiller's abort message to a frozen decoder)."""
+    if not freezable(provider) or provider in SAME_HOST_MODES:
+        pytest.skip("shm peers cannot be frozen (see freezable); the same-host path needs no peer handshake")
+    live = pairs.get(1)
+    frozen = peers.spare()
+    descriptor, address = frozen.descriptor, frozen.address  # asked of the peer while it runs
+    imm, size = fresh_imm(), 64 * KIB
+    # A deadline well past the watch, so the refused ops are still waiting during it.
+    options = {**engine_options(provider), "bind_host": LOOPBACK, "transfer_timeout_s": REFUSED_WATCH_S + 4.0}
+    with TransferEngine(**options) as engine:
+        src = np.zeros(1 * MIB, dtype=np.uint8)
+        src[:] = seeded_bytes(48, src.size)
+        mr = engine.register(src)
+        frozen.proc.send_signal(signal.SIGSTOP)
+        refused = [engine.write(mr, 0, descriptor, 0, size, imm) for _ in range(16)]
+        refused.append(engine.send(address, b"abort"))
+        time.sleep(0.2)  # the refusals start
+        assert engine.stats()[0]["ops_posted"] < len(refused), "the provider took every op: none was refused"
+
+        cpu_before, wall_before = time.process_time(), time.monotonic()
+        time.sleep(REFUSED_WATCH_S)
+        share = (time.process_time() - cpu_before) / (time.monotonic() - wall_before)
+        assert not refused[-1].done(), "the refused ops expired during the watch"
+        assert share <= REFUSED_CPU_SHARE_MAX, f"the engine used {share:.0%} of a core while only refused ops waited"
+
+        # Refused ops of one peer hold up nobody else.
+        live_imm = fresh_imm()
+        engine.write(mr, 0, live.descriptor, 5 * KIB, src.size, live_imm).wait(WAIT_S)
+        live.wait_target_count(live_imm, 1)
+        assert_same_bytes(live.target_bytes(5 * KIB, src.size), src, "write to the live peer")
+        for transfer in refused[-8:]:
+            with pytest.raises(TransferError):
+                transfer.wait(FAIL_BOUND_S)
 
 
 def test_peer_killed_mid_stream_fails_pending_writes_in_bounded_time_and_a_new_target_gets_data(
