@@ -5,6 +5,7 @@ Between two processes on every loopback provider and the same-host path (tests/s
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from typing import Any
@@ -94,6 +95,9 @@ def test_a_same_host_peer_that_exited_is_let_go_once_a_new_peer_comes(
 ) -> None:
     # Workers restart for the life of a service: the engine must not keep a dead peer's
     # pidfd, region table and (mapped mode) KV memory for as long as it runs.
+    # The counts are the whole process's: engines of earlier tests that are garbage now
+    # must let go of theirs before, not during, this test.
+    gc.collect()
     with TransferEngine(**engine_options(provider), bind_host=LOOPBACK) as engine:
         mr = engine.register(np.ones(64 * KIB, dtype=np.uint8))
         before = same_host_handles()
