@@ -119,9 +119,22 @@ async def one_request(client: httpx.AsyncClient, prefill: Worker, decode: Worker
     return pre.status_code == 200 and gen.status_code == 200
 
 
+TIMELINE_STEP_S = 0.5  # width of one bucket of a window's completion timeline
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, all threads) process `pid` has used so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def window(client: httpx.AsyncClient, prefill: Worker, decode: Worker, args: argparse.Namespace) -> dict[str, Any]:
-    """Closed loops to `decode` for args.window_s; completions that finished inside it."""
-    until = time.monotonic() + args.window_s
+    """Closed loops to `decode` for args.window_s: completions that finished inside it, how
+    they spread over the window (per TIMELINE_STEP_S), and the prefiller's CPU seconds."""
+    cpu_before = cpu_seconds(prefill.proc.pid)
+    start = time.monotonic()
+    until = start + args.window_s
     done: list[float] = []
     failed = 0
 
@@ -138,7 +151,11 @@ async def window(client: httpx.AsyncClient, prefill: Worker, decode: Worker, arg
 
     await asyncio.gather(*(loop(i) for i in range(args.loops)))
     inside = [t for t in done if t <= until]
-    return {"completed": len(inside), "per_s": len(inside) / args.window_s, "failed": failed}
+    timeline = [0] * max(1, round(args.window_s / TIMELINE_STEP_S))
+    for t in inside:
+        timeline[min(len(timeline) - 1, int((t - start) / TIMELINE_STEP_S))] += 1
+    return {"completed": len(inside), "per_s": len(inside) / args.window_s, "failed": failed,
+            "timeline": timeline, "prefill_cpu_s": cpu_seconds(prefill.proc.pid) - cpu_before}
 
 
 async def measure_build(name: str, kvxfer: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
@@ -181,9 +198,11 @@ async def measure_build(name: str, kvxfer: str, args: argparse.Namespace, log_di
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = ["build", "baseline req/s", f"with A {ROWS_FAULT[0]} req/s", "ratio", "stuck pushes", "slowest fail s"]
+    head = ["build", "baseline req/s", f"with A {ROWS_FAULT[0]} req/s", "ratio", "stuck pushes", "slowest fail s",
+            "prefill CPU s (base/stuck)"]
     cells = [head] + [[r["build"], f"{r['baseline']['per_s']:.2f}", f"{r['stuck']['per_s']:.2f}", f"{r['ratio']:.2f}",
-                       ",".join(str(s) for s in r["stuck_push_status"]), f"{r['stuck_push_fail_s_max']:.2f}"]
+                       ",".join(str(s) for s in r["stuck_push_status"]), f"{r['stuck_push_fail_s_max']:.2f}",
+                       f"{r['baseline']['prefill_cpu_s']:.1f}/{r['stuck']['prefill_cpu_s']:.1f}"]
                       for r in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
     lines = ["  ".join(s.rjust(w) for s, w in zip(c, widths)) for c in cells]
@@ -236,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     uptime = subprocess.run(["uptime"], capture_output=True, text=True, timeout=10, check=False).stdout.strip()
     rows = [asyncio.run(measure_build(name, path, args, log_dir)) for name, path in builds]
     print(table(rows))
+    for r in rows:
+        for which in ("baseline", "stuck"):
+            print(f"{r['build']} {which:8s} completions per {TIMELINE_STEP_S} s: {r[which]['timeline']}")
     print(f"uptime at start: {uptime}")
     result = {"benchmark": "bench_peer_isolation", "args": {k: str(v) for k, v in vars(args).items()},
               "host": {"platform": platform.platform(), "cpus": os.cpu_count()}, "uptime_start": uptime,
