@@ -42,8 +42,9 @@ from kvxfer.kv.protocol import (
     encode_reservation_message,
     generations_per_slot,
 )
+from kvxfer.kv.reservation_scope import ReservationScope
 from kvxfer.kv.write_windows import reservation_windows
-from kvxfer.transfer.engine import MemoryWindows, RegisteredMemory, TransferEngine
+from kvxfer.transfer.engine import RegisteredMemory, TransferEngine
 
 from .connector_metrics import ConnectorMetrics
 from .kv_region import KVRegion
@@ -78,8 +79,7 @@ class DecodeLoad:
     reason: str = ""
     fence_deadline: float = 0.0
     vllm_aborted: bool = False
-    windows: MemoryWindows | None = None  # its own registration (per_reservation), until revoked
-    bound_imm: int | None = None  # its immediate, while it counts only arrivals from spec.prefill_engine
+    scope: ReservationScope | None = None  # its registration and immediate binding, until revoked
 
 
 class KVReceiver:
@@ -98,7 +98,6 @@ class KVReceiver:
         self._free_slots = list(range(slots - 1, -1, -1))
         self._loads: dict[str, DecodeLoad] = {}
         self._by_imm: dict[int, DecodeLoad] = {}
-        self._warned_unbound = False
         metrics.foreign_immediates.set_function(lambda: float(engine.engine_stats().get("imm_foreign_dropped", 0)))
 
     # ---- starting and cancelling ----------------------------------------------------------
@@ -140,39 +139,30 @@ class KVReceiver:
             self._to_failed(load, "reservation_send_failed", f"sending the reservation to the prefiller failed: {exc}")
 
     def _open_scope(self, load: DecodeLoad, imm: int) -> bytes:
-        """The descriptor `load` hands out: its own registration (per_reservation) or the
-        whole cache's; and binds its immediate to the prefiller it names."""
-        descriptor = self.memory.descriptor
-        if self.settings.kv_registration == "per_reservation":
-            load.windows = self.engine.register_windows(self.memory, reservation_windows(
-                list(load.spec.block_ids), self.region.num_layers, self.region.num_blocks, self.region.block_bytes))
-            descriptor = load.windows.descriptor
-            self.metrics.registrations.inc()
-            self.metrics.registrations_open.inc()
-        if self.engine.bind_imm_source(imm, load.spec.prefill_engine):
-            load.bound_imm = imm
-        elif not self._warned_unbound:
-            self._warned_unbound = True
-            log.warning("the %s provider cannot name the sender of an immediate: immediates are credited from any "
-                        "sender; per-reservation descriptors still hold", self.engine.provider)
-        return descriptor
+        """Opens the load's scope (see `ReservationScope`): its own registration of its
+        blocks (per_reservation), and its immediate bound to the prefiller it names. Returns
+        the descriptor the load hands out."""
+        per_reservation = self.settings.kv_registration == "per_reservation"
+        parts = [(self.memory, reservation_windows(list(load.spec.block_ids), self.region.num_layers,
+                                                   self.region.num_blocks, self.region.block_bytes))
+                 ] if per_reservation else []
+        load.scope = ReservationScope.open(self.engine, f"transfer {load.spec.transfer_id}", imm,
+                                           load.spec.prefill_engine, parts)
+        if not per_reservation:
+            return self.memory.descriptor
+        self.metrics.registrations.inc()
+        self.metrics.registrations_open.inc()
+        return load.scope.descriptors[0]
 
     def _revoke(self, load: DecodeLoad) -> None:
-        """Closes the load's registration and unbinds its immediate (idempotent): from now on
-        a write with its descriptor fails at the writer and lands nothing."""
-        if load.windows is not None:
-            windows, load.windows = load.windows, None
+        """Revokes the load's scope (idempotent): from now on a write with its descriptor
+        fails at the writer and lands nothing."""
+        if load.scope is None:
+            return
+        scope, load.scope = load.scope, None
+        if scope.windows:
             self.metrics.registrations_open.dec()
-            try:
-                windows.close()
-            except Exception:  # an engine closing under us closed them itself
-                log.exception("closing the registration of transfer %s failed", load.spec.transfer_id)
-        if load.bound_imm is not None:
-            imm, load.bound_imm = load.bound_imm, None
-            try:
-                self.engine.unbind_imm_source(imm)
-            except Exception:
-                log.exception("unbinding the immediate of transfer %s failed", load.spec.transfer_id)
+        scope.revoke()
 
     def cancel(self, request_id: str, why: str) -> None:
         """vLLM finished the request (aborted) while its load is pending: fence, then free."""

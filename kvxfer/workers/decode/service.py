@@ -36,7 +36,7 @@ from typing import Any, AsyncIterator
 import numpy as np
 from pydantic import Field
 
-from kvxfer.errors import DescriptorError, TransferTimeout
+from kvxfer.errors import TransferTimeout
 from kvxfer.kv.integrity import KVIntegrity, KVIntegrityError, TransferReceipt, prompt_kv_digest, verify_pages
 from kvxfer.kv.ledger import WAITING, NoSlotError, ReservationLedger
 from kvxfer.kv.ledger import ReservationState as Res
@@ -51,11 +51,12 @@ from kvxfer.kv.protocol import (
     mailbox_slot_bytes,
     pages_for_tokens,
 )
+from kvxfer.kv.reservation_scope import PrefillAddressError, ReservationScope
 from kvxfer.kv.write_windows import reservation_windows
 from kvxfer.metrics import DecodeMetrics
 from kvxfer.model.tokenizer import ByteTokenizer
 from kvxfer.model.transformer import DecodeRequest, FinishReason, finish_reason_after
-from kvxfer.transfer.engine import MemoryWindows
+from kvxfer.transfer.engine import RegisteredMemory
 from kvxfer.workers.rejection import Rejection, RequestRejected
 from kvxfer.workers.runtime import WorkerCore, WorkerSettings
 
@@ -177,12 +178,10 @@ class DecodeRuntime:
             forget_imm=self.core.engine.reset_imm,
             close_writes=self._close_windows,
         )
-        # Per-reservation registrations (kv_registration=per_reservation) by request id,
-        # open while the reservation waits for its KV.
-        self._windows: dict[str, tuple[MemoryWindows, MemoryWindows]] = {}
-        # Immediates bound to the prefiller a reservation names, by request id, while it waits.
-        self._bound_sources: dict[str, int] = {}
-        self._warned_unbound = False
+        # Each reservation's registrations (kv_registration=per_reservation) and immediate
+        # binding, by request id, open while it waits for its KV.
+        # With per_reservation every scope holds registrations, with whole_cache none does.
+        self._scopes: dict[str, ReservationScope] = {}
         cfg = self.core.config
         # Each slot holds the record and one CRC-32C per (layer, page) of the longest prompt.
         max_prompt_pages = min(pages_for_tokens(cfg.max_context, cfg.block_size), settings.num_pages)
@@ -267,13 +266,13 @@ class DecodeRuntime:
                 log.warning("discarded %d immediates for %#x that arrived before request %s reserved it",
                             stray, job.imm, request_id)
             try:
-                if prefill_address is not None:
-                    self._bind_source(job, prefill_address)
-                descriptor, meta_descriptor = self._descriptors_for(job)
-            except Exception:
+                descriptor, meta_descriptor = self._open_scope(job, prefill_address)
+            except Exception as exc:
                 # Nothing may stay taken for a reservation the caller never got.
                 self.ledger.end(request_id, Res.FAILED, writer_stopped=True, reason="registration failed")
                 self.jobs.pop(request_id, None)
+                if isinstance(exc, PrefillAddressError):
+                    raise RequestRejected(Rejection.BAD_REQUEST, f"prefill_engine_address: {exc}", request_id) from None
                 raise
         self._update_gauges()
         return KVReservation(
@@ -291,58 +290,37 @@ class DecodeRuntime:
             checksums=self.settings.kv_integrity is not KVIntegrity.OFF,
         )
 
-    def _descriptors_for(self, job: DecodeJob) -> tuple[bytes, bytes]:
-        """The KV and mailbox descriptors a new reservation hands out (see `KVRegistration`)."""
-        if self.settings.kv_registration is KVRegistration.WHOLE_CACHE:
+    def _open_scope(self, job: DecodeJob, prefill_address: bytes | None) -> tuple[bytes, bytes]:
+        """Opens the job's `ReservationScope` and returns the KV and mailbox descriptors it
+        hands out: with per_reservation (see `KVRegistration`), registrations of its prompt
+        pages and its mailbox slot only; and its immediate bound to `prefill_address`."""
+        parts: list[tuple[RegisteredMemory, list[tuple[int, int]]]] = []
+        if self.settings.kv_registration is not KVRegistration.WHOLE_CACHE:
+            cache = self.core.cache
+            prompt_pages = job.pages[:pages_for_tokens(job.prompt_tokens, self.core.config.block_size)]
+            parts = [
+                (self.core.cache_region,
+                 reservation_windows(prompt_pages, self.core.config.num_layers, cache.num_pages, cache.page_bytes)),
+                (self.mailbox_region, [(job.slot * self.mailbox_slot_stride, self.mailbox_slot_stride)]),
+            ]
+        scope = ReservationScope.open(self.core.engine, f"request {job.request_id}", job.imm, prefill_address, parts)
+        self._scopes[job.request_id] = scope
+        if not parts:
             return self.core.cache_region.descriptor, self.mailbox_region.descriptor
-        cache = self.core.cache
-        prompt_pages = job.pages[:pages_for_tokens(job.prompt_tokens, self.core.config.block_size)]
-        engine = self.core.engine
-        kv = engine.register_windows(self.core.cache_region, reservation_windows(
-            prompt_pages, self.core.config.num_layers, cache.num_pages, cache.page_bytes))
-        try:
-            mailbox = engine.register_windows(
-                self.mailbox_region, [(job.slot * self.mailbox_slot_stride, self.mailbox_slot_stride)])
-        except Exception:
-            kv.close()
-            raise
-        self._windows[job.request_id] = (kv, mailbox)
         self.metrics.reservation_registrations.inc()
-        self.metrics.reservation_registrations_open.set(len(self._windows))
-        return kv.descriptor, mailbox.descriptor
-
-    def _bind_source(self, job: DecodeJob, prefill_address: bytes) -> None:
-        """Credits the job's immediate only from `prefill_address` (bound until it stops waiting)."""
-        try:
-            bound = self.core.engine.bind_imm_source(job.imm, prefill_address)
-        except (DescriptorError, ValueError) as exc:
-            raise RequestRejected(Rejection.BAD_REQUEST, f"prefill_engine_address: {exc}", job.request_id) from None
-        if bound:
-            self._bound_sources[job.request_id] = job.imm
-        elif not self._warned_unbound:
-            self._warned_unbound = True
-            log.warning("the %s provider cannot name the sender of an immediate (no FI_SOURCE, or rail counts "
-                        "differ): immediates are credited from any sender; scoped descriptors and the mailbox "
-                        "nonce still hold", self.core.engine.provider)
+        self.metrics.reservation_registrations_open.set(len(self._scopes))
+        kv, mailbox = scope.descriptors
+        return kv, mailbox
 
     def _close_windows(self, request_id: str) -> None:
-        """Revokes a reservation's descriptors (the ledger calls it when the reservation
-        stops waiting for its KV); a write with them then fails at its writer."""
-        imm = self._bound_sources.pop(request_id, None)
-        if imm is not None:
-            try:
-                self.core.engine.unbind_imm_source(imm)
-            except Exception:  # an engine closing under us dropped its bindings itself
-                log.exception("unbinding the immediate source of request %s failed", request_id)
-        windows = self._windows.pop(request_id, None)
-        if windows is None:
+        """Revokes a reservation's scope (the ledger calls it when the reservation stops
+        waiting for its KV); a write with its descriptors then fails at its writer."""
+        scope = self._scopes.pop(request_id, None)
+        if scope is None:
             return
-        self.metrics.reservation_registrations_open.set(len(self._windows))
-        for part in windows:
-            try:
-                part.close()
-            except Exception:  # an engine closing under us closed them itself
-                log.exception("closing the registration of request %s failed", request_id)
+        if scope.windows:
+            self.metrics.reservation_registrations_open.set(len(self._scopes))
+        scope.revoke()
 
     def job(self, request_id: str, caller: str = "anonymous") -> DecodeJob:
         """The job of a request id reserved by `caller`; `Rejection.UNKNOWN_REQUEST` if there is

@@ -1,0 +1,101 @@
+"""What one reservation lets its prefiller do on a decoder, opened and revoked as one.
+
+Both decoders (the builtin decode worker and the vLLM connector's decode side) scope a
+reservation two ways while it waits for its KV:
+
+- its own registrations: the reservation's pages (`write_windows.reservation_windows`) and,
+  on the builtin decoder, its mailbox slot, registered again with fresh random keys. Their
+  descriptors are what the prefiller gets, so a holder of them can write nothing else;
+- its immediate bound to the prefiller the reservation names, so arrivals from any other
+  sender never count (where the provider can name a sender: `capabilities["source"]`).
+
+`ReservationScope.revoke()` undoes both the moment the reservation stops waiting (admitted,
+cancelled, timed out, failed). A write with its descriptors then fails at the writer and
+lands nothing, and its immediate counts arrivals from anyone again, which is harmless: the
+decoder forgets the immediate and a slot comes back only under a new generation.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from kvxfer.errors import DescriptorError
+from kvxfer.transfer.engine import MemoryWindows, RegisteredMemory, TransferEngine
+
+log = logging.getLogger(__name__)
+
+#: Providers already warned about (once per process) for not naming a sender.
+_warned_unbound: set[str] = set()
+
+
+class PrefillAddressError(DescriptorError):
+    """The prefiller address a reservation names is not an engine address."""
+
+
+class ReservationScope:
+    """The registrations and the immediate binding of one reservation (see the module)."""
+
+    def __init__(self, engine: TransferEngine, label: str) -> None:
+        self._engine = engine
+        self.label = label  # says which reservation in logs: a request or transfer id
+        self.windows: list[MemoryWindows] = []  # open registrations, in the order asked for
+        self.bound_imm: int | None = None  # the immediate while it counts only its prefiller's arrivals
+
+    @classmethod
+    def open(cls, engine: TransferEngine, label: str, imm: int, prefill_address: bytes | None,
+             parts: Sequence[tuple[RegisteredMemory, list[tuple[int, int]]]]) -> ReservationScope:
+        """Binds `imm` to `prefill_address` (None: no binding) and registers each (region,
+        ranges) of `parts` again (none: the reservation hands out whole-region descriptors).
+
+        All or nothing: whatever was opened is revoked again before an error propagates.
+        Raises PrefillAddressError for a malformed address, and what `register_windows`
+        raises for ranges the provider or the bounds refuse.
+        """
+        scope = cls(engine, label)
+        try:
+            if prefill_address is not None:
+                scope._bind(imm, prefill_address)
+            for region, ranges in parts:
+                scope.windows.append(engine.register_windows(region, ranges))
+        except BaseException:
+            scope.revoke()
+            raise
+        return scope
+
+    def _bind(self, imm: int, prefill_address: bytes) -> None:
+        try:
+            bound = self._engine.bind_imm_source(imm, prefill_address)
+        except (DescriptorError, ValueError) as exc:
+            raise PrefillAddressError(str(exc)) from None
+        if bound:
+            self.bound_imm = imm
+        elif self._engine.provider not in _warned_unbound:
+            _warned_unbound.add(self._engine.provider)
+            log.warning("the %s provider cannot name the sender of an immediate (no FI_SOURCE, or rail counts "
+                        "differ): immediates are credited from any sender; scoped descriptors still hold",
+                        self._engine.provider)
+
+    @property
+    def descriptors(self) -> list[bytes]:
+        """The descriptor of each registration, in the order `parts` asked for them."""
+        return [w.descriptor for w in self.windows]
+
+    def revoke(self) -> None:
+        """Closes the registrations and unbinds the immediate; harmless to call again.
+
+        Errors are logged, not raised: an engine closing under us closed and unbound them
+        itself, and a caller revoking on its way to FAILED must get there.
+        """
+        windows, self.windows = self.windows, []
+        for part in windows:
+            try:
+                part.close()
+            except Exception:
+                log.exception("closing a registration of %s failed", self.label)
+        if self.bound_imm is not None:
+            imm, self.bound_imm = self.bound_imm, None
+            try:
+                self._engine.unbind_imm_source(imm)
+            except Exception:
+                log.exception("unbinding the immediate of %s failed", self.label)
