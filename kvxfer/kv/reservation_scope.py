@@ -7,7 +7,8 @@ reservation two ways while it waits for its KV:
   on the builtin decoder, its mailbox slot, registered again with fresh random keys. Their
   descriptors are what the prefiller gets, so a holder of them can write nothing else;
 - its immediate bound to the prefiller the reservation names, so arrivals from any other
-  sender never count (where the provider can name a sender: `capabilities["source"]`).
+  sender never count (where the provider can name a sender, `capabilities["source"]`, and
+  the prefiller has no more rails than the decoder).
 
 `ReservationScope.revoke()` undoes both the moment the reservation stops waiting (admitted,
 cancelled, timed out, failed). A write with its descriptors then fails at the writer and
@@ -72,8 +73,8 @@ class ReservationScope:
             self.bound_imm = imm
         elif self._engine.provider not in _warned_unbound:
             _warned_unbound.add(self._engine.provider)
-            log.warning("the %s provider cannot name the sender of an immediate (no FI_SOURCE, or rail counts "
-                        "differ): immediates are credited from any sender; scoped descriptors still hold",
+            log.warning("the %s provider cannot name the sender of an immediate, or the prefiller has more rails "
+                        "than this decoder: immediates are credited from any sender; scoped descriptors still hold",
                         self._engine.provider)
 
     @property

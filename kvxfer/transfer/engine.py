@@ -668,9 +668,11 @@ class TransferEngine:
         """Credits `imm` from now on only with arrivals sent by the engine at `address`.
 
         Arrivals of `imm` from any other sender are dropped and counted
-        (`engine_stats()["imm_foreign_dropped"]`). Returns False, binding nothing, where the
-        provider cannot name a completion's sender (no FI_SOURCE: tcp in libfabric 1.17) or
-        the peer has another number of rails; `capabilities["source"]` says which.
+        (`engine_stats()["imm_foreign_dropped"]`). Each rail of ours accepts the peer's rail
+        that writes to it. Returns False, binding nothing, where the provider cannot name a
+        completion's sender (`capabilities["source"]` False: no FI_SOURCE, or shm) or the
+        peer has more rails than this engine. The senders of RMA-write completions are not
+        reliable on every provider: see docs/architecture.md, "Data plane".
         """
         return bool(self._native.bind_imm_source(int(imm), self._peer(address)))
 

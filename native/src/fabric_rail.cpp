@@ -148,7 +148,9 @@ void FabricRail::open(const std::string& provider, const std::string& bind_host,
   caps_.tx_size = info_->tx_attr->size;
   caps_.rx_size = info_->rx_attr->size;
   caps_.inject_size = info_->tx_attr->inject_size;
-  caps_.source = info_->caps & FI_SOURCE;
+  // shm in libfabric 1.17 grants FI_SOURCE but names every sender fi_addr 0 (measured: an
+  // outside engine's immediate read as the bound peer's), so it cannot tell senders apart.
+  caps_.source = (info_->caps & FI_SOURCE) && caps_.provider != "shm";
 
   check(fi_fabric(info_->fabric_attr, &fabric_, nullptr), "fi_fabric");
   check(fi_domain(fabric_, info_, &domain_, nullptr), "fi_domain");

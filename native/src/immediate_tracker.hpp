@@ -26,11 +26,14 @@ class ImmediateTracker {
   ImmCounterTable& table() { return table_; }
   const ImmCounterTable& table() const { return table_; }
 
-  // Worker only: from now on `imm` counts only arrivals whose completion names
-  // `sources[rail]` as sender on the rail they came in on (AV addresses of the one peer a
-  // reservation names); anything else is dropped and counted (foreign_dropped). Only on
-  // providers with FI_SOURCE: elsewhere every source reads FI_ADDR_NOTAVAIL.
-  void bind_source(uint32_t imm, std::vector<fi_addr_t> sources) { sources_[imm] = std::move(sources); }
+  // Worker only: from now on `imm` counts only arrivals whose completion names one of
+  // `sources[rail]` as sender on the rail they came in on (AV addresses of the rails of the
+  // one peer a reservation names that send to that rail: see
+  // ProgressWorker::source_addresses); anything else is dropped and counted
+  // (foreign_dropped). Only on providers with FI_SOURCE: elsewhere every source reads
+  // FI_ADDR_NOTAVAIL.
+  using RailSources = std::vector<std::vector<fi_addr_t>>;
+  void bind_source(uint32_t imm, RailSources sources) { sources_[imm] = std::move(sources); }
   void unbind_source(uint32_t imm) { sources_.erase(imm); }
   uint64_t foreign_dropped() const { return foreign_dropped_.load(std::memory_order_relaxed); }
 
@@ -39,7 +42,7 @@ class ImmediateTracker {
   void on_arrival(uint64_t cq_data, size_t rail, fi_addr_t source) {
     if (!sources_.empty()) {
       auto it = sources_.find(static_cast<uint32_t>(cq_data));
-      if (it != sources_.end() && (rail >= it->second.size() || it->second[rail] != source)) {
+      if (it != sources_.end() && !sent_by(it->second, rail, source)) {
         foreign_dropped_.fetch_add(1, std::memory_order_relaxed);
         return;
       }
@@ -157,7 +160,14 @@ class ImmediateTracker {
   ImmCounterTable table_;
   EventQueue& events_;
   std::unordered_map<uint32_t, std::vector<Expectation>> expectations_;  // worker only
-  std::unordered_map<uint32_t, std::vector<fi_addr_t>> sources_;         // worker only: bound senders
+  static bool sent_by(const RailSources& sources, size_t rail, fi_addr_t source) {
+    if (rail >= sources.size()) return false;
+    for (fi_addr_t allowed : sources[rail])
+      if (allowed == source) return true;
+    return false;
+  }
+
+  std::unordered_map<uint32_t, RailSources> sources_;                    // worker only: bound senders
   std::atomic<uint64_t> foreign_dropped_{0};
   bool arrived_ = false;                                                 // worker only
   std::atomic<uint32_t> epoch_{0};  // bumped by every arrival round: for unslotted waiters

@@ -214,6 +214,16 @@ std::vector<fi_addr_t>& ProgressWorker::peer_addresses(const EngineAddress& peer
   return peers_.emplace(peer.engine_id, std::move(addrs)).first->second;
 }
 
+ImmediateTracker::RailSources ProgressWorker::source_addresses(const EngineAddress& peer) {
+  const auto& sends_to = peer_addresses(peer);  // our rail r <-> the peer's rail r % theirs
+  const size_t ours = rails_.size(), theirs = peer.rail_addresses.size();
+  ImmediateTracker::RailSources sources(ours);
+  // The peer's rail s writes to our rail s % ours: with theirs <= ours (TransferEngine
+  // binds only then) that is rail s, whose AV already holds the peer's rail s.
+  for (size_t s = 0; s < theirs && s < ours; ++s) sources[s].push_back(sends_to[s]);
+  return sources;
+}
+
 void ProgressWorker::forget_peer(uint64_t engine_id) {
   auto it = peers_.find(engine_id);
   if (it == peers_.end()) return;

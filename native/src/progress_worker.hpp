@@ -77,7 +77,13 @@ class ProgressWorker {
   void consume_imm(uint32_t imm, uint64_t units) { imms_.table().consume(imm, units); }
   void reset_imm(uint32_t imm) { imms_.table().reset(imm); }
   // Worker thread only (run_on_worker): see ImmediateTracker::bind_source.
-  void bind_imm_source(uint32_t imm, std::vector<fi_addr_t> sources) { imms_.bind_source(imm, std::move(sources)); }
+  void bind_imm_source(uint32_t imm, ImmediateTracker::RailSources sources) {
+    imms_.bind_source(imm, std::move(sources));
+  }
+  // Worker only: per rail of ours, the AV addresses of the peer's rails that write to it.
+  // The peer's rail s writes to our rail s % (our rail count) (RailGroup::remote_rail): with
+  // no more rails than ours, rail s hears the peer's rail s and our other rails none.
+  ImmediateTracker::RailSources source_addresses(const EngineAddress& peer);
   void unbind_imm_source(uint32_t imm) { imms_.unbind_source(imm); }
   uint64_t imm_foreign_dropped() const { return imms_.foreign_dropped(); }
   // Waits for a transfer: on its status word, or by making progress where the caller drives.

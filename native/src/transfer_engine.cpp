@@ -443,12 +443,14 @@ bool TransferEngine::bind_imm_source(uint32_t imm, std::shared_ptr<const EngineA
   check_open();
   for (size_t r = 0; r < rails_->size(); ++r)
     if (!rails_->rail(r).caps().source) return false;
-  // Our rail r hears the peer's rail r only when both have as many rails (RailGroup::remote_rail);
-  // otherwise one rail of ours hears several of the peer's, which this one-sender check
-  // does not model.
-  if (peer->rail_addresses.size() != rails_->size()) return false;
-  // The peer goes into the AV first: only then can a completion name it.
-  worker_->run_on_worker([&] { worker_->bind_imm_source(imm, worker_->peer_addresses(*peer)); },
+  // A peer with more rails than ours writes to one of our rails from several of its own.
+  // net in libfabric 1.17 names only the first of them; the others read FI_ADDR_NOTAVAIL
+  // like an outsider's (measured: a 2-rail writer into 1 rail), so such a binding would drop
+  // the peer's own shards. Bind only where each rail of ours hears at most one of the peer's.
+  if (peer->rail_addresses.size() > rails_->size()) return false;
+  // The peer's rails go into our AVs first (each on the rail of ours it writes to): only
+  // then can a completion name them.
+  worker_->run_on_worker([&] { worker_->bind_imm_source(imm, worker_->source_addresses(*peer)); },
                          30'000'000'000LL);
   return true;
 }

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,16 +15,19 @@ from support.engine_pairs import (
     KIB,
     LOOPBACK,
     MIB,
+    SPARE_BYTES,
     STRAY_ARRIVAL_GRACE_S,
     WAIT_S,
     EnginePair,
     OwnPeers,
     PairPool,
+    PeerProcess,
     fresh_imm,
     only_first_provider,
     wait_for_stat,
 )
 from support.engine_peer import (
+    SAME_HOST_MODES,
     engine_options,
 )
 
@@ -142,3 +146,42 @@ def test_arrivals_beyond_the_immediate_table_are_counted_as_overflows_and_their_
         registry = CollectorRegistry()
         EngineMetrics(registry, receiver.path_stats, receiver.engine_stats)
         assert f"kvxfer_engine_imm_table_overflows_total {float(extra)}" in generate_latest(registry).decode()
+
+
+def test_an_immediate_bound_to_a_peer_with_fewer_rails_counts_its_rails_and_no_one_else(
+    provider: str, peers: OwnPeers, tmp_path: Path
+) -> None:
+    """A 1-rail prefiller writes only to rail 0 of a 2-rail decoder: the binding hears it
+    there and nobody on rail 1. Before, a binding needed equal rail counts, so none was made
+    and anyone's immediates counted. The other way round (more prefiller rails than decoder
+    rails) binds nothing, said by the False return: net names only one of several peer
+    rails that write to one rail of ours (see TransferEngine::bind_imm_source)."""
+    if provider in SAME_HOST_MODES:
+        pytest.skip("the same-host path posts no fabric immediates")
+    with TransferEngine(**engine_options(provider), rails=2, bind_host=LOOPBACK) as decoder:
+        if not decoder.capabilities["source"]:
+            pytest.skip(f"{provider} cannot name an immediate's sender")
+        region = decoder.register(np.zeros(2 * MIB, dtype=np.uint8))
+        prefiller = PeerProcess(provider, 1, SPARE_BYTES, tmp_path)
+        wider = PeerProcess(provider, 3, SPARE_BYTES, tmp_path)
+        try:
+            imm = fresh_imm()
+            assert not decoder.bind_imm_source(fresh_imm(), wider.address), "bound a peer with more rails"
+            assert decoder.bind_imm_source(imm, prefiller.address), "no binding across rail counts"
+            for _ in range(4):
+                prefiller.call("write", descriptor=region.descriptor.hex(), src_offset=0, dst_offset=0,
+                               length=1 * MIB, imm=imm)
+            decoder.wait_imm(imm, 4, WAIT_S)
+            assert decoder.engine_stats()["imm_foreign_dropped"] == 0
+
+            # Outsiders' immediate-only writes (they need no key: the injection this check
+            # stops) never count. RMA writes are not sent: their completions' sources are
+            # not reliable on these providers (docs/architecture.md, "Data plane").
+            peers.spare().call("write_imms", target=decoder.address.hex(), imms=[imm] * 3)
+            wider.call("write_imms", target=decoder.address.hex(), imms=[imm] * 2)
+            wait_for_stat(decoder, "imm_foreign_dropped", 5)
+            time.sleep(STRAY_ARRIVAL_GRACE_S)
+            assert decoder.imm_count(imm) == 4
+        finally:
+            prefiller.close()
+            wider.close()
