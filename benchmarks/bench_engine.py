@@ -293,6 +293,21 @@ def measure_bare(binary: Path, run: BareRun, args: argparse.Namespace) -> dict[s
     return out
 
 
+def pool_bare(first: dict[str, Any], again: dict[str, Any]) -> dict[str, Any]:
+    """One bare setting's results over both its rounds (before and after the engine tables):
+    every sample of each, so the median sits between the machine's phases. An error in
+    either round keeps the other."""
+    if "error" in again:
+        return {**first, "error_after": again["error"]}
+    if "error" in first:
+        return again
+    out = {**first, "rounds": 2, "seconds": first["seconds"] + again["seconds"]}
+    for key in ("gbps", "mops", "cpu_s_per_gb"):
+        if key in first and key in again:
+            out[key] = summary(first[key]["samples"] + again[key]["samples"])
+    return out
+
+
 def engine_delivery_complete(delivery_complete: str) -> bool:
     """Whether the engine's writes complete on delivery in this setting (on by default)."""
     return delivery_complete != "off"
@@ -941,6 +956,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--interleave", action="store_true",
                    help="keep every configuration alive and alternate their runs (for A/B sweeps)")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--deep-after", choices=("on", "off"), default="on",
+                   help="run the deep bare loop again after the engine tables and pool both runs "
+                        "(default on; the machine's speed drifts by up to 2x over minutes, so one run "
+                        "before the tables could meet the engine in another phase)")
     add_engine_arguments(p, lists=True)
     a = p.parse_args(argv)
     a.repeats = a.repeats or (2 if a.quick else 3)
@@ -1020,8 +1039,10 @@ def main(argv: list[str] | None = None) -> int:
     meta["bare_binary"] = str(binary) if binary else f"from {args.baselines_from}"
     bare_todo = [] if baselines else bare_settings(cases, configs, args.repeats, args.bare_windows, args.quick)
 
+    # The deep runs again after the engine tables, pooled with the first (--deep-after).
+    deep_again = [r for r in bare_todo if r.deep] if args.deep_after == "on" else []
     n_limits = 0 if baselines else (2 if args.interleave else len(configs) + 2)
-    progress = tqdm(total=n_limits + len(bare_todo) + len(configs) * len(cases) * (1 + args.repeats),
+    progress = tqdm(total=n_limits + len(bare_todo) + len(deep_again) + len(configs) * len(cases) * (1 + args.repeats),
                     unit="step", dynamic_ncols=True, file=sys.stderr)
 
     def limits_now(when: str) -> dict[str, Any]:
@@ -1058,6 +1079,11 @@ def main(argv: list[str] | None = None) -> int:
     if baselines:
         limit_runs = baselines["limit_runs"]
     else:
+        for run in deep_again:
+            progress.set_description(f"bare again {run.provider} {size_text(run.size)} r{run.rails}"
+                                     f"{' rnd' if run.random else ''}")
+            bare[run.key()] = pool_bare(bare[run.key()], measure_bare(binary, run, args))
+            progress.update(1)
         limit_runs.append(limits_now("end"))
     progress.close()
 
