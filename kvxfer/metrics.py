@@ -357,6 +357,9 @@ _ENGINE_WIDE_COUNTERS: tuple[tuple[str, str, str], ...] = (
      "inbox_max_bytes."),
     ("kvxfer_engine_inbox_dropped_bytes", "inbox_dropped_bytes",
      "Bytes of control messages dropped because the unread inbox was full."),
+    ("kvxfer_engine_lock_refused", "lock_refused",
+     "Registrations whose pages the kernel would not lock (RLIMIT_MEMLOCK without CAP_IPC_LOCK); they work "
+     "unlocked (lock_kv_pages)."),
 )
 
 

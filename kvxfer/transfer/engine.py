@@ -342,6 +342,11 @@ class TransferEngine:
         first transfer into fresh memory runs at the warm rate (it ran at 0.23x while the
         copy or the provider faulted pages in one by one). Memory cost: the whole buffer
         becomes resident at registration. False leaves untouched pages unbacked.
+    lock_on_register: with populate_on_register, also lock those pages (mlock) where the
+        process may (CAP_IPC_LOCK, or room under RLIMIT_MEMLOCK): they are then never
+        swapped or reclaimed while registered. Where the kernel refuses, the registration
+        goes on unlocked and is counted (engine_stats()["lock_refused"]);
+        engine_stats()["locked_bytes"] is what this process holds locked. False never locks.
     """
 
     def __init__(
@@ -361,6 +366,7 @@ class TransferEngine:
         inbox_max_messages: int = 1024,
         inbox_max_bytes: int = 16 * 1024 * 1024,
         populate_on_register: bool = True,
+        lock_on_register: bool = True,
     ) -> None:
         if not isinstance(rails, int) or rails < 1:
             raise EngineError(f"rails must be a positive integer, got {rails!r}")
@@ -390,6 +396,7 @@ class TransferEngine:
             inbox_max_messages=int(inbox_max_messages),
             inbox_max_bytes=int(inbox_max_bytes),
             populate_on_register=bool(populate_on_register),
+            lock_on_register=bool(lock_on_register),
         )
         self.progress = progress
         self.transfer_timeout_s = float(transfer_timeout_s)
@@ -786,7 +793,8 @@ class TransferEngine:
         """Engine-wide counters: imm_table_overflows (arrivals dropped because the immediate
         table was full) and imm_table_capacity; inbox_dropped_messages/_bytes (control
         messages dropped because the unread inbox was at a bound) and what the inbox holds
-        now (inbox_messages, inbox_bytes)."""
+        now (inbox_messages, inbox_bytes); lock_refused (registrations the kernel would not
+        lock) and locked_bytes (locked by every engine of this process)."""
         return dict(self._native.engine_stats())
 
     def same_host_stats(self) -> dict[str, int]:

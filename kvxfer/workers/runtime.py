@@ -42,6 +42,11 @@ class WorkerSettings(BaseSettings):
     )
     num_pages: int = 4096
     transfer_timeout_s: float = 10.0
+    lock_kv_pages: bool = Field(
+        True, description="lock the KV cache's pages in RAM (mlock) where the process may (CAP_IPC_LOCK or "
+        "RLIMIT_MEMLOCK room): never swapped or reclaimed while registered; refused locks are counted "
+        "(kvxfer_engine_lock_refused_total) and the cache works unlocked"
+    )
     etcd: str | None = Field(None, description="comma-separated etcd endpoints; none: no registry")
     etcd_prefix: str = "/kvxfer"
     etcd_ca_file: Path | None = Field(None, description="CA bundle that verifies etcd (https:// endpoints)")
@@ -84,6 +89,7 @@ class WorkerCore:
             bind_host=settings.bind_host,
             transfer_timeout_s=settings.transfer_timeout_s,
             same_host=settings.same_host,
+            lock_on_register=settings.lock_kv_pages,
         )
         self.cache_region = self.engine.register(self.cache.tensor)
         self.metrics_registry = CollectorRegistry()

@@ -127,6 +127,7 @@ struct MemoryRegion {
   int share_fd = -1;
   uint64_t share_offset = 0;
   uint64_t share_dev = 0, share_ino = 0;
+  bool locked = false;  // its pages are locked (EngineSettings::lock_on_register) until deregistered
   std::vector<RailRegistration> rails;
 };
 using MemoryRegionPtr = std::shared_ptr<MemoryRegion>;

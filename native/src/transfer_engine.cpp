@@ -1,5 +1,7 @@
 #include "transfer_engine.hpp"
 
+#include "page_locks.hpp"
+
 #include <algorithm>
 
 #include <sys/mman.h>
@@ -93,8 +95,10 @@ void TransferEngine::close() {
       set->closed = true;
     }
     windows_.clear();
-    for (auto& [id, region] : regions_)
+    for (auto& [id, region] : regions_) {
       for (size_t r = 0; r < region->rails.size(); ++r) rails_->rail(r).deregister(region->rails[r]);
+      unlock_pages(*region);  // the buffer may outlive the engine: its pages go back now
+    }
     regions_.clear();
   }
   // The worker and rails objects live on until destruction: threads still blocked in
@@ -129,7 +133,13 @@ MemoryRegionPtr TransferEngine::register_memory(uintptr_t addr, uint64_t length,
   }
   // Before the provider registers it: on this thread, not the worker's (a 1 GiB buffer
   // takes a fraction of a second to populate).
-  if (settings_.populate_on_register) populate_pages(addr, length);
+  if (settings_.populate_on_register) {
+    populate_pages(addr, length);
+    if (settings_.lock_on_register) {
+      region->locked = PageLocks::process().lock(addr, length);
+      if (!region->locked) lock_refused_.fetch_add(1, std::memory_order_relaxed);
+    }
+  }
   // MR calls touch the domain, which belongs to the worker thread.
   worker_->run_on_worker(
       [&] {
@@ -156,6 +166,13 @@ void TransferEngine::deregister(const MemoryRegionPtr& region) {
         for (size_t r = 0; r < region->rails.size(); ++r) rails_->rail(r).deregister(region->rails[r]);
       },
       30'000'000'000LL);
+  unlock_pages(*region);
+}
+
+void TransferEngine::unlock_pages(MemoryRegion& region) {
+  if (!region.locked) return;
+  region.locked = false;
+  PageLocks::process().unlock(region.addr, region.length);
 }
 
 MemoryWindowsPtr TransferEngine::register_windows(const MemoryRegionPtr& parent,

@@ -31,6 +31,12 @@ struct EngineSettings {
   // fault each page in (about 10 us per 4 KiB page). Costs what the buffer's size says:
   // every page becomes resident at registration (and registration takes that long once).
   bool populate_on_register = true;
+  // With populate_on_register, also lock the populated pages (mlock) where the process may:
+  // CAP_IPC_LOCK, or RLIMIT_MEMLOCK room. Locked pages are never swapped or reclaimed, so a
+  // transfer never waits for one to come back; the cost is that the buffer's whole size
+  // stays out of the kernel's reach until deregistered. Where the kernel refuses, the
+  // registration goes on unlocked and is counted (engine_stats: lock_refused).
+  bool lock_on_register = true;
   PlannerSettings planner;
   WorkerSettings worker;
 };
@@ -103,7 +109,7 @@ class TransferEngine {
   void connect(std::shared_ptr<const EngineAddress> peer);
   // From now on `imm` is credited only with arrivals sent by `peer`'s endpoints; others are
   // dropped and counted (imm_foreign_dropped). False, and nothing bound, where the provider
-  // cannot name the sender of a completion (no FI_SOURCE, e.g. tcp in libfabric 1.17).
+  // cannot name the sender of a completion (no FI_SOURCE, or shm), or `peer` has more rails.
   bool bind_imm_source(uint32_t imm, std::shared_ptr<const EngineAddress> peer);
   void unbind_imm_source(uint32_t imm);
   void forget(const EngineAddress& peer);
@@ -111,8 +117,12 @@ class TransferEngine {
   ProgressWorker& worker() { return *worker_; }
   void close();
   bool closed() const { return closed_.load(std::memory_order_acquire); }
+  // Registrations whose pages the kernel refused to lock (see lock_on_register).
+  uint64_t lock_refused() const { return lock_refused_.load(std::memory_order_relaxed); }
 
  private:
+  // Gives a region's locked pages back (those no other locked registration covers).
+  void unlock_pages(MemoryRegion& region);
   TransferStatePtr start(std::unique_ptr<WorkBatch> batch);
   // Hands a planned same-host copy to a batch, with the immediates that follow it.
   TransferStatePtr start_copy(std::unique_ptr<WorkBatch> batch, std::unique_ptr<SameHostCopy> copy,
@@ -141,6 +151,7 @@ class TransferEngine {
   // joining the worker at once would be undefined behaviour).
   std::atomic<bool> closed_{false};
   std::mutex close_mutex_;
+  std::atomic<uint64_t> lock_refused_{0};
 };
 
 // Picks the best provider present for provider="auto": RDMA NICs first, then sockets.

@@ -30,6 +30,9 @@ class ConnectorSettings(BaseModel):
         "False forces the fabric, as between pods")
     bind_host: str | None = Field(None, description="address the engine binds (default KVXFER_BIND_HOST)")
     transfer_timeout_s: float = Field(10.0, gt=0, description="a posted write not complete by then fails")
+    lock_kv_pages: bool = Field(
+        True, description="lock the registered KV cache's host pages (mlock) where the process may; refused "
+        "locks are counted (engine_stats lock_refused) and the cache works unlocked")
 
     # -- decode side (kv_consumer) -------------------------------------------------------
     load_timeout_s: float = Field(
