@@ -10,6 +10,7 @@
 #include <cstring>
 
 #include "futex_wait.hpp"
+#include "sleep_policy.hpp"
 
 namespace kvxfer {
 namespace {
@@ -18,30 +19,6 @@ namespace {
 constexpr size_t kCqBatch = 64;
 // How often the worker looks for expired transfers.
 constexpr int64_t kDeadlineCheckNs = 1'000'000;
-// The longest an idle worker sleeps: bounds how late a deadline is noticed.
-constexpr int kMaxSleepMs = 2;
-// The longest sleep with no transfer in flight: only bounds how late stop() is noticed.
-constexpr int kIdleSleepMs = 50;
-// See sleep_until_work: when a provider's CQ fd cannot be trusted to block. Quiet means no
-// completion and no incoming write for 2 ms: a prefiller writing once per layer (every
-// ~100 ms) must not spin a core between layers, which it did with 250 ms here (twice the
-// CPU and TTFT in bench_disagg_prefill). Then it polls every 100 us (a completion is seen
-// at most that late), and every 1 ms after a second of silence.
-constexpr int64_t kQuietNs = 2'000'000;
-constexpr useconds_t kQuietSleepMinUs = 100;
-constexpr useconds_t kQuietSleepMaxUs = 1000;
-// Also see sleep_until_work: with at least this many ops in flight, a worker whose CQ fd
-// woke it for nothing naps kBusyNapUs instead of polling again at once. The pipeline holds
-// milliseconds of work then (64 ops of >= 1 KiB, acknowledged in batches), so the nap costs
-// no throughput, while the spin it replaces (two epoll_waits a turn, 86 per 16 KiB op with
-// 4 KiB pages over net) took the core the target needs on a 2-core machine. A single write
-// in flight is never delayed by it.
-constexpr size_t kBusyNapMinInflight = 64;
-constexpr useconds_t kBusyNapUs = 20;
-// How soon a quiet worker with ops still queued (see sleep_until_work) retries posting them
-// when no fd wakes it earlier.
-constexpr int kQueuedRetryMs = 1;
-
 ContextTag tag_of(void* context) {
   // Both context types start with fi_context2 followed by their tag.
   return *reinterpret_cast<ContextTag*>(static_cast<char*>(context) + sizeof(struct fi_context2));
@@ -527,32 +504,16 @@ void ProgressWorker::on_expired(WorkBatch* batch) {
 
 void ProgressWorker::sleep_until_work(int64_t wake_by_ns) {
   sleeping_.store(1, std::memory_order_seq_cst);
-  bool can_block = submissions_.empty() && controls_.empty() && copies_.empty();
-  // Ops still queued on a rail wait for in-flight room or were refused by the provider
-  // (EAGAIN: that peer's queue is full, or its connection is not up yet). In a busy stream
-  // either clears within microseconds and the worker must retry at once (net moves the data
-  // only while this thread polls). But a peer first contacted while frozen never completes
-  // net's handshake, and one frozen mid-stream holds its ops and slots: those stay queued
-  // until their deadline, and retrying them at once spun this thread at a full core for
-  // that long (an abort message to a frozen decoder: 6 s) on the cores the other peers'
-  // traffic and the prefill compute need. So queued ops keep the worker awake only until
-  // nothing has happened for kQuietNs; then it sleeps as a quiet worker does, at most
-  // kQueuedRetryMs at a time, and retries them when it wakes.
-  bool quiet = monotonic_ns() - last_activity_ns_ > kQuietNs;
-  bool ops_queued = false;
+  sleep_policy::Idle idle;
+  idle.work_waiting = !(submissions_.empty() && controls_.empty() && copies_.empty());
   for (size_t r = 0; r < rails_.size(); ++r)
-    if (!pending_[r].empty()) ops_queued = true;
-  if (ops_queued && !quiet) can_block = false;
-  if (can_block) {
-    // Deadlines need a look every few ms only while transfers are live; an engine with
-    // nothing in flight sleeps longer (new work and arrivals wake it through the fds).
-    int timeout_ms = deadlines_.empty() ? kIdleSleepMs : kMaxSleepMs;
-    if (ops_queued) timeout_ms = std::min(timeout_ms, kQueuedRetryMs);
-    if (wake_by_ns != INT64_MAX) {
-      // A caller's deadline: rounded up, so the last millisecond is slept, not spun.
-      int64_t left_ms = (wake_by_ns - monotonic_ns() + 999'999) / 1'000'000;
-      timeout_ms = static_cast<int>(std::clamp<int64_t>(left_ms, 0, timeout_ms));
-    }
+    if (!pending_[r].empty()) idle.ops_queued = true;
+  idle.transfers_live = !deadlines_.empty();
+  idle.now_ns = monotonic_ns();
+  idle.last_activity_ns = last_activity_ns_;
+  idle.wake_by_ns = wake_by_ns;
+  int timeout_ms = sleep_policy::block_timeout_ms(idle);
+  if (timeout_ms >= 0) {
     if (all_rails_have_wait_fd_) {
       for (size_t r = 0; r < rails_.size(); ++r)
         if (!rails_.rail(r).try_wait()) timeout_ms = 0;
@@ -571,19 +532,9 @@ void ProgressWorker::sleep_until_work(int64_t wake_by_ns) {
           woken_by_submitter = true;
         }
       }
-      // libfabric 1.17's net provider keeps its CQ fd readable once a connection exists
-      // (its progress signal is cleared only by its own progress thread), so epoll returns
-      // at once with nothing to do. After a quiet spell (no completion and no arrival for
-      // kQuietNs) such wake-ups are spurious: sleep in growing steps instead of spinning.
-      // A busy stream is never quiet that long, so it keeps polling. Incoming writes
-      // without immediates are arrivals too: they carry kTrafficOnlyWeight.
       if (n > 0 && !woken_by_submitter) {
-        if (monotonic_ns() - last_activity_ns_ > kQuietNs) {
-          int64_t quiet_ms = (monotonic_ns() - last_activity_ns_) / 1000000;
-          usleep(quiet_ms > 1000 ? kQuietSleepMaxUs : kQuietSleepMinUs);
-        } else if (ops_in_flight() >= kBusyNapMinInflight) {
-          usleep(kBusyNapUs);
-        }
+        useconds_t nap = sleep_policy::nap_after_wake_us(monotonic_ns(), last_activity_ns_, ops_in_flight());
+        if (nap > 0) usleep(nap);
       }
     } else if (!all_rails_have_wait_fd_) {
       usleep(20);
@@ -650,7 +601,7 @@ void ProgressWorker::idle(int64_t idle_since, int64_t wake_by_ns) {
 }
 
 void ProgressWorker::loop() {
-  // Timer slack of 1 us for this thread: its kBusyNapUs naps would otherwise last the
+  // Timer slack of 1 us for this thread: its sleep_policy::kBusyNapUs naps would otherwise last the
   // default 50 us slack longer (3.5x the nap). A/B on an idle machine, net, random pages:
   // 4 KiB +25-35% pages/s, 16 KiB within noise.
   prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);

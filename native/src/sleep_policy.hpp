@@ -1,0 +1,87 @@
+// When and how long the progress worker sleeps (ProgressWorker::sleep_until_work): the
+// decisions only, as pure functions of what the worker knows, so they are tested without
+// a fabric (native/tests/sleep_policy_test.cpp). The worker does the syscalls.
+#pragma once
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+
+namespace kvxfer::sleep_policy {
+
+// The longest an idle worker sleeps: bounds how late a deadline is noticed.
+constexpr int kMaxSleepMs = 2;
+// The longest sleep with no transfer in flight: only bounds how late stop() is noticed.
+constexpr int kIdleSleepMs = 50;
+// When a provider's CQ fd cannot be trusted to block. Quiet means no completion and no
+// incoming write for 2 ms: a prefiller writing once per layer (every ~100 ms) must not spin
+// a core between layers, which it did with 250 ms here (twice the CPU and TTFT in
+// bench_disagg_prefill). Then it polls every 100 us (a completion is seen at most that
+// late), and every 1 ms after a second of silence.
+constexpr int64_t kQuietNs = 2'000'000;
+constexpr useconds_t kQuietSleepMinUs = 100;
+constexpr useconds_t kQuietSleepMaxUs = 1000;
+// With at least this many ops in flight, a worker whose CQ fd woke it for nothing naps
+// kBusyNapUs instead of polling again at once. The pipeline holds milliseconds of work then
+// (64 ops of >= 1 KiB, acknowledged in batches), so the nap costs no throughput, while the
+// spin it replaces (two epoll_waits a turn, 86 per 16 KiB op with 4 KiB pages over net) took
+// the core the target needs on a 2-core machine. A single write in flight is never delayed.
+constexpr size_t kBusyNapMinInflight = 64;
+constexpr useconds_t kBusyNapUs = 20;
+// How soon a quiet worker with ops still queued retries posting them when no fd wakes it.
+constexpr int kQueuedRetryMs = 1;
+
+// What the worker knows when a round did nothing and its idle spin is over.
+struct Idle {
+  bool work_waiting = false;    // submissions, control messages or same-host copies to take
+  bool ops_queued = false;      // ops on a rail waiting for in-flight room or refused (EAGAIN)
+  bool transfers_live = false;  // some transfer has a deadline
+  int64_t now_ns = 0;
+  int64_t last_activity_ns = 0;   // the last round that did something
+  int64_t wake_by_ns = INT64_MAX;  // a caller's deadline (drive_until), else INT64_MAX
+};
+
+inline bool quiet(int64_t now_ns, int64_t last_activity_ns) { return now_ns - last_activity_ns > kQuietNs; }
+
+// How long the worker may block on its fds (ms, 0: only look); -1: it must not block.
+//
+// Queued ops wait for in-flight room or were refused by the provider (EAGAIN: that peer's
+// queue is full, or its connection is not up yet). In a busy stream either clears within
+// microseconds and the worker must retry at once (net moves the data only while the worker
+// polls). But a peer first contacted while frozen never completes net's handshake, and one
+// frozen mid-stream holds its ops and slots: those stay queued until their deadline, and
+// retrying them at once spun the worker at a full core for that long (an abort message to
+// a frozen decoder: 6 s) on the cores the other peers' traffic and the prefill compute
+// need. So queued ops keep the worker awake only until nothing has happened for kQuietNs;
+// then it sleeps as a quiet worker does, at most kQueuedRetryMs at a time.
+inline int block_timeout_ms(const Idle& s) {
+  if (s.work_waiting) return -1;
+  if (s.ops_queued && !quiet(s.now_ns, s.last_activity_ns)) return -1;
+  // Deadlines need a look every few ms only while transfers are live; an engine with
+  // nothing in flight sleeps longer (new work and arrivals wake it through the fds).
+  int timeout_ms = s.transfers_live ? kMaxSleepMs : kIdleSleepMs;
+  if (s.ops_queued) timeout_ms = std::min(timeout_ms, kQueuedRetryMs);
+  if (s.wake_by_ns != INT64_MAX) {
+    // A caller's deadline: rounded up, so the last millisecond is slept, not spun.
+    int64_t left_ms = (s.wake_by_ns - s.now_ns + 999'999) / 1'000'000;
+    timeout_ms = static_cast<int>(std::clamp<int64_t>(left_ms, 0, timeout_ms));
+  }
+  return timeout_ms;
+}
+
+// How long to nap (us; 0: none) after the fds woke the worker, but not a submitter.
+//
+// libfabric 1.17's net provider keeps its CQ fd readable once a connection exists (its
+// progress signal is cleared only by its own progress thread), so epoll returns at once
+// with nothing to do. After a quiet spell such wake-ups are spurious: sleep in growing
+// steps instead of spinning. A busy stream is never quiet that long, so it keeps polling,
+// napping only with a deep pipeline. Incoming writes without immediates are arrivals too.
+inline useconds_t nap_after_wake_us(int64_t now_ns, int64_t last_activity_ns, size_t ops_in_flight) {
+  if (quiet(now_ns, last_activity_ns))
+    return now_ns - last_activity_ns > 1'000'000'000 ? kQuietSleepMaxUs : kQuietSleepMinUs;
+  return ops_in_flight >= kBusyNapMinInflight ? kBusyNapUs : 0;
+}
+
+}  // namespace kvxfer::sleep_policy
