@@ -74,6 +74,7 @@ class LocalCluster:
         self.provider = provider
         self.num_pages = num_pages
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="kvxfer-cluster-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
         self.startup_timeout_s = startup_timeout_s
         self.worker_env = dict(worker_env or {})
         self.router_env = dict(router_env or {})
@@ -82,13 +83,17 @@ class LocalCluster:
         # it also keys the tokens of every router-to-worker call ("Threat model").
         # A key the caller's environment names wins.
         self.key_path: Path | None = None
+        self._own_key: Path | None = None  # the key this cluster made; removed by stop()
         if insecure:
             log.warning("kvxfer up --insecure: registry records are unsigned and worker control APIs take "
                         "anyone's calls. Development only.")
         else:
             key_path = self.log_dir / "cluster.key"
-            key_path.write_bytes(base64.b64encode(secrets.token_bytes(48)))
-            key_path.chmod(0o600)
+            # Created 0600 (not chmod-ed after writing): no moment where others may read it.
+            fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(base64.b64encode(secrets.token_bytes(48)))
+            self._own_key = key_path
             self.worker_env.setdefault("KVXFER_CLUSTER_KEY_FILE", str(key_path))
             self.router_env.setdefault("KVXFER_ROUTER_CLUSTER_KEY_FILE", str(key_path))
             self.key_path = Path(self.worker_env["KVXFER_CLUSTER_KEY_FILE"])
@@ -262,6 +267,10 @@ class LocalCluster:
         if self.etcd is not None:
             self.etcd.stop()
             self.etcd = None
+        # The logs stay for whoever looks after a failure; the key does not: it was good for
+        # this cluster only, and left in the temporary folder it would outlive it.
+        if self._own_key is not None:
+            self._own_key.unlink(missing_ok=True)
 
     def __enter__(self) -> "LocalCluster":
         return self.start()
