@@ -86,6 +86,9 @@ import httpx
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+from machine_limits import process_cpu_s  # noqa: E402  (shared helpers of the benchmarks)
+
 KVXFER = str(Path(sys.executable).with_name("kvxfer"))
 _SERVING = re.compile(r"serving on (http://[0-9.]+:\d+)")
 
@@ -95,7 +98,6 @@ QUICK_LENGTHS = [512, 1024]
 GOAL_MIN_TOKENS = 4096
 GOAL_TAIL_FRACTION = 0.10
 CHUNK_TOKENS = 256  # the workers' default prefill_chunk_tokens (WorkerSettings)
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 # ---- worker processes ---------------------------------------------------------------------
@@ -164,11 +166,7 @@ class Worker:
 
     def cpu_s(self) -> float:
         """User + system CPU seconds of the worker process so far (all its threads)."""
-        try:
-            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-            return (int(fields[11]) + int(fields[12])) / CLK_TCK
-        except (OSError, IndexError, ValueError):
-            return float("nan")
+        return process_cpu_s(self.proc.pid)
 
     def rss_bytes(self) -> int:
         try:

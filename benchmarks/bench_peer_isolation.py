@@ -36,6 +36,9 @@ from typing import Any
 import httpx
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from machine_limits import process_cpu_s  # noqa: E402  (shared helpers of the benchmarks)
+
 _SERVING = re.compile(r"serving on (http://[0-9.]+:\d+)")
 BOS = 256
 
@@ -122,17 +125,10 @@ async def one_request(client: httpx.AsyncClient, prefill: Worker, decode: Worker
 TIMELINE_STEP_S = 0.5  # width of one bucket of a window's completion timeline
 
 
-def cpu_seconds(pid: int) -> float:
-    """CPU time (user + system, all threads) process `pid` has used so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def window(client: httpx.AsyncClient, prefill: Worker, decode: Worker, args: argparse.Namespace) -> dict[str, Any]:
     """Closed loops to `decode` for args.window_s: completions that finished inside it, how
     they spread over the window (per TIMELINE_STEP_S), and the prefiller's CPU seconds."""
-    cpu_before = cpu_seconds(prefill.proc.pid)
+    cpu_before = process_cpu_s(prefill.proc.pid)
     start = time.monotonic()
     until = start + args.window_s
     done: list[float] = []
@@ -155,7 +151,7 @@ async def window(client: httpx.AsyncClient, prefill: Worker, decode: Worker, arg
     for t in inside:
         timeline[min(len(timeline) - 1, int((t - start) / TIMELINE_STEP_S))] += 1
     return {"completed": len(inside), "per_s": len(inside) / args.window_s, "failed": failed,
-            "timeline": timeline, "prefill_cpu_s": cpu_seconds(prefill.proc.pid) - cpu_before}
+            "timeline": timeline, "prefill_cpu_s": process_cpu_s(prefill.proc.pid) - cpu_before}
 
 
 async def measure_build(name: str, kvxfer: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import statistics
 import subprocess
@@ -38,6 +39,17 @@ def _summary(samples: list[float], unit: str = "GB/s") -> dict[str, Any]:
         "samples": samples,
         "unit": unit,
     }
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds process `pid` has used so far (all its threads); NaN if it
+    is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return float("nan")
 
 
 def parse_size(text: str) -> int:

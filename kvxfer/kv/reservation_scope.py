@@ -67,7 +67,7 @@ class ReservationScope:
     def _bind(self, imm: int, prefill_address: bytes) -> None:
         try:
             bound = self._engine.bind_imm_source(imm, prefill_address)
-        except (DescriptorError, ValueError) as exc:
+        except ValueError as exc:  # DescriptorError included: not an engine address
             raise PrefillAddressError(str(exc)) from None
         if bound:
             self.bound_imm = imm

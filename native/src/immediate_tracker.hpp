@@ -148,6 +148,13 @@ class ImmediateTracker {
     uint64_t count;
     uint64_t token;
   };
+  // Whether `source` is one of the senders bound for `rail` (see bind_source).
+  static bool sent_by(const RailSources& sources, size_t rail, fi_addr_t source) {
+    if (rail >= sources.size()) return false;
+    for (fi_addr_t allowed : sources[rail])
+      if (allowed == source) return true;
+    return false;
+  }
   // Ends every expectation of imm with kFailed: its arrivals are being dropped.
   void fail_expectations(uint32_t imm) {
     auto it = expectations_.find(imm);
@@ -160,13 +167,6 @@ class ImmediateTracker {
   ImmCounterTable table_;
   EventQueue& events_;
   std::unordered_map<uint32_t, std::vector<Expectation>> expectations_;  // worker only
-  static bool sent_by(const RailSources& sources, size_t rail, fi_addr_t source) {
-    if (rail >= sources.size()) return false;
-    for (fi_addr_t allowed : sources[rail])
-      if (allowed == source) return true;
-    return false;
-  }
-
   std::unordered_map<uint32_t, RailSources> sources_;                    // worker only: bound senders
   std::atomic<uint64_t> foreign_dropped_{0};
   bool arrived_ = false;                                                 // worker only

@@ -176,7 +176,7 @@ class DecodeRuntime:
             reservation_ttl_s=settings.reservation_ttl_s,
             fence_timeout_s=settings.fence_timeout_s,
             forget_imm=self.core.engine.reset_imm,
-            close_writes=self._close_windows,
+            close_writes=self._revoke_scope,
         )
         # Each reservation's registrations (kv_registration=per_reservation) and immediate
         # binding, by request id, open while it waits for its KV.
@@ -312,7 +312,7 @@ class DecodeRuntime:
         kv, mailbox = scope.descriptors
         return kv, mailbox
 
-    def _close_windows(self, request_id: str) -> None:
+    def _revoke_scope(self, request_id: str) -> None:
         """Revokes a reservation's scope (the ledger calls it when the reservation stops
         waiting for its KV); a write with its descriptors then fails at its writer."""
         scope = self._scopes.pop(request_id, None)
