@@ -5,6 +5,7 @@ processes in test_vllm_connector.py."""
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -35,3 +36,43 @@ def test_a_failed_load_is_computed_locally_when_vllm_asks_again() -> None:
     assert side.get_num_new_matched_tokens(req, 0) == (0, False)
     # Another request with kvxfer params still loads.
     assert side.get_num_new_matched_tokens(decode_request("r2", 40), 0) == (40, True)
+
+
+def prefill_request(rid: str, tokens: int) -> Any:  # stands in for vllm.v1.request.Request
+    return SimpleNamespace(request_id=rid, num_tokens=tokens, num_prompt_tokens=tokens, kv_transfer_params={
+        "kvxfer": {"role": "prefill", "transfer_id": f"t-{rid}", "peer_engine": "00ff"}})
+
+
+def idle_step() -> Any:  # a SchedulerOutput that scheduled nothing
+    return SimpleNamespace(total_num_scheduled_tokens=0, num_scheduled_tokens={}, scheduled_new_reqs=[],
+                           scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+                           preempted_req_ids=None)
+
+
+def arrivals(*transfer_ids: str) -> Any:  # a KVConnectorOutput with only arrivals
+    from kvxfer.integrations.vllm.metadata import KvxferWorkerReport
+
+    return SimpleNamespace(finished_recving=None, failed_recving=None, finished_sending=None,
+                           kv_connector_worker_meta=KvxferWorkerReport(set(transfer_ids)))
+
+
+def test_a_prefill_leg_computes_at_once_by_default() -> None:
+    # The decoder's reservation round trip is not on the TTFT path: the layers computed
+    # before it comes are pushed from the kept blocks when it does (kv_pusher's catch-up).
+    side = SchedulerSide(block_size=32, reservation_wait_s=5.0)
+    assert side.get_num_new_matched_tokens(prefill_request("p1", 100), 0) == (0, False)
+    assert not side.build_connector_meta(idle_step()).awaiting_reservations
+    # Arrivals are not kept when nothing gates on them (they would never be discarded).
+    side.update_connector_output(arrivals("t-p2"))
+    assert not side._arrived
+
+
+def test_wait_for_reservation_holds_a_prefill_leg_until_its_reservation_arrived() -> None:
+    side = SchedulerSide(block_size=32, reservation_wait_s=5.0, wait_for_reservation=True)
+    req = prefill_request("p1", 100)
+    assert side.get_num_new_matched_tokens(req, 0) == (None, False)  # not schedulable yet
+    assert side.build_connector_meta(idle_step()).awaiting_reservations  # the worker may block on its inbox
+    side.update_connector_output(arrivals("t-p1"))
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert not side.build_connector_meta(idle_step()).awaiting_reservations
+    assert not side._arrived

@@ -154,10 +154,23 @@ def test_oracle_fails_when_a_block_is_misplaced(fleet: VllmFleet) -> None:
 
 
 def test_each_layer_is_posted_before_the_next_is_computed_and_the_tail_is_measured(fleet: VllmFleet) -> None:
+    # The decode leg first, and the prefill leg once its reservation is out: the prefiller
+    # (which computes at once, wait_for_reservation off) then holds the reservation before
+    # its first layer, as it does whenever the decoder reserves within the prefill's compute.
     tid = f"lbl-{uuid.uuid4().hex[:8]}"
-    disaggregated(fleet, _prompt(150, seed=11), tid, salt=tid)
+    p, d = fleet.record("prefill-a"), fleet.record("decode-a")
+    body = {"model": "tiny", "prompt": _prompt(150, seed=11), "max_tokens": 4, "temperature": 0, "cache_salt": tid}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        on_d = pool.submit(httpx.post, fleet.instances["decode-a"].url + "/v1/completions", headers=fleet.headers,
+                           json={**body, "kv_transfer_params": _params("decode", tid, p.engine_address)}, timeout=120)
+        reserved = fleet.digests / f"reserved-{tid}.json"  # type: ignore[attr-defined]
+        wait_until(reserved.exists, timeout_s=30, interval_s=0.02, what=f"the reservation of {tid}")
+        prefill_leg = {**body, "max_tokens": 1, "kv_transfer_params": _params("prefill", tid, d.engine_address)}
+        on_p = httpx.post(fleet.instances["prefill-a"].url + "/v1/completions", headers=fleet.headers, timeout=120,
+                          json=prefill_leg)
+        assert on_p.status_code == 200 and on_d.result().status_code == 200, (on_p.text, on_d.result().text)
     record = digests(fleet, "prefill", tid)
-    # The prefiller waited for the reservation: no page had to be caught up after its layer.
+    # No page had to be caught up after its layer: each left as its layer was computed.
     assert record["caught_up_pages"] == 0
     saved, posted = record["layer_saved_at"], record["layer_posted_at"]
     for layer in range(len(saved) - 1):
@@ -166,8 +179,8 @@ def test_each_layer_is_posted_before_the_next_is_computed_and_the_tail_is_measur
 
 
 def test_a_reservation_arriving_after_the_prompt_was_computed_is_caught_up_exactly(fleet: VllmFleet) -> None:
-    # The prefiller stops waiting after reservation_wait_s and computes; its blocks are kept,
-    # and a decoder that reserves afterwards still gets every page of every layer, exact.
+    # The prefiller computes at once and keeps the blocks; a decoder that reserves only after
+    # the prefill request finished still gets every page of every layer, exact.
     p, d = fleet.record("prefill-a"), fleet.record("decode-a")
     tid = f"late-{uuid.uuid4().hex[:8]}"
     prompt = _prompt(150, seed=13)  # three chunks of the prefill instance

@@ -70,7 +70,8 @@ class KvxferConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(block_size, self.settings.reservation_wait_s)
+            self._scheduler = SchedulerSide(block_size, self.settings.reservation_wait_s,
+                                            wait_for_reservation=self.settings.wait_for_reservation)
             self._scheduler.watch_sigterm()
         else:
             model = vllm_config.model_config

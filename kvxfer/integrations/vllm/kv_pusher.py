@@ -179,6 +179,11 @@ class KVPusher:
         self._attach(push, reservation)
         self._catch_up(push)
 
+    @property
+    def awaiting_reservation(self) -> bool:
+        """Some push waits for its decoder's reservation (the worker may block on its inbox)."""
+        return any(p.state is PushState.WAITING_FOR_RESERVATION for p in self._by_request.values())
+
     def take_arrivals(self) -> set[str]:
         """Transfer ids whose reservation arrived before their request (since the last call)."""
         out, self._arrivals = self._arrivals, set()

@@ -58,6 +58,11 @@ class ConnectorSettings(BaseModel):
         "ImmCounter instead of spinning while a load is pending")
 
     # -- prefill side (kv_producer) ------------------------------------------------------
+    wait_for_reservation: bool = Field(
+        False, description="schedule a prefill request only once the decoder's reservation arrived (at most "
+        "reservation_wait_s): its compute then never runs ahead of the decoder, at the price of the decoder's "
+        "reservation round trip in every TTFT. Off (default): compute at once; the layers computed before the "
+        "reservation arrives are posted when it does, the later ones as each is computed")
     reservation_wait_s: float = Field(
         10.0, gt=0, description="how long a prefiller keeps a finished request's blocks waiting for "
         "the decoder's reservation before giving up on the push")

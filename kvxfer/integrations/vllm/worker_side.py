@@ -120,7 +120,9 @@ class WorkerSide:
         """(finished_sending, finished_recving, failed_recving) for this step."""
         if self.receiver is not None and self._meta is not None and self._meta.idle:
             self.receiver.wait_briefly()
-        if self._meta is not None and self._meta.idle and self._meta.awaiting_reservations and self.engine:
+        awaiting = self._meta is not None and (
+            self._meta.awaiting_reservations or (self.pusher is not None and self.pusher.awaiting_reservation))
+        if self._meta is not None and self._meta.idle and awaiting and self.engine:
             # Nothing to compute until a reservation comes: wait for it instead of spinning.
             raw = self.engine.recv(self.settings.idle_wait_ms / 1000.0)
             if raw is not None:
