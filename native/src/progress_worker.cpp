@@ -31,7 +31,9 @@ ProgressWorker::ProgressWorker(RailGroup& rails, WorkerSettings settings)
       settings_(settings),
       inbox_(settings.inbox_max_messages, settings.inbox_max_bytes, engine_stats_),
       imms_(settings.imm_table_capacity, events_),
-      deadlines_(settings.transfer_timeout_ns, kDeadlineCheckNs) {
+      post_queues_(rails.size(), RailPostQueue(settings.max_inflight_per_rail)),
+      deadlines_(settings.transfer_timeout_ns, kDeadlineCheckNs),
+      recv_slots_(rails, settings.recv_slots_per_rail, settings.recv_slot_bytes) {
   wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   epoll_fd_ = epoll_create1(EPOLL_CLOEXEC);
   if (wake_fd_ < 0 || epoll_fd_ < 0) throw EngineError("eventfd/epoll failed");
@@ -48,17 +50,13 @@ ProgressWorker::ProgressWorker(RailGroup& rails, WorkerSettings settings)
     ev.data.fd = fd;
     epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, fd, &ev);
   }
-  pending_.resize(rails_.size());
-  inflight_.assign(rails_.size(), 0);
   for (size_t r = 0; r < rails_.size(); ++r) stats_.push_back(std::make_unique<RailStats>());
-  post_recv_slots();
   owner_ = std::this_thread::get_id();
   if (!settings_.caller_drives_progress) thread_ = std::thread([this] { loop(); });
 }
 
 ProgressWorker::~ProgressWorker() {
   stop();
-  for (size_t r = 0; r < recv_registrations_.size(); ++r) rails_.rail(r).deregister(recv_registrations_[r]);
   if (wake_fd_ >= 0) close(wake_fd_);
   if (epoll_fd_ >= 0) close(epoll_fd_);
 }
@@ -76,28 +74,6 @@ void ProgressWorker::stop() {
   ssize_t ignored = write(wake_fd_, &one, sizeof one);
   (void)ignored;
   if (thread_.joinable()) thread_.join();
-}
-
-void ProgressWorker::post_recv_slots() {
-  recv_slots_.resize(rails_.size() * settings_.recv_slots_per_rail);
-  for (size_t r = 0; r < rails_.size(); ++r) {
-    recv_buffers_.emplace_back(settings_.recv_slots_per_rail * settings_.recv_slot_bytes);
-    auto& buf = recv_buffers_.back();
-    recv_registrations_.push_back(rails_.rail(r).register_region(buf.data(), buf.size()));
-    for (size_t i = 0; i < settings_.recv_slots_per_rail; ++i) {
-      RecvSlot& slot = recv_slots_[r * settings_.recv_slots_per_rail + i];
-      slot.rail = static_cast<uint16_t>(r);
-      slot.buf = buf.data() + i * settings_.recv_slot_bytes;
-      repost(&slot);
-    }
-  }
-}
-
-void ProgressWorker::repost(RecvSlot* slot) {
-  ssize_t rc = rails_.rail(slot->rail).post_recv(slot->buf, settings_.recv_slot_bytes,
-                                                 recv_registrations_[slot->rail].local_desc, slot);
-  // EAGAIN means the provider wants progress first: retried from the loop.
-  if (rc == -FI_EAGAIN) recv_retry_.push_back(slot);
 }
 
 void ProgressWorker::submit(std::unique_ptr<WorkBatch> batch) {
@@ -300,18 +276,14 @@ bool ProgressWorker::run_copies() {
       break;
     case SameHostCopyExecutor::Step::kCopied:
       // Every byte is in the peer's memory: now the immediates may tell it so.
-      for (auto& op : out.batch->ops) pending_[op.rail].push_back(&op);
+      for (auto& op : out.batch->ops) post_queues_[op.rail].push(&op);
       retire(out.batch, 1, nullptr);
       break;
   }
   return true;
 }
 
-void ProgressWorker::release_slot(RailOp* op) {
-  if (!op->holds_slot) return;
-  op->holds_slot = false;
-  --inflight_[op->rail];
-}
+void ProgressWorker::release_slot(RailOp* op) { post_queues_[op->rail].release(op); }
 
 bool ProgressWorker::drain_submissions() {
   bool did = false;
@@ -352,94 +324,56 @@ bool ProgressWorker::drain_submissions() {
     if (accepted->copy)
       copies_.enqueue(accepted);
     else
-      for (auto& op : accepted->ops) pending_[op.rail].push_back(&op);
+      for (auto& op : accepted->ops) post_queues_[op.rail].push(&op);
   }
   return did;
 }
 
+namespace {
+
+// Posts one op on its rail: a write (with its immediate, if any) or a message.
+ssize_t post_op(FabricRail& rail, RailOp* op) {
+  uint64_t flags = FI_COMPLETION;
+  if (op->has_cq_data) flags |= FI_REMOTE_CQ_DATA;
+  if (op->delivery_complete) flags |= FI_DELIVERY_COMPLETE;
+  if (op->kind == OpKind::kWrite) {
+    struct fi_msg_rma msg = {};
+    msg.msg_iov = op->iov;
+    msg.desc = op->desc;
+    msg.iov_count = op->iov_count;
+    msg.addr = op->dest;
+    msg.rma_iov = op->rma;
+    msg.rma_iov_count = op->iov_count;
+    msg.context = op;
+    msg.data = op->cq_data;
+    return rail.post_write(msg, flags);
+  }
+  struct fi_msg msg = {};
+  msg.msg_iov = op->iov;
+  msg.desc = op->desc;
+  msg.iov_count = op->iov_count;
+  msg.addr = op->dest;
+  msg.context = op;
+  msg.data = op->cq_data;
+  return rail.post_send(msg, flags);
+}
+
+}  // namespace
+
 bool ProgressWorker::post_pending(size_t r) {
-  auto& queue = pending_[r];
   auto& rail = rails_.rail(r);
   auto& st = *stats_[r];
-  bool did = false;
-  // Peers whose provider queue answered EAGAIN in this pass. Their ops stay where they are
-  // (so each peer's order is kept) while ops to other peers behind them go ahead: a peer that
-  // stopped reading (frozen, dead, slow) must not hold up every other peer's writes on the
-  // rail until its own ops expire. Bounded scan: at most kMaxSkippedPerPass ops are stepped
-  // over per pass, so a long queue behind a stuck peer costs a bounded amount per turn.
-  constexpr size_t kMaxBlockedPeers = 8;
-  constexpr size_t kMaxSkippedPerPass = 256;
-  fi_addr_t blocked[kMaxBlockedPeers];
-  size_t n_blocked = 0;
-  size_t skipped = 0;
-  auto is_blocked = [&](fi_addr_t dest) {
-    for (size_t i = 0; i < n_blocked; ++i)
-      if (blocked[i] == dest) return true;
-    return false;
-  };
-  auto it = queue.begin();
-  while (it != queue.end() && inflight_[r] < settings_.max_inflight_per_rail) {
-    RailOp* op = *it;
-    if (op->batch->failed) {
-      // Its transfer already failed or timed out: never post the rest of it.
-      it = queue.erase(it);
-      complete_op(op, nullptr, /*posted=*/false);
-      did = true;
-      continue;
-    }
-    if (is_blocked(op->dest)) {
-      if (++skipped > kMaxSkippedPerPass) break;
-      ++it;
-      continue;
-    }
-    ssize_t rc;
-    if (op->kind == OpKind::kWrite) {
-      struct fi_msg_rma msg = {};
-      msg.msg_iov = op->iov;
-      msg.desc = op->desc;
-      msg.iov_count = op->iov_count;
-      msg.addr = op->dest;
-      msg.rma_iov = op->rma;
-      msg.rma_iov_count = op->iov_count;
-      msg.context = op;
-      msg.data = op->cq_data;
-      uint64_t flags = FI_COMPLETION;
-      if (op->has_cq_data) flags |= FI_REMOTE_CQ_DATA;
-      if (op->delivery_complete) flags |= FI_DELIVERY_COMPLETE;
-      rc = rail.post_write(msg, flags);
-    } else {
-      struct fi_msg msg = {};
-      msg.msg_iov = op->iov;
-      msg.desc = op->desc;
-      msg.iov_count = op->iov_count;
-      msg.addr = op->dest;
-      msg.context = op;
-      msg.data = op->cq_data;
-      uint64_t flags = FI_COMPLETION;
-      if (op->has_cq_data) flags |= FI_REMOTE_CQ_DATA;
-      if (op->delivery_complete) flags |= FI_DELIVERY_COMPLETE;
-      rc = rail.post_send(msg, flags);
-    }
-    if (rc == -FI_EAGAIN) {
-      // This peer's queue is full: read completions, then retry it; try the other peers now.
-      if (n_blocked == kMaxBlockedPeers) break;
-      blocked[n_blocked++] = op->dest;
-      ++it;
-      continue;
-    }
-    it = queue.erase(it);
-    did = true;
-    if (rc != 0) {
-      std::string why = std::string("posting failed: ") + fi_strerror(static_cast<int>(-rc));
-      complete_op(op, &why);
-      continue;
-    }
-    op->holds_slot = true;
-    ++inflight_[r];
-    st.ops_posted.fetch_add(1, std::memory_order_relaxed);
-    st.bytes_posted.fetch_add(op->bytes, std::memory_order_relaxed);
-  }
-  return did;
+  return post_queues_[r].post_ready(
+      [&](RailOp* op) {
+        ssize_t rc = post_op(rail, op);
+        if (rc == 0) {
+          st.ops_posted.fetch_add(1, std::memory_order_relaxed);
+          st.bytes_posted.fetch_add(op->bytes, std::memory_order_relaxed);
+        }
+        return rc;
+      },
+      // Unposted ops of a failed transfer are not completions; a post error is one.
+      [&](RailOp* op, const std::string* why) { complete_op(op, why, /*posted=*/why != nullptr); });
 }
 
 bool ProgressWorker::poll_rail(size_t r) {
@@ -453,8 +387,8 @@ bool ProgressWorker::poll_rail(size_t r) {
       std::string why;
       if (!rail.read_error(&err, &why)) break;
       did = true;
-      if (is_recv_slot(err.op_context)) {
-        if (!stopping_.load()) repost(static_cast<RecvSlot*>(err.op_context));
+      if (recv_slots_.owns(err.op_context)) {
+        if (!stopping_.load()) recv_slots_.repost(err.op_context);
       } else if (err.flags & (FI_RECV | FI_REMOTE_WRITE)) {
         stats_[r]->completion_errors.fetch_add(1, std::memory_order_relaxed);  // not ours to complete
       } else if (err.op_context && tag_of(err.op_context) == ContextTag::kRailOp) {
@@ -473,10 +407,10 @@ bool ProgressWorker::poll_rail(size_t r) {
           imms_.on_arrival(e.data, r, rail.source(i));
           if ((e.data >> 32) != kTrafficOnlyWeight)
             stats_[r]->imm_received.fetch_add(1, std::memory_order_relaxed);
-        } else if (is_recv_slot(e.op_context)) {
-          inbox_.offer(static_cast<RecvSlot*>(e.op_context)->buf, e.len);
+        } else if (recv_slots_.owns(e.op_context)) {
+          inbox_.offer(recv_slots_.message(e.op_context), e.len);
         }
-        if (is_recv_slot(e.op_context)) repost(static_cast<RecvSlot*>(e.op_context));
+        if (recv_slots_.owns(e.op_context)) recv_slots_.repost(e.op_context);
       } else if (e.op_context) {
         auto* op = static_cast<RailOp*>(e.op_context);
         release_slot(op);
@@ -506,8 +440,8 @@ void ProgressWorker::sleep_until_work(int64_t wake_by_ns) {
   sleeping_.store(1, std::memory_order_seq_cst);
   sleep_policy::Idle idle;
   idle.work_waiting = !(submissions_.empty() && controls_.empty() && copies_.empty());
-  for (size_t r = 0; r < rails_.size(); ++r)
-    if (!pending_[r].empty()) idle.ops_queued = true;
+  for (const auto& queue : post_queues_)
+    if (!queue.empty()) idle.ops_queued = true;
   idle.transfers_live = !deadlines_.empty();
   idle.now_ns = monotonic_ns();
   idle.last_activity_ns = last_activity_ns_;
@@ -545,7 +479,7 @@ void ProgressWorker::sleep_until_work(int64_t wake_by_ns) {
 
 size_t ProgressWorker::ops_in_flight() const {
   size_t n = 0;
-  for (size_t v : inflight_) n += v;
+  for (const auto& queue : post_queues_) n += queue.inflight();
   return n;
 }
 
@@ -573,11 +507,7 @@ void ProgressWorker::fail_everything(const std::string& why) {
 
 bool ProgressWorker::run_round() {
   bool did = drain_submissions();
-  if (!recv_retry_.empty()) {
-    std::vector<RecvSlot*> retry;
-    retry.swap(recv_retry_);
-    for (auto* slot : retry) repost(slot);
-  }
+  recv_slots_.retry_refused();
   for (size_t r = 0; r < rails_.size(); ++r) {
     did |= poll_rail(r);
     did |= post_pending(r);

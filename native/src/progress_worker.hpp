@@ -1,16 +1,17 @@
 // The progress worker: one thread that owns a rail group's domains and completion queues.
 // Submitting threads plan a WorkBatch and push it through a lock-free queue; the worker
-// resolves peers, posts ops within per-rail inflight limits and reads completions. Nothing
-// else touches libfabric. The rest lives in its own pieces, each owning its state and
-// driven by this thread: deadlines and the batches they guard (deadline_tracker.hpp),
-// same-host copies (same_host_copy_executor.hpp), immediates and their waiters
-// (immediate_tracker.hpp), events for asyncio (worker_events.hpp), received control
-// messages (control_inbox.hpp).
+// resolves peers, hands ops to the rails' post queues and reads completions. Nothing else
+// touches libfabric. The rest lives in its own pieces, each owning its state and driven by
+// this thread: posting within each rail's inflight budget (rail_post_queue.hpp), deadlines
+// and the batches they guard (deadline_tracker.hpp), same-host copies
+// (same_host_copy_executor.hpp), immediates and their waiters (immediate_tracker.hpp),
+// events for asyncio (worker_events.hpp), control-message receive buffers
+// (control_recv_slots.hpp) and received messages (control_inbox.hpp), when to sleep
+// (sleep_policy.hpp).
 #pragma once
 
 #include <atomic>
 #include <cstdint>
-#include <deque>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -22,10 +23,12 @@
 #include "bounded_queue.hpp"
 #include "engine_types.hpp"
 #include "control_inbox.hpp"
+#include "control_recv_slots.hpp"
 #include "deadline_tracker.hpp"
 #include "imm_counter.hpp"
 #include "immediate_tracker.hpp"
 #include "rail_group.hpp"
+#include "rail_post_queue.hpp"
 #include "rail_stats.hpp"
 #include "same_host_copy_executor.hpp"
 #include "worker_events.hpp"
@@ -114,12 +117,6 @@ class ProgressWorker {
   void forget_peer(uint64_t engine_id);
 
  private:
-  struct RecvSlot {
-    struct fi_context2 fi_ctx;
-    ContextTag tag = ContextTag::kRecvSlot;
-    uint16_t rail = 0;
-    char* buf = nullptr;
-  };
   struct ControlTask {
     std::function<void()> fn;
     std::atomic<uint32_t> done{0};
@@ -143,7 +140,6 @@ class ProgressWorker {
   bool drain_submissions();
   bool post_pending(size_t rail);
   bool poll_rail(size_t rail);
-  void repost(RecvSlot* slot);
   void complete_op(RailOp* op, const std::string* error, bool posted = true);
   // Finishes `parts` parts of a batch (failing it with `error` if given); the last one
   // completes the transfer and frees the batch.
@@ -156,7 +152,6 @@ class ProgressWorker {
   void on_expired(WorkBatch* batch);
   void sleep_until_work(int64_t wake_by_ns);
   size_t ops_in_flight() const;  // posted, not yet completed, over all rails
-  void post_recv_slots();
   void fail_everything(const std::string& why);
 
   RailGroup& rails_;
@@ -170,23 +165,12 @@ class ProgressWorker {
   BoundedQueue<std::shared_ptr<ControlTask>> controls_{256};
 
   // Worker-only state.
-  std::vector<std::deque<RailOp*>> pending_;
+  std::vector<RailPostQueue> post_queues_;  // one per rail
   SameHostCopyExecutor copies_;
-  std::vector<size_t> inflight_;
   DeadlineTracker deadlines_;  // owns every accepted batch until it finished
-  std::vector<RecvSlot*> recv_retry_;
   std::unordered_map<uint64_t, std::vector<fi_addr_t>> peers_;
-  // One contiguous array, sized once: a completion's op_context is trusted as a receive
-  // slot only if it points into it (providers may hand back stale contexts on remote
-  // writes; libfabric 1.17's net provider did, and dereferencing one crashed the worker).
-  std::vector<RecvSlot> recv_slots_;
-  bool is_recv_slot(const void* context) const {
-    return !recv_slots_.empty() && context >= static_cast<const void*>(recv_slots_.data()) &&
-           context < static_cast<const void*>(recv_slots_.data() + recv_slots_.size());
-  }
-  std::vector<std::vector<char>> recv_buffers_;
-  std::vector<RailRegistration> recv_registrations_;
   std::vector<std::unique_ptr<RailStats>> stats_;
+  ControlRecvSlots recv_slots_;  // posted at construction, read once the worker runs
 
   std::atomic<uint32_t> sleeping_{0};
   std::atomic<bool> stopping_{false};

@@ -48,7 +48,7 @@ struct RailOp {
   bool has_cq_data = false;
   bool delivery_complete = false;
   // Posted and counted in the worker's inflight budget of its rail until it completes or
-  // its transfer expires (see ProgressWorker::release_slot).
+  // its transfer expires (see RailPostQueue::release).
   bool holds_slot = false;
   uint64_t cq_data = 0;
   uint64_t bytes = 0;
