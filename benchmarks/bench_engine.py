@@ -330,6 +330,8 @@ class EngineConfig:
     # "many": write_many/write_paged_many into a CompletionCounter; "handles": one
     # write/write_paged call and one Transfer handle per unit (the pre-batching way).
     submit: str = "many"
+    # "thread" or "caller" (TransferEngine's progress, on both sides).
+    progress: str = "thread"
 
     def units_in_flight(self, kind: str) -> int:
         """Write calls the initiator keeps in flight: --window, or with the default (0,
@@ -344,7 +346,8 @@ class EngineConfig:
 
     def label(self) -> str:
         dc = "" if self.delivery_complete == "default" else f", delivery_complete {self.delivery_complete}"
-        how = "" if self.submit == "many" else f", submit {self.submit}"
+        how = ("" if self.submit == "many" else f", submit {self.submit}") + \
+            ("" if self.progress == "thread" else f", progress {self.progress}")
         return (f"{self.provider}, rails={self.rails}{how} (window {self.window_text()}, max_inflight_per_rail "
                 f"{self.max_inflight_per_rail}, idle_spin_us {self.idle_spin_us:g}, shard_min_bytes "
                 f"{size_text(self.shard_min_bytes)}{dc})")
@@ -353,7 +356,7 @@ class EngineConfig:
         return argparse.Namespace(provider=self.provider, rails=self.rails,
                                   max_inflight_per_rail=self.max_inflight_per_rail,
                                   idle_spin_us=self.idle_spin_us, shard_min_bytes=self.shard_min_bytes,
-                                  delivery_complete=self.delivery_complete)
+                                  delivery_complete=self.delivery_complete, progress=self.progress)
 
 
 class TargetProcess:
@@ -364,7 +367,7 @@ class TargetProcess:
                "--rails", str(cfg.rails), "--region-bytes", str(region_bytes),
                "--max-inflight-per-rail", str(cfg.max_inflight_per_rail),
                "--idle-spin-us", str(cfg.idle_spin_us), "--shard-min-bytes", str(cfg.shard_min_bytes),
-               "--delivery-complete", cfg.delivery_complete]
+               "--delivery-complete", cfg.delivery_complete, "--progress", cfg.progress]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, bufsize=1,
                                      start_new_session=True)
@@ -564,7 +567,8 @@ class ConfigRun:
             "submit": cfg.submit, "window_single": cfg.units_in_flight(SINGLE), "window_paged": cfg.units_in_flight(PAGED_RANDOM),
             "max_inflight_per_rail": cfg.max_inflight_per_rail, "idle_spin_us": cfg.idle_spin_us,
             "shard_min_bytes": cfg.shard_min_bytes, "delivery_complete": cfg.delivery_complete,
-            "pages_per_write": args.pages_per_write, "label": cfg.label(), "label_short": f"{cfg.provider} rails={cfg.rails}",
+            "pages_per_write": args.pages_per_write, "progress": cfg.progress, "label": cfg.label(),
+            "label_short": f"{cfg.provider} rails={cfg.rails}" + ("" if cfg.progress == "thread" else f" {cfg.progress}"),
             "load": load_snapshot(), "cases": self.rows,
         }
         self.initiator = Initiator(cfg, src)
@@ -995,15 +999,18 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         raise SystemExit(f"providers {missing} not available here (have {present})")
     configs = [
-        EngineConfig(p, int(r), 0 if w == "deep" else int(w), int(mi), float(sp), parse_size(sh), dc, sub)
-        for p, r, w, mi, sp, sh, dc, sub in itertools.product(
+        EngineConfig(p, int(r), 0 if w == "deep" else int(w), int(mi), float(sp), parse_size(sh), dc, sub, pr)
+        for p, r, w, mi, sp, sh, dc, sub, pr in itertools.product(
             providers, args.rails.split(","), args.window.split(","),
             args.max_inflight_per_rail.split(","), args.idle_spin_us.split(","),
-            args.shard_min_bytes.split(","), args.delivery_complete.split(","), args.submit.split(","))
+            args.shard_min_bytes.split(","), args.delivery_complete.split(","), args.submit.split(","),
+            args.progress.split(","))
     ]
     for cfg in configs:
         if cfg.submit not in ("many", "handles"):
             raise SystemExit(f"--submit takes many or handles, not {cfg.submit!r}")
+        if cfg.progress not in ("thread", "caller"):
+            raise SystemExit(f"--progress takes thread or caller, not {cfg.progress!r}")
         if cfg.delivery_complete not in ("default", "on", "off"):
             raise SystemExit(f"--delivery-complete takes default, on or off, not {cfg.delivery_complete!r}")
     cases = case_list(args)
@@ -1088,7 +1095,7 @@ def main(argv: list[str] | None = None) -> int:
     progress.close()
 
     limits = merge_limits(limit_runs)
-    sweep = len(configs) > len(providers) * len(args.rails.split(","))
+    sweep = len(configs) > len(providers) * len(args.rails.split(",")) * len(args.progress.split(","))
     for k, config in enumerate(results):
         if sweep:
             config["label_short"] += (f" w{config['window']} inflight{config['max_inflight_per_rail']} "

@@ -163,6 +163,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         shard_min_bytes=args.shard_min_bytes,
         # Newer engines only: passed when asked for, so older builds keep working.
         **({} if args.delivery_complete == "default" else {"delivery_complete": args.delivery_complete == "on"}),
+        **({} if getattr(args, "progress", "thread") == "thread" else {"progress": args.progress}),
     )
 
 
@@ -182,6 +183,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, lists: bool = False) -> Non
     p.add_argument("--delivery-complete", default="default",
                    help="on|off: writes complete only once delivered (engines that have the "
                         "option); default: the engine's own default" + suffix)
+    p.add_argument("--progress", default="thread",
+                   help="thread: a progress thread per engine (the default); caller: the thread that made "
+                        "the engine drives it inside its own calls (no thread hand-offs; the target then "
+                        "makes progress only while it waits for a run's immediates)" + suffix)
 
 
 def _reply(obj: dict[str, Any]) -> None:
