@@ -15,6 +15,10 @@ write is timed until the target counted its immediate). Verdicts (issue 14):
                every path, with populate_on_register on (the default)
   same-host    same-host paths at >= 0.7x memcpy for 1 MiB and larger, cold and warm
 
+Beside memcpy, the `same_host` rows show the kernel's own rate for their copy
+(machine_limits.process_vm_writev_gbps: process_vm_writev into another process's warm
+memory, 4 MiB per call): what that path could reach with no kvxfer overhead at all.
+
 Prints a table, writes JSON and a PNG. On a shared 2-core machine, compare rows of one run.
 
     .venv/bin/python benchmarks/bench_first_touch.py [--sizes 1M,16M,256M] [--repeats 3]
@@ -38,7 +42,7 @@ from kvxfer import SharedBuffer
 from kvxfer.transfer.engine import TransferEngine
 
 sys.path.insert(0, str(Path(__file__).parent))
-from machine_limits import memcpy_gbps, parse_size
+from machine_limits import memcpy_gbps, parse_size, process_vm_writev_gbps
 
 WAIT_S = 120.0  # one write of the largest size on the slowest path, with margin
 PATHS = ("same_host", "same_host_mapped", "fabric")
@@ -110,9 +114,13 @@ def one_path(path: str, populate: bool, sizes: list[int], repeats: int, regions:
     return rows
 
 
-def annotate(rows: list[dict[str, Any]], memcpy: dict[int, float]) -> None:
-    """Adds the ratios to memcpy and the verdict columns to every row."""
+def annotate(rows: list[dict[str, Any]], memcpy: dict[int, float], pvw: dict[int, float]) -> None:
+    """Adds the ratios to memcpy (and, on the process_vm_writev path, to the kernel's own
+    process_vm_writev rate) and the verdict columns to every row."""
     for r in rows:
+        if r["path"] == "same_host":
+            r["process_vm_writev_gbps"] = pvw[r["size"]]
+            r["warm_x_process_vm_writev"] = r["warm_gbps"] / pvw[r["size"]]
         r["memcpy_gbps"] = memcpy[r["size"]]
         r["cold_x_memcpy"] = r["cold_gbps"] / memcpy[r["size"]]
         r["warm_x_memcpy"] = r["warm_gbps"] / memcpy[r["size"]]
@@ -182,6 +190,7 @@ def main() -> None:
     args = parser.parse_args()
     sizes = sorted(parse_size(s) for s in args.sizes.split(","))
     memcpy = {s: memcpy_gbps(s, repeats=max(3, args.repeats))["median"] for s in sizes}
+    pvw = {s: process_vm_writev_gbps(s, repeats=max(3, args.repeats))["median"] for s in sizes}
     rows = []
     for path in args.paths.split(","):
         for populate in (False, True):
@@ -189,22 +198,26 @@ def main() -> None:
     # Again after the runs: memcpy moves with the load, so each size takes the better one.
     for s in sizes:
         memcpy[s] = max(memcpy[s], memcpy_gbps(s, repeats=max(3, args.repeats))["median"])
-    annotate(rows, memcpy)
+        pvw[s] = max(pvw[s], process_vm_writev_gbps(s, repeats=max(3, args.repeats))["median"])
+    annotate(rows, memcpy, pvw)
     mark = {True: "ok", False: "LOW", None: "-"}
     print(f"{'path':<17}{'populate':<9}{'size':>8}{'register s':>11}{'cold GB/s':>10}{'warm GB/s':>10}"
-          f"{'(best)':>8}{'memcpy':>8}{'cold/warm':>10}{'cold x mc':>10}{'warm x mc':>10}{'first':>6}{'same':>6}")
+          f"{'(best)':>8}{'memcpy':>8}{'cold/warm':>10}{'cold x mc':>10}{'warm x mc':>10}{'warm x pvw':>11}"
+          f"{'first':>6}{'same':>6}")
     for r in rows:
         print(f"{r['path']:<17}{r['populate_on_register']!s:<9}{r['size'] >> 20:>6}Mi{r['register_s']:>11.3f}"
               f"{r['cold_gbps']:>10.2f}{r['warm_gbps']:>10.2f}{r['warm_best_gbps']:>8.2f}{r['memcpy_gbps']:>8.2f}"
               f"{r['cold_over_warm']:>10.2f}"
-              f"{r['cold_x_memcpy']:>10.2f}{r['warm_x_memcpy']:>10.2f}{mark[r['first_touch_ok']]:>6}"
+              f"{r['cold_x_memcpy']:>10.2f}{r['warm_x_memcpy']:>10.2f}"
+              f"{r.get('warm_x_process_vm_writev', float('nan')):>11.2f}{mark[r['first_touch_ok']]:>6}"
               f"{mark[r['same_host_ok']]:>6}")
     results = verdicts(rows)
     for v in results:
         print(f"{v['target']:<12} {v['text']}: {'met' if v['met'] else 'NOT met: ' + ', '.join(v['failing'])}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     load = subprocess.run(["uptime"], check=False, capture_output=True, text=True).stdout.strip()
-    args.json.write_text(json.dumps({"sizes": sizes, "memcpy_gbps": memcpy, "uptime": load, "pid": os.getpid(),
+    args.json.write_text(json.dumps({"sizes": sizes, "memcpy_gbps": memcpy, "process_vm_writev_gbps": pvw,
+                                     "uptime": load, "pid": os.getpid(),
                                      "rows": rows, "verdicts": results}, indent=2))
     png = args.json.with_suffix(".png")
     plot(rows, memcpy, png)

@@ -5,9 +5,14 @@
 - one loopback TCP stream: two processes, `sendall` of a preallocated buffer to a
   `recv_into` of another over 127.0.0.1, GB/s. This is the ceiling of one TCP connection,
   which is what the TCP-class transports (kvxfer tcp/net, Mooncake TCP, UCX tcp) ride on.
+- process_vm_writev: the kernel copying into another process's anonymous, pre-faulted
+  memory, in calls of 4 MiB (the same-host path's slice), GB/s. The ceiling of kvxfer's
+  same-host path into memory that is not a SharedBuffer (which it maps and memcpys into
+  instead); the kernel pins and maps the target's pages call by call.
 
-Reusable: `memcpy_gbps(...)` and `tcp_stream_gbps(...)` return a `Measurement` dict
-{median, min, max, samples, unit}; compare_peers.py calls them in the same run.
+Reusable: `memcpy_gbps(...)`, `tcp_stream_gbps(...)` and `process_vm_writev_gbps(...)`
+return a `Measurement` dict {median, min, max, samples, unit}; compare_peers.py calls them
+in the same run.
 Run alone: `python benchmarks/machine_limits.py [--size 1G] [--repeats 5] [--json PATH]`.
 """
 
@@ -133,17 +138,71 @@ def tcp_stream_gbps(nbytes: int = 1 << 30, repeats: int = 5) -> dict[str, Any]:
             proc.wait(timeout=10)
 
 
+# The same-host path copies in slices of this many bytes (SameHostCopy::kSliceBytes).
+_PVW_CALL_BYTES = 4 << 20
+
+
+def _pvw_sink(nbytes: int) -> None:
+    """Target process: pre-faults `nbytes` of anonymous memory, prints its address, and
+    holds it until stdin closes."""
+    region = np.ones(nbytes, dtype=np.uint8)
+    print(region.ctypes.data, flush=True)
+    sys.stdin.read()
+
+
+def process_vm_writev_gbps(nbytes: int = 1 << 28, repeats: int = 5) -> dict[str, Any]:
+    """process_vm_writev of `nbytes` into another process's warm anonymous memory, in calls
+    of _PVW_CALL_BYTES; GB/s per pass (the first pass is a warm-up)."""
+    import ctypes
+
+    class _Iovec(ctypes.Structure):
+        _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    proc = subprocess.Popen([sys.executable, __file__, "_pvw_sink", str(nbytes)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        line = proc.stdout.readline() if proc.stdout else ""
+        if not line.strip():
+            raise RuntimeError("process_vm_writev sink did not start")
+        remote = int(line)
+        src = np.full(nbytes, 7, dtype=np.uint8)
+        samples = []
+        for r in range(repeats + 1):
+            t = time.perf_counter()
+            for off in range(0, nbytes, _PVW_CALL_BYTES):
+                n = min(_PVW_CALL_BYTES, nbytes - off)
+                local_iov, remote_iov = _Iovec(src.ctypes.data + off, n), _Iovec(remote + off, n)
+                if libc.process_vm_writev(proc.pid, ctypes.byref(local_iov), 1, ctypes.byref(remote_iov), 1, 0) != n:
+                    raise OSError(ctypes.get_errno(), "process_vm_writev")
+            if r:
+                samples.append(nbytes / (time.perf_counter() - t) / 1e9)
+        return _summary(samples)
+    finally:
+        if proc.stdin:
+            proc.stdin.close()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
 def measure_all(nbytes: int = 1 << 30, repeats: int = 5) -> dict[str, dict[str, Any]]:
     """Both limits, by name."""
     return {
         "memcpy": memcpy_gbps(nbytes, repeats),
         "tcp_loopback_1_stream": tcp_stream_gbps(nbytes, repeats),
+        "process_vm_writev": process_vm_writev_gbps(nbytes, repeats),
     }
 
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "_tcp_sink":
         _tcp_sink(int(sys.argv[2]), int(sys.argv[3]))
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "_pvw_sink":
+        _pvw_sink(int(sys.argv[2]))
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", default="1G", help="bytes per copy / per stream round (default 1G)")
