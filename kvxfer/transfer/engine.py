@@ -709,6 +709,15 @@ class TransferEngine:
                 None, f"imm {imm}: {self.imm_count(imm)} of {count} arrived within {timeout} s"
             )
 
+    def wait_imm_any(self, wanted: Sequence[tuple[int, int]], timeout: float) -> int | None:
+        """Blocks until one of `wanted` ((imm, count) pairs) has `count` units; returns its
+        index, or None once `timeout` seconds passed. The one wait for many pending loads:
+        it wakes for whichever completes first, not the oldest."""
+        if not wanted:
+            return None
+        found = int(self._native.wait_imm_any([(int(i), int(c)) for i, c in wanted], float(timeout)))
+        return found if found >= 0 else None
+
     def consume_imm(self, imm: int, count: int) -> None:
         """Subtracts a finished request's units so the immediate value can be reused."""
         self._native.consume_imm(imm, count)

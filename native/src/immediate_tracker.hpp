@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "engine_types.hpp"
@@ -126,6 +127,28 @@ class ImmediateTracker {
       unslotted_waiters_.fetch_sub(1, std::memory_order_seq_cst);
     if (lost) throw_lost(imm, count);
     return reached;
+  }
+
+  // Any thread but the worker: blocks until one of `wanted` (immediate, count) is reached
+  // (or its arrivals are being dropped) and returns its index; -1 at the deadline or once
+  // `stopping`. Woken on every arrival round (the unslotted waiters' epoch), not once per
+  // pair: a decode instance with many loads pending sleeps here until the first of them is
+  // complete, whichever it is.
+  int wait_any(const std::vector<std::pair<uint32_t, uint64_t>>& wanted, int64_t deadline_ns,
+               const std::atomic<bool>& stopping) {
+    int found = -1;
+    unslotted_waiters_.fetch_add(1, std::memory_order_seq_cst);
+    for (;;) {
+      uint32_t seen = epoch_.load(std::memory_order_seq_cst);
+      std::atomic_thread_fence(std::memory_order_seq_cst);  // pairs with after_round
+      for (size_t i = 0; i < wanted.size() && found < 0; ++i)
+        if (table_.get(wanted[i].first) >= wanted[i].second || table_.lost(wanted[i].first))
+          found = static_cast<int>(i);
+      if (found >= 0 || monotonic_ns() >= deadline_ns || stopping.load()) break;
+      futex_wait_until(&epoch_, seen, std::min(deadline_ns, monotonic_ns() + 100'000'000));
+    }
+    unslotted_waiters_.fetch_sub(1, std::memory_order_seq_cst);
+    return found;
   }
 
   [[noreturn]] void throw_lost(uint32_t imm, uint64_t count) const {

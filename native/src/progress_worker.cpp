@@ -211,6 +211,23 @@ bool ProgressWorker::wait_imm(uint32_t imm, uint64_t count, int64_t deadline_ns)
   return reached;
 }
 
+int ProgressWorker::wait_imm_any(const std::vector<std::pair<uint32_t, uint64_t>>& wanted, int64_t deadline_ns) {
+  if (!settings_.caller_drives_progress) return imms_.wait_any(wanted, deadline_ns, stopping_);
+  const auto& table = imms_.table();
+  int found = -1;
+  drive_until(
+      [&] {
+        for (size_t i = 0; i < wanted.size(); ++i)
+          if (table.get(wanted[i].first) >= wanted[i].second || table.lost(wanted[i].first)) {
+            found = static_cast<int>(i);
+            return true;
+          }
+        return false;
+      },
+      deadline_ns);
+  return found;
+}
+
 void ProgressWorker::expect_imm(uint32_t imm, uint64_t count, uint64_t token) {
   run_on_worker(
       [this, imm, count, token] {

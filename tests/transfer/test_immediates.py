@@ -6,6 +6,7 @@ Between two processes on every loopback provider and the same-host path (tests/s
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import time
 from pathlib import Path
 
@@ -92,6 +93,23 @@ def test_wait_imm_that_is_not_reached_raises_transfer_timeout_saying_how_many_ar
     refused = pair.target.request("wait_imm", imm=imm, count=1, timeout=0.2)
     assert (refused["ok"], refused["error"]) == (False, "TransferTimeout")
     assert refused["message"] == f"imm {imm}: 0 of 1 arrived within 0.2 s"
+
+
+def test_wait_imm_any_wakes_for_whichever_wanted_count_is_reached_first(pair: EnginePair) -> None:
+    # A decode instance with several loads pending waits for any of them: the newest may
+    # complete first, and a wait on the oldest would sleep through it.
+    oldest, newest = fresh_imm(), fresh_imm()
+    wanted = [(oldest, 1), (newest, 2)]
+    assert pair.engine.wait_imm_any(wanted, 0.1) is None  # nothing arrived: None at the timeout
+    assert pair.engine.wait_imm_any([], 0.1) is None
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(pair.engine.wait_imm_any, wanted, 5.0)
+        time.sleep(0.2)
+        assert not waiting.done()
+        pair.target.call("write_paged", descriptor=pair.inbox_mr.descriptor.hex(), src_pages=[0, 1],
+                         dst_pages=[4, 5], page_size=4 * KIB, imm=newest)
+        assert waiting.result(timeout=WAIT_S) == 1, "woke for the newest load's count"
+    assert pair.engine.imm_count(oldest) == 0
 
 
 def test_consume_imm_subtracts_a_finished_request_so_the_value_can_be_reused(

@@ -212,14 +212,14 @@ class KVReceiver:
     # ---- every step -----------------------------------------------------------------------
 
     def wait_briefly(self) -> None:
-        """On an idle step, block up to idle_wait_ms on the oldest pending load instead of spinning."""
-        pending = [ld for ld in self._loads.values() if ld.state is LoadState.RESERVED and ld.reservation]
-        if not pending or self.settings.idle_wait_ms <= 0:
+        """On an idle step, block up to idle_wait_ms until any pending load is complete,
+        instead of running vLLM's empty steps back to back."""
+        wanted = [(ld.reservation.imm, ld.reservation.expected_count) for ld in self._loads.values()
+                  if ld.state is LoadState.RESERVED and ld.reservation is not None]
+        if not wanted or self.settings.idle_wait_ms <= 0:
             return
-        res = min(pending, key=lambda ld: ld.sent_at).reservation
-        assert res is not None
         try:
-            self.engine.wait_imm(res.imm, res.expected_count, self.settings.idle_wait_ms / 1000.0)
+            self.engine.wait_imm_any(wanted, self.settings.idle_wait_ms / 1000.0)
         except TransferError:
             pass
 

@@ -54,8 +54,10 @@ class ConnectorSettings(BaseModel):
         "the load stops waiting; 'whole_cache': the one descriptor of the whole cache, good for the life of "
         "the instance (cheaper where a registration pins memory: benchmarks/bench_registration.py)")
     idle_wait_ms: float = Field(
-        2.0, ge=0, description="on a step with nothing scheduled, how long the worker blocks on the "
-        "ImmCounter instead of spinning while a load is pending")
+        2.0, ge=0, description="on a step with nothing scheduled, how long the worker blocks until any pending "
+        "load is complete before it returns to vLLM. It bounds how long a new request waits for that step to end. "
+        "It does not make an idle decode instance sleep: vLLM's shared-memory message queues busy-loop for 1 s "
+        "after each read (EngineCore and worker, about one core in all, measured), whatever this is")
 
     # -- prefill side (kv_producer) ------------------------------------------------------
     wait_for_reservation: bool = Field(
