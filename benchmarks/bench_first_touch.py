@@ -3,7 +3,8 @@ the same-host path to memcpy, cold and warm?
 
 Two engines in this process (net provider over 127.0.0.1): a source with a filled buffer,
 and a target that registers fresh memory (no page touched yet), with populate_on_register
-off and on. Paths: `same_host` (process_vm_writev into an anonymous mapping),
+off and on (huge_pages_on_register follows it). Paths: `same_host` (process_vm_writev into
+private anonymous memory),
 `same_host_mapped` (memcpy into the target's SharedBuffer, a memfd the source maps) and
 `fabric` (the net provider). After one write that brings the connection up, for each path
 and size it times the first write into fresh regions (cold: median over --regions) and
@@ -57,11 +58,14 @@ def fresh_region(path: str, size: int) -> tuple[np.ndarray, Any]:
     if path == "same_host_mapped":
         buf = SharedBuffer(size)  # a memfd: the source maps it and copies with memcpy
         return buf.array, buf
-    fresh = mmap.mmap(-1, size)  # anonymous, untouched: every page faults on first write
+    # Private anonymous memory, untouched: what numpy and torch allocate (mmap's default,
+    # MAP_SHARED, is shmem, which cannot have huge pages here and is not what users hand in).
+    fresh = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return np.frombuffer(fresh, dtype=np.uint8), fresh
 
 
-def one_path(path: str, populate: bool, sizes: list[int], repeats: int, regions: int) -> list[dict[str, Any]]:
+def one_path(path: str, populate: bool, sizes: list[int], repeats: int, regions: int,
+             huge_pages: bool = True) -> list[dict[str, Any]]:
     """Cold and warm write rates into fresh regions of every size, one engine pair.
 
     Before any timing the source writes once into a small warm region of the target, so the
@@ -72,7 +76,8 @@ def one_path(path: str, populate: bool, sizes: list[int], repeats: int, regions:
     same_host = path != "fabric"
     opts = {"provider": "net", "bind_host": "127.0.0.1", "same_host": same_host}
     rows = []
-    with TransferEngine(**opts) as source, TransferEngine(**opts, populate_on_register=populate) as target:
+    with TransferEngine(**opts) as source, \
+            TransferEngine(**opts, populate_on_register=populate, huge_pages_on_register=huge_pages) as target:
         src = np.full(max(sizes), 7, dtype=np.uint8)
         src_mr = source.register(src)
         warm_view, warm_keep = fresh_region(path, 1 << 20)
@@ -186,6 +191,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="warm writes after each cold one")
     parser.add_argument("--regions", type=int, default=3, help="fresh regions (cold writes) per size")
     parser.add_argument("--paths", default=",".join(PATHS))
+    parser.add_argument("--huge-pages", choices=("on", "off"), default="on",
+                        help="the target's huge_pages_on_register (default on, the engine's default)")
     parser.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "first_touch.json")
     args = parser.parse_args()
     sizes = sorted(parse_size(s) for s in args.sizes.split(","))
@@ -194,7 +201,7 @@ def main() -> None:
     rows = []
     for path in args.paths.split(","):
         for populate in (False, True):
-            rows += one_path(path, populate, sizes, args.repeats, args.regions)
+            rows += one_path(path, populate, sizes, args.repeats, args.regions, args.huge_pages == "on")
     # Again after the runs: memcpy moves with the load, so each size takes the better one.
     for s in sizes:
         memcpy[s] = max(memcpy[s], memcpy_gbps(s, repeats=max(3, args.repeats))["median"])
@@ -218,7 +225,7 @@ def main() -> None:
     load = subprocess.run(["uptime"], check=False, capture_output=True, text=True).stdout.strip()
     args.json.write_text(json.dumps({"sizes": sizes, "memcpy_gbps": memcpy, "process_vm_writev_gbps": pvw,
                                      "uptime": load, "pid": os.getpid(),
-                                     "rows": rows, "verdicts": results}, indent=2))
+                                     "huge_pages": args.huge_pages, "rows": rows, "verdicts": results}, indent=2))
     png = args.json.with_suffix(".png")
     plot(rows, memcpy, png)
     print(f"wrote {args.json} and {png}")

@@ -196,7 +196,7 @@ PYBIND11_MODULE(_native, m) {
                        uint64_t shard_min_bytes, bool delivery_complete, bool same_host,
                        bool caller_drives_progress, size_t imm_table_capacity,
                        size_t inbox_max_messages, uint64_t inbox_max_bytes,
-                       bool populate_on_register, bool lock_on_register) {
+                       bool populate_on_register, bool lock_on_register, bool huge_pages_on_register) {
              EngineSettings s;
              s.provider = provider;
              s.rails = rails;
@@ -213,6 +213,7 @@ PYBIND11_MODULE(_native, m) {
              s.worker.inbox_max_bytes = inbox_max_bytes;
              s.populate_on_register = populate_on_register;
              s.lock_on_register = lock_on_register;
+             s.huge_pages_on_register = huge_pages_on_register;
              GilRelease release;
              return std::make_shared<TransferEngine>(s);
            }),
@@ -221,7 +222,8 @@ PYBIND11_MODULE(_native, m) {
            py::arg("delivery_complete") = true, py::arg("same_host") = true,
            py::arg("caller_drives_progress") = false, py::arg("imm_table_capacity") = 1 << 16,
            py::arg("inbox_max_messages") = 1024, py::arg("inbox_max_bytes") = 16ull << 20,
-           py::arg("populate_on_register") = true, py::arg("lock_on_register") = true)
+           py::arg("populate_on_register") = true, py::arg("lock_on_register") = true,
+           py::arg("huge_pages_on_register") = true)
       .def_property_readonly("address", [](const TransferEngine& e) { return py::bytes(e.address()); })
       .def_property_readonly("provider", &TransferEngine::provider)
       .def_property_readonly("rails", &TransferEngine::rails)

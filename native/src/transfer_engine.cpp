@@ -26,6 +26,22 @@ constexpr uint64_t kInlineCopyBytes = 64 * 1024;
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23  // Linux 5.14
 #endif
+#ifndef MADV_COLLAPSE
+#define MADV_COLLAPSE 25  // Linux 6.1
+#endif
+
+// The 2 MiB-aligned interior of [addr, +length), where transparent huge pages can go.
+struct HugeSpan {
+  uintptr_t begin = 0, end = 0;
+  HugeSpan(uintptr_t addr, uint64_t length) {
+    constexpr uintptr_t kHuge = 2ull << 20;
+    begin = (addr + kHuge - 1) & ~(kHuge - 1);
+    end = (addr + length) & ~(kHuge - 1);
+  }
+  bool empty() const { return end <= begin; }
+  void* start() const { return reinterpret_cast<void*>(begin); }
+  size_t bytes() const { return end - begin; }
+};
 
 // Makes every page of [addr, +length) resident and writable (see
 // EngineSettings::populate_on_register). The touch fallback is an atomic add of zero, so a
@@ -134,7 +150,14 @@ MemoryRegionPtr TransferEngine::register_memory(uintptr_t addr, uint64_t length,
   // Before the provider registers it: on this thread, not the worker's (a 1 GiB buffer
   // takes a fraction of a second to populate).
   if (settings_.populate_on_register) {
+    // Huge pages first, so that populating faults them in whole; a buffer its owner had
+    // already filled (a KV cache) is collapsed into them after. Both are hints: a mapping
+    // or kernel that refuses (no THP for shmem here, fragmentation) keeps its small pages.
+    const HugeSpan huge(addr, length);
+    const bool want_huge = settings_.huge_pages_on_register && !huge.empty();
+    if (want_huge) madvise(huge.start(), huge.bytes(), MADV_HUGEPAGE);
     populate_pages(addr, length);
+    if (want_huge) madvise(huge.start(), huge.bytes(), MADV_COLLAPSE);
     if (settings_.lock_on_register) {
       region->locked = PageLocks::process().lock(addr, length);
       if (!region->locked) lock_refused_.fetch_add(1, std::memory_order_relaxed);

@@ -1,0 +1,62 @@
+"""Registered memory gets transparent huge pages where the kernel allows
+(huge_pages_on_register): fresh memory is populated as huge pages, and memory its owner
+had already filled is collapsed into them, bytes unchanged."""
+
+from __future__ import annotations
+
+import mmap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvxfer.transfer.engine import TransferEngine
+
+MIB = 1 << 20
+SIZE = 16 * MIB
+
+pytestmark = pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage").exists(),
+                                reason="this kernel has no transparent huge pages")
+
+
+def huge_bytes_at(addr: int) -> int:
+    """AnonHugePages of the mapping of this process that holds `addr`."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= addr < end
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+def private_memory(size: int) -> tuple[mmap.mmap, np.ndarray]:
+    """Private anonymous memory, as numpy and torch allocate (no huge-page hint of its own),
+    and the mapping that keeps it alive."""
+    m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return m, np.frombuffer(m, dtype=np.uint8)
+
+
+@pytest.mark.parametrize("filled_before", [False, True], ids=["fresh", "filled-by-its-owner"])
+def test_registration_gives_private_memory_huge_pages_and_keeps_its_bytes(filled_before: bool) -> None:
+    _mapping, buf = private_memory(SIZE)
+    pattern = (np.arange(SIZE, dtype=np.uint64) * 2654435761 % 251).astype(np.uint8)
+    if filled_before:
+        buf[:] = pattern  # a KV cache its engine already wrote: 4 KiB pages until collapsed
+    with TransferEngine(provider="net", bind_host="127.0.0.1", lock_on_register=False) as engine:
+        engine.register(buf)
+        huge = huge_bytes_at(buf.ctypes.data)
+    if filled_before:
+        assert np.array_equal(buf, pattern), "collapsing changed the bytes"
+    assert huge >= SIZE - 4 * MIB, f"{huge} of {SIZE} bytes in huge pages"  # ends not 2 MiB-aligned
+
+
+def test_huge_pages_on_register_off_leaves_small_pages() -> None:
+    _mapping, buf = private_memory(SIZE)
+    with TransferEngine(provider="net", bind_host="127.0.0.1", lock_on_register=False,
+                        huge_pages_on_register=False) as engine:
+        engine.register(buf)
+        assert huge_bytes_at(buf.ctypes.data) == 0
