@@ -349,30 +349,28 @@ bool ProgressWorker::drain_submissions() {
 namespace {
 
 // Posts one op on its rail: a write (with its immediate, if any) or a message.
-ssize_t post_op(FabricRail& rail, RailOp* op) {
-  uint64_t flags = FI_COMPLETION;
-  if (op->has_cq_data) flags |= FI_REMOTE_CQ_DATA;
-  if (op->delivery_complete) flags |= FI_DELIVERY_COMPLETE;
-  if (op->kind == OpKind::kWrite) {
-    struct fi_msg_rma msg = {};
-    msg.msg_iov = op->iov;
-    msg.desc = op->desc;
-    msg.iov_count = op->iov_count;
-    msg.addr = op->dest;
-    msg.rma_iov = op->rma;
-    msg.rma_iov_count = op->iov_count;
-    msg.context = op;
-    msg.data = op->cq_data;
-    return rail.post_write(msg, flags);
-  }
-  struct fi_msg msg = {};
+// The fields fi_msg and fi_msg_rma share, from the op.
+template <class Msg>
+Msg message_of(RailOp* op) {
+  Msg msg = {};
   msg.msg_iov = op->iov;
   msg.desc = op->desc;
   msg.iov_count = op->iov_count;
   msg.addr = op->dest;
   msg.context = op;
   msg.data = op->cq_data;
-  return rail.post_send(msg, flags);
+  return msg;
+}
+
+ssize_t post_op(FabricRail& rail, RailOp* op) {
+  uint64_t flags = FI_COMPLETION;
+  if (op->has_cq_data) flags |= FI_REMOTE_CQ_DATA;
+  if (op->delivery_complete) flags |= FI_DELIVERY_COMPLETE;
+  if (op->kind != OpKind::kWrite) return rail.post_send(message_of<struct fi_msg>(op), flags);
+  auto msg = message_of<struct fi_msg_rma>(op);
+  msg.rma_iov = op->rma;
+  msg.rma_iov_count = op->iov_count;
+  return rail.post_write(msg, flags);
 }
 
 }  // namespace

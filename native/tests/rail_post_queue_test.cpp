@@ -23,6 +23,12 @@ struct Ops {
       ops[i].cq_data = i;  // the op's name in the tests
     }
   }
+  // A queue with a budget of `slots`, holding every op in order.
+  RailPostQueue queued(size_t slots) {
+    RailPostQueue queue(slots);
+    for (auto& op : ops) queue.push(&op);
+    return queue;
+  }
 };
 
 // Posts ops, answering EAGAIN for peers in `full` and an error for peers in `broken`.
@@ -51,8 +57,7 @@ struct Unposted {
 
 TEST(RailPostQueue, PostsInOrderWithinTheBudgetAndAReleaseLetsTheNextGo) {
   Ops ops({1, 1, 1, 1});
-  RailPostQueue queue(2);
-  for (auto& op : ops.ops) queue.push(&op);
+  RailPostQueue queue = ops.queued(2);
   ScriptedRail rail;
   Unposted unposted;
   EXPECT_TRUE(queue.post_ready(std::ref(rail), std::ref(unposted)));
@@ -71,8 +76,7 @@ TEST(RailPostQueue, PostsInOrderWithinTheBudgetAndAReleaseLetsTheNextGo) {
 TEST(RailPostQueue, AFullPeerIsSteppedOverAndKeepsItsOrder) {
   // Peer 7 stopped reading: its ops stay queued, in order; peer 8's behind them go now.
   Ops ops({7, 8, 7, 8});
-  RailPostQueue queue(16);
-  for (auto& op : ops.ops) queue.push(&op);
+  RailPostQueue queue = ops.queued(16);
   ScriptedRail rail;
   rail.full[7] = true;
   Unposted unposted;
@@ -92,8 +96,7 @@ TEST(RailPostQueue, AStuckPeerCostsABoundedScanPerPass) {
   std::vector<fi_addr_t> dests(RailPostQueue::kMaxSkippedPerPass + 2, 7);
   dests.push_back(8);
   Ops ops(dests);
-  RailPostQueue queue(1024);
-  for (auto& op : ops.ops) queue.push(&op);
+  RailPostQueue queue = ops.queued(1024);
   ScriptedRail rail;
   rail.full[7] = true;
   Unposted unposted;
@@ -108,8 +111,7 @@ TEST(RailPostQueue, AStuckPeerCostsABoundedScanPerPass) {
 TEST(RailPostQueue, OpsOfAFailedTransferLeaveUnpostedAndPostErrorsAreReported) {
   Ops ops({1, 2, 3});
   ops.batches[0].failed = true;
-  RailPostQueue queue(8);
-  for (auto& op : ops.ops) queue.push(&op);
+  RailPostQueue queue = ops.queued(8);
   ScriptedRail rail;
   rail.broken[2] = true;
   Unposted unposted;
@@ -130,8 +132,7 @@ TEST(RailPostQueue, ManyFullPeersEndThePass) {
   for (fi_addr_t p = 0; p <= RailPostQueue::kMaxBlockedPeers; ++p) dests.push_back(100 + p);
   dests.push_back(1);
   Ops ops(dests);
-  RailPostQueue queue(64);
-  for (auto& op : ops.ops) queue.push(&op);
+  RailPostQueue queue = ops.queued(64);
   ScriptedRail rail;
   for (fi_addr_t p = 0; p <= RailPostQueue::kMaxBlockedPeers; ++p) rail.full[100 + p] = true;
   Unposted unposted;
