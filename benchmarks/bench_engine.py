@@ -333,6 +333,11 @@ class EngineConfig:
     # "thread" or "caller" (TransferEngine's progress, on both sides).
     progress: str = "thread"
 
+    @property
+    def caller_progress(self) -> bool:
+        """Caller-driven progress, which the labels name (thread progress is the default)."""
+        return self.progress == "caller"
+
     def units_in_flight(self, kind: str) -> int:
         """Write calls the initiator keeps in flight: --window, or with the default (0,
         "deep") as many single writes as the deep bare loop keeps (max_inflight_per_rail
@@ -347,7 +352,7 @@ class EngineConfig:
     def label(self) -> str:
         dc = "" if self.delivery_complete == "default" else f", delivery_complete {self.delivery_complete}"
         how = ("" if self.submit == "many" else f", submit {self.submit}") + \
-            ("" if self.progress == "thread" else f", progress {self.progress}")
+            (f", progress {self.progress}" if self.caller_progress else "")
         return (f"{self.provider}, rails={self.rails}{how} (window {self.window_text()}, max_inflight_per_rail "
                 f"{self.max_inflight_per_rail}, idle_spin_us {self.idle_spin_us:g}, shard_min_bytes "
                 f"{size_text(self.shard_min_bytes)}{dc})")
@@ -568,7 +573,7 @@ class ConfigRun:
             "max_inflight_per_rail": cfg.max_inflight_per_rail, "idle_spin_us": cfg.idle_spin_us,
             "shard_min_bytes": cfg.shard_min_bytes, "delivery_complete": cfg.delivery_complete,
             "pages_per_write": args.pages_per_write, "progress": cfg.progress, "label": cfg.label(),
-            "label_short": f"{cfg.provider} rails={cfg.rails}" + ("" if cfg.progress == "thread" else f" {cfg.progress}"),
+            "label_short": f"{cfg.provider} rails={cfg.rails}" + (" caller" if cfg.caller_progress else ""),
             "load": load_snapshot(), "cases": self.rows,
         }
         self.initiator = Initiator(cfg, src)

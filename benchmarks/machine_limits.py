@@ -5,8 +5,9 @@
 - one loopback TCP stream: two processes, `sendall` of a preallocated buffer to a
   `recv_into` of another over 127.0.0.1, GB/s. This is the ceiling of one TCP connection,
   which is what the TCP-class transports (kvxfer tcp/net, Mooncake TCP, UCX tcp) ride on.
-- process_vm_writev: the kernel copying into another process's anonymous, pre-faulted
-  memory, in calls of 4 MiB (the same-host path's slice), GB/s. The ceiling of kvxfer's
+- process_vm_writev: the kernel copying into another process's private, pre-faulted memory
+  (a numpy array: huge pages where the kernel gives them), in calls of 4 MiB (the
+  same-host path's slice), GB/s. The ceiling of kvxfer's
   same-host path into memory that is not a SharedBuffer (which it maps and memcpys into
   instead); the kernel pins and maps the target's pages call by call.
 
@@ -143,8 +144,8 @@ _PVW_CALL_BYTES = 4 << 20
 
 
 def _pvw_sink(nbytes: int) -> None:
-    """Target process: pre-faults `nbytes` of anonymous memory, prints its address, and
-    holds it until stdin closes."""
+    """Target process: pre-faults `nbytes` of private memory (numpy asks for huge pages on
+    arrays this large), prints its address, and holds it until stdin closes."""
     region = np.ones(nbytes, dtype=np.uint8)
     print(region.ctypes.data, flush=True)
     sys.stdin.read()

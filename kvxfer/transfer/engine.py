@@ -717,9 +717,10 @@ class TransferEngine:
             )
 
     def wait_imm_any(self, wanted: Sequence[tuple[int, int]], timeout: float) -> int | None:
-        """Blocks until one of `wanted` ((imm, count) pairs) has `count` units; returns its
-        index, or None once `timeout` seconds passed. The one wait for many pending loads:
-        it wakes for whichever completes first, not the oldest."""
+        """Blocks until one of `wanted` ((imm, count) pairs) has `count` units, or can no
+        longer be counted (see wait_imm: its imm_count then stays short); returns its index,
+        or None once `timeout` seconds passed (at once for an empty list). The one wait for
+        many pending loads: it wakes for whichever completes first, not the oldest."""
         if not wanted:
             return None
         found = int(self._native.wait_imm_any([(int(i), int(c)) for i, c in wanted], float(timeout)))

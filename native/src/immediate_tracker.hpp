@@ -95,7 +95,7 @@ class ImmediateTracker {
     arrived_ = false;
     epoch_.fetch_add(1, std::memory_order_seq_cst);
     if (unslotted_waiters_.load(std::memory_order_seq_cst)) futex_wake_all(&epoch_);
-    waiters_.wake_ready([this](uint32_t imm, uint64_t count) { return table_.get(imm) >= count || table_.lost(imm); });
+    waiters_.wake_ready([this](uint32_t imm, uint64_t count) { return done(imm, count); });
   }
 
   // Any thread but the worker: true once count units of imm arrived, false at the deadline
@@ -141,14 +141,22 @@ class ImmediateTracker {
     for (;;) {
       uint32_t seen = epoch_.load(std::memory_order_seq_cst);
       std::atomic_thread_fence(std::memory_order_seq_cst);  // pairs with after_round
-      for (size_t i = 0; i < wanted.size() && found < 0; ++i)
-        if (table_.get(wanted[i].first) >= wanted[i].second || table_.lost(wanted[i].first))
-          found = static_cast<int>(i);
+      found = first_done(wanted);
       if (found >= 0 || monotonic_ns() >= deadline_ns || stopping.load()) break;
       futex_wait_until(&epoch_, seen, std::min(deadline_ns, monotonic_ns() + 100'000'000));
     }
     unslotted_waiters_.fetch_sub(1, std::memory_order_seq_cst);
     return found;
+  }
+
+  // Whether a waiter of count units of imm may stop waiting: they arrived, or its arrivals
+  // are being dropped (the table is full).
+  bool done(uint32_t imm, uint64_t count) const { return table_.get(imm) >= count || table_.lost(imm); }
+  // The index of the first of `wanted` that is done, -1 if none.
+  int first_done(const std::vector<std::pair<uint32_t, uint64_t>>& wanted) const {
+    for (size_t i = 0; i < wanted.size(); ++i)
+      if (done(wanted[i].first, wanted[i].second)) return static_cast<int>(i);
+    return -1;
   }
 
   [[noreturn]] void throw_lost(uint32_t imm, uint64_t count) const {

@@ -213,18 +213,8 @@ bool ProgressWorker::wait_imm(uint32_t imm, uint64_t count, int64_t deadline_ns)
 
 int ProgressWorker::wait_imm_any(const std::vector<std::pair<uint32_t, uint64_t>>& wanted, int64_t deadline_ns) {
   if (!settings_.caller_drives_progress) return imms_.wait_any(wanted, deadline_ns, stopping_);
-  const auto& table = imms_.table();
   int found = -1;
-  drive_until(
-      [&] {
-        for (size_t i = 0; i < wanted.size(); ++i)
-          if (table.get(wanted[i].first) >= wanted[i].second || table.lost(wanted[i].first)) {
-            found = static_cast<int>(i);
-            return true;
-          }
-        return false;
-      },
-      deadline_ns);
+  drive_until([&] { return (found = imms_.first_done(wanted)) >= 0; }, deadline_ns);
   return found;
 }
 
@@ -348,7 +338,6 @@ bool ProgressWorker::drain_submissions() {
 
 namespace {
 
-// Posts one op on its rail: a write (with its immediate, if any) or a message.
 // The fields fi_msg and fi_msg_rma share, from the op.
 template <class Msg>
 Msg message_of(RailOp* op) {
@@ -362,6 +351,7 @@ Msg message_of(RailOp* op) {
   return msg;
 }
 
+// Posts one op on its rail: a write (with its immediate, if any) or a message.
 ssize_t post_op(FabricRail& rail, RailOp* op) {
   uint64_t flags = FI_COMPLETION;
   if (op->has_cq_data) flags |= FI_REMOTE_CQ_DATA;

@@ -14,9 +14,23 @@ pytest.importorskip("vllm", reason="the vllm extra is not installed")
 from kvxfer.integrations.vllm.scheduler_side import SchedulerSide  # noqa: E402
 
 
-def decode_request(rid: str, tokens: int) -> SimpleNamespace:
+def leg_request(rid: str, tokens: int, role: str) -> Any:  # stands in for vllm.v1.request.Request
     return SimpleNamespace(request_id=rid, num_tokens=tokens, num_prompt_tokens=tokens, kv_transfer_params={
-        "kvxfer": {"role": "decode", "transfer_id": f"t-{rid}", "peer_engine": "00ff"}})
+        "kvxfer": {"role": role, "transfer_id": f"t-{rid}", "peer_engine": "00ff"}})
+
+
+def decode_request(rid: str, tokens: int) -> Any:
+    return leg_request(rid, tokens, "decode")
+
+
+def prefill_request(rid: str, tokens: int) -> Any:
+    return leg_request(rid, tokens, "prefill")
+
+
+def idle_step() -> Any:  # a SchedulerOutput that scheduled nothing
+    return SimpleNamespace(total_num_scheduled_tokens=0, num_scheduled_tokens={}, scheduled_new_reqs=[],
+                           scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+                           preempted_req_ids=None)
 
 
 def test_a_failed_load_is_computed_locally_when_vllm_asks_again() -> None:
@@ -27,26 +41,13 @@ def test_a_failed_load_is_computed_locally_when_vllm_asks_again() -> None:
     req = decode_request("r1", 100)
     assert side.get_num_new_matched_tokens(req, 0) == (100, True)
     side.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4],)), 100)
-    meta = side.build_connector_meta(SimpleNamespace(
-        total_num_scheduled_tokens=0, num_scheduled_tokens={}, scheduled_new_reqs=[],
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]), preempted_req_ids=None))
+    meta = side.build_connector_meta(idle_step())
     assert [spec.request_id for spec in meta.loads] == ["r1"]
     side.update_connector_output(SimpleNamespace(finished_recving={"r1"}, failed_recving={"r1"},
                                                  finished_sending=None, kv_connector_worker_meta=None))
     assert side.get_num_new_matched_tokens(req, 0) == (0, False)
     # Another request with kvxfer params still loads.
     assert side.get_num_new_matched_tokens(decode_request("r2", 40), 0) == (40, True)
-
-
-def prefill_request(rid: str, tokens: int) -> Any:  # stands in for vllm.v1.request.Request
-    return SimpleNamespace(request_id=rid, num_tokens=tokens, num_prompt_tokens=tokens, kv_transfer_params={
-        "kvxfer": {"role": "prefill", "transfer_id": f"t-{rid}", "peer_engine": "00ff"}})
-
-
-def idle_step() -> Any:  # a SchedulerOutput that scheduled nothing
-    return SimpleNamespace(total_num_scheduled_tokens=0, num_scheduled_tokens={}, scheduled_new_reqs=[],
-                           scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
-                           preempted_req_ids=None)
 
 
 def arrivals(*transfer_ids: str) -> Any:  # a KVConnectorOutput with only arrivals

@@ -130,16 +130,23 @@ class SchedulerSide:
         # does, which costs less than the decoder's reservation round trip before compute
         # (one vLLM step on each side: about 30 ms of a 64-token TTFT on this machine).
         rid = request.request_id
-        if rid not in self._pushes:
-            now = time.monotonic()
-            since = self._gated_since.setdefault(rid, now)
-            if self.wait_for_reservation and params.transfer_id not in self._arrived \
-                    and now - since < self.reservation_wait_s:
-                return None, False
-            self._gated_since.pop(rid, None)
-            self._arrived.discard(params.transfer_id)
-            self._pushes[rid] = _ActivePush(params, request.num_prompt_tokens)
+        if rid in self._pushes:
+            return 0, False
+        if self.wait_for_reservation and self._still_gated(rid, params.transfer_id):
+            return None, False
+        self._pushes[rid] = _ActivePush(params, request.num_prompt_tokens)
         return 0, False
+
+    def _still_gated(self, rid: str, transfer_id: str) -> bool:
+        """With wait_for_reservation: True until the reservation arrived or reservation_wait_s
+        passed since the request was first asked about."""
+        now = time.monotonic()
+        since = self._gated_since.setdefault(rid, now)
+        if transfer_id not in self._arrived and now - since < self.reservation_wait_s:
+            return True
+        self._gated_since.pop(rid, None)
+        self._arrived.discard(transfer_id)
+        return False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """The blocks of a decode leg are known: queue its load for the worker."""

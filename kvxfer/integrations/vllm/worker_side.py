@@ -120,9 +120,10 @@ class WorkerSide:
         """(finished_sending, finished_recving, failed_recving) for this step."""
         if self.receiver is not None and self._meta is not None and self._meta.idle:
             self.receiver.wait_briefly()
-        awaiting = self._meta is not None and (
-            self._meta.awaiting_reservations or (self.pusher is not None and self.pusher.awaiting_reservation))
-        if self._meta is not None and self._meta.idle and awaiting and self.engine:
+        meta = self._meta
+        # Idle first: the pusher's scan runs only on steps that compute nothing.
+        if meta is not None and meta.idle and self.engine and (
+                meta.awaiting_reservations or (self.pusher is not None and self.pusher.awaiting_reservation)):
             # Nothing to compute until a reservation comes: wait for it instead of spinning.
             raw = self.engine.recv(self.settings.idle_wait_ms / 1000.0)
             if raw is not None:
