@@ -3,6 +3,7 @@
 // another thread, or lets it go at its deadline.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <thread>
 
 #include "completion_counter.hpp"
@@ -44,6 +45,45 @@ TEST(CompletionCounter, AWaiterPastItsSpinIsWokenByAnotherThreadsFinish) {
   EXPECT_TRUE(c.wait_at_least(3, start + 5'000 * kMs));
   EXPECT_LT(monotonic_ns() - start, 2'000 * kMs) << "woken by the finishes, not the deadline";
   finisher.join();
+}
+
+// Waits until `c` has a sleeper whose count is not reached (it lowered wake_at_).
+void wait_for_a_sleeper(CompletionCounter& c, uint64_t n) {
+  const int64_t give_up = monotonic_ns() + 5'000 * kMs;
+  // The waiter spins kWaitSpinNs first; past that, with the count short, it sleeps.
+  while (monotonic_ns() < give_up && !c.has_sleeper_for(n)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_TRUE(c.has_sleeper_for(n)) << "the waiter never went to sleep";
+}
+
+TEST(CompletionCounter, FinishesShortOfTheSleepersCountWakeNobody) {
+  CompletionCounter c;
+  bool reached = false;
+  std::thread waiter([&c, &reached] { reached = c.wait_at_least(100, monotonic_ns() + 5'000 * kMs); });
+  wait_for_a_sleeper(c, 100);
+  for (int i = 0; i < 99; ++i) c.on_finish(true, "");
+  EXPECT_EQ(c.wakes(), 0u) << "a finish short of the count woke the sleeper";
+  c.on_finish(true, "");
+  waiter.join();
+  EXPECT_TRUE(reached);
+  EXPECT_EQ(c.wakes(), 1u);
+}
+
+TEST(CompletionCounter, SleepersWithDifferentCountsAreEachWokenAtTheirOwn) {
+  CompletionCounter c;
+  std::atomic<int> done{0};
+  std::thread low([&] { EXPECT_TRUE(c.wait_at_least(10, monotonic_ns() + 5'000 * kMs)); done.fetch_add(1); });
+  wait_for_a_sleeper(c, 10);
+  std::thread high([&] { EXPECT_TRUE(c.wait_at_least(20, monotonic_ns() + 5'000 * kMs)); done.fetch_add(1); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));  // past the high waiter's spin
+  for (int i = 0; i < 10; ++i) c.on_finish(true, "");
+  low.join();
+  EXPECT_EQ(done.load(), 1) << "the waiter for 20 returned at 10";
+  wait_for_a_sleeper(c, 20);  // woken with the low one, it went back to sleep for its own count
+  for (int i = 0; i < 10; ++i) c.on_finish(true, "");
+  high.join();
+  EXPECT_EQ(done.load(), 2);
 }
 
 }  // namespace
