@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import logging
 import os
 import threading
 from typing import Any, Callable, Generator, Iterable, Sequence
@@ -19,7 +20,10 @@ import numpy as np
 
 from kvxfer.transfer.native_library import native as _native
 from kvxfer.errors import BoundsError, EngineError, ImmCounterOverflow, TransferError, TransferTimeout
+from kvxfer.transfer.registration_cost import per_reservation_pin_warning
 from kvxfer.transfer.shared_memory import shared_buffer_of
+
+log = logging.getLogger("kvxfer.transfer")
 
 # Native status codes (TransferStatus in engine_types.hpp).
 _PENDING, _DONE, _FAILED, _TIMED_OUT = 0, 1, 2, 3
@@ -413,6 +417,7 @@ class TransferEngine:
         self._expect_tokens = iter(range(1, 1 << 62))
         self._token_lock = threading.Lock()
         self._regions: list[RegisteredMemory] = []
+        self._pin_cost_checked = False  # register_windows' warning, once per engine
 
     # -- identity ---------------------------------------------------------------------
     @property
@@ -463,9 +468,17 @@ class TransferEngine:
         """Registers each (offset, length) of `region` again with fresh keys (see `MemoryWindows`).
 
         Ranges must be non-empty, inside the region and disjoint (`BoundsError`). Costs one
-        provider registration per window per rail: see benchmarks/bench_registration.py.
+        provider registration per window per rail: see benchmarks/bench_registration.py. On
+        a provider that pins memory, the first call warns (once per engine) when `region`
+        has too few huge pages for that to be cheap (kvxfer/transfer/registration_cost.py).
         """
-        native = self._native.register_windows(self._local(region), [(int(o), int(n)) for o, n in ranges])
+        local = self._local(region)
+        if not self._pin_cost_checked:
+            self._pin_cost_checked = True
+            warning = per_reservation_pin_warning(self.provider, region.address, region.length)
+            if warning:
+                log.warning(warning)
+        native = self._native.register_windows(local, [(int(o), int(n)) for o, n in ranges])
         return MemoryWindows(self, native, region)
 
     def _local(self, mr: Any) -> Any:
