@@ -23,6 +23,8 @@ import mmap
 import os
 import time
 
+from kvxfer.transfer.registration_cost import huge_page_bytes
+
 _libc = ctypes.CDLL(None, use_errno=True)
 _SYS_IO_URING_SETUP = 425
 _SYS_IO_URING_REGISTER = 427
@@ -98,20 +100,7 @@ class PinnableBuffer:
         advice = _MADV_HUGEPAGE if huge_pages else _MADV_NOHUGEPAGE
         _libc.madvise(ctypes.c_void_p(self.address), ctypes.c_size_t(nbytes), advice)
         ctypes.memset(self.address, 1, nbytes)  # populate, as populate_on_register does
-        self.huge_bytes = self._anon_huge_bytes()
-
-    def _anon_huge_bytes(self) -> int:
-        """AnonHugePages of this mapping, from /proc/self/smaps."""
-        lo = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
-        inside = False
-        with open("/proc/self/smaps") as f:
-            for line in f:
-                head = line.split()[0]
-                if "-" in head and not head.endswith(":"):
-                    inside = int(head.split("-")[0], 16) == lo
-                elif inside and head == "AnonHugePages:":
-                    return int(line.split()[1]) << 10
-        return 0
+        self.huge_bytes = huge_page_bytes(self.address, nbytes)
 
     def close(self) -> None:
         self._map.close()

@@ -11,26 +11,13 @@ import numpy as np
 import pytest
 
 from kvxfer.transfer.engine import TransferEngine
+from kvxfer.transfer.registration_cost import huge_page_bytes
 
 MIB = 1 << 20
 SIZE = 16 * MIB
 
 pytestmark = pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage").exists(),
                                 reason="this kernel has no transparent huge pages")
-
-
-def huge_bytes_at(addr: int) -> int:
-    """AnonHugePages of the mapping of this process that holds `addr`."""
-    inside = False
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            head = line.split()[0]
-            if "-" in head and ":" not in head:
-                start, end = (int(x, 16) for x in head.split("-"))
-                inside = start <= addr < end
-            elif inside and head == "AnonHugePages:":
-                return int(line.split()[1]) * 1024
-    raise AssertionError(f"no mapping holds {addr:#x}")
 
 
 def private_memory(size: int) -> tuple[mmap.mmap, np.ndarray]:
@@ -48,7 +35,7 @@ def test_registration_gives_private_memory_huge_pages_and_keeps_its_bytes(filled
         buf[:] = pattern  # a KV cache its engine already wrote: 4 KiB pages until collapsed
     with TransferEngine(provider="net", bind_host="127.0.0.1", lock_on_register=False) as engine:
         engine.register(buf)
-        huge = huge_bytes_at(buf.ctypes.data)
+        huge = huge_page_bytes(buf.ctypes.data, SIZE)
     if filled_before:
         assert np.array_equal(buf, pattern), "collapsing changed the bytes"
     assert huge >= SIZE - 4 * MIB, f"{huge} of {SIZE} bytes in huge pages"  # ends not 2 MiB-aligned
@@ -59,4 +46,4 @@ def test_huge_pages_on_register_off_leaves_small_pages() -> None:
     with TransferEngine(provider="net", bind_host="127.0.0.1", lock_on_register=False,
                         huge_pages_on_register=False) as engine:
         engine.register(buf)
-        assert huge_bytes_at(buf.ctypes.data) == 0
+        assert huge_page_bytes(buf.ctypes.data, SIZE) == 0
