@@ -332,6 +332,8 @@ class EngineConfig:
     submit: str = "many"
     # "thread" or "caller" (TransferEngine's progress, on both sides).
     progress: str = "thread"
+    # "open" or "scoped" (the target's descriptor and immediates; engine_peer_process.py).
+    data_plane: str = "open"
 
     @property
     def caller_progress(self) -> bool:
@@ -352,7 +354,8 @@ class EngineConfig:
     def label(self) -> str:
         dc = "" if self.delivery_complete == "default" else f", delivery_complete {self.delivery_complete}"
         how = ("" if self.submit == "many" else f", submit {self.submit}") + \
-            (f", progress {self.progress}" if self.caller_progress else "")
+            (f", progress {self.progress}" if self.caller_progress else "") + \
+            (f", data plane {self.data_plane}" if self.data_plane != "open" else "")
         return (f"{self.provider}, rails={self.rails}{how} (window {self.window_text()}, max_inflight_per_rail "
                 f"{self.max_inflight_per_rail}, idle_spin_us {self.idle_spin_us:g}, shard_min_bytes "
                 f"{size_text(self.shard_min_bytes)}{dc})")
@@ -361,7 +364,8 @@ class EngineConfig:
         return argparse.Namespace(provider=self.provider, rails=self.rails,
                                   max_inflight_per_rail=self.max_inflight_per_rail,
                                   idle_spin_us=self.idle_spin_us, shard_min_bytes=self.shard_min_bytes,
-                                  delivery_complete=self.delivery_complete, progress=self.progress)
+                                  delivery_complete=self.delivery_complete, progress=self.progress,
+                                  data_plane=self.data_plane)
 
 
 class TargetProcess:
@@ -372,7 +376,8 @@ class TargetProcess:
                "--rails", str(cfg.rails), "--region-bytes", str(region_bytes),
                "--max-inflight-per-rail", str(cfg.max_inflight_per_rail),
                "--idle-spin-us", str(cfg.idle_spin_us), "--shard-min-bytes", str(cfg.shard_min_bytes),
-               "--delivery-complete", cfg.delivery_complete, "--progress", cfg.progress]
+               "--delivery-complete", cfg.delivery_complete, "--progress", cfg.progress,
+               "--data-plane", cfg.data_plane]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, bufsize=1,
                                      start_new_session=True)
@@ -382,6 +387,7 @@ class TargetProcess:
         threading.Thread(target=lambda: self._stderr.extend(self.proc.stderr), daemon=True).start()
         hello = self.read(PEER_START_TIMEOUT_S)
         self.descriptor = bytes.fromhex(hello["descriptor"])
+        self.address = bytes.fromhex(hello["address"])
 
     def _pump_stdout(self) -> None:
         for line in self.proc.stdout:
@@ -473,7 +479,8 @@ class Initiator:
         and the CPU seconds both processes spent (all threads) meanwhile."""
         assert self.target is not None
         window = self.cfg.units_in_flight(spec.kind)
-        self.target.request({"cmd": "arm", "imm": imm, "count": n * spec.pages})
+        self.target.request({"cmd": "arm", "imm": imm, "count": n * spec.pages,
+                             "source": self.engine.address.hex()})
         offsets, lists = None, None
         if spec.kind == SINGLE:
             offsets = np.fromiter((spec.offset(k) for k in range(n)), dtype=np.int64, count=n)
@@ -573,7 +580,9 @@ class ConfigRun:
             "max_inflight_per_rail": cfg.max_inflight_per_rail, "idle_spin_us": cfg.idle_spin_us,
             "shard_min_bytes": cfg.shard_min_bytes, "delivery_complete": cfg.delivery_complete,
             "pages_per_write": args.pages_per_write, "progress": cfg.progress, "label": cfg.label(),
-            "label_short": f"{cfg.provider} rails={cfg.rails}" + (" caller" if cfg.caller_progress else ""),
+            "data_plane": cfg.data_plane,
+            "label_short": f"{cfg.provider} rails={cfg.rails}" + (" caller" if cfg.caller_progress else "")
+            + (f" {cfg.data_plane}" if cfg.data_plane != "open" else ""),
             "load": load_snapshot(), "cases": self.rows,
         }
         self.initiator = Initiator(cfg, src)
@@ -1004,18 +1013,20 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         raise SystemExit(f"providers {missing} not available here (have {present})")
     configs = [
-        EngineConfig(p, int(r), 0 if w == "deep" else int(w), int(mi), float(sp), parse_size(sh), dc, sub, pr)
-        for p, r, w, mi, sp, sh, dc, sub, pr in itertools.product(
+        EngineConfig(p, int(r), 0 if w == "deep" else int(w), int(mi), float(sp), parse_size(sh), dc, sub, pr, dp)
+        for p, r, w, mi, sp, sh, dc, sub, pr, dp in itertools.product(
             providers, args.rails.split(","), args.window.split(","),
             args.max_inflight_per_rail.split(","), args.idle_spin_us.split(","),
             args.shard_min_bytes.split(","), args.delivery_complete.split(","), args.submit.split(","),
-            args.progress.split(","))
+            args.progress.split(","), args.data_plane.split(","))
     ]
     for cfg in configs:
         if cfg.submit not in ("many", "handles"):
             raise SystemExit(f"--submit takes many or handles, not {cfg.submit!r}")
         if cfg.progress not in ("thread", "caller"):
             raise SystemExit(f"--progress takes thread or caller, not {cfg.progress!r}")
+        if cfg.data_plane not in ("open", "scoped"):
+            raise SystemExit(f"--data-plane takes open or scoped, not {cfg.data_plane!r}")
         if cfg.delivery_complete not in ("default", "on", "off"):
             raise SystemExit(f"--delivery-complete takes default, on or off, not {cfg.delivery_complete!r}")
     cases = case_list(args)
@@ -1100,7 +1111,8 @@ def main(argv: list[str] | None = None) -> int:
     progress.close()
 
     limits = merge_limits(limit_runs)
-    sweep = len(configs) > len(providers) * len(args.rails.split(",")) * len(args.progress.split(","))
+    sweep = len(configs) > (len(providers) * len(args.rails.split(",")) * len(args.progress.split(","))
+                            * len(args.data_plane.split(",")))
     for k, config in enumerate(results):
         if sweep:
             config["label_short"] += (f" w{config['window']} inflight{config['max_inflight_per_rail']} "

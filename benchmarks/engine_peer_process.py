@@ -7,7 +7,8 @@ answers one JSON line on stdout:
 
   {"cmd": "case", "spec": {...},          switch to a case; with zero_units, first zero what
    "zero_units": U}                       U units of it can touch; answers {"ok"}
-  {"cmd": "arm", "imm": I, "count": N}    answers {"armed"}, then blocks in wait_imm(I, N)
+  {"cmd": "arm", "imm": I, "count": N,    answers {"armed"}, then blocks in wait_imm(I, N)
+   "source": initiator address hex}       (with --data-plane scoped, I bound to source first)
                                           and answers {"t_end": monotonic seconds, "cpu_s":
                                           process CPU seconds while waiting} once the N-th
                                           unit arrived (consuming them for the next run)
@@ -45,6 +46,8 @@ CASE_KINDS = (SINGLE, PAGED_RANDOM, PAGED_ADJACENT)
 # A case whose count is not reached by then fails instead of hanging the whole run; runs
 # here last well under a second even under load, so 8 s means stuck, not slow.
 WAIT_IMM_TIMEOUT_S = 8.0
+# Windows of a scoped descriptor (--data-plane scoped): one per layer of the 8B-shaped model.
+SCOPED_WINDOWS = 32
 # Golden-ratio multiplier: every 8-byte word of the source region is distinct, so a page
 # landing at the wrong index or a torn write changes the checksum.
 _PATTERN_MUL = np.uint64(0x9E3779B97F4A7C15)
@@ -183,6 +186,11 @@ def add_engine_arguments(p: argparse.ArgumentParser, lists: bool = False) -> Non
     p.add_argument("--delivery-complete", default="default",
                    help="on|off: writes complete only once delivered (engines that have the "
                         "option); default: the engine's own default" + suffix)
+    p.add_argument("--data-plane", default="open",
+                   help="open: the target hands out its region's own descriptor and counts immediates from "
+                        "anyone; scoped: as a decoder with kv_registration=per_reservation does, the region "
+                        f"registered again as {SCOPED_WINDOWS} windows with fresh keys, and each run's immediate "
+                        "bound to the initiator (the data plane's security, on)" + suffix)
     p.add_argument("--progress", default="thread",
                    help="thread: a progress thread per engine (the default); caller: the thread that made "
                         "the engine drives it inside its own calls (no thread hand-offs; the target then "
@@ -207,8 +215,15 @@ def serve(args: argparse.Namespace) -> None:
     else:
         region = np.zeros(args.region_bytes, dtype=np.uint8)
     mr = engine.register(region)
-    _reply({"ready": True, "descriptor": mr.descriptor.hex(), "provider": engine.provider,
-            "rails": engine.rails, "pid": os.getpid()})
+    descriptor = mr.descriptor
+    if args.data_plane == "scoped":
+        # What a decoder with kv_registration=per_reservation hands out: the region
+        # registered again in windows with fresh keys (one per layer of the 8B-shaped
+        # model), so every write is checked against the window list.
+        step = args.region_bytes // SCOPED_WINDOWS
+        descriptor = engine.register_windows(mr, [(k * step, step) for k in range(SCOPED_WINDOWS)]).descriptor
+    _reply({"ready": True, "descriptor": descriptor.hex(), "provider": engine.provider,
+            "rails": engine.rails, "pid": os.getpid(), "address": engine.address.hex()})
     spec: CaseSpec | None = None
     for line in sys.stdin:
         if not line.strip():
@@ -225,12 +240,18 @@ def serve(args: argparse.Namespace) -> None:
                 _reply({"ok": True})
             elif cmd == "arm":
                 imm, count = int(msg["imm"]), int(msg["count"])
+                if args.data_plane == "scoped":
+                    # A decoder binds its reservation's immediate to the prefiller it named:
+                    # immediates from anyone else are dropped and counted, never credited.
+                    engine.bind_imm_source(imm, bytes.fromhex(msg["source"]))
                 _reply({"armed": True})
                 cpu0 = time.process_time()  # all threads: the progress worker's polling too
                 engine.wait_imm(imm, count, WAIT_IMM_TIMEOUT_S)
                 t_end = time.monotonic()
                 cpu_s = time.process_time() - cpu0
                 engine.consume_imm(imm, count)
+                if args.data_plane == "scoped":
+                    engine.unbind_imm_source(imm)
                 _reply({"t_end": t_end, "cpu_s": cpu_s})
             elif cmd == "verify":
                 assert spec is not None, "verify before case"
