@@ -387,7 +387,6 @@ class TargetProcess:
         threading.Thread(target=lambda: self._stderr.extend(self.proc.stderr), daemon=True).start()
         hello = self.read(PEER_START_TIMEOUT_S)
         self.descriptor = bytes.fromhex(hello["descriptor"])
-        self.address = bytes.fromhex(hello["address"])
 
     def _pump_stdout(self) -> None:
         for line in self.proc.stdout:
