@@ -77,12 +77,17 @@ TEST(CompletionCounter, SleepersWithDifferentCountsAreEachWokenAtTheirOwn) {
   wait_for_a_sleeper(c, 10);
   std::thread high([&] { EXPECT_TRUE(c.wait_at_least(20, monotonic_ns() + 5'000 * kMs)); done.fetch_add(1); });
   std::this_thread::sleep_for(std::chrono::milliseconds(20));  // past the high waiter's spin
+  int64_t start = monotonic_ns();
   for (int i = 0; i < 10; ++i) c.on_finish(true, "");
   low.join();
+  // Both wait 5 s at most: a waiter that returns only then was woken by its deadline.
+  EXPECT_LT(monotonic_ns() - start, 2'000 * kMs) << "the waiter for 10 was not woken by the 10th finish";
   EXPECT_EQ(done.load(), 1) << "the waiter for 20 returned at 10";
   wait_for_a_sleeper(c, 20);  // woken with the low one, it went back to sleep for its own count
+  start = monotonic_ns();
   for (int i = 0; i < 10; ++i) c.on_finish(true, "");
   high.join();
+  EXPECT_LT(monotonic_ns() - start, 2'000 * kMs) << "the waiter for 20 was not woken by the 20th finish";
   EXPECT_EQ(done.load(), 2);
 }
 
