@@ -40,6 +40,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cases", default="single:4K,single:16K,paged-random:4K,paged-random:16K",
                    help="bench_engine.py cases, single and paged-random only (adjacent pages have no bare loop)")
     p.add_argument("--repeats", type=int, default=3, help="timed engine runs per case in each round (default 3)")
+    p.add_argument("--progress", default="thread",
+                   help="bench_engine.py --progress: thread, caller, or both as a comma list (default thread)")
     p.add_argument("--name", default="bench_rounds", help="results/<name>.json and .png")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"), help="folder for the results")
     return p.parse_args(argv)
@@ -103,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         for r in tqdm(range(args.rounds), desc="rounds", unit="round"):
             name = f"round{r}"
             bench_engine.main(["--providers", args.providers, "--rails", args.rails, "--cases", args.cases,
-                               "--repeats", str(args.repeats), "--out", tmp, "--name", name, "--no-plot"])
+                               "--repeats", str(args.repeats), "--progress", args.progress,
+                               "--out", tmp, "--name", name, "--no-plot"])
             rounds.append(round_ratios(json.loads((Path(tmp) / f"{name}.json").read_text())))
     rows = summarize(rounds)
     print_table(rows)
