@@ -101,31 +101,22 @@ class ImmediateTracker {
   // Any thread but the worker: true once count units of imm arrived, false at the deadline
   // or once `stopping`; throws ImmCounterOverflow when imm cannot be counted.
   bool wait(uint32_t imm, uint64_t count, int64_t deadline_ns, const std::atomic<bool>& stopping) {
-    bool reached = false, lost = false;
     const int slot = waiters_.claim(imm, count);
     // Without a slot (all taken) this waiter is woken on every arrival round instead.
     std::atomic<uint32_t>& word = slot >= 0 ? waiters_.word(slot) : epoch_;
     if (slot < 0) unslotted_waiters_.fetch_add(1, std::memory_order_seq_cst);
-    for (;;) {
-      uint32_t seen = word.load(std::memory_order_seq_cst);
-      std::atomic_thread_fence(std::memory_order_seq_cst);  // pairs with ImmWaiters::wake_ready
-      if (table_.get(imm) >= count) {
-        reached = true;
-        break;
-      }
-      // Arrivals wake us whether or not they were counted, so a drop wakes us too.
-      if (table_.lost(imm)) {
-        lost = true;
-        break;
-      }
-      if (monotonic_ns() >= deadline_ns || stopping.load()) break;
-      futex_wait_until(&word, seen, std::min(deadline_ns, monotonic_ns() + 100'000'000));
-    }
+    // Arrivals wake us whether or not they were counted, so a drop wakes us too.
+    bool reached = false;
+    const auto reached_or_lost = [&] {
+      reached = table_.get(imm) >= count;
+      return reached || table_.lost(imm);
+    };
+    const bool ended = sleep_until(word, reached_or_lost, deadline_ns, stopping);
     if (slot >= 0)
       waiters_.release(slot);
     else
       unslotted_waiters_.fetch_sub(1, std::memory_order_seq_cst);
-    if (lost) throw_lost(imm, count);
+    if (ended && !reached) throw_lost(imm, count);
     return reached;
   }
 
@@ -138,13 +129,7 @@ class ImmediateTracker {
                const std::atomic<bool>& stopping) {
     int found = -1;
     unslotted_waiters_.fetch_add(1, std::memory_order_seq_cst);
-    for (;;) {
-      uint32_t seen = epoch_.load(std::memory_order_seq_cst);
-      std::atomic_thread_fence(std::memory_order_seq_cst);  // pairs with after_round
-      found = first_done(wanted);
-      if (found >= 0 || monotonic_ns() >= deadline_ns || stopping.load()) break;
-      futex_wait_until(&epoch_, seen, std::min(deadline_ns, monotonic_ns() + 100'000'000));
-    }
+    sleep_until(epoch_, [&] { return (found = first_done(wanted)) >= 0; }, deadline_ns, stopping);
     unslotted_waiters_.fetch_sub(1, std::memory_order_seq_cst);
     return found;
   }
@@ -175,6 +160,25 @@ class ImmediateTracker {
   }
 
  private:
+  // A sleeping waiter looks again at least this often, so a wake it missed costs at most
+  // this much (close() also wakes every word).
+  static constexpr int64_t kRecheckNs = 100'000'000;
+
+  // Sleeps on `word` until `ready()` (true) or the deadline or `stopping` (false). The
+  // worker bumps `word` after counting a round, so reading it before `ready()` means a
+  // round that lands in between ends the sleep at once.
+  template <class Ready>
+  static bool sleep_until(std::atomic<uint32_t>& word, Ready ready, int64_t deadline_ns,
+                          const std::atomic<bool>& stopping) {
+    for (;;) {
+      uint32_t seen = word.load(std::memory_order_seq_cst);
+      std::atomic_thread_fence(std::memory_order_seq_cst);  // pairs with after_round's wakes
+      if (ready()) return true;
+      if (monotonic_ns() >= deadline_ns || stopping.load()) return false;
+      futex_wait_until(&word, seen, std::min(deadline_ns, monotonic_ns() + kRecheckNs));
+    }
+  }
+
   struct Expectation {
     uint64_t count;
     uint64_t token;
