@@ -153,7 +153,10 @@ def _pvw_sink(nbytes: int) -> None:
 
 def process_vm_writev_gbps(nbytes: int = 1 << 28, repeats: int = 5) -> dict[str, Any]:
     """process_vm_writev of `nbytes` into another process's warm anonymous memory, in calls
-    of _PVW_CALL_BYTES; GB/s per pass (the first pass is a warm-up)."""
+    of _PVW_CALL_BYTES; GB/s per pass (the first pass is a warm-up). Source and target are
+    both numpy arrays, so they share their offset within a cache line, as KV caches do: the
+    kernel's copy runs at about half speed between buffers that do not
+    (bench_first_touch.aligned_source)."""
     import ctypes
 
     class _Iovec(ctypes.Structure):
