@@ -223,7 +223,7 @@ def serve(args: argparse.Namespace) -> None:
         step = args.region_bytes // SCOPED_WINDOWS
         descriptor = engine.register_windows(mr, [(k * step, step) for k in range(SCOPED_WINDOWS)]).descriptor
     _reply({"ready": True, "descriptor": descriptor.hex(), "provider": engine.provider,
-            "rails": engine.rails, "pid": os.getpid(), "address": engine.address.hex()})
+            "rails": engine.rails, "pid": os.getpid()})
     spec: CaseSpec | None = None
     for line in sys.stdin:
         if not line.strip():

@@ -9,8 +9,8 @@ timing their registration and unregistration gives the kernel's share of an RDMA
 registration and deregistration: a lower bound of what one costs there. The NIC's share
 is not measured here (no such NIC).
 
-`PinTimer(...).pin_unpin_s(windows)` times one pin and one unpin of a list of
-(address, length) ranges; `pinnable_buffer(nbytes, huge_pages)` makes populated private
+`PinTimer().pin_unpin_s(ranges)` times one pin and one unpin of a list of
+(address, length) ranges; `PinnableBuffer(nbytes, huge_pages)` makes populated private
 memory with or without transparent huge pages, as TransferEngine's
 huge_pages_on_register leaves a registered buffer. Needs root or CAP_IPC_LOCK (RLIMIT_MEMLOCK
 applies otherwise) and io_uring not disabled (/proc/sys/kernel/io_uring_disabled).
