@@ -42,6 +42,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,10 +67,32 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
+@dataclass(frozen=True)
+class Reservation:
+    """One prompt's reservation in a cache that holds just it (plus one page per layer)."""
+
+    tokens: int
+
+    @property
+    def pages(self) -> int:
+        return -(-self.tokens // CONFIG.block_size)
+
+    @property
+    def cache_bytes(self) -> int:
+        return CONFIG.num_layers * (self.pages + 1) * CONFIG.page_bytes
+
+    @property
+    def kv_bytes(self) -> int:
+        return CONFIG.num_layers * self.pages * CONFIG.page_bytes
+
+    def windows(self) -> list[tuple[int, int]]:
+        """(offset, length) in the cache of what a decoder registers again for it."""
+        return reservation_windows(list(range(self.pages)), CONFIG.num_layers, self.pages + 1, CONFIG.page_bytes)
+
+
 def measure(provider: str, rails: int, tokens: int, repeats: int, memcpy: float) -> dict[str, Any]:
-    pages = -(-tokens // CONFIG.block_size)
-    num_pages = pages + 1
-    cache = np.empty(CONFIG.num_layers * num_pages * CONFIG.page_bytes, dtype=np.uint8)  # never touched
+    res = Reservation(tokens)
+    cache = np.empty(res.cache_bytes, dtype=np.uint8)  # never touched
     mailbox = np.zeros(MAILBOX_SLOT_BYTES, dtype=np.uint8)
     with TransferEngine(provider, rails=rails, bind_host="127.0.0.1", same_host=False,
                         populate_on_register=False) as engine:
@@ -81,7 +104,7 @@ def measure(provider: str, rails: int, tokens: int, repeats: int, memcpy: float)
             whole_s.append(time.perf_counter() - t0)
         cache_mr = engine.register(cache)
         mailbox_mr = engine.register(mailbox)
-        windows = reservation_windows(list(range(pages)), CONFIG.num_layers, num_pages, CONFIG.page_bytes)
+        windows = res.windows()
         per_s = []
         for _ in range(repeats):
             t0 = time.perf_counter()
@@ -90,12 +113,11 @@ def measure(provider: str, rails: int, tokens: int, repeats: int, memcpy: float)
             kv.close()
             mb.close()
             per_s.append(time.perf_counter() - t0)
-    kv_bytes = CONFIG.num_layers * pages * CONFIG.page_bytes
-    limit_s = kv_bytes / (memcpy * 1e9)
+    limit_s = res.kv_bytes / (memcpy * 1e9)
     per_median = statistics.median(per_s)
     return {
         "provider": provider, "rails": rails, "prompt_tokens": tokens, "windows": len(windows) + 1,
-        "kv_bytes": kv_bytes, "per_reservation_us_median": per_median * 1e6,
+        "kv_bytes": res.kv_bytes, "per_reservation_us_median": per_median * 1e6,
         "per_reservation_us_p90": percentile(per_s, 0.9) * 1e6,
         "whole_cache_us_median": statistics.median(whole_s) * 1e6,
         "memcpy_limit_us": limit_s * 1e6, "per_reservation_over_limit": per_median / limit_s,
@@ -105,12 +127,11 @@ def measure(provider: str, rails: int, tokens: int, repeats: int, memcpy: float)
 def measure_pin(tokens: int, repeats: int, memcpy: float) -> dict[str, Any]:
     """Kernel pin + unpin of one reservation's windows (and of the whole cache), with 4 KiB
     and with huge pages: the kernel's share of registering them on an RDMA NIC."""
-    pages = -(-tokens // CONFIG.block_size)
-    num_pages = pages + 1
-    cache_bytes = CONFIG.num_layers * num_pages * CONFIG.page_bytes
-    windows = reservation_windows(list(range(pages)), CONFIG.num_layers, num_pages, CONFIG.page_bytes)
-    row: dict[str, Any] = {"prompt_tokens": tokens, "windows": len(windows),
-                           "kv_bytes": CONFIG.num_layers * pages * CONFIG.page_bytes, "cache_bytes": cache_bytes}
+    res = Reservation(tokens)
+    cache_bytes = res.cache_bytes
+    windows = res.windows()
+    row: dict[str, Any] = {"prompt_tokens": tokens, "windows": len(windows), "kv_bytes": res.kv_bytes,
+                           "cache_bytes": cache_bytes}
     row["memcpy_limit_us"] = row["kv_bytes"] / (memcpy * 1e9) * 1e6
     with PinTimer() as pins:
         for label, huge in (("small", False), ("huge", True)):
