@@ -54,13 +54,25 @@ def test_small_pages_on_a_pinning_provider_are_warned_about_and_huge_pages_are_n
 
 
 def test_huge_page_bytes_counts_only_the_asked_range() -> None:
-    huge_map, huge = populated(huge=True)
-    whole = huge_page_bytes(huge, SIZE)
-    if whole < SIZE // 2:
+    # One mapping, split by madvise into a huge-page half and a small-page half right after
+    # it: the small half is asked about, so the count must not spill over from its
+    # neighbour. (An address "past the mapping" is no test: another mapping, with huge
+    # pages of its own, may sit there.)
+    both = mmap.mmap(-1, 2 * SIZE + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    view = np.frombuffer(both, dtype=np.uint8)
+    start = view.ctypes.data
+    huge = (start + HUGE - 1) & ~(HUGE - 1)
+    small = huge + SIZE
+    _libc.madvise(ctypes.c_void_p(huge), ctypes.c_size_t(SIZE), _MADV_HUGEPAGE)
+    _libc.madvise(ctypes.c_void_p(small), ctypes.c_size_t(SIZE), _MADV_NOHUGEPAGE)
+    view[huge - start: huge - start + 2 * SIZE] = 1
+    if huge_page_bytes(huge, SIZE) < SIZE // 2:
         pytest.skip("the kernel gave no huge pages to a madvised range")
     assert huge_page_bytes(huge, HUGE) <= HUGE
-    assert huge_page_bytes(huge + SIZE + HUGE * 64, HUGE) == 0  # past the mapping
-    del huge_map
+    assert huge_page_bytes(small, SIZE) == 0
+    assert huge_page_bytes(small + SIZE - HUGE, HUGE) == 0
+    assert huge_page_bytes(small - HUGE, 2 * HUGE) <= HUGE  # straddles the two: only the huge half counts
+    del view, both
 
 
 def test_register_windows_warns_once_per_engine_on_a_pinning_provider_and_never_on_tcp(
