@@ -201,6 +201,10 @@ SharedMappingPtr SameHostPeer::map_region(const MemoryDescriptor& d,
   if (d.share_fd < 0 || e.share_fd_plus1 != static_cast<uint64_t>(d.share_fd) + 1 ||
       e.share_offset != d.share_offset)
     return nullptr;
+  const MappingKey key{d.region_id, e.share_dev, e.share_ino, d.share_offset, d.length};
+  std::lock_guard<std::mutex> lock(mappings_mutex_);
+  if (auto it = mappings_.find(key); it != mappings_.end())
+    if (auto live = it->second.lock()) return live;
   const std::string path = "/proc/" + std::to_string(pid_) + "/fd/" + std::to_string(d.share_fd);
   int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
   if (fd < 0) return nullptr;
@@ -215,7 +219,11 @@ SharedMappingPtr SameHostPeer::map_region(const MemoryDescriptor& d,
                 static_cast<off_t>(d.share_offset));
   ::close(fd);
   if (base == MAP_FAILED) return nullptr;
-  return std::make_shared<SharedMapping>(base, d.length);
+  auto mapping = std::make_shared<const SharedMapping>(base, d.length);
+  for (auto it = mappings_.begin(); it != mappings_.end();)  // forget regions nobody maps
+    it = it->second.expired() ? mappings_.erase(it) : std::next(it);
+  mappings_[key] = mapping;
+  return mapping;
 }
 
 std::string SameHostPeer::copy(const struct iovec* local, const struct iovec* remote,

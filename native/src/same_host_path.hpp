@@ -29,8 +29,11 @@
 
 #include <atomic>
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "descriptors.hpp"
@@ -122,7 +125,8 @@ class SharedMapping {
 using SharedMappingPtr = std::shared_ptr<const SharedMapping>;
 
 // Sender side: a same-host peer we proved we can write into. Shared by every descriptor
-// of that peer; thread-safe (its state is fixed after open).
+// of that peer; thread-safe (its state is fixed after open, but for the mapping cache,
+// which has a lock of its own: it is used when a descriptor is parsed, never per write).
 class SameHostPeer {
  public:
   // Null when `peer` cannot be reached this way: no identity, another host or PID
@@ -142,7 +146,9 @@ class SameHostPeer {
                            RegionTable::EntryImage* entry = nullptr) const;
   // Maps a region that lives in a shareable file of the owner's, given the owner's table
   // entry that check_region confirmed for it; null when that entry names no such file or
-  // the file is not that one (then process_vm_writev is used).
+  // the file is not that one (then process_vm_writev is used). A region already mapped
+  // for another descriptor (each reservation's windows name the same parent) gets that
+  // mapping again.
   SharedMappingPtr map_region(const MemoryDescriptor& d, const RegionTable::EntryImage& e) const;
   // Writes every pair (local[i] -> remote[i], equal lengths); "" or the reason it failed.
   std::string copy(const struct iovec* local, const struct iovec* remote, size_t count) const;
@@ -157,6 +163,14 @@ class SameHostPeer {
   int pidfd_;
   uint64_t table_addr_;
   const char* table_map_;  // the owner's table mapped read-only here, or null: read it by CMA
+
+  // Live mappings by what the owner's table confirmed: region id, file (device, inode),
+  // offset and length. A mapping each per descriptor used to repeat MAP_POPULATE of the
+  // whole KV cache for every reservation, and keep page tables for it per cached
+  // descriptor. A live mapping holds its file, so the inode cannot be reused meanwhile.
+  using MappingKey = std::tuple<uint64_t, uint64_t, uint64_t, uint64_t, uint64_t>;
+  mutable std::mutex mappings_mutex_;
+  mutable std::map<MappingKey, std::weak_ptr<const SharedMapping>> mappings_;
 };
 using SameHostPeerPtr = std::shared_ptr<const SameHostPeer>;
 

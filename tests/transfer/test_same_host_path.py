@@ -114,6 +114,32 @@ def test_a_same_host_peer_that_exited_is_let_go_once_a_new_peer_comes(
         assert landed == b"\x01" * (4 * KIB)
 
 
+@pytest.mark.parametrize("provider", [SAME_HOST_MAPPED], indirect=True)
+def test_every_reservations_windows_of_one_shared_region_write_through_one_mapping(
+    pair: EnginePair, provider: str
+) -> None:
+    # A decoder hands out a fresh windows descriptor per reservation, all naming its one
+    # KV cache. Mapping (and populating) the whole cache again per descriptor would cost
+    # every request that, and keep page tables for each descriptor the sender caches.
+    page, reservations = 4 * KIB, 6
+    for r in range(reservations):
+        reply = pair.target.call("register_windows", ranges=[[r * page, page]])
+        windows = bytes.fromhex(reply["descriptor"])
+        assert pair.engine.path_to(windows) == "same_host_mapped"
+        data = seeded_bytes(70 + r, page)
+        pair.src[:page] = data
+        pair.engine.write(pair.mr, 0, windows, r * page, page).wait(WAIT_S)
+        assert_same_bytes(pair.target_bytes(r * page, page), data, f"reservation {r}")
+        assert most_mappings_of_one_memfd() == 1, f"reservation {r}: the peer's region mapped again"
+
+
+def most_mappings_of_one_memfd() -> int:
+    """The most times any one kvxfer memfd (by inode) is mapped into this process."""
+    with open("/proc/self/maps") as maps:
+        inodes = [line.split()[4] for line in maps if "/memfd:kvxfer" in line]
+    return max((inodes.count(inode) for inode in inodes), default=0)
+
+
 @only_same_host
 def test_same_host_write_into_a_region_its_owner_deregistered_fails_and_lands_nothing(
     pair: EnginePair, provider: str
