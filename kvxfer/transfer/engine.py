@@ -352,10 +352,13 @@ class TransferEngine:
         goes on unlocked and is counted (engine_stats()["lock_refused"]);
         engine_stats()["locked_bytes"] is what this process holds locked. False never locks.
     huge_pages_on_register: with populate_on_register, ask for transparent huge pages on the
-        buffer (madvise MADV_HUGEPAGE before populating; MADV_COLLAPSE for pages its owner
-        had already filled). Same-host copies into private memory ran 2.3x faster with them
-        (process_vm_writev pins the target's pages one by one). Only a hint: mappings that
-        cannot have them keep small pages. False leaves the mapping as it is.
+        buffer (madvise MADV_HUGEPAGE, then MADV_COLLAPSE of each 2 MiB span: pages its
+        owner had already filled are copied into huge ones; a SharedBuffer's memfd gets
+        them this way even where shmem_enabled is never). Same-host copies into private
+        memory ran 2.3x faster with them (process_vm_writev pins the target's pages one by
+        one), and a 256 MiB SharedBuffer registered in 0.03 s instead of 0.3 s. Only a
+        hint: mappings that cannot have them keep small pages. False leaves the mapping as
+        it is.
     """
 
     def __init__(

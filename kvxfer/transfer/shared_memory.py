@@ -6,16 +6,66 @@ region lives in a file the writer can map; then a write is a plain memcpy into t
 `SharedBuffer` makes such memory: an anonymous memfd mapped here. Any numpy array or torch
 tensor viewing it registers as shareable, since `register()` looks the address up here.
 The KV cache allocates its tensor this way.
+
+The mapping sits at a 2 MiB-aligned address, so that the file's 2 MiB blocks line up
+with the address space: only then can registration turn them into huge pages
+(MADV_COLLAPSE works on a memfd even where shmem_enabled is never), for this process and
+for the peers that map it. Python's `mmap` cannot ask for an address, so it is mapped
+with libc's.
 """
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import threading
+import weakref
 from typing import Any
 
 import numpy as np
+
+_HUGE_PAGE_BYTES = 2 << 20
+_PAGE_BYTES = mmap.PAGESIZE
+# Linux's values on x86-64 and arm64; Python's mmap module names none of them.
+_PROT_NONE = 0
+_MAP_FIXED = 0x10
+_MAP_NORESERVE = 0x4000
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+
+
+def _round_up(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+def _map_at_huge_boundary(fd: int, nbytes: int) -> Any:
+    """Maps all of `fd` (`nbytes`) shared and writable at a 2 MiB-aligned address; returns
+    a ctypes byte array over it, which unmaps it once the last view of it is gone."""
+    length = _round_up(nbytes, _PAGE_BYTES)
+    span = length + _HUGE_PAGE_BYTES
+    # Reserve address space with room to align, map the file over its aligned part, then
+    # give back the ends.
+    reserved = _libc.mmap(None, span, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
+    if reserved in (None, _MAP_FAILED):
+        err = ctypes.get_errno()
+        raise OSError(err, f"reserving {span} bytes of address space: {os.strerror(err)}")
+    start = _round_up(reserved, _HUGE_PAGE_BYTES)
+    mapped = _libc.mmap(start, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | _MAP_FIXED, fd, 0)
+    if mapped != start:
+        err = ctypes.get_errno()
+        _libc.munmap(reserved, span)
+        raise OSError(err, f"mapping the memfd ({nbytes} bytes): {os.strerror(err)}")
+    if start > reserved:
+        _libc.munmap(reserved, start - reserved)
+    if reserved + span > start + length:
+        _libc.munmap(start + length, reserved + span - (start + length))
+    memory = (ctypes.c_ubyte * nbytes).from_address(start)
+    weakref.finalize(memory, _libc.munmap, start, length)
+    return memory
 
 
 class SharedBuffer:
@@ -33,7 +83,7 @@ class SharedBuffer:
         self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
         try:
             os.ftruncate(self.fd, nbytes)
-            self._map = mmap.mmap(self.fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            self._map = _map_at_huge_boundary(self.fd, nbytes)
         except BaseException:
             os.close(self.fd)
             raise
