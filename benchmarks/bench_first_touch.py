@@ -198,14 +198,19 @@ def plot(rows: list[dict[str, Any]], memcpy: dict[int, float], path: Path) -> No
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="1M,16M,256M", help="write sizes (each into its own fresh region)")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "),
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--sizes", default="1M,16M,256M",
+                        help="write sizes, comma-separated with K/M/G suffixes (each into its own fresh region)")
     parser.add_argument("--repeats", type=int, default=3, help="warm writes after each cold one")
     parser.add_argument("--regions", type=int, default=3, help="fresh regions (cold writes) per size")
-    parser.add_argument("--paths", default=",".join(PATHS))
+    parser.add_argument("--paths", default=",".join(PATHS),
+                        help="comma-separated: same_host (process_vm_writev into private memory), "
+                             "same_host_mapped (memcpy into a SharedBuffer), fabric (net provider)")
     parser.add_argument("--huge-pages", choices=("on", "off"), default="on",
-                        help="the target's huge_pages_on_register (default on, the engine's default)")
-    parser.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "first_touch.json")
+                        help="the target's huge_pages_on_register (on is the engine's default)")
+    parser.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "first_touch.json",
+                        help="where the rows, memcpy rates and verdicts go (the PNG beside it)")
     args = parser.parse_args()
     sizes = sorted(parse_size(s) for s in args.sizes.split(","))
     paths = args.paths.split(",")
