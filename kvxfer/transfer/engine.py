@@ -18,9 +18,10 @@ from typing import Any, Callable, Generator, Iterable, Sequence
 
 import numpy as np
 
-from kvxfer.transfer.native_library import native as _native
 from kvxfer.errors import BoundsError, EngineError, ImmCounterOverflow, TransferError, TransferTimeout
+from kvxfer.transfer.native_library import native as _native
 from kvxfer.transfer.registration_cost import per_reservation_pin_warning
+from kvxfer.transfer.remote_cache import RemoteDescriptorCache
 from kvxfer.transfer.shared_memory import shared_buffer_of
 
 log = logging.getLogger("kvxfer.transfer")
@@ -414,7 +415,7 @@ class TransferEngine:
         )
         self.progress = progress
         self.transfer_timeout_s = float(transfer_timeout_s)
-        self._remote_cache: dict[bytes, Any] = {}
+        self._remote_cache = RemoteDescriptorCache(self._native.parse_remote)
         self._peer_cache: dict[bytes, Any] = {}
         self._bridges: dict[int, _AsyncBridge] = {}
         self._expect_tokens = iter(range(1, 1 << 62))
@@ -500,20 +501,7 @@ class TransferEngine:
     def _remote(self, descriptor: bytes) -> Any:
         if not isinstance(descriptor, (bytes, bytearray, memoryview)):
             raise BoundsError("remote descriptor must be bytes (RegisteredMemory.descriptor)")
-        key = bytes(descriptor)
-        remote = self._remote_cache.get(key)
-        if remote is None:
-            remote = self._native.parse_remote(key)
-            # A new descriptor (rare: one per region of a peer) drops those of same-host
-            # owners that exited: a cached one keeps the dead peer's memory mapped here, and
-            # with it the whole KV cache of a worker that restarted.
-            self._remote_cache = {
-                k: v for k, v in self._remote_cache.items() if not v.owner_exited
-            }
-            if len(self._remote_cache) > 4096:
-                self._remote_cache.clear()  # bounded: descriptors of finished peers go
-            self._remote_cache[key] = remote
-        return remote
+        return self._remote_cache.get(bytes(descriptor))
 
     def _peer(self, target: bytes) -> Any:
         key = bytes(target)
@@ -715,9 +703,7 @@ class TransferEngine:
         peer = self._peer(address)
         self._native.forget(peer)
         self._peer_cache = {k: v for k, v in self._peer_cache.items() if v is not peer}
-        self._remote_cache = {
-            k: v for k, v in self._remote_cache.items() if v.engine_id != peer.engine_id
-        }
+        self._remote_cache.forget_owner(peer.engine_id)
 
     # -- ImmCounter -------------------------------------------------------------------
     def imm_count(self, imm: int) -> int:

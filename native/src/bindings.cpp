@@ -148,6 +148,13 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("owner_exited", [](const RemoteRegion& r) {
         return r.same_host && r.same_host->exited();  // only known for same-host owners
       })
+      .def_property_readonly("region_id", [](const RemoteRegion& r) { return r.descriptor.region_id; })
+      .def_property_readonly("same_host_region_withdrawn", [](const RemoteRegion& r) {
+        // The owner no longer lists the region (deregistered); a cached descriptor of it
+        // would keep its memory mapped here. Not asked of owners reached over the fabric.
+        const auto& d = r.descriptor;
+        return r.same_host && !r.same_host->lists_region(d.region_id, d.addr, d.length);
+      })
       .def_property_readonly("owner_address", [](const RemoteRegion& r) { return py::bytes(r.owner->serialize()); });
 
   py::class_<EngineAddress, std::shared_ptr<EngineAddress>>(m, "PeerAddress")

@@ -193,6 +193,11 @@ std::string SameHostPeer::check_region(uint64_t region_id, uint64_t addr, uint64
   return "";
 }
 
+bool SameHostPeer::lists_region(uint64_t region_id, uint64_t addr, uint64_t length) const {
+  RegionTable::EntryImage e;
+  return read_entry(region_id, &e) && e.region_id == region_id && e.addr == addr && e.length == length;
+}
+
 SharedMapping::~SharedMapping() { munmap(base_, length_); }
 
 SharedMappingPtr SameHostPeer::map_region(const MemoryDescriptor& d,

@@ -144,6 +144,10 @@ class SameHostPeer {
   // entry it read goes to *entry when given.
   std::string check_region(uint64_t region_id, uint64_t addr, uint64_t length,
                            RegionTable::EntryImage* entry = nullptr) const;
+  // True while the owner's table lists this region exactly. Unlike check_region it does
+  // not ask whether the owner still runs (a system call): sweeps of many descriptors of
+  // one owner ask exited() once.
+  bool lists_region(uint64_t region_id, uint64_t addr, uint64_t length) const;
   // Maps a region that lives in a shareable file of the owner's, given the owner's table
   // entry that check_region confirmed for it; null when that entry names no such file or
   // the file is not that one (then process_vm_writev is used). A region already mapped

@@ -133,6 +133,40 @@ def test_every_reservations_windows_of_one_shared_region_write_through_one_mappi
         assert most_mappings_of_one_memfd() == 1, f"reservation {r}: the peer's region mapped again"
 
 
+@pytest.mark.parametrize("provider", [SAME_HOST_MAPPED], indirect=True)
+def test_a_region_its_owner_withdrew_is_unmapped_here_once_the_owner_registers_another(
+    provider: str, peers: OwnPeers
+) -> None:
+    # A writer caches what it parsed of a descriptor, and the cached descriptor of a
+    # mapped region keeps that memory mapped here. A peer that registers its KV cache
+    # anew (a resize, its engine rebuilt in a live process) must not leave the old cache
+    # mapped in every writer for as long as they run: a new region of a same-host peer
+    # makes the cache drop what its owner withdrew.
+    gc.collect()
+    with TransferEngine(**engine_options(provider), bind_host=LOOPBACK) as engine:
+        mr = engine.register(np.ones(64 * KIB, dtype=np.uint8))
+        peer = peers.spare()
+        before = mapped_shared_buffers()
+        old = bytes.fromhex(peer.call("register", size=1 << 20)["descriptor"])
+        engine.write(mr, 0, old, 0, 4 * KIB).wait(WAIT_S)
+        old_mapping = mapped_shared_buffers() - before
+        assert len(old_mapping) == 1, "the peer's region was not mapped for the write"
+
+        peer.call("deregister", region=1)
+        new = bytes.fromhex(peer.call("register", size=1 << 20)["descriptor"])
+        engine.write(mr, 0, new, 0, 4 * KIB).wait(WAIT_S)
+        assert engine.path_to(new) == "same_host_mapped"
+        assert not mapped_shared_buffers() & old_mapping, "the withdrawn region is still mapped here"
+        landed = bytes.fromhex(peer.call("read", offset=0, length=4 * KIB, region=2)["data"])
+        assert landed == b"\x01" * (4 * KIB)
+
+
+def mapped_shared_buffers() -> set[str]:
+    """Inodes of the SharedBuffers (not region tables) of any process mapped into this one."""
+    with open("/proc/self/maps") as maps:
+        return {line.split()[4] for line in maps if "/memfd:kvxfer-region " in line}
+
+
 def most_mappings_of_one_memfd() -> int:
     """The most times any one kvxfer memfd (by inode) is mapped into this process."""
     with open("/proc/self/maps") as maps:
