@@ -19,6 +19,9 @@ write is timed until the target counted its immediate). Verdicts (issue 14):
 Beside memcpy, the `same_host` rows show the kernel's own rate for their copy
 (machine_limits.process_vm_writev_gbps: process_vm_writev into another process's warm
 memory, 4 MiB per call): what that path could reach with no kvxfer overhead at all.
+Beside `register s`, `fill s` is what writing that many bytes of memory never touched
+before takes on this machine (machine_limits.first_fill_gbps): registration populates the
+pages, so it cannot cost less than the kernel (and a hypervisor) charge for fresh memory.
 
 Prints a table, writes JSON and a PNG. On a shared 2-core machine, compare rows of one run.
 
@@ -43,7 +46,7 @@ from kvxfer import SharedBuffer
 from kvxfer.transfer.engine import TransferEngine
 
 sys.path.insert(0, str(Path(__file__).parent))
-from machine_limits import memcpy_gbps, parse_size, process_vm_writev_gbps
+from machine_limits import first_fill_gbps, memcpy_gbps, parse_size, process_vm_writev_gbps
 
 WAIT_S = 120.0  # one write of the largest size on the slowest path, with margin
 PATHS = ("same_host", "same_host_mapped", "fabric")
@@ -131,10 +134,14 @@ def one_path(path: str, populate: bool, sizes: list[int], repeats: int, regions:
     return rows
 
 
-def annotate(rows: list[dict[str, Any]], memcpy: dict[int, float], pvw: dict[int, float]) -> None:
+def annotate(rows: list[dict[str, Any]], memcpy: dict[int, float], pvw: dict[int, float],
+             fill: dict[int, float]) -> None:
     """Adds the ratios to memcpy (and, on the process_vm_writev path, to the kernel's own
-    process_vm_writev rate) and the verdict columns to every row."""
+    process_vm_writev rate), the time a first fill of that many fresh bytes takes, and the
+    verdict columns to every row."""
     for r in rows:
+        r["first_fill_gbps"] = fill[r["size"]]
+        r["first_fill_s"] = r["size"] / fill[r["size"]] / 1e9
         if r["path"] == "same_host":
             r["process_vm_writev_gbps"] = pvw[r["size"]]
             r["warm_x_process_vm_writev"] = r["warm_gbps"] / pvw[r["size"]]
@@ -216,12 +223,14 @@ def main() -> None:
     paths = args.paths.split(",")
     memcpy: dict[int, float] = {}  # GB/s by size
     pvw: dict[int, float] = {}
+    fill: dict[int, float] = {}  # GB/s of writing fresh memory, by size
 
     def measure_limits() -> None:
         # Before and after the runs: the machine's speed moves with the load, so each size
         # keeps the better measurement.
         # The process_vm_writev limit is read only by same_host rows.
-        limits = [(memcpy, memcpy_gbps)] + ([(pvw, process_vm_writev_gbps)] if "same_host" in paths else [])
+        limits = [(memcpy, memcpy_gbps), (fill, first_fill_gbps)]
+        limits += [(pvw, process_vm_writev_gbps)] if "same_host" in paths else []
         for best, measure in limits:
             for s in sizes:
                 best[s] = max(best.get(s, 0.0), measure(s, repeats=max(3, args.repeats))["median"])
@@ -232,14 +241,15 @@ def main() -> None:
         for populate in (False, True):
             rows += one_path(path, populate, sizes, args.repeats, args.regions, args.huge_pages == "on")
     measure_limits()
-    annotate(rows, memcpy, pvw)
+    annotate(rows, memcpy, pvw, fill)
     mark = {True: "ok", False: "LOW", None: "-"}
-    print(f"{'path':<17}{'populate':<9}{'size':>8}{'register s':>11}{'cold GB/s':>10}{'warm GB/s':>10}"
+    print(f"{'path':<17}{'populate':<9}{'size':>8}{'register s':>11}{'fill s':>8}{'cold GB/s':>10}{'warm GB/s':>10}"
           f"{'(best)':>8}{'memcpy':>8}{'cold/warm':>10}{'cold x mc':>10}{'warm x mc':>10}{'warm x pvw':>11}"
           f"{'first':>6}{'same':>6}")
     for r in rows:
         print(f"{r['path']:<17}{r['populate_on_register']!s:<9}{r['size'] >> 20:>6}Mi{r['register_s']:>11.3f}"
-              f"{r['cold_gbps']:>10.2f}{r['warm_gbps']:>10.2f}{r['warm_best_gbps']:>8.2f}{r['memcpy_gbps']:>8.2f}"
+              f"{r['first_fill_s']:>8.3f}{r['cold_gbps']:>10.2f}{r['warm_gbps']:>10.2f}"
+              f"{r['warm_best_gbps']:>8.2f}{r['memcpy_gbps']:>8.2f}"
               f"{r['cold_over_warm']:>10.2f}"
               f"{r['cold_x_memcpy']:>10.2f}{r['warm_x_memcpy']:>10.2f}"
               f"{r.get('warm_x_process_vm_writev', float('nan')):>11.2f}{mark[r['first_touch_ok']]:>6}"
@@ -250,6 +260,7 @@ def main() -> None:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     load = subprocess.run(["uptime"], check=False, capture_output=True, text=True).stdout.strip()
     args.json.write_text(json.dumps({"sizes": sizes, "memcpy_gbps": memcpy, "process_vm_writev_gbps": pvw,
+                                     "first_fill_gbps": fill,
                                      "uptime": load, "pid": os.getpid(),
                                      "huge_pages": args.huge_pages, "rows": rows, "verdicts": results}, indent=2))
     png = args.json.with_suffix(".png")

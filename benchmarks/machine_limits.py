@@ -10,9 +10,14 @@
   same-host path's slice), GB/s. The ceiling of kvxfer's
   same-host path into memory that is not a SharedBuffer (which it maps and memcpys into
   instead); the kernel pins and maps the target's pages call by call.
+- first fill: writing memory this process never touched (a fresh private mapping, huge
+  pages asked for as registration asks), GB/s. What the kernel, and under a VM the
+  hypervisor, charge for new memory; populating pages at registration cannot be quicker.
+  On a VM whose balloon reports free pages to the host, memory freed a while ago must be
+  given back page by page: this rate then falls to a few hundred MB/s.
 
-Reusable: `memcpy_gbps(...)`, `tcp_stream_gbps(...)` and `process_vm_writev_gbps(...)`
-return a `Measurement` dict {median, min, max, samples, unit}; compare_peers.py calls them
+Reusable: `memcpy_gbps(...)`, `tcp_stream_gbps(...)`, `process_vm_writev_gbps(...)` and
+`first_fill_gbps(...)` return a `Measurement` dict {median, min, max, samples, unit}; compare_peers.py calls them
 in the same run.
 Run alone: `python benchmarks/machine_limits.py [--size 1G] [--repeats 5] [--json PATH]`.
 """
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import socket
 import statistics
@@ -192,12 +198,34 @@ def process_vm_writev_gbps(nbytes: int = 1 << 28, repeats: int = 5) -> dict[str,
             proc.wait(timeout=10)
 
 
+def first_fill_gbps(nbytes: int = 1 << 28, repeats: int = 3) -> dict[str, Any]:
+    """One write over `nbytes` of memory never touched before: a new private anonymous
+    mapping each repeat, with MADV_HUGEPAGE (as `huge_pages_on_register` asks), filled once
+    and unmapped; GB/s. The kernel hands out (zeroed) pages as they are first written, and
+    under a VM the hypervisor may have to back them first, so this is the machine's price
+    of fresh memory: the floor under `populate_on_register`'s cost."""
+    samples = []
+    for _ in range(repeats):
+        region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        try:
+            region.madvise(mmap.MADV_HUGEPAGE)
+            view = np.frombuffer(region, dtype=np.uint8)
+            t = time.perf_counter()
+            view.fill(1)
+            samples.append(nbytes / (time.perf_counter() - t) / 1e9)
+            del view  # the mapping cannot close while a view of it exists
+        finally:
+            region.close()
+    return _summary(samples)
+
+
 def measure_all(nbytes: int = 1 << 30, repeats: int = 5) -> dict[str, dict[str, Any]]:
-    """Both limits, by name."""
+    """Every limit, by name."""
     return {
         "memcpy": memcpy_gbps(nbytes, repeats),
         "tcp_loopback_1_stream": tcp_stream_gbps(nbytes, repeats),
         "process_vm_writev": process_vm_writev_gbps(nbytes, repeats),
+        "first_fill": first_fill_gbps(nbytes, repeats),
     }
 
 
