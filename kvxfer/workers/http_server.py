@@ -124,6 +124,22 @@ def add_common_routes(app: FastAPI, core: WorkerCore, info: Callable[[], dict[st
         return Response(generate_latest(core.metrics_registry), media_type=CONTENT_TYPE_LATEST)
 
 
+def bind_listener(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port) for uvicorn to serve on (port 0: any free one).
+
+    Made with its protocol named (IPPROTO_TCP), not 0: asyncio turns Nagle's algorithm off
+    (TCP_NODELAY) only on accepted connections whose socket says TCP, and uvicorn writes a
+    response's head and body separately. With Nagle on, the body waited for the client's
+    delayed ACK of the head: every call to a worker took 44 ms instead of about 1 ms, twice
+    in every request's time to first token (/reserve, then /prefill and /generate).
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.bind((host, port))
+    return sock
+
+
 def serve(
     app: FastAPI,
     core: WorkerCore,
@@ -132,9 +148,7 @@ def serve(
 ) -> None:
     """Runs the worker's HTTP server until SIGINT/SIGTERM, then drains and exits."""
     settings = core.settings
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((settings.host, settings.port))
+    sock = bind_listener(settings.host, settings.port)
     port = sock.getsockname()[1]
     advertise = settings.advertise_host or settings.host
     core.http_url = f"http://{advertise}:{port}"
