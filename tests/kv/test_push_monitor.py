@@ -13,6 +13,7 @@ import pytest
 
 from kvxfer.errors import TransferError
 from kvxfer.kv.push import PushStats
+from kvxfer.kv import push_monitor
 from kvxfer.kv.push_monitor import DestinationDown, PushMonitor
 
 STALL_S = 0.2
@@ -157,3 +158,42 @@ def test_a_write_the_decoder_refused_fails_only_its_own_push() -> None:
             monitor.close()
 
     asyncio.run(run())
+
+
+def test_an_idle_monitor_sleeps_until_a_push_is_watched(monkeypatch: pytest.MonkeyPatch) -> None:
+    # An idle prefill worker's monitor used to wake every poll interval for nothing (1.8%
+    # of a core). With nothing to watch it must not poll at all, and a new push must wake
+    # it (the idle recheck is made longer than the test: only watch() can).
+    monkeypatch.setattr(push_monitor, "IDLE_RECHECK_S", 60.0)
+
+    async def run() -> None:
+        monitor = PushMonitor(STALL_S, RATE, poll_interval_s=0.005)
+        polls: list[float] = []
+        poll = monitor._poll
+
+        def counted_poll() -> None:
+            polls.append(0.0)
+            poll()
+
+        monitor._poll = counted_poll  # type: ignore[method-assign]
+        released: list[str] = []
+        try:
+            await asyncio.sleep(0.3)
+            assert polls == []  # 60 polls at the old fixed interval
+            session = HandDrivenSession("late", pending_bytes=[1000])
+            push = await watch(monitor, session, b"A", released)
+            monitor.posted(push)
+            session.complete_one()
+            await asyncio.wait_for(push.outcome, 1.0)
+            assert released == ["late"]
+        finally:
+            monitor.close()
+
+    asyncio.run(run())
+
+
+def test_closing_an_idle_monitor_stops_its_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(push_monitor, "IDLE_RECHECK_S", 60.0)  # only close() can wake it
+    monitor = PushMonitor(STALL_S, RATE, poll_interval_s=0.005)
+    monitor.close()
+    assert not monitor._thread.is_alive()
