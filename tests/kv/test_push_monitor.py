@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from kvxfer.errors import TransferError
-from kvxfer.kv.push import PushStats
 from kvxfer.kv import push_monitor
+from kvxfer.kv.push import PushStats
 from kvxfer.kv.push_monitor import DestinationDown, PushMonitor
 
 STALL_S = 0.2
