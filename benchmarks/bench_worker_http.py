@@ -10,6 +10,9 @@ first token: POST /reserve to the decoder, then POST /prefill and the streaming 
   worker /reserve      the router's first leg, made directly: reserve, then cancel.
   TTFT via router      a streaming completion of a --prompt-tokens prompt, to its first
                        SSE data line, at the client.
+  new connections      sockets to the decode worker left in TIME-WAIT by the TTFT loop,
+                       per request: 0 when the router reuses its connections, 1 when each
+                       request opened one (each waits a minute in TIME-WAIT).
 
 Beside them, the machine's floors for the same round trip, in the same run:
 
@@ -127,16 +130,37 @@ def floors(calls: int) -> dict[str, tuple[float, list[float]]]:
     return out
 
 
-def ttft(client: httpx.Client, router_url: str, prompt: str) -> None:
+def time_wait_sockets_to(port: int) -> int:
+    """TCP sockets of this machine in TIME-WAIT whose peer is local `port` (IPv4)."""
+    count = 0
+    with open("/proc/net/tcp") as table:
+        next(table)
+        for row in table:
+            fields = row.split()
+            if fields[3] == "06" and int(fields[2].split(":")[1], 16) == port:
+                count += 1
+    return count
+
+
+def ttft_ms(client: httpx.Client, router_url: str, prompt: str) -> float:
+    """Milliseconds from sending a streamed completion to its first SSE data line. The
+    stream is read to its end: a client that hangs up after the first token makes the
+    router cancel the request's legs, which is not what is measured here."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "stream": True}
+    t0 = time.perf_counter()
+    first = None
     with client.stream("POST", f"{router_url}/v1/completions", json=body) as resp:
         resp.raise_for_status()
         for line in resp.iter_lines():
-            if line.startswith("data: "):
-                return
+            if first is None and line.startswith("data: "):
+                first = (time.perf_counter() - t0) * 1e3
+    if first is None:
+        raise RuntimeError("stream ended without data")
+    return first
 
 
-def cluster_rows(calls: int, requests: int, prompt_tokens: int) -> dict[str, tuple[float, list[float]]]:
+def cluster_rows(calls: int, requests: int, prompt_tokens: int) -> tuple[dict[str, tuple[float, list[float]]], float]:
+    """The worker and router rows, and the new connections to the decoder per request."""
     cluster = LocalCluster(prefill=1, decode=1, router_env={"KVXFER_ROUTER_DISAGGREGATION_MIN_PROMPT_TOKENS": "0"})
     out = {}
     try:
@@ -163,11 +187,17 @@ def cluster_rows(calls: int, requests: int, prompt_tokens: int) -> dict[str, tup
             ms, samples = out.pop("worker /reserve (+ /cancel untimed)")
             out["worker /reserve"] = (ms - cancel_ms, [s - cancel_ms for s in samples])
         prompt = ("kv cache page prefill decode " * 64)[: prompt_tokens - 1]
+        decode_port = int(decode["http_url"].rsplit(":", 1)[1])
         with httpx.Client(trust_env=False, timeout=60) as client:
-            out["TTFT via router"] = median_ms(lambda: ttft(client, cluster.router_url, prompt), requests)
+            for _ in range(5):  # unrecorded, as median_ms does
+                ttft_ms(client, cluster.router_url, prompt)
+            before = time_wait_sockets_to(decode_port)
+            samples = [ttft_ms(client, cluster.router_url, prompt) for _ in range(requests)]
+            new_per_request = (time_wait_sockets_to(decode_port) - before) / requests
+            out["TTFT via router"] = (statistics.median(samples), samples)
     finally:
         cluster.stop()
-    return out
+    return out, new_per_request
 
 
 def main() -> None:
@@ -180,14 +210,17 @@ def main() -> None:
     parser.add_argument("--name", default="bench_worker_http", help="output file stem")
     args = parser.parse_args()
 
-    rows = {**cluster_rows(args.calls, args.requests, args.prompt_tokens), **floors(args.calls)}
+    cluster, new_per_request = cluster_rows(args.calls, args.requests, args.prompt_tokens)
+    rows = {**cluster, **floors(args.calls)}
     floor = rows["bare uvicorn GET"][0]
     print(f"{'round trip':<24}{'p50 ms':>9}{'p90 ms':>9}{'x bare uvicorn':>16}")
     for name, (p50, samples) in rows.items():
         p90 = sorted(samples)[int(0.9 * (len(samples) - 1))]
         print(f"{name:<24}{p50:>9.2f}{p90:>9.2f}{p50 / floor:>16.2f}")
+    print(f"new connections to the decoder per request: {new_per_request:.2f}")
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"rows": {k: {"p50_ms": v[0], "samples_ms": v[1]} for k, v in rows.items()},
+              "new_decoder_connections_per_request": new_per_request,
               "calls": args.calls, "requests": args.requests, "prompt_tokens": args.prompt_tokens,
               "loadavg": os.getloadavg()}
     (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=2))

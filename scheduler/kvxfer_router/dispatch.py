@@ -26,7 +26,7 @@ import enum
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -55,6 +55,11 @@ _MAX_DETAIL_CHARS = 300
 # is the client's 400, never retried; other 4xx (409, 429), 5xx and connection errors are
 # the worker's trouble and go to another pair.
 _REQUEST_REJECTED_STATUSES = (400, 422)
+# A stream's last line is followed only by the end of the chunked body, at once; a worker
+# that sends more than this many lines after it, or keeps the stream open longer than this
+# (seconds, per line), is not waited for: the connection is closed instead of reused.
+_LINES_AFTER_LAST_READ = 8
+_REST_OF_STREAM_WAIT_S = 0.5
 
 
 class RequestState(enum.Enum):
@@ -244,15 +249,23 @@ class Dispatcher:
 
     async def stream_lines(
         self, worker: WorkerView, path: str, body: dict[str, Any], *, stage: str, request_id: str,
-        rejected_statuses: tuple[int, ...], end_marker: str,
+        rejected_statuses: tuple[int, ...], end_marker: str, is_last: Callable[[str], bool],
     ) -> AsyncIterator[str]:
         """The lines of a streamed POST to ``worker``, each within its deadline, or :class:`LegFailure`.
 
         The first line may take ``first_token_timeout_s`` (prefill and admission come first),
         every later one ``token_idle_timeout_s``. A status of 400 or more fails the leg, as a
         client error when it is in ``rejected_statuses``; so does a stream that ends before
-        the caller stopped reading at ``end_marker`` (its protocol's last line). Use it with
-        ``contextlib.aclosing``, so that an early return closes the connection.
+        the caller stopped reading at ``end_marker`` (its protocol's last line, which
+        ``is_last`` recognises). Use it with ``contextlib.aclosing``, so that an early return
+        closes the connection.
+
+        The line ``is_last`` recognises is yielded only once the rest of the body is read,
+        so that the connection goes back to the client's pool when the caller stops there.
+        A stream left unfinished makes httpx close its connection: every request opened a
+        new one to its decoder, and the router's side of each waited a minute in TIME-WAIT
+        (1,500 sockets at 25 requests/s; about 470 requests/s to one worker would use up
+        the ephemeral ports).
         """
         s = self.settings
         timeout = httpx.Timeout(s.first_token_timeout_s, connect=s.connect_timeout_s, write=s.control_timeout_s)
@@ -274,6 +287,8 @@ class Dispatcher:
                         raise LegFailure(request_id, worker, stage, f"no stream line within {wait_s}s",
                                          timed_out=True) from None
                     wait_s = s.token_idle_timeout_s
+                    if is_last(line):
+                        await _read_to_end(lines, _REST_OF_STREAM_WAIT_S)
                     yield line
         except (httpx.TimeoutException, asyncio.TimeoutError) as exc:
             raise LegFailure(request_id, worker, stage, f"POST {path} timed out: {type(exc).__name__}",
@@ -565,7 +580,7 @@ class RequestLifecycle:
         stage = "generate"
         rejected = _REQUEST_REJECTED_STATUSES if path == "/generate_local" else ()
         stream = self._d.stream_lines(decode, path, body, stage=stage, request_id=wrid,
-                                      rejected_statuses=rejected, end_marker="its done line")
+                                      rejected_statuses=rejected, end_marker="its done line", is_last=is_done_line)
         async with contextlib.aclosing(stream) as lines:
             async for line in lines:
                 if not line.strip():
@@ -641,6 +656,27 @@ def _retry_after(headers: Mapping[str, str]) -> int | None:
     """A worker's Retry-After in whole seconds (None when absent or not a number)."""
     value = headers.get("retry-after")
     return int(value) if value is not None and value.strip().isdigit() else None
+
+
+async def _read_to_end(lines: AsyncIterator[str], timeout_s: float) -> None:
+    """Reads what follows a stream's last line (normally nothing but the end of the body),
+    at most _LINES_AFTER_LAST_READ lines, each within ``timeout_s``; gives up silently (the
+    connection is then closed rather than reused)."""
+    with contextlib.suppress(StopAsyncIteration, asyncio.TimeoutError):
+        for _ in range(_LINES_AFTER_LAST_READ):
+            await asyncio.wait_for(lines.__anext__(), timeout_s)
+
+
+def is_done_line(line: str) -> bool:
+    """Whether an NDJSON line of a decode worker's stream is its last (``"done": true``);
+    a line that does not parse is not (the reader reports it)."""
+    if '"done"' not in line:  # every token line is parsed once more otherwise
+        return False
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        return False
+    return isinstance(obj, dict) and bool(obj.get("done"))
 
 
 def stream_object(text: str, wrid: str, decode: WorkerView, stage: str, what: str) -> dict[str, Any]:

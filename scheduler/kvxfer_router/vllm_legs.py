@@ -94,6 +94,11 @@ async def run_vllm_legs(lc: RequestLifecycle, decode: WorkerView, prefill: Worke
         await asyncio.gather(*legs, return_exceptions=True)
 
 
+def _is_sse_done(line: str) -> bool:
+    """Whether a line of vLLM's server-sent events is its last (``data: [DONE]``)."""
+    return line.startswith("data:") and line[5:].strip() == "[DONE]"
+
+
 async def _relay_stream(lc: RequestLifecycle, decode: WorkerView, path: str, body: dict[str, Any],
                         attempt_id: str) -> None:
     """Relay vLLM's server-sent events as the lifecycle's token and finish events."""
@@ -105,7 +110,7 @@ async def _relay_stream(lc: RequestLifecycle, decode: WorkerView, path: str, bod
     finish: str | None = None
     tokens = 0
     stream = lc._d.stream_lines(decode, path, body, stage=stage, request_id=attempt_id,
-                                rejected_statuses=(400, 422), end_marker="[DONE]")
+                                rejected_statuses=(400, 422), end_marker="[DONE]", is_last=_is_sse_done)
     async with contextlib.aclosing(stream) as lines:
         async for line in lines:
             if not line.startswith("data:"):

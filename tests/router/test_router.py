@@ -195,6 +195,26 @@ def test_streaming_completion_is_openai_sse_ending_in_done(cluster: Cluster) -> 
     assert d.cancelled_ids() == [] and p.cancelled_ids() == []
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_the_router_reuses_its_connections_to_the_workers(cluster: Cluster, stream: bool) -> None:
+    # The decode leg is a stream the router stops reading at its done line. Left with the
+    # end of the body unread, httpx closed the connection: one new TCP connection per
+    # request, and a socket in TIME-WAIT for a minute each (port exhaustion at a few
+    # hundred requests per second to one worker).
+    d = cluster.decode("d1")
+    cluster.prefill("p1")
+    cluster.start_router()
+    requests = 8
+    for _ in range(requests):
+        assert cluster.post(completion(stream=stream)).status_code == 200
+    prefix = d.url[len(cluster.mux_url):]
+    ports = cluster.mux.client_ports[prefix]
+    assert len(ports) == 2 * requests  # /reserve and /generate each time
+    # The two legs of a request overlap (/prefill and /generate), so the pool may hold a
+    # few connections; one per request would be 8 or more.
+    assert len(set(ports)) <= 3, f"{len(set(ports))} connections for {requests} requests"
+
+
 def test_stream_options_include_usage_adds_a_usage_chunk(cluster: Cluster) -> None:
     cluster.decode("d1")
     cluster.prefill("p1")

@@ -88,6 +88,9 @@ class WorkerMux:
     def __init__(self) -> None:
         self._apps: dict[str, Any] = {}
         self._keys = itertools.count(1)
+        #: The client's port of every HTTP request served, by path prefix: one port per
+        #: connection, so a test sees whether the router reuses its connections.
+        self.client_ports: dict[str, list[int]] = {}
 
     def add(self, app: Any) -> str:
         """Mount ``app``; returns its path prefix (``/w<n>``)."""
@@ -109,6 +112,8 @@ class WorkerMux:
             await send({"type": "http.response.body", "body": b""})
             return
         path = "/" + rest
+        if scope.get("client"):
+            self.client_ports.setdefault("/" + key, []).append(scope["client"][1])
         await app({**scope, "path": path, "raw_path": path.encode()}, receive, send)
 
 
