@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from kvxfer.registry.control_token import TokenRefused, TokenRejection, TokenSigner, TokenVerifier
+from kvxfer.registry.control_token import (
+    REPLAY_SWEEP_MIN_ENTRIES,
+    TokenRefused,
+    TokenRejection,
+    TokenSigner,
+    TokenVerifier,
+)
 
 KEY = b"k" * 48
 OTHER_KEY = b"o" * 48
@@ -86,3 +92,23 @@ def test_missing_or_malformed_headers_are_401(hdr: str | None, reason: TokenReje
 def test_a_well_formed_forgery_is_403() -> None:
     forged = f"v1.router.{int((NOW + 5) * 1000)}.{'0' * 32}.{'f' * 64}"
     assert refusal(verifier(), header(forged)) is TokenRejection.BAD_SIGNATURE
+
+
+def test_the_replay_memory_holds_live_tokens_only_and_still_refuses_their_replay() -> None:
+    # A worker verifies every control call's token for as long as it runs. Nonces of
+    # expired tokens cannot be replayed (the token is refused as expired), so the memory
+    # must follow the tokens alive, not grow with every token ever seen.
+    v = verifier()
+    signer = TokenSigner(KEY, "router", 10.0)
+    per_second, seconds = 100, 200
+    tokens = []
+    for i in range(per_second * seconds):
+        now = NOW + i / per_second
+        tokens.append((signer.token("POST", "/reserve", BODY, now_s=now), now))
+        v.verify(header(tokens[-1][0]), "POST", "/reserve", BODY, now_s=now)
+    alive = per_second * (10 + 2)  # lifetime plus skew
+    assert len(v._seen) <= 2 * alive + REPLAY_SWEEP_MIN_ENTRIES, len(v._seen)  # 20,000 before
+    last, now = tokens[-1]
+    assert refusal(v, header(last), now_s=now) is TokenRejection.REPLAYED
+    oldest_alive, _ = tokens[-alive + per_second]
+    assert refusal(v, header(oldest_alive), now_s=now) is TokenRejection.REPLAYED
