@@ -5,10 +5,11 @@ Between two processes on every loopback provider and the same-host path (tests/s
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import pytest
@@ -36,7 +37,7 @@ from support.engine_peer import (
 )
 
 from kvxfer.errors import EngineError, TransferError
-from kvxfer.transfer.engine import TransferEngine
+from kvxfer.transfer.engine import RegisteredMemory, TransferEngine
 
 # -- the same-host path -----------------------------------------------------------------
 
@@ -80,6 +81,16 @@ def test_same_host_writes_copy_process_to_process_and_only_immediates_use_the_fa
     assert [rail["bytes_completed"] for rail in pair.engine.stats()] == fabric_before
 
 
+@contextlib.contextmanager
+def own_writer(provider: str) -> Iterator[tuple[TransferEngine, RegisteredMemory]]:
+    """An engine of this test's own with 64 KiB of ones registered, for tests that count
+    what this process holds of its peers. The counts are the whole process's: engines of
+    earlier tests that are garbage now must let go of theirs before, not during, the test."""
+    gc.collect()
+    with TransferEngine(**engine_options(provider), bind_host=LOOPBACK) as engine:
+        yield engine, engine.register(np.ones(64 * KIB, dtype=np.uint8))
+
+
 def same_host_handles() -> tuple[int, int]:
     """(pidfds open here, kvxfer memfds mapped here): what same-host peers cost this process."""
     pidfds = sum(os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[pidfd]"
@@ -95,11 +106,7 @@ def test_a_same_host_peer_that_exited_is_let_go_once_a_new_peer_comes(
 ) -> None:
     # Workers restart for the life of a service: the engine must not keep a dead peer's
     # pidfd, region table and (mapped mode) KV memory for as long as it runs.
-    # The counts are the whole process's: engines of earlier tests that are garbage now
-    # must let go of theirs before, not during, this test.
-    gc.collect()
-    with TransferEngine(**engine_options(provider), bind_host=LOOPBACK) as engine:
-        mr = engine.register(np.ones(64 * KIB, dtype=np.uint8))
+    with own_writer(provider) as (engine, mr):
         before = same_host_handles()
         first = peers.spare()
         engine.write(mr, 0, first.descriptor, 0, 4 * KIB).wait(WAIT_S)
@@ -142,9 +149,7 @@ def test_a_region_its_owner_withdrew_is_unmapped_here_once_the_owner_registers_a
     # anew (a resize, its engine rebuilt in a live process) must not leave the old cache
     # mapped in every writer for as long as they run: a new region of a same-host peer
     # makes the cache drop what its owner withdrew.
-    gc.collect()
-    with TransferEngine(**engine_options(provider), bind_host=LOOPBACK) as engine:
-        mr = engine.register(np.ones(64 * KIB, dtype=np.uint8))
+    with own_writer(provider) as (engine, mr):
         peer = peers.spare()
         before = mapped_shared_buffers()
         old = bytes.fromhex(peer.call("register", size=1 << 20)["descriptor"])
