@@ -76,11 +76,6 @@ class RemoteDescriptorCache:
         with self._miss_lock:
             self._replace({k: v for k, v in self._entries.items() if v.engine_id != engine_id})
 
-    def sweep(self) -> None:
-        """Drops descriptors whose same-host owner exited or no longer lists their region."""
-        with self._miss_lock:
-            self._sweep_locked()
-
     def _insert(self, key: bytes, remote: Any) -> None:
         self._misses_since_sweep += 1
         region = (remote.engine_id, remote.region_id) if remote.same_host else None
@@ -96,6 +91,7 @@ class RemoteDescriptorCache:
             self._same_host_regions.add(region)
 
     def _sweep_locked(self) -> None:
+        """Drops descriptors whose same-host owner exited or no longer lists their region."""
         self._misses_since_sweep = 0
         exited: dict[int, bool] = {}  # by owner: one system call each, not one per descriptor
         kept: dict[bytes, Any] = {}

@@ -38,6 +38,12 @@ bool read_remote(pid_t pid, uint64_t remote_addr, void* out, size_t len) {
   return process_vm_readv(pid, &l, 1, &r, 1, 0) == static_cast<ssize_t>(len);
 }
 
+// Whether a table entry the owner published is exactly this region (a slot is shared by
+// region ids equal modulo kSlots, and a withdrawn one reads as id 0).
+bool names_region(const RegionTable::EntryImage& e, uint64_t region_id, uint64_t addr, uint64_t length) {
+  return e.region_id == region_id && e.addr == addr && e.length == length;
+}
+
 bool header_names(pid_t pid, uint64_t table_addr, uint64_t engine_id) {
   RegionTable::Header h;
   return read_remote(pid, table_addr, &h, sizeof h) && h.magic == RegionTable::kMagic &&
@@ -187,7 +193,7 @@ std::string SameHostPeer::check_region(uint64_t region_id, uint64_t addr, uint64
   RegionTable::EntryImage local;
   RegionTable::EntryImage& e = entry ? *entry : local;
   if (!read_entry(region_id, &e)) return errno_text(errno, "reading the region table");
-  if (e.region_id != region_id || e.addr != addr || e.length != length)
+  if (!names_region(e, region_id, addr, length))
     return "region " + std::to_string(region_id) + " is no longer registered by peer process " +
            std::to_string(pid_);
   return "";
@@ -195,7 +201,7 @@ std::string SameHostPeer::check_region(uint64_t region_id, uint64_t addr, uint64
 
 bool SameHostPeer::lists_region(uint64_t region_id, uint64_t addr, uint64_t length) const {
   RegionTable::EntryImage e;
-  return read_entry(region_id, &e) && e.region_id == region_id && e.addr == addr && e.length == length;
+  return read_entry(region_id, &e) && names_region(e, region_id, addr, length);
 }
 
 SharedMapping::~SharedMapping() { munmap(base_, length_); }

@@ -59,8 +59,8 @@ void populate_pages(uintptr_t addr, uint64_t length) {
 // huge page. For memory that has none yet (a fresh buffer), this replaces populating it in
 // 4 KiB pages and then copying those into huge ones: a memfd (SharedBuffer, the KV cache)
 // gets no huge pages at fault where shmem_enabled is never, yet MADV_COLLAPSE still makes
-// them (only "deny" stops it). 256 MiB of fresh SharedBuffer registered in 16 ms this way,
-// against 285 ms populated first (bench_first_touch.py, `register s`). Writes no data: a
+// them (only "deny" stops it). 256 MiB of fresh SharedBuffer registered in 25-32 ms this
+// way, against 297-301 ms populated first (bench_first_touch.py, `register s`). Writes no data: a
 // populate-write fault only makes a page present (the fallback adds zero atomically).
 void seed_huge_spans(const HugeSpan& huge) {
   constexpr uintptr_t kHuge = 2ull << 20;
