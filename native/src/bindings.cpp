@@ -87,6 +87,8 @@ py::dict stats_dict(const RailStats& s) {
 
 PYBIND11_MODULE(_native, m) {
   m.doc() = "kvxfer native WriteImm engine over libfabric";
+  // Immediates a same-host peer's ring lane holds unread (tests size their bursts by it).
+  m.attr("IMM_RING_LANE_ENTRIES") = ImmRingBoard::kLaneEntries;
 
   py::module_ errors = py::module_::import("kvxfer.errors");
   py::object py_engine_error = errors.attr("EngineError");
@@ -203,7 +205,8 @@ PYBIND11_MODULE(_native, m) {
                        uint64_t shard_min_bytes, bool delivery_complete, bool same_host,
                        bool caller_drives_progress, size_t imm_table_capacity,
                        size_t inbox_max_messages, uint64_t inbox_max_bytes,
-                       bool populate_on_register, bool lock_on_register, bool huge_pages_on_register) {
+                       bool populate_on_register, bool lock_on_register, bool huge_pages_on_register,
+                       bool same_host_imm_ring) {
              EngineSettings s;
              s.provider = provider;
              s.rails = rails;
@@ -221,6 +224,7 @@ PYBIND11_MODULE(_native, m) {
              s.populate_on_register = populate_on_register;
              s.lock_on_register = lock_on_register;
              s.huge_pages_on_register = huge_pages_on_register;
+             s.same_host_imm_ring = same_host_imm_ring;
              GilRelease release;
              return std::make_shared<TransferEngine>(s);
            }),
@@ -230,7 +234,7 @@ PYBIND11_MODULE(_native, m) {
            py::arg("caller_drives_progress") = false, py::arg("imm_table_capacity") = 1 << 16,
            py::arg("inbox_max_messages") = 1024, py::arg("inbox_max_bytes") = 16ull << 20,
            py::arg("populate_on_register") = true, py::arg("lock_on_register") = true,
-           py::arg("huge_pages_on_register") = true)
+           py::arg("huge_pages_on_register") = true, py::arg("same_host_imm_ring") = true)
       .def_property_readonly("address", [](const TransferEngine& e) { return py::bytes(e.address()); })
       .def_property_readonly("provider", &TransferEngine::provider)
       .def_property_readonly("rails", &TransferEngine::rails)
@@ -447,6 +451,9 @@ PYBIND11_MODULE(_native, m) {
             d["inbox_dropped_bytes"] = s.inbox_dropped_bytes.load();
             d["inbox_messages"] = s.inbox_messages.load();
             d["inbox_bytes"] = s.inbox_bytes.load();
+            d["imm_ring_sent"] = s.imm_ring_sent.load();
+            d["imm_ring_received"] = s.imm_ring_received.load();
+            d["imm_ring_fallbacks"] = s.imm_ring_fallbacks.load();
             d["lock_refused"] = e.lock_refused();
             // Process-wide (mlock is per process): every engine's locked registrations.
             d["locked_bytes"] = PageLocks::process().locked_bytes();

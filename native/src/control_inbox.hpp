@@ -22,6 +22,9 @@ struct EngineStats {
   std::atomic<uint64_t> inbox_dropped_messages{0}, inbox_dropped_bytes{0};
   // What the inbox holds now (recv takes away, the worker adds).
   std::atomic<uint64_t> inbox_messages{0}, inbox_bytes{0};
+  // Immediates through same-host immediate rings: sent by this engine, received by it, and
+  // sent over the fabric instead because a peer's lane was full or its engine closed.
+  std::atomic<uint64_t> imm_ring_sent{0}, imm_ring_received{0}, imm_ring_fallbacks{0};
 };
 
 class ControlInbox {

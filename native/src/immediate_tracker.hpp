@@ -33,21 +33,27 @@ class ImmediateTracker {
   // ProgressWorker::source_addresses); anything else is dropped and counted
   // (foreign_dropped). Only on providers with FI_SOURCE: elsewhere every source reads
   // FI_ADDR_NOTAVAIL.
+  // Arrivals through the same-host immediate ring name their writer engine instead: they
+  // count only when it is `engine_id`, the same peer's.
   using RailSources = std::vector<std::vector<fi_addr_t>>;
-  void bind_source(uint32_t imm, RailSources sources) { sources_[imm] = std::move(sources); }
+  void bind_source(uint32_t imm, RailSources sources, uint64_t engine_id) {
+    sources_[imm] = {engine_id, std::move(sources)};
+  }
   void unbind_source(uint32_t imm) { sources_.erase(imm); }
   uint64_t foreign_dropped() const { return foreign_dropped_.load(std::memory_order_relaxed); }
 
   // Worker only: one arrival on `rail` from `source` (FabricRail::source), checked against
   // its immediate's bound sender, if any, before it is counted.
   void on_arrival(uint64_t cq_data, size_t rail, fi_addr_t source) {
-    if (!sources_.empty()) {
-      auto it = sources_.find(static_cast<uint32_t>(cq_data));
-      if (it != sources_.end() && !sent_by(it->second, rail, source)) {
-        foreign_dropped_.fetch_add(1, std::memory_order_relaxed);
-        return;
-      }
-    }
+    if (dropped_as_foreign(cq_data, [&](const BoundSender& b) { return sent_by(b.rails, rail, source); }))
+      return;
+    on_arrival(cq_data);
+  }
+
+  // Worker only: one arrival through the same-host immediate ring, written by engine
+  // `writer` (ImmRingBoard::drain), checked against its immediate's bound sender, if any.
+  void on_ring_arrival(uint64_t cq_data, uint64_t writer) {
+    if (dropped_as_foreign(cq_data, [&](const BoundSender& b) { return b.engine_id == writer; })) return;
     on_arrival(cq_data);
   }
 
@@ -183,6 +189,16 @@ class ImmediateTracker {
     uint64_t count;
     uint64_t token;
   };
+  // True, and counted (foreign_dropped), when the immediate of `cq_data` is bound to a
+  // sender and `from_bound_sender(binding)` says this arrival did not come from it.
+  template <class FromBoundSender>
+  bool dropped_as_foreign(uint64_t cq_data, FromBoundSender from_bound_sender) {
+    if (sources_.empty()) return false;
+    auto it = sources_.find(static_cast<uint32_t>(cq_data));
+    if (it == sources_.end() || from_bound_sender(it->second)) return false;
+    foreign_dropped_.fetch_add(1, std::memory_order_relaxed);
+    return true;
+  }
   // Whether `source` is one of the senders bound for `rail` (see bind_source).
   static bool sent_by(const RailSources& sources, size_t rail, fi_addr_t source) {
     if (rail >= sources.size()) return false;
@@ -202,7 +218,11 @@ class ImmediateTracker {
   ImmCounterTable table_;
   EventQueue& events_;
   std::unordered_map<uint32_t, std::vector<Expectation>> expectations_;  // worker only
-  std::unordered_map<uint32_t, RailSources> sources_;                    // worker only: bound senders
+  struct BoundSender {
+    uint64_t engine_id;
+    RailSources rails;
+  };
+  std::unordered_map<uint32_t, BoundSender> sources_;                    // worker only: bound senders
   std::atomic<uint64_t> foreign_dropped_{0};
   bool arrived_ = false;                                                 // worker only
   std::atomic<uint32_t> epoch_{0};  // bumped by every arrival round: for unslotted waiters

@@ -26,14 +26,15 @@ ContextTag tag_of(void* context) {
 
 }  // namespace
 
-ProgressWorker::ProgressWorker(RailGroup& rails, WorkerSettings settings)
+ProgressWorker::ProgressWorker(RailGroup& rails, WorkerSettings settings, ImmRingBoard* imm_ring)
     : rails_(rails),
       settings_(settings),
       inbox_(settings.inbox_max_messages, settings.inbox_max_bytes, engine_stats_),
       imms_(settings.imm_table_capacity, events_),
       post_queues_(rails.size(), RailPostQueue(settings.max_inflight_per_rail)),
       deadlines_(settings.transfer_timeout_ns, kDeadlineCheckNs),
-      recv_slots_(rails, settings.recv_slots_per_rail, settings.recv_slot_bytes) {
+      recv_slots_(rails, settings.recv_slots_per_rail, settings.recv_slot_bytes),
+      imm_ring_(imm_ring) {
   wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   epoll_fd_ = epoll_create1(EPOLL_CLOEXEC);
   if (wake_fd_ < 0 || epoll_fd_ < 0) throw EngineError("eventfd/epoll failed");
@@ -41,6 +42,10 @@ ProgressWorker::ProgressWorker(RailGroup& rails, WorkerSettings settings)
   ev.events = EPOLLIN;
   ev.data.fd = wake_fd_;
   epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, wake_fd_, &ev);
+  if (imm_ring_) {
+    ev.data.fd = imm_ring_->event_fd();  // written by same-host writers while we sleep
+    epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, ev.data.fd, &ev);
+  }
   for (size_t r = 0; r < rails_.size(); ++r) {
     int fd = rails_.rail(r).wait_fd();
     if (fd < 0) {
@@ -283,10 +288,36 @@ bool ProgressWorker::run_copies() {
       break;
     case SameHostCopyExecutor::Step::kCopied:
       // Every byte is in the peer's memory: now the immediates may tell it so.
-      for (auto& op : out.batch->ops) post_queues_[op.rail].push(&op);
+      send_immediates(out.batch);
       retire(out.batch, 1, nullptr);
       break;
   }
+  return true;
+}
+
+void ProgressWorker::send_immediates(WorkBatch* batch) {
+  ImmRingLane* lane = batch->imm_ring_peer ? batch->imm_ring_peer->imm_lane() : nullptr;
+  size_t rung = 0;
+  for (auto& op : batch->ops) {
+    if (lane && op.has_cq_data && lane->push(op.cq_data)) {
+      ++rung;
+      continue;
+    }
+    if (lane) engine_stats_.imm_ring_fallbacks.fetch_add(1, std::memory_order_relaxed);
+    post_queues_[op.rail].push(&op);
+  }
+  if (rung == 0) return;
+  lane->notify();
+  engine_stats_.imm_ring_sent.fetch_add(rung, std::memory_order_relaxed);
+  retire(batch, rung, nullptr);  // in the peer's memory: done, as a completed post would be
+}
+
+bool ProgressWorker::drain_imm_ring() {
+  if (!imm_ring_) return false;
+  const size_t n = imm_ring_->drain([this](uint64_t cq_data, uint64_t writer) { imms_.on_ring_arrival(cq_data, writer); });
+  if (n == 0) return false;
+  engine_stats_.imm_ring_received.fetch_add(n, std::memory_order_relaxed);
+  last_ring_arrival_ns_ = monotonic_ns();
   return true;
 }
 
@@ -330,6 +361,8 @@ bool ProgressWorker::drain_submissions() {
     WorkBatch* accepted = deadlines_.track(std::move(batch), monotonic_ns());
     if (accepted->copy)
       copies_.enqueue(accepted);
+    else if (accepted->imm_ring_peer)
+      send_immediates(accepted);  // the immediates of a write copied inline
     else
       for (auto& op : accepted->ops) post_queues_[op.rail].push(&op);
   }
@@ -450,8 +483,15 @@ void ProgressWorker::sleep_until_work(int64_t wake_by_ns) {
   idle.transfers_live = !deadlines_.empty();
   idle.now_ns = monotonic_ns();
   idle.last_activity_ns = last_activity_ns_;
+  idle.last_ring_arrival_ns = last_ring_arrival_ns_;
   idle.wake_by_ns = wake_by_ns;
   int timeout_ms = sleep_policy::block_timeout_ms(idle);
+  const bool only_look = timeout_ms == 0;  // the policy's word, not a CQ with entries to read
+  if (imm_ring_) {
+    // Flag first, then look: a writer publishes, then reads the flag (ImmRingLane::notify).
+    imm_ring_->set_sleeping(true);
+    if (imm_ring_->pending()) timeout_ms = -1;
+  }
   if (timeout_ms >= 0) {
     if (all_rails_have_wait_fd_) {
       for (size_t r = 0; r < rails_.size(); ++r)
@@ -464,11 +504,12 @@ void ProgressWorker::sleep_until_work(int64_t wake_by_ns) {
       int n = epoll_wait(epoll_fd_, evs, 8, timeout_ms);
       bool woken_by_submitter = false;
       for (int i = 0; i < n; ++i) {
-        if (evs[i].data.fd == wake_fd_) {
+        const int fd = evs[i].data.fd;
+        if (fd == wake_fd_ || (imm_ring_ && fd == imm_ring_->event_fd())) {
           uint64_t v;
-          ssize_t ignored = read(wake_fd_, &v, sizeof v);
+          ssize_t ignored = read(fd, &v, sizeof v);
           (void)ignored;
-          woken_by_submitter = true;
+          woken_by_submitter = true;  // real work: no nap
         }
       }
       if (n > 0 && !woken_by_submitter) {
@@ -477,8 +518,11 @@ void ProgressWorker::sleep_until_work(int64_t wake_by_ns) {
       }
     } else if (!all_rails_have_wait_fd_) {
       usleep(20);
+    } else if (only_look) {
+      sched_yield();  // a thread waiting for this core gets it first
     }
   }
+  if (imm_ring_) imm_ring_->set_sleeping(false);
   sleeping_.store(0, std::memory_order_seq_cst);
 }
 
@@ -518,6 +562,7 @@ bool ProgressWorker::run_round() {
     did |= post_pending(r);
   }
   did |= run_copies();
+  did |= drain_imm_ring();
   imms_.after_round();
   if (events_.pending()) events_.flush();
   int64_t now = monotonic_ns();

@@ -5,6 +5,7 @@
 // this thread: posting within each rail's inflight budget (rail_post_queue.hpp), deadlines
 // and the batches they guard (deadline_tracker.hpp), same-host copies
 // (same_host_copy_executor.hpp), immediates and their waiters (immediate_tracker.hpp),
+// immediates from same-host peers (same_host_imm_ring.hpp),
 // events for asyncio (worker_events.hpp), control-message receive buffers
 // (control_recv_slots.hpp) and received messages (control_inbox.hpp), when to sleep
 // (sleep_policy.hpp).
@@ -65,7 +66,9 @@ struct WorkerSettings {
 
 class ProgressWorker {
  public:
-  ProgressWorker(RailGroup& rails, WorkerSettings settings);
+  // `imm_ring`: where same-host peers leave immediates for this engine (null: nowhere);
+  // it must outlive the worker.
+  ProgressWorker(RailGroup& rails, WorkerSettings settings, ImmRingBoard* imm_ring = nullptr);
   ~ProgressWorker();
 
   // Hands a planned batch to the worker. Throws if the worker is stopped.
@@ -80,8 +83,8 @@ class ProgressWorker {
   void consume_imm(uint32_t imm, uint64_t units) { imms_.table().consume(imm, units); }
   void reset_imm(uint32_t imm) { imms_.table().reset(imm); }
   // Worker thread only (run_on_worker): see ImmediateTracker::bind_source.
-  void bind_imm_source(uint32_t imm, ImmediateTracker::RailSources sources) {
-    imms_.bind_source(imm, std::move(sources));
+  void bind_imm_source(uint32_t imm, ImmediateTracker::RailSources sources, uint64_t engine_id) {
+    imms_.bind_source(imm, std::move(sources), engine_id);
   }
   // Worker only: per rail of ours, the AV addresses of the peer's rails that write to it.
   // The peer's rail s writes to our rail s % (our rail count) (RailGroup::remote_rail): with
@@ -149,6 +152,11 @@ class ProgressWorker {
   void retire(WorkBatch* batch, size_t parts, const std::string* error);
   // Copies one slice of the oldest same-host write; true if there was one.
   bool run_copies();
+  // Sends a same-host write's immediates once its bytes landed: through the peer's
+  // immediate ring where it has room, else posted on their rails.
+  void send_immediates(WorkBatch* batch);
+  // Counts what same-host peers left in our immediate ring; true if anything.
+  bool drain_imm_ring();
   void release_slot(RailOp* op);
   void finish_transfer(TransferState& t, TransferStatus status, const std::string& error);
   // Fails a batch whose deadline passed and gives back its ops' inflight slots.
@@ -174,6 +182,7 @@ class ProgressWorker {
   std::unordered_map<uint64_t, std::vector<fi_addr_t>> peers_;
   std::vector<std::unique_ptr<RailStats>> stats_;
   ControlRecvSlots recv_slots_;  // posted at construction, read once the worker runs
+  ImmRingBoard* imm_ring_;        // not owned; null without the same-host path
 
   std::atomic<uint32_t> sleeping_{0};
   std::atomic<bool> stopping_{false};
@@ -181,6 +190,7 @@ class ProgressWorker {
   int epoll_fd_ = -1;
   bool all_rails_have_wait_fd_ = true;
   int64_t last_activity_ns_ = 0;  // worker only: last round that did something
+  int64_t last_ring_arrival_ns_ = 0;  // worker only: last round that drained the immediate ring
   std::thread::id owner_;  // the thread that may drive progress when the caller drives it
   std::thread thread_;
 };

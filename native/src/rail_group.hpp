@@ -66,6 +66,9 @@ struct WorkBatch {
   std::vector<RailRegistration> payload_registration;
   // A same-host write: copied first, then `ops` (its immediates, if any) are posted.
   std::unique_ptr<SameHostCopy> copy;
+  // Set when those immediates may go through this peer's immediate ring instead
+  // (SameHostPeer::imm_lane); an op the ring has no room for is posted.
+  std::shared_ptr<const SameHostPeer> imm_ring_peer;
   // Parts still to finish: each op, plus one for the copy.
   size_t ops_remaining = 0;
   bool failed = false;

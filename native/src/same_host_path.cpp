@@ -44,8 +44,9 @@ bool names_region(const RegionTable::EntryImage& e, uint64_t region_id, uint64_t
   return e.region_id == region_id && e.addr == addr && e.length == length;
 }
 
-bool header_names(pid_t pid, uint64_t table_addr, uint64_t engine_id) {
-  RegionTable::Header h;
+bool header_names(pid_t pid, uint64_t table_addr, uint64_t engine_id, RegionTable::Header* out = nullptr) {
+  RegionTable::Header local;
+  RegionTable::Header& h = out ? *out : local;
   return read_remote(pid, table_addr, &h, sizeof h) && h.magic == RegionTable::kMagic &&
          h.engine_id == engine_id && h.slots == RegionTable::kSlots;
 }
@@ -106,7 +107,12 @@ RegionTable::RegionTable(uint64_t engine_id) {
     if (mem == MAP_FAILED) throw EngineError("cannot allocate the region table");
   }
   layout_ = new (mem) Layout();  // zeroed pages; the constructor only sets the header
-  layout_->header = {kMagic, engine_id, kSlots};
+  layout_->header = {kMagic, engine_id, kSlots, -1, -1};
+}
+
+void RegionTable::offer_imm_ring(const ImmRingBoard& board) {
+  layout_->header.imm_ring_fd = board.memfd();
+  layout_->header.imm_event_fd = board.event_fd();
 }
 
 RegionTable::~RegionTable() {
@@ -135,8 +141,8 @@ void RegionTable::withdraw(const MemoryRegion& region) {
 
 // -- SameHostPeer -------------------------------------------------------------------------
 
-std::shared_ptr<SameHostPeer> SameHostPeer::open(const EngineAddress& peer,
-                                                 const SameHostIdentity& self) {
+std::shared_ptr<SameHostPeer> SameHostPeer::open(const EngineAddress& peer, const SameHostIdentity& self,
+                                                 uint64_t self_engine_id, bool imm_ring) {
   const auto& id = peer.same_host;
   if (self.host_key.empty() || id.host_key != self.host_key || id.pid == 0 || id.table_addr == 0)
     return nullptr;
@@ -147,12 +153,17 @@ std::shared_ptr<SameHostPeer> SameHostPeer::open(const EngineAddress& peer,
   int pidfd = static_cast<int>(syscall(SYS_pidfd_open, pid, 0));
   if (pidfd < 0) return nullptr;  // kernel without pidfds: cannot rule out pid reuse
   // Read again now that the pidfd pins the process: it names the engine we checked.
-  if (!header_names(pid, id.table_addr, peer.engine_id)) {
+  RegionTable::Header header;
+  if (!header_names(pid, id.table_addr, peer.engine_id, &header)) {
     close(pidfd);
     return nullptr;
   }
-  return std::shared_ptr<SameHostPeer>(
+  std::shared_ptr<SameHostPeer> opened(
       new SameHostPeer(pid, pidfd, id.table_addr, map_table(pid, id.table_fd, peer.engine_id)));
+  if (imm_ring)
+    opened->imm_lane_ = ImmRingLane::open(pidfd, static_cast<int>(header.imm_ring_fd),
+                                          static_cast<int>(header.imm_event_fd), peer.engine_id, self_engine_id);
+  return opened;
 }
 
 SameHostPeer::~SameHostPeer() {

@@ -2,9 +2,9 @@
 // (same boot, same PID namespace) and ptrace rules let us, a write is one
 // process_vm_writev straight from the source buffer into the target's registered region:
 // one copy by the sender's CPU, none by the target's, nothing through a fabric provider.
-// Only the immediate still goes over the fabric, posted after the copy returned, so the
-// receiver's ImmCounter keeps meaning "every byte is here" and the receiver cannot tell
-// the two paths apart.
+// The immediate follows once the copy returned, through the receiver's shared-memory ring
+// (same_host_imm_ring.hpp) or, where that is not to be had, over the fabric; either way the
+// receiver's ImmCounter keeps meaning "every byte is here".
 //
 // Why not libfabric's shm provider: its RMA is progressed by the target's CPU (the target
 // copies out of the sender via CMA when it polls), so a write waits for the target's
@@ -38,6 +38,7 @@
 
 #include "descriptors.hpp"
 #include "engine_types.hpp"
+#include "same_host_imm_ring.hpp"
 #include "transfer_request.hpp"
 
 namespace kvxfer {
@@ -52,13 +53,16 @@ SameHostIdentity local_same_host_identity(uint64_t table_addr, int table_fd);
 // check a region with a few loads instead of a process_vm_readv per write.
 class RegionTable {
  public:
-  static constexpr uint64_t kMagic = 0x316c627472667876ull;  // "vxfrtbl1"
+  static constexpr uint64_t kMagic = 0x326c627472667876ull;  // "vxfrtbl2"
   static constexpr size_t kSlots = 4096;
 
   struct Header {
     uint64_t magic;
     uint64_t engine_id;
     uint64_t slots;
+    // The owner's immediate ring (ImmRingBoard): its memfd and eventfd numbers, -1: none.
+    int64_t imm_ring_fd;
+    int64_t imm_event_fd;
   };
   // What a reader sees of a slot (the owner writes it through atomics of the same layout).
   struct EntryImage {
@@ -82,6 +86,8 @@ class RegionTable {
   // to it fall back to the fabric.
   void publish(const MemoryRegion& region);
   void withdraw(const MemoryRegion& region);
+  // Names the owner's immediate ring to peers; before the engine's address is handed out.
+  void offer_imm_ring(const ImmRingBoard& board);
 
   static uint64_t entry_offset(uint64_t region_id) {
     return sizeof(Header) + (region_id % kSlots) * sizeof(EntryImage);
@@ -130,9 +136,11 @@ using SharedMappingPtr = std::shared_ptr<const SharedMapping>;
 class SameHostPeer {
  public:
   // Null when `peer` cannot be reached this way: no identity, another host or PID
-  // namespace, not permitted, gone, or not the engine its address names.
-  static std::shared_ptr<SameHostPeer> open(const EngineAddress& peer,
-                                            const SameHostIdentity& self);
+  // namespace, not permitted, gone, or not the engine its address names. With
+  // `imm_ring`, also claims a lane of the peer's immediate ring for engine `self_engine_id`
+  // (none to be had: immediates go over the fabric).
+  static std::shared_ptr<SameHostPeer> open(const EngineAddress& peer, const SameHostIdentity& self,
+                                            uint64_t self_engine_id, bool imm_ring);
   ~SameHostPeer();
   SameHostPeer(const SameHostPeer&) = delete;
   SameHostPeer& operator=(const SameHostPeer&) = delete;
@@ -156,6 +164,8 @@ class SameHostPeer {
   SharedMappingPtr map_region(const MemoryDescriptor& d, const RegionTable::EntryImage& e) const;
   // Writes every pair (local[i] -> remote[i], equal lengths); "" or the reason it failed.
   std::string copy(const struct iovec* local, const struct iovec* remote, size_t count) const;
+  // Our lane of the peer's immediate ring, or null. Used by our progress worker only.
+  ImmRingLane* imm_lane() const { return imm_lane_.get(); }
 
  private:
   SameHostPeer(pid_t pid, int pidfd, uint64_t table_addr, const char* table_map)
@@ -167,6 +177,7 @@ class SameHostPeer {
   int pidfd_;
   uint64_t table_addr_;
   const char* table_map_;  // the owner's table mapped read-only here, or null: read it by CMA
+  std::unique_ptr<ImmRingLane> imm_lane_;
 
   // Live mappings by what the owner's table confirmed: region id, file (device, inode),
   // offset and length. A mapping each per descriptor used to repeat MAP_POPULATE of the

@@ -40,6 +40,7 @@ struct Idle {
   bool transfers_live = false;  // some transfer has a deadline
   int64_t now_ns = 0;
   int64_t last_activity_ns = 0;   // the last round that did something
+  int64_t last_ring_arrival_ns = 0;  // the last round that drained the same-host immediate ring
   int64_t wake_by_ns = INT64_MAX;  // a caller's deadline (drive_until), else INT64_MAX
 };
 
@@ -56,8 +57,17 @@ inline bool quiet(int64_t now_ns, int64_t last_activity_ns) { return now_ns - la
 // a frozen decoder: 6 s) on the cores the other peers' traffic and the prefill compute
 // need. So queued ops keep the worker awake only until nothing has happened for kQuietNs;
 // then it sleeps as a quiet worker does, at most kQueuedRetryMs at a time.
+//
+// A same-host peer's immediates arrive in shared memory (same_host_imm_ring.hpp), and
+// reach a blocked worker only through an eventfd write and its thread's wake-up: 30-50 us
+// on this VM, as long as the copy of a 1 MiB write. A streaming peer's next immediate is
+// likely that close, so until the ring went quiet the worker only looks (0; the worker
+// yields meanwhile), as it does while a busy net rail's CQ fd stays readable. Measured,
+// 4 KiB writes 1 ms apart: looking 2 ms, 32-35 us and 1.2 ms CPU per write; 200 us,
+// 102-112 us and 0.36 ms; not at all, 113-129 us and 0.22 ms (benchmarks/README.md).
 inline int block_timeout_ms(const Idle& s) {
   if (s.work_waiting) return -1;
+  if (!quiet(s.now_ns, s.last_ring_arrival_ns)) return 0;
   if (s.ops_queued && !quiet(s.now_ns, s.last_activity_ns)) return -1;
   // Deadlines need a look every few ms only while transfers are live; an engine with
   // nothing in flight sleeps longer (new work and arrivals wake it through the fds).

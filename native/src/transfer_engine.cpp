@@ -107,9 +107,11 @@ TransferEngine::TransferEngine(EngineSettings settings) : settings_(std::move(se
   if (settings_.same_host) {
     region_table_ = std::make_unique<RegionTable>(address_.engine_id);
     address_.same_host = local_same_host_identity(region_table_->address(), region_table_->fd());
+    if (settings_.same_host_imm_ring) imm_ring_ = ImmRingBoard::create(address_.engine_id);
+    if (imm_ring_) region_table_->offer_imm_ring(*imm_ring_);
   }
   address_blob_ = address_.serialize();
-  worker_ = std::make_unique<ProgressWorker>(*rails_, settings_.worker);
+  worker_ = std::make_unique<ProgressWorker>(*rails_, settings_.worker, imm_ring_.get());
 }
 
 TransferEngine::~TransferEngine() { close(); }
@@ -117,6 +119,7 @@ TransferEngine::~TransferEngine() { close(); }
 void TransferEngine::close() {
   std::lock_guard<std::mutex> closing(close_mutex_);
   if (closed_.exchange(true, std::memory_order_acq_rel)) return;
+  if (imm_ring_) imm_ring_->mark_closed();  // writers turn to the fabric, which fails
   worker_->stop();
   {
     std::lock_guard<std::mutex> lock(regions_mutex_);
@@ -341,7 +344,7 @@ SameHostPeerPtr TransferEngine::same_host_peer(const EngineAddress& owner) const
   // come and go for the life of a service.
   for (auto i = same_host_peers_.begin(); i != same_host_peers_.end();)
     i = (i->second && !i->second->exited()) ? std::next(i) : same_host_peers_.erase(i);
-  auto peer = SameHostPeer::open(owner, address_.same_host);
+  auto peer = SameHostPeer::open(owner, address_.same_host, address_.engine_id, settings_.same_host_imm_ring);
   same_host_peers_.emplace(owner.engine_id, peer);
   return peer;
 }
@@ -377,7 +380,7 @@ TransferStatePtr TransferEngine::submit(const MemoryRegionPtr& local, const Remo
   check_open();
   if (request.moves_bytes()) check_local(local);
   auto batch = new_batch(next_transfer_id_, remote->owner);
-  // Bytes to a peer on this kernel are copied; immediates always go over the fabric.
+  // Bytes to a peer on this kernel are copied; their immediate follows (start_copy).
   if (remote->same_host && request.moves_bytes())
     return start_copy(std::move(batch),
                       plan_same_host(remote->same_host, remote->mapping, *local, remote->descriptor, request),
@@ -446,7 +449,10 @@ TransferStatePtr TransferEngine::start_copy(std::unique_ptr<WorkBatch> batch,
                                             std::unique_ptr<SameHostCopy> copy,
                                             std::optional<uint32_t> imm, uint64_t units) {
   // A write counts like its fabric twin: one unit per page, one for a single write.
-  if (imm) rails_->plan_imm_only(*batch, *imm, units);
+  if (imm) {
+    rails_->plan_imm_only(*batch, *imm, units);
+    if (copy->peer->imm_lane()) batch->imm_ring_peer = copy->peer;
+  }
   auto transfer = batch->transfer;
   transfer->bytes = copy->bytes;
   if (copy->bytes > kInlineCopyBytes) {
@@ -511,7 +517,7 @@ bool TransferEngine::bind_imm_source(uint32_t imm, std::shared_ptr<const EngineA
   if (peer->rail_addresses.size() > rails_->size()) return false;
   // The peer's rails go into our AVs first (each on the rail of ours it writes to): only
   // then can a completion name them.
-  worker_->run_on_worker([&] { worker_->bind_imm_source(imm, worker_->source_addresses(*peer)); },
+  worker_->run_on_worker([&] { worker_->bind_imm_source(imm, worker_->source_addresses(*peer), peer->engine_id); },
                          30'000'000'000LL);
   return true;
 }

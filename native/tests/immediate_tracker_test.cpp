@@ -1,6 +1,7 @@
 // ImmediateTracker's source check (immediate_tracker.hpp): an immediate bound to a peer
 // counts only arrivals from that peer's rails, on the rails of ours they write to. A rail
 // of ours may accept several senders, or none (a 1-rail peer writing to a 2-rail decoder).
+// Arrivals through the same-host immediate ring are checked by the writer engine's id.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -16,7 +17,7 @@ TEST(ImmediateTracker, ABoundImmediateCountsOnlyTheSendersListedForTheRailItCame
   EventQueue events;
   ImmediateTracker imms(64, events);
   // Our rail 0 accepts AV addresses 10 and 12, our rail 1 accepts 11 and 13.
-  imms.bind_source(7, {{10, 12}, {11, 13}});
+  imms.bind_source(7, {{10, 12}, {11, 13}}, 99);
   imms.on_arrival(one_unit(7), 0, 10);
   imms.on_arrival(one_unit(7), 0, 12);
   imms.on_arrival(one_unit(7), 1, 11);
@@ -34,13 +35,25 @@ TEST(ImmediateTracker, ABoundImmediateCountsOnlyTheSendersListedForTheRailItCame
 TEST(ImmediateTracker, ARailThePeerDoesNotWriteToCreditsNothingAndUnbindLetsAnyoneCountAgain) {
   EventQueue events;
   ImmediateTracker imms(64, events);
-  imms.bind_source(7, {{10}, {}});  // a 1-rail prefiller writing to a 2-rail decoder
+  imms.bind_source(7, {{10}, {}}, 99);  // a 1-rail prefiller writing to a 2-rail decoder
   imms.on_arrival(one_unit(7), 1, 10);
   EXPECT_EQ(imms.table().get(7), 0u);
   EXPECT_EQ(imms.foreign_dropped(), 1u);
   imms.unbind_source(7);
   imms.on_arrival(one_unit(7), 1, 99);
   EXPECT_EQ(imms.table().get(7), 1u);
+}
+
+TEST(ImmediateTracker, ABoundImmediateCountsRingArrivalsOnlyFromTheBoundEngine) {
+  EventQueue events;
+  ImmediateTracker imms(64, events);
+  imms.bind_source(7, {{10}}, 99);
+  imms.on_ring_arrival(one_unit(7), 99);
+  imms.on_ring_arrival(one_unit(7), 98);  // another same-host engine
+  EXPECT_EQ(imms.table().get(7), 1u);
+  EXPECT_EQ(imms.foreign_dropped(), 1u);
+  imms.on_ring_arrival(one_unit(8), 98);  // an unbound immediate counts from anyone
+  EXPECT_EQ(imms.table().get(8), 1u);
 }
 
 }  // namespace

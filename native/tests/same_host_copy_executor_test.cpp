@@ -33,7 +33,7 @@ class SameHostCopies : public ::testing::Test {
     self.engine_id = kEngineId;
     self.same_host = local_same_host_identity(table_.address(), table_.fd());
     ASSERT_FALSE(self.same_host.host_key.empty()) << "needs /proc";
-    peer_ = SameHostPeer::open(self, self.same_host);
+    peer_ = SameHostPeer::open(self, self.same_host, kEngineId + 1, /*imm_ring=*/false);
     ASSERT_TRUE(peer_) << "this process may write into itself";
     remote_.owner = self;
     remote_.region_id = target_.id;

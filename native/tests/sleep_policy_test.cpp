@@ -25,6 +25,16 @@ TEST(SleepPolicy, AnIdleEngineSleepsLongAndOneWithLiveTransfersLooksAtDeadlinesO
   EXPECT_EQ(block_timeout_ms(s), -1);
 }
 
+TEST(SleepPolicy, ARecentSameHostRingArrivalKeepsTheWorkerLookingUntilTheRingWentQuiet) {
+  Idle s = idle_at(100 * kMs, 99 * kMs);
+  s.last_ring_arrival_ns = 99 * kMs;  // 1 ms ago: a streaming same-host writer
+  EXPECT_EQ(block_timeout_ms(s), 0);
+  s.last_ring_arrival_ns = 97 * kMs;  // 3 ms ago: quiet, sleep as usual
+  EXPECT_EQ(block_timeout_ms(s), kIdleSleepMs);
+  s.work_waiting = true;
+  EXPECT_EQ(block_timeout_ms(s), -1);
+}
+
 TEST(SleepPolicy, QueuedOpsKeepTheWorkerAwakeOnlyUntilTheRailWentQuiet) {
   // Activity 1 ms ago: a busy stream whose peer queue filled for a moment; retry at once.
   Idle s = idle_at(100 * kMs, 99 * kMs);
