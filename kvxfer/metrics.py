@@ -344,7 +344,8 @@ _ENGINE_COUNTERS: tuple[tuple[str, str, str], ...] = (
 
 
 #: Engine-wide counters (no rail label): (metric name, engine_stats() key, help). Losses the
-#: engine used to take silently; any increase is worth an alert.
+#: engine used to take silently, where any increase is worth an alert, and the same-host
+#: immediate ring's traffic.
 _ENGINE_WIDE_COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("kvxfer_engine_imm_foreign_dropped", "imm_foreign_dropped",
      "Immediates from a sender other than the one peer their reservation names (bind_imm_source): dropped, "
@@ -360,6 +361,12 @@ _ENGINE_WIDE_COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("kvxfer_engine_lock_refused", "lock_refused",
      "Registrations whose pages the kernel would not lock (RLIMIT_MEMLOCK without CAP_IPC_LOCK); they work "
      "unlocked (lock_kv_pages)."),
+    ("kvxfer_engine_imm_ring_sent", "imm_ring_sent",
+     "Immediates this engine left in a same-host peer's immediate ring instead of sending them over the fabric."),
+    ("kvxfer_engine_imm_ring_received", "imm_ring_received",
+     "Immediates same-host peers left in this engine's immediate ring."),
+    ("kvxfer_engine_imm_ring_fallbacks", "imm_ring_fallbacks",
+     "Immediates sent over the fabric because the same-host peer's ring lane was full or its engine closed."),
 )
 
 

@@ -40,6 +40,10 @@ class WorkerSettings(BaseSettings):
     same_host: bool = Field(
         True, description="copy KV straight into decode workers on this machine (process_vm_writev)"
     )
+    same_host_imm_ring: bool = Field(
+        True, description="with same_host, send each write's immediate through the decode worker's shared-memory "
+        "ring instead of the fabric (11-18 us and about half the CPU less per small write); false: the fabric"
+    )
     num_pages: int = 4096
     transfer_timeout_s: float = 10.0
     lock_kv_pages: bool = Field(
@@ -89,6 +93,7 @@ class WorkerCore:
             bind_host=settings.bind_host,
             transfer_timeout_s=settings.transfer_timeout_s,
             same_host=settings.same_host,
+            same_host_imm_ring=settings.same_host_imm_ring,
             lock_on_register=settings.lock_kv_pages,
         )
         self.cache_region = self.engine.register(self.cache.tensor)
