@@ -29,6 +29,7 @@ from support.engine_peer import (
     region_buffer,
     seeded_bytes,
 )
+from support.waiting import wait_until_stopped
 
 PEER_PROGRAM = Path(__file__).resolve().with_name("engine_peer.py")
 PROVIDERS = [p for p in ("net", "tcp", "shm") if p in available_providers()]
@@ -157,6 +158,15 @@ class PeerProcess:
     def log_tail(self) -> str:
         self._log.flush()
         return "peer stderr: " + self.log_path.read_text(errors="replace")[-3000:]
+
+    def freeze(self) -> None:
+        """SIGSTOP the peer; returns once the kernel shows it stopped."""
+        self.proc.send_signal(signal.SIGSTOP)
+        wait_until_stopped(self.proc.pid, "the peer process")
+
+    def thaw(self) -> None:
+        """SIGCONT the peer."""
+        self.proc.send_signal(signal.SIGCONT)
 
     def exit(self, timeout: float = 10.0) -> None:
         """Asks the peer to close its engine and exit, and waits until it did."""

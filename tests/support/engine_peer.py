@@ -200,6 +200,9 @@ class EnginePeer:
             t.wait(timeout)
         return {}
 
+    def op_engine_stats(self) -> dict[str, Any]:
+        return {"stats": self.engine.engine_stats()}
+
     def op_imm_count(self, imm: int) -> dict[str, Any]:
         return {"count": self.engine.imm_count(imm)}
 

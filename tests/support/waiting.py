@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 
@@ -20,3 +21,17 @@ def wait_until(predicate: Callable[[], Any], timeout_s: float = 5.0, what: str =
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what} (last value: {value!r})")
         time.sleep(interval_s)
+
+
+def process_state(pid: int) -> str:
+    """The kernel's one-letter state of process `pid` ("T": stopped), "" once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def wait_until_stopped(pid: int, what: str, timeout_s: float = 5.0) -> None:
+    """Waits until the kernel shows process `pid` stopped: a SIGSTOP returns before the
+    process has stopped running, and it may still take work meanwhile."""
+    wait_until(lambda: process_state(pid) == "T", timeout_s, f"{what} ({pid}) to stop")

@@ -37,6 +37,7 @@ from typing import Any
 import httpx
 
 from support.pod_namespaces import PodNetwork, pod_command, pod_pid1, signal_pod
+from support.waiting import wait_until_stopped
 
 #: The console script installed next to the interpreter running the tests (.venv/bin).
 KVXFER = str(Path(sys.executable).with_name("kvxfer"))
@@ -139,12 +140,7 @@ class WorkerProc:
         """SIGSTOP the worker from outside (a pod's PID 1 honours it from an ancestor
         namespace, not from itself); waits until the kernel shows it stopped."""
         os.kill(self.main_pid(), signal.SIGSTOP)
-        stat = Path(f"/proc/{self.main_pid()}/stat")
-        deadline = time.monotonic() + 5.0
-        while stat.read_text().rsplit(")", 1)[1].split()[0] != "T":
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{self.role} worker {self.main_pid()} did not stop within 5 s")
-            time.sleep(0.01)
+        wait_until_stopped(self.main_pid(), f"the {self.role} worker")
 
     def thaw(self) -> None:
         """SIGCONT the worker (nothing if it is gone)."""

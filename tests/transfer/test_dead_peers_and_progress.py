@@ -171,7 +171,10 @@ def test_transfers_to_a_peer_that_is_gone_or_frozen_fail_in_bounded_time_and_oth
     frozen = peers.spare() if freezable(provider) else None
     imm, size = fresh_imm(), 64 * KIB
     quick = {"bind_host": LOOPBACK, "transfer_timeout_s": DEAD_PEER_TIMEOUT_S}
-    options = {**engine_options(provider), **quick}
+    # Rail slots held by a frozen peer are what this test is about. The same-host immediate
+    # ring holds none: a frozen peer's ring takes immediates until its lane is full
+    # (test_same_host_path: test_a_frozen_receivers_ring_...), so it is off here.
+    options = {**engine_options(provider), **quick, "same_host_imm_ring": False}
     with TransferEngine(**options) as engine, TransferEngine(**options) as stranger:
         src = np.zeros(1 * MIB, dtype=np.uint8)
         src[:] = seeded_bytes(47, src.size)

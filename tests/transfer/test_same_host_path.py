@@ -14,8 +14,10 @@ from typing import Any, Iterator
 import numpy as np
 import pytest
 from support.engine_pairs import (
+    FAIL_BOUND_S,
     KIB,
     LOOPBACK,
+    MIB,
     PROVIDERS,
     STRAY_ARRIVAL_GRACE_S,
     WAIT_S,
@@ -26,6 +28,7 @@ from support.engine_pairs import (
     assert_zero,
     fnv1a32,
     fresh_imm,
+    wait_for_stat,
 )
 from support.engine_peer import (
     SAME_HOST,
@@ -36,6 +39,7 @@ from support.engine_peer import (
     seeded_bytes,
 )
 
+from kvxfer import _native
 from kvxfer.errors import EngineError, TransferError
 from kvxfer.transfer.engine import RegisteredMemory, TransferEngine
 
@@ -79,6 +83,124 @@ def test_same_host_writes_copy_process_to_process_and_only_immediates_use_the_fa
         assert_zero(landed[(d + 1) * page : (d + 2) * page], f"gap after page {i}")
     # The immediates (64 pages as one weighted message) are all the fabric carried.
     assert [rail["bytes_completed"] for rail in pair.engine.stats()] == fabric_before
+
+
+def switched_off(by: str, variable: str, argument: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """TransferEngine options that turn a switch off `by` its "argument" (the variable unset)
+    or its environment "variable" (the argument left out)."""
+    if by == "environment":
+        monkeypatch.setenv(variable, "off")
+        return {}
+    monkeypatch.delenv(variable, raising=False)
+    return {argument: False}
+
+
+def ring_counts(engine: TransferEngine) -> tuple[int, int, int]:
+    """(imm_ring_sent, imm_ring_received, imm_ring_fallbacks) of an engine."""
+    stats = engine.engine_stats()
+    return stats["imm_ring_sent"], stats["imm_ring_received"], stats["imm_ring_fallbacks"]
+
+
+@only_same_host
+def test_same_host_immediates_go_through_the_receivers_ring_and_nothing_through_the_fabric(
+    pair: EnginePair, provider: str
+) -> None:
+    # 4 KiB is copied on the calling thread, 1 MiB by the progress worker: both hand their
+    # immediate to the ring. The rails carry no op at all, and the bytes are whole.
+    data = seeded_bytes(67, 1 * MIB)
+    pair.src[: data.size] = data
+    rail_ops = [rail["ops_completed"] for rail in pair.engine.stats()]
+    sent, received_here, fallbacks = ring_counts(pair.engine)  # this engine is a target in other tests
+    received = pair.target.call("engine_stats")["stats"]["imm_ring_received"]
+    for size in (4 * KIB, 1 * MIB):
+        imm = fresh_imm()
+        pair.engine.write(pair.mr, 0, pair.descriptor, 0, size, imm=imm).wait(WAIT_S)
+        pair.wait_target_count(imm, 1)
+        assert_same_bytes(pair.target_bytes(0, size), data[:size], f"{size} bytes")
+    assert ring_counts(pair.engine) == (sent + 2, received_here, fallbacks)
+    assert pair.target.call("engine_stats")["stats"]["imm_ring_received"] == received + 2
+    assert [rail["ops_completed"] for rail in pair.engine.stats()] == rail_ops
+
+
+@only_same_host
+@pytest.mark.parametrize("turned_off_by", ["argument", "environment"])
+def test_with_the_ring_off_a_same_host_writes_immediate_takes_the_fabric(
+    pair: EnginePair, provider: str, turned_off_by: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    options = switched_off(turned_off_by, "KVXFER_SAME_HOST_IMM_RING", "same_host_imm_ring", monkeypatch)
+    with TransferEngine(**engine_options(provider), bind_host=LOOPBACK, **options) as engine:
+        mr = engine.register(np.ones(64 * KIB, dtype=np.uint8))
+        assert engine.path_to(pair.descriptor) == SAME_HOST_PATH[provider]
+        imm = fresh_imm()
+        engine.write(mr, 0, pair.descriptor, 0, 64 * KIB, imm=imm).wait(WAIT_S)
+        pair.wait_target_count(imm, 1)
+        assert ring_counts(engine) == (0, 0, 0)
+        assert sum(rail["ops_completed"] for rail in engine.stats()) == 1
+
+
+@only_same_host
+def test_a_ring_immediate_bound_to_another_engine_is_dropped_and_counted_and_a_closed_receiver_takes_none(
+    provider: str, peers: OwnPeers
+) -> None:
+    # bind_imm_source holds for the ring too: each entry names its writer engine. An
+    # outsider on this host that writes the bound immediate is dropped, the bound peer
+    # counts. Once the receiver closed, writers find its ring closed and use the fabric.
+    with TransferEngine(**engine_options(provider), bind_host=LOOPBACK) as decoder:
+        if not decoder.capabilities["source"]:
+            pytest.skip(f"{provider} cannot name an immediate's sender")
+        region = decoder.register(np.zeros(1 * MIB, dtype=np.uint8))
+        prefiller, outsider = peers.spare(), peers.spare()
+        imm = fresh_imm()
+        assert decoder.bind_imm_source(imm, prefiller.address)
+        write = {"descriptor": region.descriptor.hex(), "src_offset": 0, "dst_offset": 0, "length": 4 * KIB}
+        outsider.call("write", **write, imm=imm)
+        prefiller.call("write", **write, imm=imm)
+        decoder.wait_imm(imm, 1, WAIT_S)
+        wait_for_stat(decoder, "imm_foreign_dropped", 1)
+        time.sleep(STRAY_ARRIVAL_GRACE_S)
+        assert decoder.imm_count(imm) == 1
+        assert decoder.engine_stats()["imm_ring_received"] == 2
+        for peer in (prefiller, outsider):
+            assert peer.call("engine_stats")["stats"]["imm_ring_sent"] == 1
+    failed = prefiller.request("write", **write, imm=imm, timeout=WAIT_S)
+    assert not failed["ok"], "a write to a closed engine succeeded"
+    assert prefiller.call("engine_stats")["stats"]["imm_ring_fallbacks"] == 1
+
+
+FROZEN_TIMEOUT_S = 1.0  # the writer's transfer_timeout_s: how soon the fallbacks fail
+
+
+@only_same_host
+def test_a_frozen_receivers_ring_takes_immediates_until_its_lane_is_full_then_writes_fail_in_bounded_time(
+    provider: str, peers: OwnPeers
+) -> None:
+    # As an RDMA NIC writes into a stopped process, the ring takes a frozen receiver's
+    # immediates, but only as many as its lane holds: the rest fall back to the fabric,
+    # which fails them at the writer's deadline. Nothing hangs, and once the receiver
+    # runs again it counts every write that was reported done.
+    frozen = peers.spare()
+    lane, extra = _native.IMM_RING_LANE_ENTRIES, 16
+    with TransferEngine(**engine_options(provider), bind_host=LOOPBACK, transfer_timeout_s=FROZEN_TIMEOUT_S) as engine:
+        mr = engine.register(np.ones(4 * KIB, dtype=np.uint8))
+        imm = fresh_imm()
+        engine.write(mr, 0, frozen.descriptor, 0, 4 * KIB, imm=imm).wait(WAIT_S)
+        frozen.call("wait_imm", imm=imm, count=1, timeout=WAIT_S)  # the lane is empty again
+        frozen.freeze()  # stopped before the burst: it must not drain any of it
+        try:
+            started = time.monotonic()
+            writes = [engine.write(mr, 0, frozen.descriptor, 0, 4 * KIB, imm=imm) for _ in range(lane + extra)]
+            outcomes = []
+            for w in writes:
+                try:
+                    w.wait(max(0.0, started + FAIL_BOUND_S - time.monotonic()))
+                    outcomes.append("done")
+                except TransferError:
+                    outcomes.append("failed" if w.done() else "pending")
+            assert outcomes == ["done"] * lane + ["failed"] * extra
+            assert ring_counts(engine)[2] == extra  # the fallbacks
+        finally:
+            frozen.thaw()
+        frozen.call("wait_imm", imm=imm, count=1 + lane, timeout=WAIT_S)
 
 
 @contextlib.contextmanager
@@ -230,12 +352,7 @@ def test_engine_with_same_host_off_writes_over_the_fabric_to_a_same_host_peer(
 ) -> None:
     imm, size = fresh_imm(), 256 * KIB
     data = seeded_bytes(64, size)
-    if turned_off_by == "environment":
-        monkeypatch.setenv("KVXFER_SAME_HOST", "false")
-        options: dict[str, Any] = {}
-    else:
-        monkeypatch.delenv("KVXFER_SAME_HOST", raising=False)
-        options = {"same_host": False}
+    options = switched_off(turned_off_by, "KVXFER_SAME_HOST", "same_host", monkeypatch)
     with TransferEngine(provider_of(SAME_HOST), bind_host=LOOPBACK, **options) as engine:
         src = np.zeros(size, dtype=np.uint8)
         src[:] = data
