@@ -30,7 +30,6 @@ Prints a table, writes JSON and a PNG. On a shared 2-core machine, compare rows 
 
 from __future__ import annotations
 
-import argparse
 import json
 import mmap
 import os
@@ -47,6 +46,7 @@ from kvxfer.transfer.engine import TransferEngine
 
 sys.path.insert(0, str(Path(__file__).parent))
 from machine_limits import first_fill_gbps, memcpy_gbps, parse_size, process_vm_writev_gbps
+from report import parser_from_doc, pyplot, save_figure
 
 WAIT_S = 120.0  # one write of the largest size on the slowest path, with margin
 PATHS = ("same_host", "same_host_mapped", "fabric")
@@ -79,8 +79,32 @@ def aligned_source(size: int) -> np.ndarray:
     return src
 
 
+def last_level_cache_bytes() -> int:
+    """The CPU's last-level cache (sysfs), or 32 MiB where sysfs does not say."""
+    for index in (3, 2):
+        try:
+            text = Path(f"/sys/devices/system/cpu/cpu0/cache/index{index}/size").read_text().strip()
+        except OSError:
+            continue
+        return parse_size(text)  # "32768K"
+    return 32 << 20
+
+
+class CacheEvictor:
+    """Writes every cache line of three times the last-level cache, so that afterwards no
+    byte of a write's source or destination is in it: a warm write then is what a KV page
+    meets in a running decoder (written before, long out of cache), not the same 1 MiB
+    written a moment ago and still in L3."""
+
+    def __init__(self) -> None:
+        self.buf = np.ones(3 * last_level_cache_bytes(), dtype=np.uint8)
+
+    def __call__(self) -> None:
+        self.buf[::64] += 1
+
+
 def one_path(path: str, populate: bool, sizes: list[int], repeats: int, regions: int,
-             huge_pages: bool = True) -> list[dict[str, Any]]:
+             huge_pages: bool = True, evict: CacheEvictor | None = None) -> list[dict[str, Any]]:
     """Cold and warm write rates into fresh regions of every size, one engine pair.
 
     Before any timing the source writes once into a small warm region of the target, so the
@@ -110,6 +134,8 @@ def one_path(path: str, populate: bool, sizes: list[int], repeats: int, regions:
                 register_s.append(time.perf_counter() - t0)
                 assert source.path_to(dst_mr.descriptor) == path, source.path_to(dst_mr.descriptor)
                 for k in range(1 + repeats):
+                    if evict:
+                        evict()
                     t0 = time.perf_counter()
                     source.write(src_mr, 0, dst_mr.descriptor, 0, size, imm=imm).wait(WAIT_S)
                     target.wait_imm(imm, k + 1, WAIT_S)
@@ -171,11 +197,7 @@ def verdicts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def plot(rows: list[dict[str, Any]], memcpy: dict[int, float], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(PATHS), figsize=(5 * len(PATHS), 4), sharey=True)
     sizes = sorted(memcpy)
     for ax, p in zip(axes, PATHS):
@@ -199,14 +221,11 @@ def plot(rows: list[dict[str, Any]], memcpy: dict[int, float], path: Path) -> No
     axes[0].set_ylabel("GB/s")
     axes[-1].legend(fontsize=7)
     fig.suptitle("first write into freshly registered memory (cold) vs later ones (warm)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "),
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = parser_from_doc(__doc__)
     parser.add_argument("--sizes", default="1M,16M,256M",
                         help="write sizes, comma-separated with K/M/G suffixes (each into its own fresh region)")
     parser.add_argument("--repeats", type=int, default=3, help="warm writes after each cold one")
@@ -214,6 +233,9 @@ def main() -> None:
     parser.add_argument("--paths", default=",".join(PATHS),
                         help="comma-separated: same_host (process_vm_writev into private memory), "
                              "same_host_mapped (memcpy into a SharedBuffer), fabric (net provider)")
+    parser.add_argument("--evict-cache", action="store_true",
+                        help="write 3x the last-level cache before every timed write (cold and warm), so "
+                             "warm writes do not find their bytes in cache")
     parser.add_argument("--huge-pages", choices=("on", "off"), default="on",
                         help="the target's huge_pages_on_register (on is the engine's default)")
     parser.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "first_touch.json",
@@ -237,9 +259,10 @@ def main() -> None:
 
     measure_limits()
     rows = []
+    evictor = CacheEvictor() if args.evict_cache else None
     for path in paths:
         for populate in (False, True):
-            rows += one_path(path, populate, sizes, args.repeats, args.regions, args.huge_pages == "on")
+            rows += one_path(path, populate, sizes, args.repeats, args.regions, args.huge_pages == "on", evictor)
     measure_limits()
     annotate(rows, memcpy, pvw, fill)
     mark = {True: "ok", False: "LOW", None: "-"}
@@ -262,7 +285,8 @@ def main() -> None:
     args.json.write_text(json.dumps({"sizes": sizes, "memcpy_gbps": memcpy, "process_vm_writev_gbps": pvw,
                                      "first_fill_gbps": fill,
                                      "uptime": load, "pid": os.getpid(),
-                                     "huge_pages": args.huge_pages, "rows": rows, "verdicts": results}, indent=2))
+                                     "huge_pages": args.huge_pages, "evict_cache": args.evict_cache,
+                                     "rows": rows, "verdicts": results}, indent=2))
     png = args.json.with_suffix(".png")
     plot(rows, memcpy, png)
     print(f"wrote {args.json} and {png}")

@@ -15,14 +15,17 @@ Prints a table, writes JSON and a PNG.
 
 from __future__ import annotations
 
-import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from kvxfer import SharedBuffer
 from kvxfer.transfer.engine import TransferEngine
+
+sys.path.insert(0, str(Path(__file__).parent))
+from report import parser_from_doc, pyplot, save_figure  # noqa: E402
 
 REGION_BYTES = 64 << 20
 WINDOW_BYTES = 4096
@@ -61,11 +64,7 @@ def one_mode(same_host: bool, descriptors: int, group: int) -> list[dict[str, An
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for same_host, style in ((True, "-"), (False, "--")):
         sel = [r for r in rows if r["same_host"] == same_host]
@@ -79,14 +78,11 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     ax.set_yscale("log")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "),
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = parser_from_doc(__doc__)
     parser.add_argument("--descriptors", type=int, default=4000,
                         help="new descriptors per mode (the cache keeps 4096; beyond, the oldest go)")
     parser.add_argument("--group", type=int, default=500, help="descriptors timed together (one row each)")
