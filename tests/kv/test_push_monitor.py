@@ -58,6 +58,15 @@ async def watch(monitor: PushMonitor, session: HandDrivenSession, dest: bytes, r
     return push
 
 
+async def until_released(released: list[str], expected: list[str], timeout_s: float = 1.0) -> None:
+    """Waits for the release hooks: the monitor thread calls them after it has resolved the
+    outcomes, so an awaited outcome can be seen before its push is released."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while sorted(released) != expected and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.005)
+    assert sorted(released) == expected
+
+
 def test_a_stuck_destination_fails_its_pushes_and_spares_a_healthy_one() -> None:
     async def run() -> None:
         monitor = PushMonitor(STALL_S, RATE, poll_interval_s=0.005)
@@ -85,8 +94,7 @@ def test_a_stuck_destination_fails_its_pushes_and_spares_a_healthy_one() -> None
             while slow.pending_bytes:
                 slow.complete_one()
             assert await asyncio.wait_for(slow_push.outcome, 1.0) is slow.stats
-            await asyncio.sleep(0.05)
-            assert sorted(released) == ["slow", "stuck"]
+            await until_released(released, ["slow", "stuck"])
             monitor.check(b"A")  # nothing in flight any more: it may be tried again
         finally:
             monitor.close()
@@ -185,7 +193,7 @@ def test_an_idle_monitor_sleeps_until_a_push_is_watched(monkeypatch: pytest.Monk
             monitor.posted(push)
             session.complete_one()
             await asyncio.wait_for(push.outcome, 1.0)
-            assert released == ["late"]
+            await until_released(released, ["late"])
         finally:
             monitor.close()
 
