@@ -15,7 +15,8 @@ Systems (each peer runs in its own virtual environment):
                                 thread instead of a progress thread (progress="caller")
   kvxfer-samehost-r1            kvxfer's same-host path: the target's buffer is a SharedBuffer
                                 (as kvxfer's KV cache is), mapped and written with memcpy;
-                                immediates over net
+                                immediates through the target's shared-memory ring
+                                (KVXFER_SAME_HOST_IMM_RING=0 sends them over net)
   mooncake-tcp                  Mooncake TE, TCP transport, P2P handshake (no metadata server)
   nixl-ucx-tcp                  NIXL, UCX backend forced to TCP (UCX_TLS=tcp)
   nixl-ucx-default              NIXL, UCX backend with its default same-host transports
@@ -389,7 +390,8 @@ def render_table(results: list[dict[str, Any]], limits: dict[str, Any], meta: di
         f"{k.replace('_', ' ')} {v['median']:.2f} GB/s (min {v['min']:.2f}, max {v['max']:.2f})"
         for k, v in limits.items() if "median" in v
     )
-    out.append(f"Run {meta['date']} on {meta['host']} ({meta['cpus']} CPUs); median of "
+    # The machine by its size, not its host name: this text is committed.
+    out.append(f"Run {meta['date']} on {meta['cpus']} CPUs; median of "
                f"{meta['repeats']} repeats after {meta['warmup']} warm-up, data verified after each.")
     if lim_txt:
         out.append(f"Limits: {lim_txt}.")
