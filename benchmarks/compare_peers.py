@@ -75,7 +75,8 @@ TCP, SAME_HOST = "TCP", "same-host"
 
 SYSTEMS: dict[str, dict[str, Any]] = {}
 # kvxfer on each libfabric provider with its same-host path off, and its same-host path
-# (process_vm_writev; immediates over net) as a system of its own in the same-host class.
+# (memcpy into the target's SharedBuffer, immediates through its ring) as a system of its
+# own in the same-host class.
 # Rails only carry the same-host path's immediates, so it runs with one.
 for _prov, _cls, _same_host, _rail_counts in (("tcp", TCP, "off", (1, 2)), ("net", TCP, "off", (1, 2)),
                                               ("shm", SAME_HOST, "off", (1, 2)),
@@ -258,6 +259,8 @@ def run_pair(system: str, wl_name: str, py: Path, a: argparse.Namespace, run_dir
     common = [*params["args"], "--repeats", str(a.repeats), "--warmup", str(a.warmup),
               "--seed", str(a.seed), "--rendezvous", str(d / "rendezvous.json"),
               "--timeout-s", f"{step_s * a.timeout_scale:.0f}", *spec["args"]]
+    if spec["kind"] == "kvxfer":
+        common += ["--submit", a.kvxfer_submit]
     env = dict(os.environ)
     for k in spec.get("unset", []):
         env.pop(k, None)
@@ -433,6 +436,10 @@ def render_table(results: list[dict[str, Any]], limits: dict[str, Any], meta: di
                "last completion (bulk), the receiver's completion signal (KV: kvxfer ImmCounter, "
                "NIXL notifications, Mooncake TransferNotify sent after its last batch completed). "
                "(rx X): bulk measured to the receiver's count of all writes, where the system has one. "
+               f"Bulk submission: kvxfer {meta.get('kvxfer_submit', 'handles')} "
+               "(many: write_many into a CompletionCounter; handles: a handle per write), "
+               f"{meta.get('depth', 64)} in flight; Mooncake batches of 256, 4 in flight; "
+               "NIXL 64 requests in flight. "
                "Latency: one 4 KiB write submitted and waited for, one at a time. "
                "\"of limit\": share of one loopback TCP stream (TCP class) or of memcpy (same-host).")
     return "\n".join(out)
@@ -530,6 +537,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-tokens", default="4096,16384", help="tokens of kv-4k,kv-16k (default 4096,16384)")
     p.add_argument("--lat-iters", type=int, default=2000, help="4 KiB writes per latency repeat")
     p.add_argument("--depth", type=int, default=64, help="kvxfer writes in flight in bulk runs")
+    p.add_argument("--kvxfer-submit", choices=("many", "handles"), default="many",
+                   help="kvxfer's bulk writes: many = write_many into a CompletionCounter (its API "
+                        "for many writes, as Mooncake's batches are its); handles = one handle per write")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--quick", action="store_true",
                    help="smoke run: bulk 64 MiB, kv 512/1024 tokens, 200 latency samples, "
@@ -591,7 +601,8 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"date": _dt.datetime.now().strftime("%Y-%m-%d %H:%M"), "host": platform.node(),
             "cpus": os.cpu_count(), "python": platform.python_version(), "repeats": a.repeats,
             "warmup": a.warmup, "quick": a.quick, "argv": sys.argv[1:],
-            "mooncake_spec": a.mooncake_spec, "nixl_spec": a.nixl_spec}
+            "mooncake_spec": a.mooncake_spec, "nixl_spec": a.nixl_spec,
+            "kvxfer_submit": a.kvxfer_submit, "depth": a.depth}
     tasks = [(s, w) for s in a.system_list for w in a.workload_list]
     bar = tqdm(total=len(tasks) + (0 if a.no_limits else 2), unit="run", file=sys.stderr,
                disable=a.no_progress) if tqdm else None

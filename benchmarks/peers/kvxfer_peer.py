@@ -9,7 +9,9 @@ src_stride, dst_stride, src_offset, dst_offset, imm=9)`, and at the receiver
 With `--same-host on` the target's buffer is a `kvxfer.SharedBuffer`, as the KV cache is.
 With `--progress caller` the initiator's engine has no progress thread: the thread that
 submits and waits drives it (the target keeps its thread).
-Bulk writes keep `--depth` transfers in flight (submit, then wait the oldest). The KV
+Bulk writes keep `--depth` transfers in flight: by default with `write_many` into a
+`CompletionCounter` (`--submit many`), or one handle per write, waiting for the oldest
+(`--submit handles`). The KV
 push is one paged write per (layer, K|V), all submitted back to back, and its completion
 is the receiver's ImmCounter reaching layers x 2 x pages.
 """
@@ -118,6 +120,9 @@ class KvxferPeer(ph.PeerSystem):
         self.eng.write(self.mr, 0, self.rdesc, 0, 8).wait(timeout=self.wait_s)
 
     def run_bulk(self, rep: int) -> None:
+        if self.args.submit == "many":
+            self._run_bulk_many()
+            return
         ws, depth, eng, mr, rd = self.wl.write_size, int(self.args.depth), self.eng, self.mr, self.rdesc
         inflight: collections.deque = collections.deque()
         for off in range(0, self.wl.total, ws):
@@ -126,6 +131,22 @@ class KvxferPeer(ph.PeerSystem):
             inflight.append(eng.write(mr, off, rd, off, ws, imm=ph.BULK_IMM))
         while inflight:
             inflight.popleft().wait(timeout=self.wait_s)
+
+    def _run_bulk_many(self) -> None:
+        # What kvxfer's API offers for many writes (as Mooncake's peer uses its batch API):
+        # write_many calls of a quarter window into one CompletionCounter, and one counter
+        # wait per call for the window to have room; no handle per write.
+        ws, depth = self.wl.write_size, int(self.args.depth)
+        offsets = np.arange(0, self.wl.total, ws, dtype=np.int64)
+        batch = max(1, depth // 4)
+        counter = self.eng.completion_counter()
+        for start in range(0, len(offsets), batch):
+            end = min(start + batch, len(offsets))
+            if end > depth:
+                counter.wait(end - depth, timeout=self.wait_s)
+            part = offsets[start:end]
+            self.eng.write_many(self.mr, part, self.rdesc, part, ws, imm=ph.BULK_IMM, counter=counter)
+        counter.wait(timeout=self.wait_s)
 
     def run_kv(self, rep: int) -> None:
         wl, stride = self.wl, self.wl.kv_stride()
@@ -154,6 +175,10 @@ def _extra(p: Any) -> None:
     p.add_argument("--progress", choices=("thread", "caller"), default="thread",
                    help="the initiator's engine: a progress thread, or progress driven by the "
                         "calling thread (TransferEngine(progress='caller')); targets use a thread")
+    p.add_argument("--submit", choices=("many", "handles"), default="many",
+                   help="bulk writes: many = write_many calls of a quarter --depth into one "
+                        "CompletionCounter (kvxfer's API for many writes); handles = one write() "
+                        "and handle per write, waiting for the oldest at --depth")
 
 
 if __name__ == "__main__":
