@@ -206,7 +206,7 @@ PYBIND11_MODULE(_native, m) {
                        bool caller_drives_progress, size_t imm_table_capacity,
                        size_t inbox_max_messages, uint64_t inbox_max_bytes,
                        bool populate_on_register, bool lock_on_register, bool huge_pages_on_register,
-                       bool same_host_imm_ring) {
+                       bool same_host_imm_ring, const std::string& tcp_congestion) {
              EngineSettings s;
              s.provider = provider;
              s.rails = rails;
@@ -225,6 +225,7 @@ PYBIND11_MODULE(_native, m) {
              s.lock_on_register = lock_on_register;
              s.huge_pages_on_register = huge_pages_on_register;
              s.same_host_imm_ring = same_host_imm_ring;
+             s.worker.tcp_congestion = tcp_congestion;
              GilRelease release;
              return std::make_shared<TransferEngine>(s);
            }),
@@ -234,7 +235,8 @@ PYBIND11_MODULE(_native, m) {
            py::arg("caller_drives_progress") = false, py::arg("imm_table_capacity") = 1 << 16,
            py::arg("inbox_max_messages") = 1024, py::arg("inbox_max_bytes") = 16ull << 20,
            py::arg("populate_on_register") = true, py::arg("lock_on_register") = true,
-           py::arg("huge_pages_on_register") = true, py::arg("same_host_imm_ring") = true)
+           py::arg("huge_pages_on_register") = true, py::arg("same_host_imm_ring") = true,
+           py::arg("tcp_congestion") = "cubic")
       .def_property_readonly("address", [](const TransferEngine& e) { return py::bytes(e.address()); })
       .def_property_readonly("provider", &TransferEngine::provider)
       .def_property_readonly("rails", &TransferEngine::rails)
@@ -454,6 +456,8 @@ PYBIND11_MODULE(_native, m) {
             d["imm_ring_sent"] = s.imm_ring_sent.load();
             d["imm_ring_received"] = s.imm_ring_received.load();
             d["imm_ring_fallbacks"] = s.imm_ring_fallbacks.load();
+            d["tcp_congestion_set"] = e.worker().tcp_congestion().sockets_set();
+            d["tcp_congestion_refused"] = e.worker().tcp_congestion().refused();
             d["lock_refused"] = e.lock_refused();
             // Process-wide (mlock is per process): every engine's locked registrations.
             d["locked_bytes"] = PageLocks::process().locked_bytes();

@@ -34,7 +34,8 @@ ProgressWorker::ProgressWorker(RailGroup& rails, WorkerSettings settings, ImmRin
       post_queues_(rails.size(), RailPostQueue(settings.max_inflight_per_rail)),
       deadlines_(settings.transfer_timeout_ns, kDeadlineCheckNs),
       recv_slots_(rails, settings.recv_slots_per_rail, settings.recv_slot_bytes),
-      imm_ring_(imm_ring) {
+      imm_ring_(imm_ring),
+      tcp_congestion_(settings.tcp_congestion) {
   wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   epoll_fd_ = epoll_create1(EPOLL_CLOEXEC);
   if (wake_fd_ < 0 || epoll_fd_ < 0) throw EngineError("eventfd/epoll failed");
@@ -56,6 +57,9 @@ ProgressWorker::ProgressWorker(RailGroup& rails, WorkerSettings settings, ImmRin
     epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, fd, &ev);
   }
   for (size_t r = 0; r < rails_.size(); ++r) stats_.push_back(std::make_unique<RailStats>());
+  // Before anyone can know our address: connections the listeners accept inherit it.
+  for (size_t r = 0; r < rails_.size(); ++r) tcp_congestion_.watch_local(rails_.rail(r).address(), monotonic_ns());
+  tcp_congestion_.poll(monotonic_ns());
   owner_ = std::this_thread::get_id();
   if (!settings_.caller_drives_progress) thread_ = std::thread([this] { loop(); });
 }
@@ -167,8 +171,11 @@ std::vector<fi_addr_t>& ProgressWorker::peer_addresses(const EngineAddress& peer
   auto it = peers_.find(peer.engine_id);
   if (it != peers_.end()) return it->second;
   std::vector<fi_addr_t> addrs;
-  for (size_t r = 0; r < rails_.size(); ++r)
-    addrs.push_back(rails_.rail(r).insert_peer(peer.rail_addresses[r % peer.rail_addresses.size()]));
+  for (size_t r = 0; r < rails_.size(); ++r) {
+    const std::string& raw = peer.rail_addresses[r % peer.rail_addresses.size()];
+    addrs.push_back(rails_.rail(r).insert_peer(raw));
+    tcp_congestion_.watch_peer(raw, monotonic_ns());  // its connection opens with the first op
+  }
   return peers_.emplace(peer.engine_id, std::move(addrs)).first->second;
 }
 
@@ -567,6 +574,7 @@ bool ProgressWorker::run_round() {
   if (events_.pending()) events_.flush();
   int64_t now = monotonic_ns();
   deadlines_.expire_due(now, [this](WorkBatch* batch) { on_expired(batch); });
+  tcp_congestion_.poll(now);
   if (did) last_activity_ns_ = now;
   return did;
 }
