@@ -44,6 +44,10 @@ class WorkerSettings(BaseSettings):
         True, description="with same_host, send each write's immediate through the decode worker's shared-memory "
         "ring instead of the fabric (11-18 us and about half the CPU less per small write); false: the fabric"
     )
+    tcp_congestion: str = Field(
+        "cubic", description="TCP congestion control of the engine's fabric connections (tcp, net providers); "
+        "cubic because under BBR without fq TCP paced them to 0.4x; \"system\" keeps the system's"
+    )
     num_pages: int = 4096
     transfer_timeout_s: float = 10.0
     lock_kv_pages: bool = Field(
@@ -94,6 +98,7 @@ class WorkerCore:
             transfer_timeout_s=settings.transfer_timeout_s,
             same_host=settings.same_host,
             same_host_imm_ring=settings.same_host_imm_ring,
+            tcp_congestion=settings.tcp_congestion,
             lock_on_register=settings.lock_kv_pages,
         )
         self.cache_region = self.engine.register(self.cache.tensor)
