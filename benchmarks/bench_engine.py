@@ -334,6 +334,9 @@ class EngineConfig:
     progress: str = "thread"
     # "open" or "scoped" (the target's descriptor and immediates; engine_peer_process.py).
     data_plane: str = "open"
+    # TransferEngine's tcp_congestion on both sides: "default" (the engine's own, cubic, or
+    # KVXFER_TCP_CONGESTION), "system", or an algorithm's name.
+    tcp_congestion: str = "default"
 
     @property
     def caller_progress(self) -> bool:
@@ -355,7 +358,8 @@ class EngineConfig:
         dc = "" if self.delivery_complete == "default" else f", delivery_complete {self.delivery_complete}"
         how = ("" if self.submit == "many" else f", submit {self.submit}") + \
             (f", progress {self.progress}" if self.caller_progress else "") + \
-            (f", data plane {self.data_plane}" if self.data_plane != "open" else "")
+            (f", data plane {self.data_plane}" if self.data_plane != "open" else "") + \
+            (f", tcp_congestion {self.tcp_congestion}" if self.tcp_congestion != "default" else "")
         return (f"{self.provider}, rails={self.rails}{how} (window {self.window_text()}, max_inflight_per_rail "
                 f"{self.max_inflight_per_rail}, idle_spin_us {self.idle_spin_us:g}, shard_min_bytes "
                 f"{size_text(self.shard_min_bytes)}{dc})")
@@ -365,7 +369,7 @@ class EngineConfig:
                                   max_inflight_per_rail=self.max_inflight_per_rail,
                                   idle_spin_us=self.idle_spin_us, shard_min_bytes=self.shard_min_bytes,
                                   delivery_complete=self.delivery_complete, progress=self.progress,
-                                  data_plane=self.data_plane)
+                                  data_plane=self.data_plane, tcp_congestion=self.tcp_congestion)
 
 
 class TargetProcess:
@@ -377,7 +381,7 @@ class TargetProcess:
                "--max-inflight-per-rail", str(cfg.max_inflight_per_rail),
                "--idle-spin-us", str(cfg.idle_spin_us), "--shard-min-bytes", str(cfg.shard_min_bytes),
                "--delivery-complete", cfg.delivery_complete, "--progress", cfg.progress,
-               "--data-plane", cfg.data_plane]
+               "--data-plane", cfg.data_plane, "--tcp-congestion", cfg.tcp_congestion]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, bufsize=1,
                                      start_new_session=True)
@@ -579,9 +583,10 @@ class ConfigRun:
             "max_inflight_per_rail": cfg.max_inflight_per_rail, "idle_spin_us": cfg.idle_spin_us,
             "shard_min_bytes": cfg.shard_min_bytes, "delivery_complete": cfg.delivery_complete,
             "pages_per_write": args.pages_per_write, "progress": cfg.progress, "label": cfg.label(),
-            "data_plane": cfg.data_plane,
+            "data_plane": cfg.data_plane, "tcp_congestion": cfg.tcp_congestion,
             "label_short": f"{cfg.provider} rails={cfg.rails}" + (" caller" if cfg.caller_progress else "")
-            + (f" {cfg.data_plane}" if cfg.data_plane != "open" else ""),
+            + (f" {cfg.data_plane}" if cfg.data_plane != "open" else "")
+            + (f" {cfg.tcp_congestion}" if cfg.tcp_congestion != "default" else ""),
             "load": load_snapshot(), "cases": self.rows,
         }
         self.initiator = Initiator(cfg, src)
@@ -1012,12 +1017,12 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         raise SystemExit(f"providers {missing} not available here (have {present})")
     configs = [
-        EngineConfig(p, int(r), 0 if w == "deep" else int(w), int(mi), float(sp), parse_size(sh), dc, sub, pr, dp)
-        for p, r, w, mi, sp, sh, dc, sub, pr, dp in itertools.product(
+        EngineConfig(p, int(r), 0 if w == "deep" else int(w), int(mi), float(sp), parse_size(sh), dc, sub, pr, dp, cc)
+        for p, r, w, mi, sp, sh, dc, sub, pr, dp, cc in itertools.product(
             providers, args.rails.split(","), args.window.split(","),
             args.max_inflight_per_rail.split(","), args.idle_spin_us.split(","),
             args.shard_min_bytes.split(","), args.delivery_complete.split(","), args.submit.split(","),
-            args.progress.split(","), args.data_plane.split(","))
+            args.progress.split(","), args.data_plane.split(","), args.tcp_congestion.split(","))
     ]
     for cfg in configs:
         if cfg.submit not in ("many", "handles"):
@@ -1111,7 +1116,7 @@ def main(argv: list[str] | None = None) -> int:
 
     limits = merge_limits(limit_runs)
     sweep = len(configs) > (len(providers) * len(args.rails.split(",")) * len(args.progress.split(","))
-                            * len(args.data_plane.split(",")))
+                            * len(args.data_plane.split(",")) * len(args.tcp_congestion.split(",")))
     for k, config in enumerate(results):
         if sweep:
             config["label_short"] += (f" w{config['window']} inflight{config['max_inflight_per_rail']} "

@@ -396,6 +396,10 @@ def render_table(results: list[dict[str, Any]], limits: dict[str, Any], meta: di
     # The machine by its size, not its host name: this text is committed.
     out.append(f"Run {meta['date']} on {meta['cpus']} CPUs; median of "
                f"{meta['repeats']} repeats after {meta['warmup']} warm-up, data verified after each.")
+    if meta.get("tcp_congestion_system"):
+        out.append(f"TCP congestion control: {meta['tcp_congestion_system']} (the system's, which the other "
+                   f"systems use); kvxfer's fabric connections: {meta['kvxfer_tcp_congestion']} "
+                   "(its tcp_congestion).")
     if lim_txt:
         out.append(f"Limits: {lim_txt}.")
     out.append("")
@@ -588,6 +592,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
+def _system_congestion_control() -> str:
+    """The system's TCP congestion control ("" where procfs does not say)."""
+    try:
+        return Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
+    except OSError:
+        return ""
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     try:
@@ -602,7 +614,9 @@ def main(argv: list[str] | None = None) -> int:
             "cpus": os.cpu_count(), "python": platform.python_version(), "repeats": a.repeats,
             "warmup": a.warmup, "quick": a.quick, "argv": sys.argv[1:],
             "mooncake_spec": a.mooncake_spec, "nixl_spec": a.nixl_spec,
-            "kvxfer_submit": a.kvxfer_submit, "depth": a.depth}
+            "kvxfer_submit": a.kvxfer_submit, "depth": a.depth,
+            "tcp_congestion_system": _system_congestion_control(),
+            "kvxfer_tcp_congestion": os.environ.get("KVXFER_TCP_CONGESTION", "").strip() or "cubic"}
     tasks = [(s, w) for s in a.system_list for w in a.workload_list]
     bar = tqdm(total=len(tasks) + (0 if a.no_limits else 2), unit="run", file=sys.stderr,
                disable=a.no_progress) if tqdm else None

@@ -167,6 +167,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         # Newer engines only: passed when asked for, so older builds keep working.
         **({} if args.delivery_complete == "default" else {"delivery_complete": args.delivery_complete == "on"}),
         **({} if getattr(args, "progress", "thread") == "thread" else {"progress": args.progress}),
+        **({} if getattr(args, "tcp_congestion", "default") == "default" else {"tcp_congestion": args.tcp_congestion}),
     )
 
 
@@ -191,6 +192,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, lists: bool = False) -> Non
                         "anyone; scoped: as a decoder with kv_registration=per_reservation does, the region "
                         f"registered again as {SCOPED_WINDOWS} windows with fresh keys, and each run's immediate "
                         "bound to the initiator (the data plane's security, on)" + suffix)
+    p.add_argument("--tcp-congestion", default="default",
+                   help="TCP congestion control of the engines' connections over tcp/net: default (the "
+                        "engine's own: cubic, or KVXFER_TCP_CONGESTION), system (what the system chose), or "
+                        "an algorithm's name; A/B: --tcp-congestion system,default" + suffix)
     p.add_argument("--progress", default="thread",
                    help="thread: a progress thread per engine (the default); caller: the thread that made "
                         "the engine drives it inside its own calls (no thread hand-offs; the target then "
