@@ -334,7 +334,7 @@ class EngineConfig:
     progress: str = "thread"
     # "open" or "scoped" (the target's descriptor and immediates; engine_peer_process.py).
     data_plane: str = "open"
-    # TransferEngine's tcp_congestion on both sides: "default" (the engine's own, cubic, or
+    # TransferEngine's tcp_congestion on both sides: "default" (the engine's own, cubic,reno, or
     # KVXFER_TCP_CONGESTION), "system", or an algorithm's name.
     tcp_congestion: str = "default"
 

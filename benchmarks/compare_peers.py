@@ -616,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
             "mooncake_spec": a.mooncake_spec, "nixl_spec": a.nixl_spec,
             "kvxfer_submit": a.kvxfer_submit, "depth": a.depth,
             "tcp_congestion_system": _system_congestion_control(),
-            "kvxfer_tcp_congestion": os.environ.get("KVXFER_TCP_CONGESTION", "").strip() or "cubic"}
+            "kvxfer_tcp_congestion": os.environ.get("KVXFER_TCP_CONGESTION", "").strip() or "cubic,reno"}
     tasks = [(s, w) for s in a.system_list for w in a.workload_list]
     bar = tqdm(total=len(tasks) + (0 if a.no_limits else 2), unit="run", file=sys.stderr,
                disable=a.no_progress) if tqdm else None

@@ -194,7 +194,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, lists: bool = False) -> Non
                         "bound to the initiator (the data plane's security, on)" + suffix)
     p.add_argument("--tcp-congestion", default="default",
                    help="TCP congestion control of the engines' connections over tcp/net: default (the "
-                        "engine's own: cubic, or KVXFER_TCP_CONGESTION), system (what the system chose), or "
+                        "engine's own: cubic,reno, or KVXFER_TCP_CONGESTION), system (what the system chose), or "
                         "an algorithm's name; A/B: --tcp-congestion system,default" + suffix)
     p.add_argument("--progress", default="thread",
                    help="thread: a progress thread per engine (the default); caller: the thread that made "

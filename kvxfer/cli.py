@@ -31,8 +31,9 @@ def _add_worker_flags(p: argparse.ArgumentParser, default_port: int) -> None:
                    help="copy KV process to process (process_vm_writev) with workers on this "
                         "machine instead of through the provider (default on)")
     p.add_argument("--tcp-congestion",
-                   help="TCP congestion control of the engine's fabric connections over tcp/net (default cubic: "
-                        "under BBR without fq, TCP paced them to 0.4x); \"system\" keeps the system's")
+                   help="TCP congestion control of the engine's fabric connections over tcp/net, names in order "
+                        "of preference (default cubic,reno: under BBR without fq, TCP paced them to 0.4x); "
+                        "\"system\" keeps the system's")
     p.add_argument("--num-pages", type=int, help="KV cache pages (default 4096)")
     p.add_argument("--transfer-timeout-s", type=float, help="a write not complete by then fails (default 10)")
     p.add_argument("--etcd", help="comma-separated etcd endpoints; omitted: no registry")

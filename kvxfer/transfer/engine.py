@@ -52,29 +52,36 @@ def _switch_from_env(name: str) -> bool:
     raise EngineError(f"{name}={os.environ[name]!r}: expected true/false (1/0, yes/no, on/off)")
 
 
-#: The congestion control kvxfer's fabric connections use unless told otherwise (see
-#: TransferEngine's tcp_congestion).
-DEFAULT_TCP_CONGESTION = "cubic"
+#: The congestion control kvxfer's fabric connections use unless told otherwise, in order of
+#: preference (see TransferEngine's tcp_congestion): reno where the kernel refuses cubic to
+#: an unprivileged process, whose tcp_allowed_congestion_control is by default reno and the
+#: system's default only.
+DEFAULT_TCP_CONGESTION = "cubic,reno"
 _AVAILABLE_CONGESTION = Path("/proc/sys/net/ipv4/tcp_available_congestion_control")
 
 
 def _tcp_congestion(choice: str | None) -> str:
-    """The algorithm the engine sets on its connections ("" leaves the system's): `choice`,
-    else KVXFER_TCP_CONGESTION, else DEFAULT_TCP_CONGESTION. "system" means the system's.
-    A name the kernel does not offer is an error, not a silent fallback."""
+    """The algorithms the engine tries on its connections, comma separated in order of
+    preference ("" leaves the system's): `choice`, else KVXFER_TCP_CONGESTION, else
+    DEFAULT_TCP_CONGESTION. "system" means the system's. A name the kernel does not offer is
+    an error, not a silent fallback."""
     if choice is None:
         choice = os.environ.get("KVXFER_TCP_CONGESTION", "").strip() or DEFAULT_TCP_CONGESTION
     if choice == "system":
         return ""
+    names = [name.strip() for name in choice.split(",") if name.strip()]
+    if not names:
+        raise EngineError(f'tcp_congestion {choice!r}: expected algorithm names or "system"')
     try:
         offered = _AVAILABLE_CONGESTION.read_text().split()
     except OSError:  # no procfs: the kernel's answer to setsockopt is counted instead
-        return choice
-    if choice not in offered:
-        raise EngineError(f"tcp_congestion {choice!r} is not offered by this kernel "
+        offered = names
+    unknown = [name for name in names if name not in offered]
+    if unknown:
+        raise EngineError(f"tcp_congestion {', '.join(unknown)} not offered by this kernel "
                           f"(tcp_available_congestion_control: {' '.join(offered)}); "
-                          'use one of those or "system"')
-    return choice
+                          'use those or "system"')
+    return ",".join(names)
 
 
 def available_providers() -> list[str]:
@@ -362,14 +369,16 @@ class TransferEngine:
         None (the default) reads KVXFER_SAME_HOST_IMM_RING like same_host its variable.
     tcp_congestion: the TCP congestion control of the connections a socket provider (tcp,
         net) opens for this engine's rails; other sockets of the process are left alone.
-        "cubic" by default: under BBR without the fq qdisc (common on VMs), TCP paces each
+        "cubic,reno" by default (names in order of preference: each socket gets the first
+        the kernel lets this process set; an unprivileged one may set only
+        tcp_allowed_congestion_control, by default reno and the system's default). Why
+        not the system's: under BBR without the fq qdisc (common on VMs), TCP paces each
         connection with a timer per burst, and the engine, which keeps its send queues
         full, ran at the pacing rate (net, 16 KiB pages at random indices: 1.4-1.5 GB/s
         against 3.7-4.0 GB/s under cubic; benchmarks/README.md). "system" keeps what the
-        system chose; any name from tcp_available_congestion_control is used as given.
-        None reads KVXFER_TCP_CONGESTION (unset: "cubic"). engine_stats() counts
-        tcp_congestion_set and tcp_congestion_refused (the kernel refused the name: an
-        unprivileged process may use only tcp_allowed_congestion_control).
+        system chose; names from tcp_available_congestion_control are used as given. None
+        reads KVXFER_TCP_CONGESTION (unset: "cubic,reno"). engine_stats() counts
+        tcp_congestion_set and tcp_congestion_refused (sockets the kernel let have none).
     progress: "thread" (default): a progress thread owns the provider and moves data while
         callers do other things; any thread may use the engine, asyncio included.
         "caller": no progress thread; the thread that created the engine drives progress

@@ -45,8 +45,9 @@ class WorkerSettings(BaseSettings):
         "ring instead of the fabric (11-18 us and about half the CPU less per small write); false: the fabric"
     )
     tcp_congestion: str = Field(
-        "cubic", description="TCP congestion control of the engine's fabric connections (tcp, net providers); "
-        "cubic because under BBR without fq TCP paced them to 0.4x; \"system\" keeps the system's"
+        "cubic,reno", description="TCP congestion control of the engine's fabric connections (tcp, net "
+        "providers), names in order of preference; not the system's because under BBR without fq TCP paced them "
+        "to 0.4x; \"system\" keeps the system's"
     )
     num_pages: int = 4096
     transfer_timeout_s: float = 10.0

@@ -236,7 +236,7 @@ PYBIND11_MODULE(_native, m) {
            py::arg("inbox_max_messages") = 1024, py::arg("inbox_max_bytes") = 16ull << 20,
            py::arg("populate_on_register") = true, py::arg("lock_on_register") = true,
            py::arg("huge_pages_on_register") = true, py::arg("same_host_imm_ring") = true,
-           py::arg("tcp_congestion") = "cubic")
+           py::arg("tcp_congestion") = "cubic,reno")
       .def_property_readonly("address", [](const TransferEngine& e) { return py::bytes(e.address()); })
       .def_property_readonly("provider", &TransferEngine::provider)
       .def_property_readonly("rails", &TransferEngine::rails)

@@ -65,8 +65,9 @@ struct WorkerSettings {
   bool caller_drives_progress = false;
   // TCP congestion control of the connections a socket provider (tcp, net) opens for the
   // rails (tcp_congestion.hpp: under BBR without fq, the engine's connections ran at
-  // 0.4x of cubic's speed). Empty: the system's choice.
-  std::string tcp_congestion = "cubic";
+  // 0.4x of cubic's speed): names in order of preference, the first the kernel allows
+  // wins (reno where an unprivileged process may not set cubic). Empty: the system's choice.
+  std::string tcp_congestion = "cubic,reno";
 };
 
 class ProgressWorker {

@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 
@@ -35,6 +36,16 @@ bool RailSocketAddress::matches(const sockaddr_storage& other) const {
   if (a.sin6_port != b.sin6_port) return false;
   return std::memcmp(&a.sin6_addr, &b.sin6_addr, sizeof a.sin6_addr) == 0 ||
          IN6_IS_ADDR_UNSPECIFIED(&a.sin6_addr) || IN6_IS_ADDR_UNSPECIFIED(&b.sin6_addr);
+}
+
+TcpCongestionSetter::TcpCongestionSetter(const std::string& algorithms) {
+  size_t start = 0;
+  while (start <= algorithms.size()) {
+    size_t comma = algorithms.find(',', start);
+    if (comma == std::string::npos) comma = algorithms.size();
+    if (comma > start) algorithms_.push_back(algorithms.substr(start, comma - start));
+    start = comma + 1;
+  }
 }
 
 void TcpCongestionSetter::watch_local(const std::string& raw_address, int64_t now_ns) {
@@ -71,6 +82,23 @@ void TcpCongestionSetter::look(int64_t now_ns) {
   retry_ns_ = std::min(retry_ns_ * 4, kMaxRetryNs);
 }
 
+void TcpCongestionSetter::set_preferred(int fd) {
+  char now[32] = {};
+  socklen_t now_len = sizeof now - 1;
+  const bool known = getsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, now, &now_len) == 0;
+  for (size_t i = first_allowed_; i < algorithms_.size(); ++i) {
+    const std::string& name = algorithms_[i];
+    if (known && name == now) return;  // switched already (or the system's choice is ours)
+    if (setsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, name.data(), static_cast<socklen_t>(name.size())) == 0) {
+      sockets_set_.fetch_add(1, std::memory_order_relaxed);
+      return;
+    }
+    if (errno != EPERM && errno != ENOENT) break;  // this socket's trouble, not the name's
+    first_allowed_ = i + 1;  // not for this process: the next socket starts after it
+  }
+  refused_.fetch_add(1, std::memory_order_relaxed);
+}
+
 void TcpCongestionSetter::apply(const std::vector<RailSocketAddress>& locals,
                                 const std::vector<RailSocketAddress>& peers, std::vector<bool>* found) {
   found->assign(locals.size() + peers.size(), false);
@@ -96,16 +124,7 @@ void TcpCongestionSetter::apply(const std::vector<RailSocketAddress>& locals,
       if (locals[i].matches(local)) ours = (*found)[i] = true;
     for (size_t i = 0; connected && i < peers.size(); ++i)
       if (peers[i].matches(peer)) ours = (*found)[locals.size() + i] = true;
-    if (!ours) continue;
-    char now[32] = {};
-    socklen_t now_len = sizeof now - 1;
-    if (getsockopt(static_cast<int>(fd), IPPROTO_TCP, TCP_CONGESTION, now, &now_len) == 0 && algorithm_ == now)
-      continue;
-    if (setsockopt(static_cast<int>(fd), IPPROTO_TCP, TCP_CONGESTION, algorithm_.data(),
-                   static_cast<socklen_t>(algorithm_.size())) == 0)
-      sockets_set_.fetch_add(1, std::memory_order_relaxed);
-    else
-      refused_.fetch_add(1, std::memory_order_relaxed);
+    if (ours) set_preferred(static_cast<int>(fd));
   }
   closedir(dir);
 }

@@ -45,28 +45,30 @@ class TcpCongestionSetter {
   static constexpr int64_t kFirstRetryNs = 1'000'000;
   static constexpr int64_t kMaxRetryNs = 500'000'000;
 
-  // `algorithm`: a name from /proc/sys/net/ipv4/tcp_available_congestion_control; empty
-  // leaves every socket as the system made it.
-  explicit TcpCongestionSetter(std::string algorithm) : algorithm_(std::move(algorithm)) {}
+  // `algorithms`: names from /proc/sys/net/ipv4/tcp_available_congestion_control, comma
+  // separated, in order of preference: a socket gets the first one the kernel lets this
+  // process set (an unprivileged one may set only tcp_allowed_congestion_control, which
+  // by default is reno and the system's default). Empty leaves every socket as it is.
+  explicit TcpCongestionSetter(const std::string& algorithms);
 
-  bool enabled() const { return !algorithm_.empty(); }
+  bool enabled() const { return !algorithms_.empty(); }
   // This engine's rail address: its listener (and so every connection it accepts).
   void watch_local(const std::string& raw_address, int64_t now_ns);
   // A peer rail this engine posts to: the connection the provider opens to it.
   void watch_peer(const std::string& raw_address, int64_t now_ns);
   // Worker only: looks for the watched addresses' sockets when a look is due (one branch
-  // otherwise) and sets the algorithm on every one found.
+  // otherwise) and sets an algorithm on every one found.
   void poll(int64_t now_ns) {
     if (!pending_.empty() && now_ns >= next_look_ns_) look(now_ns);
   }
 
-  // Sockets switched to the algorithm, and sockets whose switch the kernel refused (an
-  // algorithm outside tcp_allowed_congestion_control for an unprivileged process). Any
+  // Sockets switched to one of the algorithms, and sockets the kernel let have none of
+  // them (all outside tcp_allowed_congestion_control for an unprivileged process). Any
   // thread may read them.
   uint64_t sockets_set() const { return sockets_set_.load(std::memory_order_relaxed); }
   uint64_t refused() const { return refused_.load(std::memory_order_relaxed); }
 
-  // One pass over /proc/self/fd: sets the algorithm on TCP sockets whose local address
+  // One pass over /proc/self/fd: sets an algorithm on TCP sockets whose local address
   // matches one of `locals` or whose peer matches one of `peers`; marks found[i] for
   // every address (locals first, then peers) that some socket matched. Public for tests.
   void apply(const std::vector<RailSocketAddress>& locals, const std::vector<RailSocketAddress>& peers,
@@ -80,8 +82,11 @@ class TcpCongestionSetter {
   };
   void watch(const std::string& raw_address, bool local, int64_t now_ns);
   void look(int64_t now_ns);
+  // Sets the first algorithm the kernel allows on `fd` (counted), unless it has it.
+  void set_preferred(int fd);
 
-  std::string algorithm_;
+  std::vector<std::string> algorithms_;
+  size_t first_allowed_ = 0;  // algorithms before it were refused: not tried again
   std::vector<Watched> pending_;
   int64_t next_look_ns_ = 0;
   int64_t retry_ns_ = kFirstRetryNs;

@@ -103,6 +103,17 @@ TEST(TcpCongestion, AnAlgorithmTheKernelRefusesIsCountedAndNothingChanges) {
   EXPECT_EQ(congestion_of(ours.listener), before);
 }
 
+TEST(TcpCongestion, ARefusedAlgorithmGivesWayToTheNextOneForEverySocketAfter) {
+  Connection ours;
+  TcpCongestionSetter setter("no-such-cc," + another_algorithm());
+  std::vector<bool> found;
+  setter.apply({RailSocketAddress::from_raw(raw_of(ours.listener, false))}, {}, &found);
+  EXPECT_EQ(congestion_of(ours.listener), another_algorithm());
+  EXPECT_EQ(congestion_of(ours.accepted), another_algorithm());
+  EXPECT_EQ(setter.sockets_set(), 2u);
+  EXPECT_EQ(setter.refused(), 0u);
+}
+
 TEST(TcpCongestion, WatchedAddressesAreLookedForUntilFoundAndNonSocketAddressesAreIgnored) {
   Connection ours;
   TcpCongestionSetter setter(another_algorithm());

@@ -34,7 +34,8 @@ class ConnectorSettings(BaseModel):
         "KVXFER_SAME_HOST_IMM_RING, else on); False: the fabric")
     tcp_congestion: str | None = Field(
         None, description="TCP congestion control of the engine's fabric connections (tcp, net providers; "
-        "None: KVXFER_TCP_CONGESTION, else cubic, since under BBR without fq TCP paced them to 0.4x); "
+        "names in order of preference; None: KVXFER_TCP_CONGESTION, else cubic,reno, since under BBR without fq "
+        "TCP paced them to 0.4x); "
         "\"system\" keeps the system's")
     bind_host: str | None = Field(None, description="address the engine binds (default KVXFER_BIND_HOST)")
     transfer_timeout_s: float = Field(10.0, gt=0, description="a posted write not complete by then fails")
