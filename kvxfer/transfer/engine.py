@@ -372,7 +372,7 @@ class TransferEngine:
         "cubic,reno" by default (names in order of preference: each socket gets the first
         the kernel lets this process set; an unprivileged one may set only
         tcp_allowed_congestion_control, by default reno and the system's default). Why
-        not the system's: under BBR without the fq qdisc (common on VMs), TCP paces each
+        not the system's: under BBR without the fq qdisc (this machine's set-up), TCP paces each
         connection with a timer per burst, and the engine, which keeps its send queues
         full, ran at the pacing rate (net, 16 KiB pages at random indices: 1.4-1.5 GB/s
         against 3.7-4.0 GB/s under cubic; benchmarks/README.md). "system" keeps what the

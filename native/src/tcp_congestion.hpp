@@ -3,7 +3,7 @@
 // the progress worker finds them among this process's descriptors by address and sets
 // TCP_CONGESTION on them.
 //
-// Why: under BBR without the fq qdisc (a common VM set-up, this machine's), TCP paces
+// Why: under BBR without the fq qdisc (this machine's set-up), TCP paces
 // every connection itself with a high-resolution timer per burst. The engine keeps its
 // sockets' send queues full, so its connections ran at the pacing rate: net, 16 KiB pages
 // at random indices, 1.4-1.5 GB/s, with 43% of the sending thread in the pacing timer's
