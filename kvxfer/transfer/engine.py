@@ -63,8 +63,9 @@ _AVAILABLE_CONGESTION = Path("/proc/sys/net/ipv4/tcp_available_congestion_contro
 def _tcp_congestion(choice: str | None) -> str:
     """The algorithms the engine tries on its connections, comma separated in order of
     preference ("" leaves the system's): `choice`, else KVXFER_TCP_CONGESTION, else
-    DEFAULT_TCP_CONGESTION. "system" means the system's. A name the kernel does not offer is
-    an error, not a silent fallback."""
+    DEFAULT_TCP_CONGESTION. "system" means the system's. A name someone chose that the kernel
+    does not offer is an error, not a silent fallback; the default keeps what is offered (a
+    kernel built without cubic must not stop every engine from starting)."""
     if choice is None:
         choice = os.environ.get("KVXFER_TCP_CONGESTION", "").strip() or DEFAULT_TCP_CONGESTION
     if choice == "system":
@@ -76,6 +77,8 @@ def _tcp_congestion(choice: str | None) -> str:
         offered = _AVAILABLE_CONGESTION.read_text().split()
     except OSError:  # no procfs: the kernel's answer to setsockopt is counted instead
         offered = names
+    if choice == DEFAULT_TCP_CONGESTION:
+        return ",".join(name for name in names if name in offered)
     unknown = [name for name in names if name not in offered]
     if unknown:
         raise EngineError(f"tcp_congestion {', '.join(unknown)} not offered by this kernel "

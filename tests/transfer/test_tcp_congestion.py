@@ -17,6 +17,7 @@ from support.engine_pairs import KIB, LOOPBACK, SPARE_BYTES, WAIT_S, PeerProcess
 from support.waiting import wait_until
 
 from kvxfer.errors import EngineError
+from kvxfer.transfer import engine as engine_module
 from kvxfer.transfer.engine import DEFAULT_TCP_CONGESTION, TransferEngine, _tcp_congestion, available_providers
 
 SOCKET_PROVIDERS = [p for p in ("net", "tcp") if p in available_providers()]
@@ -111,13 +112,28 @@ def test_system_leaves_the_engines_connections_as_the_system_made_them(
         peer.close()
 
 
+def _offering(tmp_path: Path, names: str) -> Path:
+    """A stand-in for tcp_available_congestion_control that offers `names`."""
+    path = tmp_path / "tcp_available_congestion_control"
+    path.write_text(names + "\n")
+    return path
+
+
 def test_the_default_prefers_cubic_to_reno_and_a_name_the_kernel_does_not_offer_is_a_clear_error(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.delenv("KVXFER_TCP_CONGESTION", raising=False)
-    assert _tcp_congestion(None) == DEFAULT_TCP_CONGESTION == "cubic,reno"
+    assert DEFAULT_TCP_CONGESTION == "cubic,reno"
     assert _tcp_congestion("system") == ""
+    monkeypatch.setattr(engine_module, "_AVAILABLE_CONGESTION", _offering(tmp_path, "reno cubic bbr"))
+    assert _tcp_congestion(None) == "cubic,reno"
     assert _tcp_congestion(" reno , cubic ") == "reno,cubic"
+    # The default keeps what the kernel offers instead of failing every engine.
+    monkeypatch.setattr(engine_module, "_AVAILABLE_CONGESTION", _offering(tmp_path, "reno bbr"))
+    assert _tcp_congestion(None) == "reno"
+    with pytest.raises(EngineError, match="cubic"):  # chosen by someone: an error
+        _tcp_congestion("cubic")
+    monkeypatch.undo()
     with pytest.raises(EngineError, match=re.escape(SYSTEM_DEFAULT)):  # the error lists what is offered
         TransferEngine(SOCKET_PROVIDERS[0] if SOCKET_PROVIDERS else "auto", tcp_congestion="no-such-cc")
     monkeypatch.setenv("KVXFER_TCP_CONGESTION", "no-such-cc")
