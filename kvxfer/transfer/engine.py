@@ -67,7 +67,10 @@ def _tcp_congestion(choice: str | None) -> str:
     does not offer is an error, not a silent fallback; the default keeps what is offered (a
     kernel built without cubic must not stop every engine from starting)."""
     if choice is None:
-        choice = os.environ.get("KVXFER_TCP_CONGESTION", "").strip() or DEFAULT_TCP_CONGESTION
+        choice = os.environ.get("KVXFER_TCP_CONGESTION", "").strip() or None
+    chosen = choice is not None
+    if choice is None:
+        choice = DEFAULT_TCP_CONGESTION
     if choice == "system":
         return ""
     names = [name.strip() for name in choice.split(",") if name.strip()]
@@ -77,7 +80,7 @@ def _tcp_congestion(choice: str | None) -> str:
         offered = _AVAILABLE_CONGESTION.read_text().split()
     except OSError:  # no procfs: the kernel's answer to setsockopt is counted instead
         offered = names
-    if choice == DEFAULT_TCP_CONGESTION:
+    if not chosen:
         return ",".join(name for name in names if name in offered)
     unknown = [name for name in names if name not in offered]
     if unknown:

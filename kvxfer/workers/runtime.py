@@ -44,10 +44,10 @@ class WorkerSettings(BaseSettings):
         True, description="with same_host, send each write's immediate through the decode worker's shared-memory "
         "ring instead of the fabric (11-18 us and about half the CPU less per small write); false: the fabric"
     )
-    tcp_congestion: str = Field(
-        "cubic,reno", description="TCP congestion control of the engine's fabric connections (tcp, net "
-        "providers), names in order of preference; not the system's because under BBR without fq TCP paced them "
-        "to 0.4x; \"system\" keeps the system's"
+    tcp_congestion: str | None = Field(
+        None, description="TCP congestion control of the engine's fabric connections (tcp, net providers), "
+        "names in order of preference; unset: the engine's default, cubic,reno (not the system's because under "
+        "BBR without fq TCP paced them to 0.4x); \"system\" keeps the system's"
     )
     num_pages: int = 4096
     transfer_timeout_s: float = 10.0

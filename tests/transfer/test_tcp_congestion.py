@@ -133,6 +133,8 @@ def test_the_default_prefers_cubic_to_reno_and_a_name_the_kernel_does_not_offer_
     assert _tcp_congestion(None) == "reno"
     with pytest.raises(EngineError, match="cubic"):  # chosen by someone: an error
         _tcp_congestion("cubic")
+    with pytest.raises(EngineError, match="cubic"):  # the default's names, chosen by someone
+        _tcp_congestion(DEFAULT_TCP_CONGESTION)
     monkeypatch.undo()
     with pytest.raises(EngineError, match=re.escape(SYSTEM_DEFAULT)):  # the error lists what is offered
         TransferEngine(SOCKET_PROVIDERS[0] if SOCKET_PROVIDERS else "auto", tcp_congestion="no-such-cc")
