@@ -257,6 +257,7 @@ PYBIND11_MODULE(_native, m) {
         d["tx_size"] = c.tx_size;
         d["rx_size"] = c.rx_size;
         d["wait_fd"] = c.has_wait_fd;
+        d["sleeps_on"] = c.sleeps_on;
         d["source"] = c.source;
         return d;
       })
@@ -456,6 +457,7 @@ PYBIND11_MODULE(_native, m) {
             d["imm_ring_sent"] = s.imm_ring_sent.load();
             d["imm_ring_received"] = s.imm_ring_received.load();
             d["imm_ring_fallbacks"] = s.imm_ring_fallbacks.load();
+            d["worker_wakeups"] = s.worker_wakeups.load();
             d["tcp_congestion_set"] = e.worker().tcp_congestion().sockets_set();
             d["tcp_congestion_refused"] = e.worker().tcp_congestion().refused();
             d["lock_refused"] = e.lock_refused();

@@ -25,6 +25,9 @@ struct EngineStats {
   // Immediates through same-host immediate rings: sent by this engine, received by it, and
   // sent over the fabric instead because a peer's lane was full or its engine closed.
   std::atomic<uint64_t> imm_ring_sent{0}, imm_ring_received{0}, imm_ring_fallbacks{0};
+  // Times the progress worker came out of a sleep (an fd woke it or its timeout ran out):
+  // what an idle engine costs, in wake-ups. Written by the worker only.
+  std::atomic<uint64_t> worker_wakeups{0};
 };
 
 class ControlInbox {

@@ -9,6 +9,8 @@
 #include <cstring>
 #include <set>
 
+#include "provider_poll_set.hpp"
+
 namespace kvxfer {
 
 FabricError::FabricError(const std::string& what, int fi_errno)
@@ -177,6 +179,8 @@ void FabricRail::open(const std::string& provider, const std::string& bind_host,
   check(fi_ep_bind(ep_, &av_->fid, 0), "fi_ep_bind(av)");
   check(fi_ep_bind(ep_, &cq_->fid, FI_TRANSMIT | FI_RECV), "fi_ep_bind(cq)");
   check(fi_enable(ep_), "fi_enable");
+  // After fi_enable: the endpoint's sockets and poll set exist by then.
+  if (wait_fd_ >= 0) sleep_fd_ = provider_poll_set_fd(wait_fd_, &caps_.sleeps_on);
 
   char name[1024];
   size_t len = sizeof name;

@@ -37,6 +37,9 @@ struct RailCapabilities {
   size_t rx_size = 0;
   size_t inject_size = 0;
   bool has_wait_fd = false;
+  // What the worker blocks on for this rail (provider_poll_set.hpp): "provider poll set
+  // ...", "cq wait fd ..." or "none" (no wait fd: the worker polls with short sleeps).
+  std::string sleeps_on = "none";
   bool source = false;         // FI_SOURCE: completions can name their sender (fi_cq_readfrom)
 };
 
@@ -79,6 +82,9 @@ class FabricRail {
   bool read_error(struct fi_cq_err_entry* entry, std::string* message);
 
   int wait_fd() const { return wait_fd_; }
+  // The fd the progress worker blocks on: wait_fd() or the provider's poll set inside it
+  // (provider_poll_set.hpp); -1 without a wait fd.
+  int sleep_fd() const { return sleep_fd_; }
   // True when it is safe to block on wait_fd() (nothing left to progress).
   bool try_wait();
 
@@ -97,6 +103,7 @@ class FabricRail {
   struct fid_ep* ep_ = nullptr;
   std::string address_;
   int wait_fd_ = -1;
+  int sleep_fd_ = -1;
   std::vector<fi_addr_t> sources_;  // filled by fi_cq_readfrom, one per entry read
 };
 

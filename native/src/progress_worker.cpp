@@ -48,7 +48,7 @@ ProgressWorker::ProgressWorker(RailGroup& rails, WorkerSettings settings, ImmRin
     epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, ev.data.fd, &ev);
   }
   for (size_t r = 0; r < rails_.size(); ++r) {
-    int fd = rails_.rail(r).wait_fd();
+    int fd = rails_.rail(r).sleep_fd();  // the CQ's wait fd, or the provider's poll set in it
     if (fd < 0) {
       all_rails_have_wait_fd_ = false;
       continue;
@@ -481,6 +481,34 @@ void ProgressWorker::on_expired(WorkBatch* batch) {
   for (auto& op : batch->ops) release_slot(&op);
 }
 
+int ProgressWorker::wait_for_fds(int64_t timeout_ns) {
+  struct epoll_event evs[8];
+  struct timespec timeout = {static_cast<time_t>(timeout_ns / 1'000'000'000), static_cast<long>(timeout_ns % 1'000'000'000)};
+  int n = epoll_pwait2(epoll_fd_, evs, 8, &timeout, nullptr);
+  if (n < 0 && errno == ENOSYS) {
+    // Kernels before 5.11 have no epoll_pwait2: milliseconds, rounded up, or a plain pause.
+    const int timeout_ms = static_cast<int>((timeout_ns + 999'999) / 1'000'000);
+    if (timeout_ns >= 1'000'000) {
+      n = epoll_wait(epoll_fd_, evs, 8, timeout_ms);
+    } else {
+      usleep(static_cast<useconds_t>(timeout_ns / 1000));
+      n = 0;
+    }
+  }
+  engine_stats_.worker_wakeups.fetch_add(1, std::memory_order_relaxed);
+  woken_by_submitter_ = false;
+  for (int i = 0; i < n; ++i) {
+    const int fd = evs[i].data.fd;
+    if (fd == wake_fd_ || (imm_ring_ && fd == imm_ring_->event_fd())) {
+      uint64_t v;
+      ssize_t ignored = read(fd, &v, sizeof v);
+      (void)ignored;
+      woken_by_submitter_ = true;  // real work: no nap
+    }
+  }
+  return n;
+}
+
 void ProgressWorker::sleep_until_work(int64_t wake_by_ns) {
   sleeping_.store(1, std::memory_order_seq_cst);
   sleep_policy::Idle idle;
@@ -492,6 +520,8 @@ void ProgressWorker::sleep_until_work(int64_t wake_by_ns) {
   idle.last_activity_ns = last_activity_ns_;
   idle.last_ring_arrival_ns = last_ring_arrival_ns_;
   idle.wake_by_ns = wake_by_ns;
+  idle.ops_in_flight = ops_in_flight();
+  idle.last_long_gap_ns = last_long_gap_ns_;
   int timeout_ms = sleep_policy::block_timeout_ms(idle);
   const bool only_look = timeout_ms == 0;  // the policy's word, not a CQ with entries to read
   if (imm_ring_) {
@@ -503,30 +533,24 @@ void ProgressWorker::sleep_until_work(int64_t wake_by_ns) {
     if (all_rails_have_wait_fd_) {
       for (size_t r = 0; r < rails_.size(); ++r)
         if (!rails_.rail(r).try_wait()) timeout_ms = 0;
-    } else {
-      timeout_ms = 0;  // no CQ fd: fall back to a short sleep below
-    }
-    if (timeout_ms > 0) {
-      struct epoll_event evs[8];
-      int n = epoll_wait(epoll_fd_, evs, 8, timeout_ms);
-      bool woken_by_submitter = false;
-      for (int i = 0; i < n; ++i) {
-        const int fd = evs[i].data.fd;
-        if (fd == wake_fd_ || (imm_ring_ && fd == imm_ring_->event_fd())) {
-          uint64_t v;
-          ssize_t ignored = read(fd, &v, sizeof v);
-          (void)ignored;
-          woken_by_submitter = true;  // real work: no nap
+      if (timeout_ms > 0) {
+        // The last fd wake-up was spurious if no round has done anything since.
+        const bool last_wake_was_spurious = last_fd_wake_ns_ > last_activity_ns_;
+        int n = wait_for_fds(timeout_ms * 1'000'000LL);
+        if (n > 0 && !woken_by_submitter_) {
+          const int64_t now = monotonic_ns();
+          last_fd_wake_ns_ = now;
+          useconds_t nap = sleep_policy::nap_after_wake_us(now, last_activity_ns_, ops_in_flight(), last_wake_was_spurious);
+          if (nap > 0) usleep(nap);
         }
+      } else if (only_look) {
+        sched_yield();  // a thread waiting for this core gets it first
       }
-      if (n > 0 && !woken_by_submitter) {
-        useconds_t nap = sleep_policy::nap_after_wake_us(monotonic_ns(), last_activity_ns_, ops_in_flight());
-        if (nap > 0) usleep(nap);
-      }
-    } else if (!all_rails_have_wait_fd_) {
-      usleep(20);
-    } else if (only_look) {
-      sched_yield();  // a thread waiting for this core gets it first
+    } else {
+      // A rail the fds cannot speak for (shm): look at it again after a pause, which
+      // submitters and same-host immediates still cut short through the fds.
+      useconds_t pause = sleep_policy::pause_without_wait_fd_us(monotonic_ns(), last_activity_ns_, timeout_ms);
+      wait_for_fds(static_cast<int64_t>(pause) * 1000);
     }
   }
   if (imm_ring_) imm_ring_->set_sleeping(false);
@@ -562,6 +586,9 @@ void ProgressWorker::fail_everything(const std::string& why) {
 }
 
 bool ProgressWorker::run_round() {
+  // Whether this round may end a wait for new work (nothing of ours in flight), rather
+  // than a wait for our own ops' completions.
+  const bool awaiting_new_work = ops_in_flight() == 0;
   bool did = drain_submissions();
   recv_slots_.retry_refused();
   for (size_t r = 0; r < rails_.size(); ++r) {
@@ -575,7 +602,14 @@ bool ProgressWorker::run_round() {
   int64_t now = monotonic_ns();
   deadlines_.expire_due(now, [this](WorkBatch* batch) { on_expired(batch); });
   tcp_congestion_.poll(now);
-  if (did) last_activity_ns_ = now;
+  if (did) {
+    // An idle spell past the spin, spent waiting for new work, tells how far apart this
+    // conversation's requests come (sleep_policy::Idle::last_long_gap_ns); the short ones
+    // inside a burst, and the waits for our own completions, do not.
+    if (awaiting_new_work && now - last_activity_ns_ > settings_.idle_spin_ns)
+      last_long_gap_ns_ = now - last_activity_ns_;
+    last_activity_ns_ = now;
+  }
   return did;
 }
 

@@ -41,8 +41,10 @@ struct WorkerSettings {
   // Ops in flight per rail: deep enough to keep a TCP stream busy with 16 KiB pages,
   // shallow enough to stay far below the provider's queue and CQ sizes.
   size_t max_inflight_per_rail = 256;
-  // How long an idle worker keeps polling before it sleeps on the CQ fd. Short, because
-  // this machine class has 2 cores shared by both peers and the Python threads.
+  // How long an idle worker with ops in flight keeps polling before it blocks on its fds
+  // (their completions wake it). Short, because this machine class has 2 cores shared by
+  // both peers and the Python threads. With nothing in flight it looks until the engine
+  // went quiet (sleep_policy::block_timeout_ms).
   int64_t idle_spin_ns = 30'000;
   // A transfer that has not completed by then fails with a timeout (dead or stuck peer).
   int64_t transfer_timeout_ns = 30'000'000'000LL;
@@ -145,6 +147,10 @@ class ProgressWorker {
   // What a round that did nothing is followed by: a yield, or a sleep of at most until
   // wake_by_ns once the idle spell is older than idle_spin_ns.
   void idle(int64_t idle_since, int64_t wake_by_ns);
+  // Blocks on the worker's fds (submitters, the same-host ring, the rails' sleep fds) for at
+  // most timeout_ns; returns how many were ready and sets woken_by_submitter_ when the
+  // wake fd or the ring's was one of them (draining it). Counts a worker wake-up.
+  int wait_for_fds(int64_t timeout_ns);
   // Pushes one batch, backing off while the queue is full (thread-driven progress).
   void push_submission(WorkBatch* raw);
   void wake_if_sleeping();
@@ -198,7 +204,10 @@ class ProgressWorker {
   int wake_fd_ = -1;   // eventfd: submitters wake the sleeping worker
   int epoll_fd_ = -1;
   bool all_rails_have_wait_fd_ = true;
+  bool woken_by_submitter_ = false;  // the last wait_for_fds: a submitter or the ring woke us
+  int64_t last_fd_wake_ns_ = 0;      // the last time a rail's fd (not a submitter) woke us
   int64_t last_activity_ns_ = 0;  // worker only: last round that did something
+  int64_t last_long_gap_ns_ = 0;  // worker only: see sleep_policy::Idle::last_long_gap_ns
   int64_t last_ring_arrival_ns_ = 0;  // worker only: last round that drained the immediate ring
   std::thread::id owner_;  // the thread that may drive progress when the caller drives it
   std::thread thread_;
