@@ -68,12 +68,13 @@ inline bool quiet(int64_t now_ns, int64_t last_activity_ns) { return now_ns - la
 // reach a blocked worker only through an eventfd write and its thread's wake-up: 30-50 us
 // on this VM, as long as the copy of a 1 MiB write. A streaming peer's next immediate is
 // likely that close, so until the ring went quiet the worker only looks (0; the worker
-// yields meanwhile), even with ops in flight. Measured,
-// 4 KiB writes 1 ms apart: looking 2 ms, 32-35 us and 1.2 ms CPU per write; 200 us,
-// 102-112 us and 0.36 ms; not at all, 113-129 us and 0.22 ms (benchmarks/README.md).
+// yields meanwhile), even with ops in flight, unless arrivals have been coming further
+// apart than that (see below). Measured, 4 KiB writes 1 ms apart: looking 2 ms, 32-35 us
+// and 1.2 ms CPU per write; 200 us, 102-112 us and 0.36 ms; not at all, 113-129 us and
+// 0.22 ms (benchmarks/README.md).
 inline int block_timeout_ms(const Idle& s) {
   if (s.work_waiting) return -1;
-  if (!quiet(s.now_ns, s.last_ring_arrival_ns)) return 0;
+  if (!quiet(s.now_ns, s.last_ring_arrival_ns) && s.last_long_gap_ns <= kQuietNs) return 0;
   if (s.ops_queued && !quiet(s.now_ns, s.last_activity_ns)) return -1;
   // Nothing in flight shortly after the last completion, arrival or submission, while the
   // requests of this conversation have been coming less than kQuietNs apart (the next

@@ -93,7 +93,9 @@ TEST(SleepPolicy, RequestsComingFurtherApartThanTheQuietSpellAreNotLookedFor) {
   EXPECT_EQ(block_timeout_ms(s), 0);
   s.last_long_gap_ns = 5 * kMs;  // 5 ms apart: looking 2 ms would find nothing
   EXPECT_EQ(block_timeout_ms(s), kIdleSleepMs);
-  s.last_ring_arrival_ns = 99 * kMs;  // a same-host ring still streaming is looked for
+  s.last_ring_arrival_ns = 99 * kMs;  // the same for a same-host ring's arrivals
+  EXPECT_EQ(block_timeout_ms(s), kIdleSleepMs);
+  s.last_long_gap_ns = 1 * kMs;
   EXPECT_EQ(block_timeout_ms(s), 0);
 }
 
