@@ -24,11 +24,11 @@ constexpr int64_t kQuietNs = 2'000'000;
 constexpr useconds_t kQuietSleepMinUs = 100;
 constexpr useconds_t kQuietSleepMaxUs = 1000;
 // With at least this many ops in flight, a worker whose fds woke it for nothing (twice in a
-// row: nap_after_wake_us) naps
-// kBusyNapUs instead of polling again at once. The pipeline holds milliseconds of work then
-// (64 ops of >= 1 KiB, acknowledged in batches), so the nap costs no throughput, while the
-// spin it replaces (two epoll_waits a turn, 86 per 16 KiB op with 4 KiB pages over net) took
-// the core the target needs on a 2-core machine. A single write in flight is never delayed.
+// row: nap_after_wake_us) naps kBusyNapUs instead of polling again at once. The pipeline
+// holds milliseconds of work then (64 ops of >= 1 KiB, acknowledged in batches), so the nap
+// costs no throughput, while the spin it replaces (two epoll_waits a turn, 86 per 16 KiB
+// op with 4 KiB pages over net) took the core the target needs on a 2-core machine. A
+// single write in flight is never delayed.
 constexpr size_t kBusyNapMinInflight = 64;
 constexpr useconds_t kBusyNapUs = 20;
 // How soon a quiet worker with ops still queued retries posting them when no fd wakes it.
