@@ -483,10 +483,17 @@ void ProgressWorker::on_expired(WorkBatch* batch) {
 
 int ProgressWorker::wait_for_fds(int64_t timeout_ns) {
   struct epoll_event evs[8];
-  struct timespec timeout = {static_cast<time_t>(timeout_ns / 1'000'000'000), static_cast<long>(timeout_ns % 1'000'000'000)};
-  int n = epoll_pwait2(epoll_fd_, evs, 8, &timeout, nullptr);
-  if (n < 0 && errno == ENOSYS) {
-    // Kernels before 5.11 have no epoll_pwait2: milliseconds, rounded up, or a plain pause.
+  int n = -1;
+  if (!epoll_pwait2_refused_) {
+    struct timespec timeout = {static_cast<time_t>(timeout_ns / 1'000'000'000),
+                               static_cast<long>(timeout_ns % 1'000'000'000)};
+    n = epoll_pwait2(epoll_fd_, evs, 8, &timeout, nullptr);
+    // Kernels before 5.11 have none (ENOSYS); container seccomp profiles older than it refuse
+    // it (EPERM). Either way, for good: a failing call per sleep would spin the worker.
+    if (n < 0 && (errno == ENOSYS || errno == EPERM)) epoll_pwait2_refused_ = true;
+  }
+  if (epoll_pwait2_refused_) {
+    // Milliseconds, rounded up, or a plain pause below one.
     const int timeout_ms = static_cast<int>((timeout_ns + 999'999) / 1'000'000);
     if (timeout_ns >= 1'000'000) {
       n = epoll_wait(epoll_fd_, evs, 8, timeout_ms);

@@ -206,6 +206,7 @@ class ProgressWorker {
   bool all_rails_have_wait_fd_ = true;
   bool woken_by_submitter_ = false;  // the last wait_for_fds: a submitter or the ring woke us
   int64_t last_fd_wake_ns_ = 0;      // the last time a rail's fd (not a submitter) woke us
+  bool epoll_pwait2_refused_ = false;  // the kernel or a seccomp profile refused epoll_pwait2
   int64_t last_activity_ns_ = 0;  // worker only: last round that did something
   int64_t last_long_gap_ns_ = 0;  // worker only: see sleep_policy::Idle::last_long_gap_ns
   int64_t last_ring_arrival_ns_ = 0;  // worker only: last round that drained the immediate ring
