@@ -206,7 +206,7 @@ PYBIND11_MODULE(_native, m) {
                        bool caller_drives_progress, size_t imm_table_capacity,
                        size_t inbox_max_messages, uint64_t inbox_max_bytes,
                        bool populate_on_register, bool lock_on_register, bool huge_pages_on_register,
-                       bool same_host_imm_ring, const std::string& tcp_congestion) {
+                       bool same_host_imm_ring, const std::string& tcp_congestion, bool cork_sends) {
              EngineSettings s;
              s.provider = provider;
              s.rails = rails;
@@ -226,6 +226,7 @@ PYBIND11_MODULE(_native, m) {
              s.huge_pages_on_register = huge_pages_on_register;
              s.same_host_imm_ring = same_host_imm_ring;
              s.worker.tcp_congestion = tcp_congestion;
+             s.worker.cork_sends = cork_sends;
              GilRelease release;
              return std::make_shared<TransferEngine>(s);
            }),
@@ -236,7 +237,7 @@ PYBIND11_MODULE(_native, m) {
            py::arg("inbox_max_messages") = 1024, py::arg("inbox_max_bytes") = 16ull << 20,
            py::arg("populate_on_register") = true, py::arg("lock_on_register") = true,
            py::arg("huge_pages_on_register") = true, py::arg("same_host_imm_ring") = true,
-           py::arg("tcp_congestion") = "cubic,reno")
+           py::arg("tcp_congestion") = "cubic,reno", py::arg("cork_sends") = true)
       .def_property_readonly("address", [](const TransferEngine& e) { return py::bytes(e.address()); })
       .def_property_readonly("provider", &TransferEngine::provider)
       .def_property_readonly("rails", &TransferEngine::rails)
@@ -460,6 +461,7 @@ PYBIND11_MODULE(_native, m) {
             d["worker_wakeups"] = s.worker_wakeups.load();
             d["tcp_congestion_set"] = e.worker().tcp_congestion().sockets_set();
             d["tcp_congestion_refused"] = e.worker().tcp_congestion().refused();
+            d["corked_sockets"] = e.worker().send_corker().sockets();
             d["lock_refused"] = e.lock_refused();
             // Process-wide (mlock is per process): every engine's locked registrations.
             d["locked_bytes"] = PageLocks::process().locked_bytes();

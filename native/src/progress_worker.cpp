@@ -35,7 +35,9 @@ ProgressWorker::ProgressWorker(RailGroup& rails, WorkerSettings settings, ImmRin
       deadlines_(settings.transfer_timeout_ns, kDeadlineCheckNs),
       recv_slots_(rails, settings.recv_slots_per_rail, settings.recv_slot_bytes),
       imm_ring_(imm_ring),
-      tcp_congestion_(settings.tcp_congestion) {
+      tcp_congestion_(settings.tcp_congestion),
+      send_corker_(settings.cork_sends),
+      last_burst_ns_(rails.size(), INT64_MIN / 2) {
   wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   epoll_fd_ = epoll_create1(EPOLL_CLOEXEC);
   if (wake_fd_ < 0 || epoll_fd_ < 0) throw EngineError("eventfd/epoll failed");
@@ -58,7 +60,10 @@ ProgressWorker::ProgressWorker(RailGroup& rails, WorkerSettings settings, ImmRin
   }
   for (size_t r = 0; r < rails_.size(); ++r) stats_.push_back(std::make_unique<RailStats>());
   // Before anyone can know our address: connections the listeners accept inherit it.
-  for (size_t r = 0; r < rails_.size(); ++r) tcp_congestion_.watch_local(rails_.rail(r).address(), monotonic_ns());
+  for (size_t r = 0; r < rails_.size(); ++r) {
+    tcp_congestion_.watch_local(rails_.rail(r).address(), monotonic_ns());
+    send_corker_.add_local(rails_.rail(r).address());
+  }
   tcp_congestion_.poll(monotonic_ns());
   owner_ = std::this_thread::get_id();
   if (!settings_.caller_drives_progress) thread_ = std::thread([this] { loop(); });
@@ -175,6 +180,7 @@ std::vector<fi_addr_t>& ProgressWorker::peer_addresses(const EngineAddress& peer
     const std::string& raw = peer.rail_addresses[r % peer.rail_addresses.size()];
     addrs.push_back(rails_.rail(r).insert_peer(raw));
     tcp_congestion_.watch_peer(raw, monotonic_ns());  // its connection opens with the first op
+    send_corker_.add_peer(raw);
   }
   return peers_.emplace(peer.engine_id, std::move(addrs)).first->second;
 }
@@ -408,6 +414,7 @@ ssize_t post_op(FabricRail& rail, RailOp* op) {
 bool ProgressWorker::post_pending(size_t r) {
   auto& rail = rails_.rail(r);
   auto& st = *stats_[r];
+  CorkedBurst burst(send_corker_, post_queues_[r].queued() >= 2);  // the ops leave together
   return post_queues_[r].post_ready(
       [&](RailOp* op) {
         ssize_t rc = post_op(rail, op);
@@ -425,6 +432,20 @@ bool ProgressWorker::poll_rail(size_t r) {
   auto& rail = rails_.rail(r);
   struct fi_cq_data_entry entries[kCqBatch];
   bool did = false;
+  // The acknowledgements the provider sends while it makes progress here leave together
+  // while writes arrive in bursts (a poll read two or more completions within the last
+  // kCorkPollsAfterBurstNs); a lone write's acknowledgement pays no setsockopt.
+  const int64_t now = send_corker_.idle() ? 0 : monotonic_ns();
+  CorkedBurst burst(send_corker_, now - last_burst_ns_[r] < kCorkPollsAfterBurstNs);
+  size_t entries_read = 0;
+  struct Remember {
+    int64_t& burst_ns;
+    const size_t& read;
+    int64_t now;
+    ~Remember() {
+      if (read >= 2) burst_ns = now;
+    }
+  } remember{last_burst_ns_[r], entries_read, now};
   for (;;) {
     ssize_t n = rail.read_completions(entries, kCqBatch);
     if (n == -FI_EAVAIL) {
@@ -445,6 +466,7 @@ bool ProgressWorker::poll_rail(size_t r) {
     }
     if (n <= 0) break;
     did = true;
+    entries_read += static_cast<size_t>(n);
     for (ssize_t i = 0; i < n; ++i) {
       auto& e = entries[i];
       if (e.flags & (FI_RECV | FI_REMOTE_WRITE)) {
@@ -610,6 +632,7 @@ bool ProgressWorker::run_round() {
   deadlines_.expire_due(now, [this](WorkBatch* batch) { on_expired(batch); });
   tcp_congestion_.poll(now);
   if (did) {
+    send_corker_.maybe_rescan(now);  // connections opened or closed since the last look
     // An idle spell past the spin, spent waiting for new work, tells how far apart this
     // conversation's requests come (sleep_policy::Idle::last_long_gap_ns); the short ones
     // inside a burst, and the waits for our own completions, do not.

@@ -32,6 +32,7 @@
 #include "rail_post_queue.hpp"
 #include "rail_stats.hpp"
 #include "same_host_copy_executor.hpp"
+#include "send_corking.hpp"
 #include "tcp_congestion.hpp"
 #include "worker_events.hpp"
 
@@ -70,6 +71,9 @@ struct WorkerSettings {
   // 0.4x of cubic's speed): names in order of preference, the first the kernel allows
   // wins (reno where an unprivileged process may not set cubic). Empty: the system's choice.
   std::string tcp_congestion = "cubic,reno";
+  // TCP_CORK on the rails' connections around each burst of sends (send_corking.hpp): a
+  // stream of 4 KiB writes took 2.1 TCP segments per write uncorked, 0.32 corked.
+  bool cork_sends = true;
 };
 
 class ProgressWorker {
@@ -123,6 +127,8 @@ class ProgressWorker {
   const RailStats& same_host_stats() const { return copies_.stats(); }
   // Sockets of the rails' connections switched to settings.tcp_congestion, and refused.
   const TcpCongestionSetter& tcp_congestion() const { return tcp_congestion_; }
+  // The connections corked around bursts of sends (found at the last look).
+  const SendCorker& send_corker() const { return send_corker_; }
   // Copies all of a same-host write on the calling thread. Safe from any thread: it
   // touches only the copy and atomic counters. Returns "" or why it failed.
   std::string copy_inline(SameHostCopy& copy) { return copies_.copy_inline(copy); }
@@ -198,6 +204,11 @@ class ProgressWorker {
   ControlRecvSlots recv_slots_;  // posted at construction, read once the worker runs
   ImmRingBoard* imm_ring_;        // not owned; null without the same-host path
   TcpCongestionSetter tcp_congestion_;
+  SendCorker send_corker_;
+  // Per rail: when a poll last read two or more completions (a burst arriving). Polls are
+  // corked for kCorkPollsAfterBurstNs after it.
+  static constexpr int64_t kCorkPollsAfterBurstNs = 2'000'000;
+  std::vector<int64_t> last_burst_ns_;
 
   std::atomic<uint32_t> sleeping_{0};
   std::atomic<bool> stopping_{false};

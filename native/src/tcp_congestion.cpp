@@ -99,9 +99,8 @@ void TcpCongestionSetter::set_preferred(int fd) {
   refused_.fetch_add(1, std::memory_order_relaxed);
 }
 
-void TcpCongestionSetter::apply(const std::vector<RailSocketAddress>& locals,
-                                const std::vector<RailSocketAddress>& peers, std::vector<bool>* found) {
-  found->assign(locals.size() + peers.size(), false);
+void for_each_tcp_socket(const std::function<void(int fd, const sockaddr_storage& local,
+                                                 const sockaddr_storage* peer)>& visit) {
   DIR* dir = opendir("/proc/self/fd");
   if (!dir) return;
   const int dir_fd = dirfd(dir);
@@ -119,14 +118,22 @@ void TcpCongestionSetter::apply(const std::vector<RailSocketAddress>& locals,
     socklen_t local_len = sizeof local, peer_len = sizeof peer;
     if (getsockname(static_cast<int>(fd), reinterpret_cast<sockaddr*>(&local), &local_len) != 0) continue;
     const bool connected = getpeername(static_cast<int>(fd), reinterpret_cast<sockaddr*>(&peer), &peer_len) == 0;
+    visit(static_cast<int>(fd), local, connected ? &peer : nullptr);
+  }
+  closedir(dir);
+}
+
+void TcpCongestionSetter::apply(const std::vector<RailSocketAddress>& locals,
+                                const std::vector<RailSocketAddress>& peers, std::vector<bool>* found) {
+  found->assign(locals.size() + peers.size(), false);
+  for_each_tcp_socket([&](int fd, const sockaddr_storage& local, const sockaddr_storage* peer) {
     bool ours = false;
     for (size_t i = 0; i < locals.size(); ++i)
       if (locals[i].matches(local)) ours = (*found)[i] = true;
-    for (size_t i = 0; connected && i < peers.size(); ++i)
-      if (peers[i].matches(peer)) ours = (*found)[locals.size() + i] = true;
-    if (ours) set_preferred(static_cast<int>(fd));
-  }
-  closedir(dir);
+    for (size_t i = 0; peer && i < peers.size(); ++i)
+      if (peers[i].matches(*peer)) ours = (*found)[locals.size() + i] = true;
+    if (ours) set_preferred(fd);
+  });
 }
 
 }  // namespace kvxfer

@@ -21,6 +21,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -35,6 +36,11 @@ struct RailSocketAddress {
   // Same family, port and IP; a wildcard IP (0.0.0.0, ::) on either side matches any.
   bool matches(const sockaddr_storage& other) const;
 };
+
+// Calls `visit` for every TCP socket among this process's descriptors, with its local
+// address and its peer's (nullptr for a socket that is not connected: a listener).
+void for_each_tcp_socket(const std::function<void(int fd, const sockaddr_storage& local,
+                                                 const sockaddr_storage* peer)>& visit);
 
 class TcpCongestionSetter {
  public:

@@ -7,13 +7,13 @@ from __future__ import annotations
 import os
 import re
 import socket
-import subprocess
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 import pytest
 from support.engine_pairs import KIB, LOOPBACK, SPARE_BYTES, WAIT_S, PeerProcess, fresh_imm
+from support.tcp_sockets import tcp_sockets as support_tcp_sockets
 from support.waiting import wait_until
 
 from kvxfer.errors import EngineError
@@ -34,17 +34,7 @@ needs_another_algorithm = pytest.mark.skipif(not CHOSEN, reason="only the system
 def tcp_sockets(pid: int) -> dict[tuple[int, int], str]:
     """(local port, peer port or 0 for a listener) -> congestion control, for every TCP
     socket of process `pid`, as `ss` reports them."""
-    lines = subprocess.run(["ss", "-tainpH"], capture_output=True, text=True, timeout=30, check=True).stdout
-    found: dict[tuple[int, int], str] = {}
-    rows = lines.splitlines()
-    for head, info in zip(rows, rows[1:]):
-        if f"pid={pid}," not in head or not info[:1].isspace():
-            continue
-        fields = head.split()
-        local, peer = fields[3], fields[4]
-        peer_port = 0 if peer.endswith(":*") else int(peer.rsplit(":", 1)[1])
-        found[(int(local.rsplit(":", 1)[1]), peer_port)] = info.split()[0]
-    return found
+    return {(s.local_port, s.peer_port): s.congestion_control for s in support_tcp_sockets(pid)}
 
 
 @pytest.fixture()
