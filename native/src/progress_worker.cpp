@@ -438,14 +438,6 @@ bool ProgressWorker::poll_rail(size_t r) {
   const int64_t now = send_corker_.idle() ? 0 : monotonic_ns();
   CorkedBurst burst(send_corker_, now - last_burst_ns_[r] < kCorkPollsAfterBurstNs);
   size_t entries_read = 0;
-  struct Remember {
-    int64_t& burst_ns;
-    const size_t& read;
-    int64_t now;
-    ~Remember() {
-      if (read >= 2) burst_ns = now;
-    }
-  } remember{last_burst_ns_[r], entries_read, now};
   for (;;) {
     ssize_t n = rail.read_completions(entries, kCqBatch);
     if (n == -FI_EAVAIL) {
@@ -486,6 +478,7 @@ bool ProgressWorker::poll_rail(size_t r) {
     }
     if (static_cast<size_t>(n) < kCqBatch) break;
   }
+  if (entries_read >= 2) last_burst_ns_[r] = now;
   return did;
 }
 

@@ -4,20 +4,20 @@
 // an idle path the kernel puts each into a segment of its own. A stream of 4 KiB writes
 // with delivery-complete then cost two segments per write, the write and its 16-byte
 // acknowledgement, each built, sent, received and acknowledged by TCP on its own: 2.1
-// segments per write, 0.95-1.0 GB/s with both processes' kernels busy. Corked for the
-// length of a burst (the ops one round posts, or the acknowledgements one round's
-// completions make the provider send), a burst leaves as a few full segments when it is
-// uncorked: 0.32 segments per write and 2.05-2.1 GB/s (benchmarks/README.md, "Corked
-// bursts"). A lone write is its own burst and leaves at once when uncorked, so latency
-// pays two setsockopt calls, no wait.
+// segments per write, 0.96-1.0 GB/s with both processes' kernels busy. Corked for the
+// length of a burst (the ops one round posts, or the acknowledgements a poll makes the
+// provider send while writes arrive in bursts), a burst leaves as a few full segments when
+// it is uncorked: 0.22 segments per write and 2.09-2.22 GB/s (benchmarks/README.md,
+// "Corked bursts"). A lone write is not corked, so its latency pays nothing.
 //
 // Which sockets: connected TCP sockets whose local address is one of this engine's rails
 // (connections its listeners accepted) or whose peer is a rail this engine sends to (the
 // connections it opened), found among the process's descriptors as tcp_congestion.hpp
 // finds them. A busy worker looks again for connections opened or closed since (soon after
-// a new address or connection, then every kRescanNs); an idle one does not look. A descriptor the provider closed and the process reused
-// for another TCP socket before that look would be corked for one burst (microseconds) and
-// uncorked; nothing else outside the engine is touched.
+// a new address or connection, then every kRescanNs); an idle one does not look. A
+// descriptor the provider closed and the process reused for another TCP socket before that
+// look would be corked for one burst (microseconds) and uncorked; nothing else outside the
+// engine is touched.
 #pragma once
 
 #include <atomic>
