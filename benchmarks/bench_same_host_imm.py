@@ -15,7 +15,8 @@ memcpy of the same size between two warm buffers (before and after; the better c
 back to back and, with --gap-ms, each copy after the same pause as the writes (a lone write
 meets a cooled cache and CPU that back-to-back copies do not).
 
-Prints a table, writes JSON and a PNG.
+Prints a table, then where a ring write's time goes (in `write`, until the writer's handle
+is done, until the target counted), and writes JSON and a PNG.
 
     .venv/bin/python benchmarks/bench_same_host_imm.py [--sizes 4K,64K,1M,4M,16M] [--writes 300] [--gap-ms 1]
 """
@@ -40,6 +41,9 @@ from kvxfer.transfer.engine import TransferEngine  # noqa: E402
 
 PATHS = ("same_host_mapped", "same_host")
 ROUTES = ("ring", "fabric")
+# A write's stages: in `write` (the submit), then until the writer's handle is done (the
+# copy, and the worker's hand-offs), then until the target counted its immediate.
+STAGES = ("submit", "done", "counted")
 WAIT_S = 10.0
 CHILD_TIMEOUT_S = 600.0  # one route's process, every path and size
 SAME_HOST_MIN_BYTES = 1 << 20  # the issue's 0.7x-memcpy target starts here
@@ -55,13 +59,19 @@ def measure_route(route: str, sizes: list[int], writes: int, gap_s: float) -> li
         mr = writer.register(aligned_source(largest))
         imm = 1
 
-        def timed_write(descriptor: bytes, size: int) -> float:
+        def timed_write(descriptor: bytes, size: int) -> tuple[float, float, float]:
+            """us spent in `write` (the submit), then until the writer's handle was done,
+            then until the target counted the immediate."""
             nonlocal imm
             imm += 1
-            t = time.perf_counter()
-            writer.write(mr, 0, descriptor, 0, size, imm=imm).wait(WAIT_S)
+            t0 = time.perf_counter()
+            handle = writer.write(mr, 0, descriptor, 0, size, imm=imm)
+            t1 = time.perf_counter()
+            handle.wait(WAIT_S)
+            t2 = time.perf_counter()
             target.wait_imm(imm, 1, WAIT_S)
-            return (time.perf_counter() - t) * 1e6
+            t3 = time.perf_counter()
+            return (t1 - t0) * 1e6, (t2 - t1) * 1e6, (t3 - t2) * 1e6
 
         for path in PATHS:
             buf, keep = fresh_region(path, largest)
@@ -71,13 +81,13 @@ def measure_route(route: str, sizes: list[int], writes: int, gap_s: float) -> li
                 timed_write(region.descriptor, min(largest, 1 << 20))
             for size in sizes:
                 cpu = time.process_time()
-                samples = []
+                stages = []
                 for _ in range(writes):
-                    samples.append(timed_write(region.descriptor, size))
+                    stages.append(timed_write(region.descriptor, size))
                     if gap_s:
                         time.sleep(gap_s)
-                out.append({"path": path, "size": size, "route": route, "samples_us": samples,
-                            "cpu_s": time.process_time() - cpu})
+                out.append({"path": path, "size": size, "route": route, "samples_us": [sum(t) for t in stages],
+                            "stages_us": stages, "cpu_s": time.process_time() - cpu})
             target.deregister(region)
             del buf, keep
     return out
@@ -94,8 +104,9 @@ def measure(sizes: list[int], writes: int, rounds: int, gap_s: float) -> list[di
                                 "--writes", str(per_round), "--gap-ms", str(gap_s * 1000)],
                                check=True, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
         for r in json.loads(child.stdout):
-            acc = raw.setdefault((r["path"], r["size"], r["route"]), {"samples_us": [], "cpu_s": 0.0})
+            acc = raw.setdefault((r["path"], r["size"], r["route"]), {"samples_us": [], "stages_us": [], "cpu_s": 0.0})
             acc["samples_us"] += r["samples_us"]
+            acc["stages_us"] += r["stages_us"]
             acc["cpu_s"] += r["cpu_s"]
         print(f"  round {turn // 2 + 1}/{rounds}: {route} done", flush=True)
     rows = []
@@ -103,7 +114,11 @@ def measure(sizes: list[int], writes: int, rounds: int, gap_s: float) -> list[di
         s = sorted(acc["samples_us"])
         rows.append({"path": path, "size": size, "route": route, "writes": len(s),
                      "median_us": statistics.median(s), "p90_us": s[int(0.9 * (len(s) - 1))],
-                     "cpu_us_per_write": acc["cpu_s"] / len(s) * 1e6})
+                     "cpu_us_per_write": acc["cpu_s"] / len(s) * 1e6,
+                     # Where a write's time goes, median of each stage (they need not add up
+                     # to the median total).
+                     **{f"{stage}_median_us": statistics.median(t[i] for t in acc["stages_us"])
+                        for i, stage in enumerate(STAGES)}})
     rows.sort(key=lambda r: (PATHS.index(r["path"]), r["size"], ROUTES.index(r["route"])))
     return rows
 
@@ -187,6 +202,15 @@ def main() -> None:
         print(f"{r['path']:<17}{r['size'] >> 10:>6}KiB{r['route']:>8}{r['median_us']:>11.1f}{r['p90_us']:>9.1f}"
               f"{r['cpu_us_per_write']:>8.1f}{r['gbps']:>7.2f}{r['memcpy_gbps']:>8.2f}{r['x_memcpy']:>10.2f}{spaced}"
               f"{ratios}")
+    print(f"\nwhere a lone write's time goes (immediate through the ring), median us per stage:\n"
+          f"{'path':<17}{'size':>9}{'submit':>9}{'done':>9}{'counted':>9}{'memcpy':>9}")
+    for r in rows:
+        if r["route"] == "ring":
+            copy_us = r["size"] / (r.get("spaced_memcpy_gbps") or r["memcpy_gbps"]) / 1e3
+            print(f"{r['path']:<17}{r['size'] >> 10:>6}KiB" + "".join(f"{r[f'{st}_median_us']:>9.1f}" for st in STAGES)
+                  + f"{copy_us:>9.1f}")
+    print("(submit: in write(); done: until the writer's handle completed; counted: until the target's "
+          "wait_imm returned; memcpy: one copy of that size, as spaced as the writes)\n")
     for key, what in (("x_memcpy", "memcpy back to back"), ("x_spaced_memcpy", f"memcpy {args.gap_ms:g} ms apart")):
         if key not in rows[0]:
             continue
