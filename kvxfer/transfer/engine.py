@@ -105,8 +105,9 @@ def _buffer_address(buf: Any) -> tuple[int, int, Any]:
         if not buf.is_contiguous():
             raise BoundsError("tensor must be contiguous to be registered")
         if getattr(buf, "is_cuda", False):
-            # CUDA memory needs FI_HMEM; this build registers host memory only.
-            raise EngineError("CUDA tensors are not supported by this build (host memory only)")
+            # CUDA memory needs FI_HMEM, which Debian's libfabric is built without.
+            raise EngineError("CUDA tensors cannot be registered by this build (host memory only): move device "
+                              "pages through pinned host memory with kvxfer.transfer.device_staging")
         return int(buf.data_ptr()), int(buf.numel() * buf.element_size()), buf
     if isinstance(buf, np.ndarray):
         if not buf.flags["C_CONTIGUOUS"]:

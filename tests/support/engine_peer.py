@@ -15,6 +15,7 @@ Start-up line, then one reply per request:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -249,6 +250,32 @@ class EnginePeer:
         return {}
 
     # -- loop -----------------------------------------------------------------------------
+    # -- device staging (kvxfer.transfer.device_staging) ---------------------------------
+    def op_staging_receiver(self, device: str, page_bytes: int, cache_pages: int,
+                            landing_pages: int) -> dict[str, Any]:
+        """Makes a zeroed cache of `cache_pages` pages on `device` and a DevicePageReceiver
+        for it with its own landing pages; the reply's descriptor writes those."""
+        import torch
+
+        from kvxfer.transfer.device_staging import DevicePageReceiver
+
+        self.device_cache = torch.zeros(cache_pages * page_bytes, dtype=torch.uint8, device=device)
+        self.receiver = DevicePageReceiver(self.engine, self.device_cache, page_bytes,
+                                           landing_pages=landing_pages)
+        return {"descriptor": self.receiver.descriptor.hex()}
+
+    def op_staging_land(self, imm: int, count: int, landing_pages: list[int], cache_pages: list[int],
+                        timeout_s: float) -> dict[str, Any]:
+        """Waits until `imm` counted `count` arrivals, then lands the pages in the cache."""
+        self.engine.wait_imm(imm, count, timeout_s)
+        self.receiver.land(landing_pages, cache_pages)
+        return {}
+
+    def op_staging_digests(self) -> dict[str, Any]:
+        """blake2b of every page of the device cache, read back to the host."""
+        rows = self.device_cache.view(-1, self.receiver.page_bytes).cpu().numpy()
+        return {"digests": [hashlib.blake2b(row.tobytes(), digest_size=16).hexdigest() for row in rows]}
+
     def serve(self, requests: Any, reply: Callable[[dict[str, Any]], None]) -> None:
         for line in requests:
             if not line.strip():
