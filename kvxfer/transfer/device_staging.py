@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from kvxfer.errors import BoundsError, EngineError, KvxferError, TransferError, TransferTimeout
+from kvxfer.transfer.engine import page_array
 
 if TYPE_CHECKING:
     from kvxfer.transfer.engine import RegisteredMemory, Transfer, TransferEngine
@@ -77,14 +78,7 @@ def host_staging_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
 
 def _indices(pages: Any, name: str, limit: int) -> np.ndarray:
     """Page indices as int64, each checked against `limit` before anything is copied."""
-    if hasattr(pages, "detach"):
-        pages = pages.detach().cpu().numpy()
-    arr = np.asarray(pages)
-    if arr.ndim != 1:
-        raise BoundsError(f"{name} must be one-dimensional, got shape {arr.shape}")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        raise BoundsError(f"{name} must hold integers, got {arr.dtype}")
-    arr = arr.astype(np.int64, copy=False)
+    arr = page_array(pages, name)
     if arr.size and (arr.min() < 0 or arr.max() >= limit):
         bad = int(arr[(arr < 0) | (arr >= limit)][0])
         raise BoundsError(f"{name}: page {bad} outside 0..{limit - 1}")
@@ -149,12 +143,9 @@ class StagingRing:
         if count > self.slots:
             raise BoundsError(f"a chunk of {count} pages does not fit {self.slots} staging slots")
         start = self._place(count)
-        while True:
-            blocking = next((lease for lease in self._leases if lease.overlaps(start, count)), None)
-            if blocking is None:
-                break
-            # Wait for the oldest lease, not only the blocking one: leases are released in
-            # ring order, so the head never passes a write that is still reading its slots.
+        while any(lease.overlaps(start, count) for lease in self._leases):
+            # Retire the oldest lease first, whichever one overlaps: writes finish about in
+            # the order they were posted, and releasing in that order keeps the ring FIFO.
             self._retire_oldest(deadline_s)
             start = self._place(count)
         self._head = start + count
@@ -237,7 +228,8 @@ class DevicePageSender:
     engine: the sender's TransferEngine. cache: the device (or CPU) tensor holding the pages.
     page_bytes: bytes per page, both here and at the receiver. staging_pages: slots of pinned
     host memory (staging_pages * page_bytes bytes, registered once). chunk_pages: pages per
-    write (DEFAULT_CHUNK_PAGES). staging_wait_s: how long a push waits for free slots.
+    write (DEFAULT_CHUNK_PAGES). staging_wait_s: how long a push waits for one
+    chunk's slots to come free. One thread pushes through a sender (its ring has no lock).
     """
 
     def __init__(self, engine: "TransferEngine", cache: torch.Tensor, page_bytes: int, *,
@@ -299,8 +291,9 @@ class DevicePageSender:
         return StagedPush(transfers, int(src.size), int(src.size) * self.page_bytes)
 
     def close(self, timeout: float = DEFAULT_STAGING_WAIT_S) -> None:
-        """Waits for in-flight writes (bounded), then deregisters the staging memory. Slots
-        still read by a write when the wait ends keep the memory registered and alive."""
+        """Waits for in-flight writes (bounded), then deregisters the staging memory. A write
+        still in flight when the wait ends, or a failed one that may still have parts on the
+        fabric (quarantined slots), keeps the memory registered and alive for good."""
         try:
             self._ring.drain(time.monotonic() + timeout)
         except StagingExhausted:

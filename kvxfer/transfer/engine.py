@@ -132,7 +132,9 @@ def _buffer_address(buf: Any) -> tuple[int, int, Any]:
     )
 
 
-def _pages(pages: PageList, name: str) -> np.ndarray:
+def page_array(pages: PageList, name: str) -> np.ndarray:
+    """Page indices as a one-dimensional int64 array (a tensor, list or array; zero-copy when
+    it already is one); `BoundsError` naming `name` for any other shape or type."""
     if hasattr(pages, "detach") and hasattr(pages, "numpy"):
         pages = pages.detach().cpu().numpy()
     arr = np.asarray(pages)
@@ -650,8 +652,8 @@ class TransferEngine:
         index is validated before anything is posted. With `imm`, the receiver's count
         grows by one per page, however pages were coalesced or sharded.
         """
-        src = _pages(src_pages, "src_pages")
-        dst = _pages(dst_pages, "dst_pages")
+        src = page_array(src_pages, "src_pages")
+        dst = page_array(dst_pages, "dst_pages")
         native = self._native.write_paged(
             self._local(mr),
             src,
@@ -724,8 +726,8 @@ class TransferEngine:
         Page lists are read in place (int64 NumPy arrays are not copied). Each write
         finishes into `counter`; all are validated before any is submitted.
         """
-        src = [_pages(p, "src_pages") for p in src_page_lists]
-        dst = [_pages(p, "dst_pages") for p in dst_page_lists]
+        src = [page_array(p, "src_pages") for p in src_page_lists]
+        dst = [page_array(p, "dst_pages") for p in dst_page_lists]
         return int(
             self._native.write_paged_many(
                 self._local(mr),

@@ -17,7 +17,7 @@ from typing import Iterator
 import numpy as np
 import pytest
 import torch
-from support.engine_pairs import WAIT_S, PeerProcess, fresh_imm, ops_posted
+from support.engine_pairs import DEAD_PEER_TIMEOUT_S, FAIL_BOUND_S, WAIT_S, PeerProcess, fresh_imm, ops_posted
 from support.engine_peer import seeded_bytes
 
 from kvxfer.errors import BoundsError, EngineError, TransferError
@@ -53,6 +53,12 @@ def receiver(tmp_path: Path) -> Iterator[PeerProcess]:
         peer.close()
 
 
+def staging_receiver(peer: PeerProcess, device: str) -> bytes:
+    """Gives the peer a zeroed cache on `device` and a DevicePageReceiver; its descriptor."""
+    return bytes.fromhex(peer.call("staging_receiver", device=device, page_bytes=PAGE, cache_pages=CACHE_PAGES,
+                                   landing_pages=LANDING_PAGES)["descriptor"])
+
+
 def seeded_cache(device: str, seed: int) -> torch.Tensor:
     return torch.from_numpy(seeded_bytes(seed, CACHE_PAGES * PAGE).copy()).to(device)
 
@@ -63,8 +69,7 @@ def test_pages_of_a_device_cache_land_byte_for_byte_in_the_receivers_cache_throu
 ) -> None:
     # 100 pages through 24 staging slots in chunks of 8: the ring wraps four times, so slots
     # are reused while earlier chunks may still be on the fabric.
-    desc = bytes.fromhex(receiver.call("staging_receiver", device=device, page_bytes=PAGE,
-                                       cache_pages=CACHE_PAGES, landing_pages=LANDING_PAGES)["descriptor"])
+    desc = staging_receiver(receiver, device)
     cache = seeded_cache(device, seed=5)
     sender = DevicePageSender(sender_engine, cache, PAGE, staging_pages=24, chunk_pages=8)
     rng = np.random.default_rng(11)
@@ -96,8 +101,7 @@ def test_pages_of_a_device_cache_land_byte_for_byte_in_the_receivers_cache_throu
 def test_a_push_naming_a_page_outside_the_receivers_landing_pages_posts_nothing(
     sender_engine: TransferEngine, receiver: PeerProcess, device: str
 ) -> None:
-    desc = bytes.fromhex(receiver.call("staging_receiver", device=device, page_bytes=PAGE,
-                                       cache_pages=CACHE_PAGES, landing_pages=LANDING_PAGES)["descriptor"])
+    desc = staging_receiver(receiver, device)
     sender = DevicePageSender(sender_engine, seeded_cache(device, seed=6), PAGE, staging_pages=16, chunk_pages=4)
     before = ops_posted(sender_engine)
     # The bad page sits in the last chunk: a check per chunk would have posted the first ones.
@@ -109,6 +113,39 @@ def test_a_push_naming_a_page_outside_the_receivers_landing_pages_posts_nothing(
         sender.push([0, 1], desc, [0])
     assert ops_posted(sender_engine) == before
     sender.close()
+
+
+def test_a_dead_receiver_fails_the_push_in_bounded_time_and_its_slots_are_never_reused(
+    tmp_path: Path,
+) -> None:
+    # The failed write may still have parts on the fabric, so its slots are quarantined; the
+    # sender keeps serving a healthy receiver around them, byte for byte.
+    engine = TransferEngine(provider=PROVIDER, same_host=False, bind_host="127.0.0.1",
+                            transfer_timeout_s=DEAD_PEER_TIMEOUT_S)
+    dead, alive = PeerProcess(PROVIDER, 1, 4096, tmp_path), PeerProcess(PROVIDER, 1, 4096, tmp_path)
+    try:
+        descs = [staging_receiver(p, "cpu") for p in (dead, alive)]
+        cache = seeded_cache("cpu", seed=8)
+        sender = DevicePageSender(engine, cache, PAGE, staging_pages=32, chunk_pages=16)
+        dead.kill()
+        started = time.monotonic()
+        with pytest.raises(TransferError):
+            sender.push(list(range(16)), descs[0], list(range(16)), imm=fresh_imm()).wait(FAIL_BOUND_S)
+        assert time.monotonic() - started < FAIL_BOUND_S
+
+        imm = fresh_imm()
+        sender.push(list(range(16, 48)), descs[1], list(range(32)), imm=imm).wait(WAIT_S)
+        assert sender.quarantined_pages == 16
+        alive.call("staging_land", imm=imm, count=32, landing_pages=list(range(32)),
+                   cache_pages=list(range(32)), timeout_s=WAIT_S)
+        got = alive.call("staging_digests")["digests"]
+        rows = cache.view(-1, PAGE).numpy()
+        assert got[:32] == [digest(rows[16 + i]) for i in range(32)]
+        sender.close()
+    finally:
+        dead.close()
+        alive.close()
+        engine.close()
 
 
 def test_a_cache_that_is_not_a_whole_number_of_pages_is_refused() -> None:
