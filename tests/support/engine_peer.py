@@ -249,7 +249,6 @@ class EnginePeer:
     def op_exit(self) -> dict[str, Any]:
         return {}
 
-    # -- loop -----------------------------------------------------------------------------
     # -- device staging (kvxfer.transfer.device_staging) ---------------------------------
     def op_staging_receiver(self, device: str, page_bytes: int, cache_pages: int,
                             landing_pages: int) -> dict[str, Any]:
@@ -276,6 +275,7 @@ class EnginePeer:
         rows = self.device_cache.view(-1, self.receiver.page_bytes).cpu().numpy()
         return {"digests": [hashlib.blake2b(row.tobytes(), digest_size=16).hexdigest() for row in rows]}
 
+    # -- loop -----------------------------------------------------------------------------
     def serve(self, requests: Any, reply: Callable[[dict[str, Any]], None]) -> None:
         for line in requests:
             if not line.strip():
