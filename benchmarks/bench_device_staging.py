@@ -13,8 +13,10 @@ device cache. Timed from the sender's first copy until the receiver's landing co
 - host paged write: the same random pages, host cache to the receiver's registered host
   pages, counted by the receiver's ImmCounter (what the engine does without a device).
 
-The verdict line compares the staged path with the slowest of the three: the pipeline
-overlaps them, so it cannot beat the slowest, and a good one stays close to it. Bytes are
+The `x slowest` column holds the staged path against the slowest of the three: the pipeline
+overlaps them, so a good one stays close to it. It can pass the host paged write, which
+plans and posts all its pages as one write before the first leaves (on an H200, 1.32x at
+16 KiB pages). Bytes are
 checked: the receiver's cache pages against the sender's, by blake2b per page, once per page
 size. With `--device cpu` every step runs with host copies (a smoke run on machines without
 a GPU). Prints a table, writes JSON and a PNG.
@@ -80,9 +82,8 @@ class Receiver:
         self.host_region: Any = None
 
     def op_setup(self, page_bytes: int, pages: int) -> dict[str, Any]:
-        for old in (self.receiver,):
-            if old is not None:
-                old.close()
+        if self.receiver is not None:
+            self.receiver.close()
         if self.host_region is not None:
             self.engine.deregister(self.host_region)
         self.cache = torch.zeros(pages * page_bytes, dtype=torch.uint8, device=self.device)

@@ -20,7 +20,7 @@ import torch
 from support.engine_pairs import DEAD_PEER_TIMEOUT_S, FAIL_BOUND_S, WAIT_S, PeerProcess, fresh_imm, ops_posted
 from support.engine_peer import seeded_bytes
 
-from kvxfer.errors import BoundsError, EngineError, TransferError
+from kvxfer.errors import BoundsError, EngineError, TransferError, TransferTimeout
 from kvxfer.transfer.device_staging import DevicePageSender, StagingExhausted, StagingRing, page_rows
 from kvxfer.transfer.engine import TransferEngine, available_providers
 
@@ -188,8 +188,6 @@ class FakeTransfer:
         self.waited = True
         if self.status == "pending":
             time.sleep(min(timeout, 0.01))
-            from kvxfer.errors import TransferTimeout
-
             raise TransferTimeout(None, "not complete")
         self._raise_if_failed()
 
