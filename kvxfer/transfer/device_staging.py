@@ -243,9 +243,9 @@ class DevicePageSender:
         self.page_bytes = page_bytes
         self.chunk_pages = chunk_pages
         self.staging_wait_s = staging_wait_s
-        self._staging = host_staging_buffer(staging_pages * page_bytes, self.device)
-        self._staging_rows = self._staging.view(staging_pages, page_bytes)
-        self._region: "RegisteredMemory" = engine.register(self._staging)
+        staging = host_staging_buffer(staging_pages * page_bytes, self.device)
+        self._staging_rows = staging.view(staging_pages, page_bytes)
+        self._region: "RegisteredMemory" = engine.register(staging)  # keeps it alive
         self._ring = StagingRing(staging_pages)
         self._fence = _CopyFence(self.device)
 
@@ -318,9 +318,9 @@ class DevicePageReceiver:
         self._pages = page_rows(cache, page_bytes)
         self.device = cache.device
         self.page_bytes = page_bytes
-        self._landing = host_staging_buffer(landing_pages * page_bytes, self.device)
-        self._landing_rows = self._landing.view(landing_pages, page_bytes)
-        self.region: "RegisteredMemory" = engine.register(self._landing)
+        landing = host_staging_buffer(landing_pages * page_bytes, self.device)
+        self._landing_rows = landing.view(landing_pages, page_bytes)
+        self.region: "RegisteredMemory" = engine.register(landing)  # keeps it alive
         self._fence = _CopyFence(self.device)
 
     @property
