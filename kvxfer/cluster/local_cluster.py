@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import argparse
 import base64
+import json
 import logging
 import os
 import secrets
+import shlex
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +60,10 @@ class LocalCluster:
         startup_timeout_s: float = 90.0,
         insecure: bool = False,
         engine: str = "builtin",
+        vllm_args: Sequence[str] = (),
+        role_vllm_args: dict[str, list[str]] | None = None,
+        admin_port: int | None = None,
+        progress: Callable[[str], None] | None = None,
     ) -> None:
         if engine not in ("builtin", "vllm"):
             raise ValueError(f'engine must be "builtin" or "vllm", got {engine!r}')
@@ -68,7 +75,16 @@ class LocalCluster:
         self.n_prefill = prefill
         self.n_decode = decode
         self.router_port = router_port or free_port()
-        self.admin_port = free_port()
+        self.admin_port = admin_port or free_port()
+        # The user's own vLLM flags: for every instance, then per role (later ones win in vLLM).
+        self.vllm_args = list(vllm_args)
+        self.role_vllm_args = dict(role_vllm_args or {})
+        # Start-up progress and dead-worker notices, one line each (kvxfer up prints them).
+        self.progress = progress or (lambda line: log.info("%s", line))
+        self._registered: set[str] = set()
+        self._reported_dead: set[str] = set()
+        #: name -> ("role", API port, connector metrics port) of each vLLM instance: what Prometheus scrapes.
+        self.vllm_ports: dict[str, tuple[str, int, int]] = {}
         self.etcd_url = etcd
         self.model = model
         self.provider = provider
@@ -168,10 +184,10 @@ class LocalCluster:
         if not (model_dir / "config.json").is_file():
             # Not a checkpoint directory: make the small seeded one (no downloads).
             model_dir = make_checkpoint(self.log_dir / "seeded-llama")
-        port = free_port()
+        port, metrics_port = free_port(), free_port()
         extra: dict[str, Any] = {
             "provider": self.provider, "bind_host": "127.0.0.1", "etcd": self.etcd_url, "worker_id": name,
-            "advertise_url": f"http://127.0.0.1:{port}",
+            "advertise_url": f"http://127.0.0.1:{port}", "metrics_port": metrics_port,
         }
         api_key: str | None = None
         if self.key_path is not None:
@@ -184,9 +200,58 @@ class LocalCluster:
         core = str((self._counter - 1) % (os.cpu_count() or 1))
         spec = VllmInstanceSpec(model_dir=model_dir, port=port, served_model_name=model_dir.name,
                                 kv_role="kv_producer" if role == "prefill" else "kv_consumer",
-                                cpu_cores=core, extra_config=extra, api_key=api_key)
+                                cpu_cores=core, extra_config=extra, api_key=api_key,
+                                user_args=[*self.vllm_args, *self.role_vllm_args.get(role, [])])
         self.workers[name] = self._spawn(name, spec.argv(), {**spec.env({}), **(extra_env or {})})
+        self.vllm_ports[name] = (role, port, metrics_port)
+        self.progress(f"{name}: starting vLLM on core {core}, API http://127.0.0.1:{port}, "
+                      f"log {self.log_dir / (name + '.log')}")
         return name
+
+    def log_tail(self, name: str, lines: int = 15) -> str:
+        """The last `lines` lines of process `name`'s log (what says why it exited)."""
+        path = self.log_dir / f"{name}.log"
+        try:
+            text = path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.rstrip().splitlines()[-lines:])
+
+    def _exit_message(self, name: str, returncode: int) -> str:
+        tail = self.log_tail(name)
+        indented = "\n".join("    " + line for line in tail.splitlines())
+        return (f"{name} exited with {returncode}; the last lines of {self.log_dir / (name + '.log')}:\n"
+                f"{indented}")
+
+    def reap_dead(self) -> list[str]:
+        """Workers that exited since the last call, each reported once as a message with its log's
+        last lines (`poll()` also reaps the process: no zombie stays)."""
+        messages = []
+        for name, proc in self.workers.items():
+            if name not in self._reported_dead and proc.poll() is not None:
+                self._reported_dead.add(name)
+                messages.append(self._exit_message(name, proc.returncode))
+        return messages
+
+    def prometheus_targets(self) -> list[dict[str, Any]]:
+        """Prometheus file_sd target groups: the router's /metrics, and per vLLM instance vLLM's own
+        /metrics (`vllm:*`, on its API port) and the connector's (`kvxfer_connector_*`)."""
+        groups: list[dict[str, Any]] = [{"targets": [f"{self._address('router')}:{self.router_port}"],
+                                         "labels": {"job": "kvxfer-router"}}]
+        for name, (role, port, metrics_port) in self.vllm_ports.items():
+            labels = {"worker": name, "role": role}
+            groups.append({"targets": [f"127.0.0.1:{port}"], "labels": {"job": "vllm", **labels}})
+            groups.append({"targets": [f"127.0.0.1:{metrics_port}"],
+                           "labels": {"job": "kvxfer-connector", **labels}})
+        return groups
+
+    def write_prometheus_targets(self) -> Path:
+        """Writes `prometheus_targets()` to LOG_DIR/prometheus-targets.json (a file_sd_configs file)."""
+        path = self.log_dir / "prometheus-targets.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.prometheus_targets(), indent=1))
+        tmp.replace(path)  # Prometheus re-reads the file: never let it see half of one
+        return path
 
     def start(self) -> "LocalCluster":
         """Starts etcd (if needed), the workers and the router; waits until ready."""
@@ -224,13 +289,27 @@ class LocalCluster:
             counts[w.get("role", "?")] = counts.get(w.get("role", "?"), 0) + 1
         return counts
 
+    def _note_registered(self) -> None:
+        # Start-up progress: each worker once, as the router first lists it.
+        try:
+            body = httpx.get(f"{self.admin_url}/workers", timeout=2).json()
+        except (httpx.HTTPError, ValueError):
+            return
+        items = body.get("workers", body) if isinstance(body, dict) else body
+        for w in items if isinstance(items, list) else []:
+            wid = str(w.get("worker_id", "")) if isinstance(w, dict) else ""
+            if wid in self.workers and wid not in self._registered:
+                self._registered.add(wid)
+                self.progress(f"{wid}: ready ({len(self._registered)} of {len(self.workers)} workers registered)")
+
     def wait_ready(self, prefill: int, decode: int, timeout_s: float) -> None:
         """Waits until the router is ready and lists the given worker counts."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             for name, proc in list(self.workers.items()) + [("router", self.router)]:
                 if proc is not None and proc.poll() is not None:
-                    raise RuntimeError(f"{name} exited with {proc.returncode}: see {self.log_dir / (name + '.log')}")
+                    raise RuntimeError(self._exit_message(name, proc.returncode))
+            self._note_registered()
             seen = self.workers_seen()
             if seen.get("prefill", 0) >= prefill and seen.get("decode", 0) >= decode:
                 try:
@@ -279,11 +358,25 @@ class LocalCluster:
         self.stop()
 
 
+def _print(line: str) -> None:
+    print(f"kvxfer up: {line}", flush=True)
+
+
 def run_up(args: argparse.Namespace) -> int:
-    """`kvxfer up`: start everything, serve until SIGINT/SIGTERM, then drain and stop."""
+    """`kvxfer up`: start everything, serve until SIGINT/SIGTERM, then drain and stop. A worker
+    that dies meanwhile is reported with the last lines of its log (the rest keep serving)."""
+    # The readiness poll of the router's admin port would log a line per call at INFO.
+    logging.getLogger("httpx").setLevel(logging.DEBUG if getattr(args, "verbose", False) else logging.WARNING)
+    vllm_args = list(getattr(args, "vllm_args", None) or [])
+    role_args = {role: shlex.split(getattr(args, f"{role}_args", None) or "") for role in ("prefill", "decode")}
+    if args.engine != "vllm" and (vllm_args or any(role_args.values())):
+        _print("vLLM flags (after --, --prefill-args, --decode-args) need --engine vllm")
+        return 2
     cluster = LocalCluster(
         prefill=args.prefill, decode=args.decode, router_port=args.port, etcd=args.etcd,
         model=args.model, provider=args.provider, insecure=args.insecure, engine=args.engine,
+        log_dir=getattr(args, "log_dir", None), admin_port=getattr(args, "admin_port", None),
+        vllm_args=vllm_args, role_vllm_args=role_args, progress=_print,
     )
     stop = {"now": False}
 
@@ -292,13 +385,23 @@ def run_up(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    cluster.start()
-    print(f"kvxfer up: router {cluster.router_url} (admin {cluster.admin_url}) with {args.prefill} prefill + {args.decode} decode "
-          f"workers, etcd {cluster.etcd_url}, logs in {cluster.log_dir}", flush=True)
+    _print(f"logs in {cluster.log_dir}")
+    try:
+        cluster.start()
+    except (RuntimeError, TimeoutError) as exc:
+        _print(f"start-up failed: {exc}")
+        return 1
+    targets = cluster.write_prometheus_targets() if cluster.engine == "vllm" else None
+    _print(f"router {cluster.router_url} (admin {cluster.admin_url}) with {args.prefill} prefill + {args.decode} "
+           f"decode workers, etcd {cluster.etcd_url}")
+    if targets is not None:
+        _print(f"metrics: Prometheus file_sd targets in {targets}")
     try:
         while not stop["now"]:
+            for message in cluster.reap_dead():
+                _print(message)
             time.sleep(0.2)
     finally:
-        print("kvxfer up: draining and stopping", flush=True)
+        _print("draining and stopping")
         cluster.stop()
     return 0

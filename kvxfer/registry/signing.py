@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import os
 from pathlib import Path
 
 from kvxfer.errors import RegistryError
@@ -35,12 +36,13 @@ class RecordRejected(RegistryError):
         super().__init__(detail)
 
 
-def load_cluster_key(path: Path) -> bytes:
-    """Reads the cluster key file; refuses keys too short to be safe."""
-    key = path.read_bytes().strip()
+def load_cluster_key(path: str | os.PathLike[str]) -> bytes:
+    """Reads the cluster key file (a path as str or Path); refuses keys too short to be safe."""
+    key_path = Path(path)
+    key = key_path.read_bytes().strip()
     if len(key) < MIN_CLUSTER_KEY_BYTES:
-        raise RegistryError(f"cluster key {path} holds {len(key)} bytes; at least {MIN_CLUSTER_KEY_BYTES} are needed "
-                            f"(e.g. `head -c 48 /dev/urandom | base64 > {path}`)")
+        raise RegistryError(f"cluster key {key_path} holds {len(key)} bytes; at least {MIN_CLUSTER_KEY_BYTES} are "
+                            f"needed (e.g. `head -c 48 /dev/urandom | base64 > {key_path}`)")
     return key
 
 
@@ -55,6 +57,9 @@ def vllm_api_key(cluster_key: bytes) -> str:
     share it without another secret to distribute. vLLM checks it on every /v1 path.
     Unlike the control tokens it is a static bearer key: TLS or NetworkPolicies keep it off
     the wire where others listen (docs/architecture.md, "Threat model")."""
+    if not isinstance(cluster_key, bytes):
+        raise TypeError(f"vllm_api_key takes the cluster key's bytes (load_cluster_key(path)), not "
+                        f"{type(cluster_key).__name__}")
     return derive_key(cluster_key, "vllm-api").hex()
 
 
