@@ -34,6 +34,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: How long (seconds) a transfer id whose load ended is remembered, so that a sibling of
+#: the request that loaded it (vLLM forks one child per choice for `n` > 1, all with the
+#: same kv_transfer_params) asked only after that request finished computes locally
+#: instead of reserving a second time for KV that nobody will push.
+SIBLING_MEMORY_S = 120.0
+
 
 @dataclass
 class _PendingLoad:
@@ -61,6 +67,13 @@ class SchedulerSide:
         self._kv_cache_manager: Any = None
         self._pending_loads: dict[str, _PendingLoad] = {}
         self._loads_in_flight: set[str] = set()  # sent to the worker, not reported finished
+        # One load per transfer: the request that loads it, by transfer id, and the transfer of
+        # each loading request. vLLM's children of one `n` > 1 request share the transfer id;
+        # the first child loads, its siblings wait (None: asked again next step) and then hit
+        # the blocks the load cached, computing only the last partial block themselves.
+        self._transfer_loader: dict[str, str] = {}
+        self._load_transfer: dict[str, str] = {}
+        self._loaded_transfers: dict[str, float] = {}  # transfer id -> when its load ended (monotonic)
         # Loads the worker reported failed: with kv_load_failure_policy=recompute vLLM asks
         # again for the same request, which must then be computed here, not loaded again.
         self._failed_loads: set[str] = set()
@@ -116,11 +129,27 @@ class SchedulerSide:
             return self._gate_prefill(request, params)
         if params is None or rid in self._failed_loads:
             return 0, False
+        sibling = self._sibling_answer(rid, params.transfer_id)
+        if sibling is not None:
+            return sibling
         n = request.num_tokens - num_computed_tokens
         if n <= 0:
             return 0, False
         self._pending_loads[rid] = _PendingLoad(params, num_computed_tokens)
+        self._transfer_loader[params.transfer_id] = rid
+        self._load_transfer[rid] = params.transfer_id
         return n, True
+
+    def _sibling_answer(self, rid: str, transfer_id: str) -> tuple[int | None, bool] | None:
+        """For a request whose transfer another request loads or loaded (a sibling choice of
+        the same `n` > 1 request): None to ask again while that load runs, then (0, False)
+        (compute here; the loaded blocks are prefix-cache hits). None for the first asker."""
+        loader = self._transfer_loader.get(transfer_id)
+        if loader is not None and loader != rid:
+            return (None, False) if loader in self._pending_loads or loader in self._loads_in_flight else (0, False)
+        if transfer_id in self._loaded_transfers:
+            return 0, False
+        return None
 
     def _gate_prefill(self, request: Request, params: TransferParams) -> tuple[int | None, bool]:
         # With wait_for_reservation, compute only once the decoder's reservation is here, so
@@ -199,9 +228,11 @@ class SchedulerSide:
         """Loads and pushes the worker reported finished."""
         for rid in output.finished_recving or ():
             self._loads_in_flight.discard(rid)
+            self._load_ended(rid)
         for rid in output.failed_recving or ():
             self._loads_in_flight.discard(rid)
             self._failed_loads.add(rid)
+            self._load_ended(rid)
         for rid in output.finished_sending or ():
             self._awaiting_send.discard(rid)
         report = output.kv_connector_worker_meta
@@ -209,10 +240,22 @@ class SchedulerSide:
             # Only the gate reads arrivals; kept without it, nothing would ever discard them.
             self._arrived |= report.reservations_arrived
 
+    def _load_ended(self, rid: str) -> None:
+        """The load of `rid` ended (landed, failed or fenced): its siblings compute locally now."""
+        now = time.monotonic()
+        tid = self._load_transfer.pop(rid, None)
+        if tid is not None and self._transfer_loader.get(tid) == rid:
+            del self._transfer_loader[tid]
+            self._loaded_transfers[tid] = now
+        expired = [t for t, at in self._loaded_transfers.items() if now - at > SIBLING_MEMORY_S]
+        for t in expired:
+            del self._loaded_transfers[t]
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Keep the blocks while a load or push may still write them or read from them."""
         rid = request.request_id
-        self._pending_loads.pop(rid, None)
+        if self._pending_loads.pop(rid, None) is not None:
+            self._load_ended(rid)  # never sent to the worker: nothing in flight for its siblings to wait on
         self._gated_since.pop(rid, None)
         self._failed_loads.discard(rid)
         if rid in self._loads_in_flight:
