@@ -354,6 +354,9 @@ _ENGINE_WIDE_COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("kvxfer_engine_imm_table_overflows", "imm_table_overflows",
      "Immediate arrivals dropped because the engine's immediate table was full "
      "(imm_table_capacity distinct values); waits on those immediates fail."),
+    ("kvxfer_engine_imm_unclaimed_dropped", "imm_unclaimed_dropped",
+     "Immediate arrivals for values no live reservation claimed (imm_admission claimed): dropped without "
+     "taking a slot of the immediate table. A steady rise is a stray or hostile sender."),
     ("kvxfer_engine_inbox_dropped_messages", "inbox_dropped_messages",
      "Control messages dropped because the unread inbox was at inbox_max_messages or "
      "inbox_max_bytes."),

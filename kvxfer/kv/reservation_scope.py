@@ -1,8 +1,13 @@
 """What one reservation lets its prefiller do on a decoder, opened and revoked as one.
 
 Both decoders (the builtin decode worker and the vLLM connector's decode side) scope a
-reservation two ways while it waits for its KV:
+reservation three ways while it waits for its KV:
 
+- its immediate claimed, on an engine that counts claimed immediates only
+  (`imm_admission="claimed"`, what the decoders use): arrivals for it are counted from now
+  on, and arrivals for any value no live reservation claimed are dropped without taking a
+  slot of the immediate table. A sender spraying immediate-only writes therefore cannot
+  fill the table (which would leave no slot for the next reservation);
 - its own registrations: the reservation's pages (`write_windows.reservation_windows`) and,
   on the builtin decoder, its mailbox slot, registered again with fresh random keys. Their
   descriptors are what the prefiller gets, so a holder of them can write nothing else;
@@ -10,10 +15,12 @@ reservation two ways while it waits for its KV:
   sender never count (where the provider can name a sender, `capabilities["source"]`, and
   the prefiller has no more rails than the decoder).
 
-`ReservationScope.revoke()` undoes both the moment the reservation stops waiting (admitted,
-cancelled, timed out, failed). A write with its descriptors then fails at the writer and
-lands nothing, and its immediate counts arrivals from anyone again, which is harmless: the
-decoder forgets the immediate and a slot comes back only under a new generation.
+`ReservationScope.revoke()` undoes all of it the moment the reservation stops waiting
+(admitted, cancelled, timed out, failed). A write with its descriptors then fails at the
+writer and lands nothing, and its immediate is released: later arrivals for it are dropped
+(on an engine that counts every value, it counts arrivals from anyone again, which is
+harmless: the decoder forgets the immediate and a slot comes back only under a new
+generation). The caller reads the count before revoking, never after.
 """
 
 from __future__ import annotations
@@ -42,19 +49,26 @@ class ReservationScope:
         self.label = label  # says which reservation in logs: a request or transfer id
         self.windows: list[MemoryWindows] = []  # open registrations, in the order asked for
         self.bound_imm: int | None = None  # the immediate while it counts only its prefiller's arrivals
+        self.claimed_imm: int | None = None  # the immediate while the engine counts it (imm_admission "claimed")
 
     @classmethod
     def open(cls, engine: TransferEngine, label: str, imm: int, prefill_address: bytes | None,
              parts: Sequence[tuple[RegisteredMemory, list[tuple[int, int]]]]) -> ReservationScope:
-        """Binds `imm` to `prefill_address` (None: no binding) and registers each (region,
-        ranges) of `parts` again (none: the reservation hands out whole-region descriptors).
+        """Claims `imm` (on an engine with imm_admission "claimed"), binds it to
+        `prefill_address` (None: no binding) and registers each (region, ranges) of `parts`
+        again (none: the reservation hands out whole-region descriptors).
 
         All or nothing: whatever was opened is revoked again before an error propagates.
-        Raises PrefillAddressError for a malformed address, and what `register_windows`
-        raises for ranges the provider or the bounds refuse.
+        Raises ImmCounterOverflow when the engine's table has no slot left for `imm`,
+        PrefillAddressError for a malformed address, and what `register_windows` raises for
+        ranges the provider or the bounds refuse.
         """
         scope = cls(engine, label)
         try:
+            if engine.imm_admission == "claimed":
+                # Before anything is handed out: no write for it can have been counted yet.
+                engine.claim_imm(imm)
+                scope.claimed_imm = imm
             if prefill_address is not None:
                 scope._bind(imm, prefill_address)
             for region, ranges in parts:
@@ -100,3 +114,9 @@ class ReservationScope:
                 self._engine.unbind_imm_source(imm)
             except Exception:
                 log.exception("unbinding the immediate of %s failed", self.label)
+        if self.claimed_imm is not None:
+            imm, self.claimed_imm = self.claimed_imm, None
+            try:
+                self._engine.release_imm(imm)
+            except Exception:
+                log.exception("releasing the immediate of %s failed", self.label)

@@ -410,10 +410,19 @@ class TransferEngine:
         a 4 KiB write's latency on a 2-core machine. Nothing moves between calls, so it
         suits an initiator that submits and waits (not a passive target: its peers' writes
         are acknowledged only while it is inside a call), and it has no asyncio support.
-    imm_table_capacity: distinct immediate values this engine can count in its life (a
-        power of two; 16 bytes each). An arrival for a new value once all are taken is
-        dropped and counted (engine_stats()["imm_table_overflows"]), and waits on such a
-        value raise ImmCounterOverflow.
+    imm_table_capacity: slots of the immediate table (a power of two; 16 bytes each). With
+        imm_admission "any", the distinct values this engine can count in its life: an
+        arrival for a new value once all are taken is dropped and counted
+        (engine_stats()["imm_table_overflows"]), and waits on such a value raise
+        ImmCounterOverflow. With "claimed", the values claimed at one time.
+    imm_admission: "any" (default): the first arrival of any value takes a table slot for
+        good. "claimed": only values claimed with claim_imm() are counted, until
+        release_imm() frees their slot again; an arrival for any other value is dropped
+        without taking a slot and counted (engine_stats()["imm_unclaimed_dropped"]). For a
+        receiver that knows every value it expects (a decoder's live reservations):
+        immediate-only writes need no memory key, only this engine's address, so under
+        "any" one sender spraying values could take every slot, and no later reservation
+        could be counted.
     inbox_max_messages, inbox_max_bytes: received control messages not yet read by recv()
         are held up to both bounds; beyond them a message is dropped and counted
         (engine_stats()["inbox_dropped_messages"] and ["inbox_dropped_bytes"]).
@@ -458,6 +467,7 @@ class TransferEngine:
         same_host_imm_ring: bool | None = None,
         tcp_congestion: str | None = None,
         cork_sends: bool | None = None,
+        imm_admission: str = "any",
     ) -> None:
         if not isinstance(rails, int) or rails < 1:
             raise EngineError(f"rails must be a positive integer, got {rails!r}")
@@ -467,6 +477,8 @@ class TransferEngine:
             raise EngineError(f'progress must be "thread" or "caller", got {progress!r}')
         if imm_table_capacity < 2 or imm_table_capacity & (imm_table_capacity - 1):
             raise EngineError(f"imm_table_capacity must be a power of two >= 2, got {imm_table_capacity}")
+        if imm_admission not in ("any", "claimed"):
+            raise EngineError(f'imm_admission must be "any" or "claimed", got {imm_admission!r}')
         if inbox_max_messages < 1 or inbox_max_bytes < 1:
             raise EngineError("inbox_max_messages and inbox_max_bytes must be >= 1")
         host = bind_host if bind_host is not None else os.environ.get("KVXFER_BIND_HOST", "")
@@ -496,8 +508,10 @@ class TransferEngine:
             same_host_imm_ring=bool(same_host_imm_ring),
             tcp_congestion=_tcp_congestion(tcp_congestion),
             cork_sends=bool(cork_sends),
+            count_claimed_imms_only=imm_admission == "claimed",
         )
         self.progress = progress
+        self.imm_admission = imm_admission
         self.transfer_timeout_s = float(transfer_timeout_s)
         self._remote_cache = RemoteDescriptorCache(self._native.parse_remote)
         self._peer_cache: dict[bytes, Any] = {}
@@ -782,6 +796,18 @@ class TransferEngine:
         """Lets any sender's arrivals count for `imm` again (see `bind_imm_source`)."""
         self._native.unbind_imm_source(int(imm))
 
+    def claim_imm(self, imm: int) -> None:
+        """Counts arrivals for `imm` from now on (see `imm_admission`; under "any" every
+        value is counted anyway). Raises ImmCounterOverflow when every table slot holds
+        another claimed value."""
+        self._native.claim_imm(int(imm))
+
+    def release_imm(self, imm: int) -> None:
+        """Stops counting `imm` (its arrivals are dropped again), frees its table slot and
+        unbinds its sender. Call it only once nothing will read, consume or reset `imm`
+        any more: its slot may count another value at once."""
+        self._native.release_imm(int(imm))
+
     def forget(self, address: bytes) -> None:
         """Drops a peer that went away; a later transfer to it reconnects."""
         peer = self._peer(address)
@@ -894,7 +920,9 @@ class TransferEngine:
 
     def engine_stats(self) -> dict[str, int]:
         """Engine-wide counters: imm_table_overflows (arrivals dropped because the immediate
-        table was full) and imm_table_capacity; inbox_dropped_messages/_bytes (control
+        table was full) and imm_table_capacity; imm_unclaimed_dropped (arrivals for values
+        nobody claimed, under imm_admission "claimed") and imm_claimed (values claimed now);
+        inbox_dropped_messages/_bytes (control
         messages dropped because the unread inbox was at a bound) and what the inbox holds
         now (inbox_messages, inbox_bytes); lock_refused (registrations the kernel would not
         lock) and locked_bytes (locked by every engine of this process); imm_ring_sent,

@@ -101,6 +101,9 @@ class WorkerCore:
             same_host_imm_ring=settings.same_host_imm_ring,
             tcp_congestion=settings.tcp_congestion,
             lock_on_register=settings.lock_kv_pages,
+            # Every immediate a worker counts belongs to one of its live reservations
+            # (ReservationScope claims it): a sender spraying others cannot fill the table.
+            imm_admission="claimed",
         )
         self.cache_region = self.engine.register(self.cache.tensor)
         self.metrics_registry = CollectorRegistry()

@@ -206,7 +206,8 @@ PYBIND11_MODULE(_native, m) {
                        bool caller_drives_progress, size_t imm_table_capacity,
                        size_t inbox_max_messages, uint64_t inbox_max_bytes,
                        bool populate_on_register, bool lock_on_register, bool huge_pages_on_register,
-                       bool same_host_imm_ring, const std::string& tcp_congestion, bool cork_sends) {
+                       bool same_host_imm_ring, const std::string& tcp_congestion, bool cork_sends,
+                       bool count_claimed_imms_only) {
              EngineSettings s;
              s.provider = provider;
              s.rails = rails;
@@ -227,6 +228,7 @@ PYBIND11_MODULE(_native, m) {
              s.same_host_imm_ring = same_host_imm_ring;
              s.worker.tcp_congestion = tcp_congestion;
              s.worker.cork_sends = cork_sends;
+             s.worker.count_claimed_imms_only = count_claimed_imms_only;
              GilRelease release;
              return std::make_shared<TransferEngine>(s);
            }),
@@ -237,7 +239,8 @@ PYBIND11_MODULE(_native, m) {
            py::arg("inbox_max_messages") = 1024, py::arg("inbox_max_bytes") = 16ull << 20,
            py::arg("populate_on_register") = true, py::arg("lock_on_register") = true,
            py::arg("huge_pages_on_register") = true, py::arg("same_host_imm_ring") = true,
-           py::arg("tcp_congestion") = "cubic,reno", py::arg("cork_sends") = true)
+           py::arg("tcp_congestion") = "cubic,reno", py::arg("cork_sends") = true,
+           py::arg("count_claimed_imms_only") = false)
       .def_property_readonly("address", [](const TransferEngine& e) { return py::bytes(e.address()); })
       .def_property_readonly("provider", &TransferEngine::provider)
       .def_property_readonly("rails", &TransferEngine::rails)
@@ -429,6 +432,16 @@ PYBIND11_MODULE(_native, m) {
             GilRelease release;
             e.unbind_imm_source(imm);
           })
+      .def("claim_imm", [](TransferEngine& e, int64_t imm) {
+            auto i = to_imm(imm);
+            GilRelease release;
+            e.claim_imm(*i);
+          })
+      .def("release_imm", [](TransferEngine& e, int64_t imm) {
+            auto i = to_imm(imm);
+            GilRelease release;
+            e.release_imm(*i);
+          })
       .def("connect", [](TransferEngine& e, std::shared_ptr<EngineAddress> peer) {
             GilRelease release;
             e.connect(peer);
@@ -450,6 +463,8 @@ PYBIND11_MODULE(_native, m) {
             py::dict d;
             d["imm_table_overflows"] = imm.overflowed();
             d["imm_foreign_dropped"] = e.worker().imm_foreign_dropped();
+            d["imm_unclaimed_dropped"] = e.worker().imm_unclaimed_dropped();
+            d["imm_claimed"] = imm.claimed();
             d["imm_table_capacity"] = imm.capacity();
             d["inbox_dropped_messages"] = s.inbox_dropped_messages.load();
             d["inbox_dropped_bytes"] = s.inbox_dropped_bytes.load();

@@ -1,6 +1,13 @@
 // Immediates at the receiving end: the ImmCounter table, the expectations asyncio awaits
 // (expect_imm), and the threads blocked in wait_imm. The worker counts each arrival and,
 // once per round, wakes whoever's count was reached; any thread reads counts and waits.
+//
+// Admission: by default the first arrival of any value claims a table slot for good. A
+// decoder instead counts claimed values only (claimed_only): it claims a reservation's
+// immediate before handing the reservation out and releases it when the reservation ends,
+// and an arrival for any other value is dropped and counted (unclaimed_dropped) without
+// touching the table. Immediate-only writes need no memory key, only the engine's address,
+// so without this one sender could take every slot and no reservation could ever count.
 #pragma once
 
 #include <sched.h>
@@ -24,7 +31,21 @@ namespace kvxfer {
 
 class ImmediateTracker {
  public:
-  ImmediateTracker(size_t capacity, EventQueue& events) : table_(capacity), events_(events) {}
+  ImmediateTracker(size_t capacity, EventQueue& events, bool claimed_only = false)
+      : table_(capacity), events_(events), claimed_only_(claimed_only) {}
+
+  bool claimed_only() const { return claimed_only_; }
+
+  // Worker only: from now on arrivals for imm are counted (claimed_only). False when every
+  // table slot is held by another claimed value.
+  bool claim(uint32_t imm) { return table_.claim(imm); }
+  // Worker only: arrivals for imm are no longer counted and its slot is free again; its
+  // sender binding goes too. Expectations still waiting on it end at their deadlines.
+  void release(uint32_t imm) {
+    sources_.erase(imm);
+    table_.release(imm);
+  }
+  uint64_t unclaimed_dropped() const { return unclaimed_dropped_.load(std::memory_order_relaxed); }
 
   ImmCounterTable& table() { return table_; }
   const ImmCounterTable& table() const { return table_; }
@@ -65,7 +86,13 @@ class ImmediateTracker {
     uint32_t weight = static_cast<uint32_t>(cq_data >> 32);
     if (weight == kTrafficOnlyWeight) return;  // a write without an immediate: traffic only
     // A peer whose provider has 4-byte CQ data sends no weight: each arrival is one unit.
-    uint64_t total = table_.add(imm, weight ? weight : kImmUnit) / kImmUnit;
+    const uint64_t counted = table_.add(imm, weight ? weight : kImmUnit, /*claim=*/!claimed_only_);
+    if (counted == 0 && claimed_only_) {
+      // Nobody waits on an unclaimed value: no wake-up, so a flood costs only this.
+      unclaimed_dropped_.fetch_add(1, std::memory_order_relaxed);
+      return;
+    }
+    uint64_t total = counted / kImmUnit;
     arrived_ = true;  // also when dropped: blocked waiters must look at it
     if (expectations_.empty()) return;
     if (total == 0 && table_.lost(imm)) {
@@ -234,6 +261,8 @@ class ImmediateTracker {
   };
   std::unordered_map<uint32_t, BoundSender> sources_;                    // worker only: bound senders
   std::atomic<uint64_t> foreign_dropped_{0};
+  const bool claimed_only_;
+  std::atomic<uint64_t> unclaimed_dropped_{0};
   bool arrived_ = false;                                                 // worker only
   std::atomic<uint32_t> epoch_{0};  // bumped by every arrival round: for unslotted waiters
   std::atomic<uint32_t> unslotted_waiters_{0};

@@ -30,7 +30,7 @@ ProgressWorker::ProgressWorker(RailGroup& rails, WorkerSettings settings, ImmRin
     : rails_(rails),
       settings_(settings),
       inbox_(settings.inbox_max_messages, settings.inbox_max_bytes, engine_stats_),
-      imms_(settings.imm_table_capacity, events_),
+      imms_(settings.imm_table_capacity, events_, settings.count_claimed_imms_only),
       post_queues_(rails.size(), RailPostQueue(settings.max_inflight_per_rail)),
       deadlines_(settings.transfer_timeout_ns, kDeadlineCheckNs),
       recv_slots_(rails, settings.recv_slots_per_rail, settings.recv_slot_bytes),

@@ -51,9 +51,14 @@ struct WorkerSettings {
   int64_t transfer_timeout_ns = 30'000'000'000LL;
   size_t recv_slots_per_rail = 64;
   size_t recv_slot_bytes = 64 * 1024;
-  // Distinct immediate values the engine can count in its life (a power of two; slots are
-  // never freed, see imm_counter.hpp). 16 bytes each: 1 MiB at the default.
+  // Slots of the immediate table (a power of two; 16 bytes each: 1 MiB at the default):
+  // distinct values counted in the engine's life, or with count_claimed_imms_only the
+  // values claimed at one time (see imm_counter.hpp).
   size_t imm_table_capacity = 1 << 16;
+  // Count only immediates someone claimed (claim_imm) and drop the rest, for a receiver
+  // that knows every value it expects (a decoder: its live reservations). Then no sender,
+  // however many values it sprays, can take a slot a reservation needs.
+  bool count_claimed_imms_only = false;
   // Received control messages nobody has read yet are held up to both bounds; beyond
   // either, a message is dropped and counted (inbox_dropped_*): a peer that sends and an
   // application that never calls recv must not grow this process without end (64 KiB
@@ -104,6 +109,11 @@ class ProgressWorker {
   ImmediateTracker::RailSources source_addresses(const EngineAddress& peer);
   void unbind_imm_source(uint32_t imm) { imms_.unbind_source(imm); }
   uint64_t imm_foreign_dropped() const { return imms_.foreign_dropped(); }
+  // Worker thread only (run_on_worker): see ImmediateTracker::claim and release.
+  bool claim_imm(uint32_t imm) { return imms_.claim(imm); }
+  void release_imm(uint32_t imm) { imms_.release(imm); }
+  uint64_t imm_unclaimed_dropped() const { return imms_.unclaimed_dropped(); }
+  bool counts_claimed_imms_only() const { return imms_.claimed_only(); }
   // Waits for a transfer: on its status word, or by making progress where the caller drives.
   bool wait_transfer(TransferState& t, int64_t deadline_ns);
   // Waits until at least n transfers of the counter finished, the same two ways.

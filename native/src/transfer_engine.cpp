@@ -527,6 +527,21 @@ void TransferEngine::unbind_imm_source(uint32_t imm) {
   worker_->run_on_worker([&] { worker_->unbind_imm_source(imm); }, 30'000'000'000LL);
 }
 
+void TransferEngine::claim_imm(uint32_t imm) {
+  check_open();
+  bool claimed = false;
+  worker_->run_on_worker([&] { claimed = worker_->claim_imm(imm); }, 30'000'000'000LL);
+  if (!claimed)
+    throw ImmCounterOverflow("imm " + std::to_string(imm) + " cannot be claimed: every one of the " +
+                             std::to_string(worker_->imm_counters().capacity()) +
+                             " slots of the immediate table (imm_table_capacity) holds a live claim");
+}
+
+void TransferEngine::release_imm(uint32_t imm) {
+  check_open();
+  worker_->run_on_worker([&] { worker_->release_imm(imm); }, 30'000'000'000LL);
+}
+
 void TransferEngine::forget(const EngineAddress& peer) {
   check_open();
   uint64_t id = peer.engine_id;

@@ -125,6 +125,13 @@ class TransferEngine {
   // cannot name the sender of a completion (no FI_SOURCE, or shm), or `peer` has more rails.
   bool bind_imm_source(uint32_t imm, std::shared_ptr<const EngineAddress> peer);
   void unbind_imm_source(uint32_t imm);
+  // From now on arrivals for `imm` are counted (with count_claimed_imms_only; without it
+  // every value is counted anyway). Throws ImmCounterOverflow when every slot of the table
+  // is held by another claimed value.
+  void claim_imm(uint32_t imm);
+  // Arrivals for `imm` are dropped again and its slot is free (and its sender binding
+  // gone). Only once no thread will consume or reset `imm` any more.
+  void release_imm(uint32_t imm);
   void forget(const EngineAddress& peer);
 
   ProgressWorker& worker() { return *worker_; }

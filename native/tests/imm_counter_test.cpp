@@ -62,6 +62,38 @@ TEST(ImmCounter, ArrivalsBeyondCapacityAreCountedAsOverflowsAndTheirValuesLost) 
   EXPECT_EQ(t.get(3), 2u);
 }
 
+TEST(ImmCounter, ArrivalsWithoutClaimCountOnlyForClaimedValues) {
+  ImmCounterTable t(16);
+  EXPECT_EQ(t.add(3, kImmUnit, /*claim=*/false), 0u);
+  EXPECT_EQ(t.get(3), 0u);
+  EXPECT_EQ(t.overflowed(), 0u) << "an unclaimed value is not an overflow";
+  ASSERT_TRUE(t.claim(3));
+  EXPECT_EQ(t.add(3, kImmUnit, /*claim=*/false), kImmUnit);
+  EXPECT_TRUE(t.claim(3)) << "claiming a held value again keeps its count";
+  EXPECT_EQ(t.get(3), 1u);
+  EXPECT_EQ(t.claimed(), 1u);
+}
+
+// Values come and go for the engine's whole life (one per reservation): released slots must
+// be reusable, and a value released while others share its probe chain must not hide them.
+// The hash keeps the low bits' order, so values 16 apart share a home slot in a 16-slot table
+// and form one long chain.
+TEST(ImmCounter, ReleasedSlotsAreReusedForeverAndNeverHideValuesFurtherAlongAChain) {
+  ImmCounterTable t(16);
+  const auto value = [](uint32_t round, uint32_t k) { return round * 1024 + k * 16; };
+  for (uint32_t round = 0; round < 1000; ++round) {
+    for (uint32_t k = 0; k < 12; ++k) ASSERT_TRUE(t.claim(value(round, k))) << "round " << round << " k " << k;
+    for (uint32_t k = 0; k < 12; ++k) t.add(value(round, k), (k + 1) * kImmUnit, /*claim=*/false);
+    // Release every other value: the rest must keep their counts, further along the chain too.
+    for (uint32_t k = 0; k < 12; k += 2) t.release(value(round, k));
+    for (uint32_t k = 1; k < 12; k += 2) ASSERT_EQ(t.get(value(round, k)), k + 1) << "round " << round << " k " << k;
+    for (uint32_t k = 0; k < 12; k += 2) ASSERT_EQ(t.get(value(round, k)), 0u) << k;
+    for (uint32_t k = 1; k < 12; k += 2) t.release(value(round, k));
+    ASSERT_EQ(t.claimed(), 0u);
+  }
+  EXPECT_EQ(t.overflowed(), 0u);
+}
+
 TEST(ImmCounter, CapacityThatIsNotAPowerOfTwoIsRefused) {
   EXPECT_THROW(ImmCounterTable(24), EngineError);
   EXPECT_THROW(ImmCounterTable(1), EngineError);

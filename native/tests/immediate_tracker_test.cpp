@@ -56,5 +56,29 @@ TEST(ImmediateTracker, ABoundImmediateCountsRingArrivalsOnlyFromTheBoundEngine) 
   EXPECT_EQ(imms.table().get(8), 1u);
 }
 
+// A decoder counts claimed values only: a sender spraying more distinct values than the
+// table has slots takes none of them, and a claim made afterwards still counts.
+TEST(ImmediateTracker, ClaimedOnlyDropsUnclaimedValuesWithoutTakingSlotsAndAReleasedSlotIsReused) {
+  EventQueue events;
+  ImmediateTracker imms(16, events, /*claimed_only=*/true);
+  for (uint32_t v = 0x80000000u; v < 0x80000000u + 1000; ++v) imms.on_arrival(one_unit(v), 0, 1);
+  EXPECT_EQ(imms.unclaimed_dropped(), 1000u);
+  EXPECT_EQ(imms.table().overflowed(), 0u);
+  EXPECT_EQ(imms.table().claimed(), 0u);
+  for (uint32_t v = 1; v <= 16; ++v) ASSERT_TRUE(imms.claim(v)) << v;
+  EXPECT_FALSE(imms.claim(17)) << "16 live claims fill a 16-slot table";
+  imms.on_arrival(one_unit(5), 0, 1);
+  imms.on_ring_arrival(one_unit(5), 42);
+  EXPECT_EQ(imms.table().get(5), 2u);
+  imms.release(5);
+  imms.on_arrival(one_unit(5), 0, 1);
+  EXPECT_EQ(imms.table().get(5), 0u) << "a released value counts again";
+  EXPECT_EQ(imms.unclaimed_dropped(), 1001u);
+  ASSERT_TRUE(imms.claim(17)) << "the released slot is free again";
+  imms.on_arrival(one_unit(17), 0, 1);
+  EXPECT_EQ(imms.table().get(17), 1u);
+  EXPECT_EQ(imms.table().claimed(), 16u);
+}
+
 }  // namespace
 }  // namespace kvxfer

@@ -227,6 +227,64 @@ def test_immediates_from_anyone_but_the_named_prefiller_are_dropped_counted_neve
     assert plane.metric("kvxfer_engine_imm_foreign_dropped_total") - dropped_before == forged
 
 
+#: More distinct values than the decoder's immediate table has slots (its default 65,536),
+#: each with the top bit set, which no reservation's immediate ever has.
+FLOOD_VALUES = 70_000
+#: Slots of the decoder's immediate table (TransferEngine's default imm_table_capacity).
+TABLE_SLOTS = 1 << 16
+#: Immediate-only writes the outsider keeps in flight while it sprays.
+FLOOD_WINDOW = 512
+
+
+def test_a_flood_of_unclaimed_immediates_takes_no_slot_and_the_decoder_keeps_serving(plane: DataPlane) -> None:
+    # Immediate-only writes need no memory key, only the decoder's engine address (which
+    # the registry shows anyone). A decoder that gave every new value a slot of its
+    # immediate table for good was disabled by one spray of more values than slots: every
+    # later reservation failed. Now only values of live reservations are counted.
+    plane.pool_is_whole()
+    dropped_before = plane.metric("kvxfer_engine_imm_unclaimed_dropped_total")
+    decode_address = bytes.fromhex(info_of(plane, plane.decode)["engine_address"])
+    in_flight = []
+    for i in range(FLOOD_VALUES):
+        in_flight.append(plane.outsider.write_imm(decode_address, 0x8000_0000 | i))
+        if len(in_flight) == FLOOD_WINDOW:
+            for transfer in in_flight:
+                transfer.wait(OUTSIDER_TIMEOUT_S)
+            in_flight.clear()
+    for transfer in in_flight:
+        transfer.wait(OUTSIDER_TIMEOUT_S)
+
+    def flood_taken_in() -> bool:
+        # Dropped unclaimed, or (a decoder that gives every value a slot) past a full table.
+        dropped = plane.metric("kvxfer_engine_imm_unclaimed_dropped_total") - dropped_before
+        overflowed = plane.metric("kvxfer_engine_imm_table_overflows_total")
+        return dropped >= FLOOD_VALUES or overflowed >= FLOOD_VALUES - TABLE_SLOTS
+
+    wait_until(flood_taken_in, 30, "the decoder took in every flooded immediate")
+
+    async def run() -> list[str]:
+        served: list[str] = []
+        async with plane.client() as client:
+            for i in range(8):
+                rid = f"kx-after-flood-{i}"
+                reservation = await reserve(client, plane.decode, rid, PROMPT)
+                try:
+                    pre, gen = await asyncio.gather(prefill_call(client, plane.prefill, rid, PROMPT, reservation),
+                                                    generate_call(client, plane.decode, rid, stream=False))
+                except ValueError:  # not even a JSON answer: the decoder's 500
+                    continue
+                if gen[0] == 200:
+                    check_against_reference(rid, PROMPT, reservation, pre, gen)
+                    served.append(rid)
+        return served
+
+    served = asyncio.run(run())
+    assert len(served) == 8, f"{len(served)} of 8 requests served after the flood"
+    assert plane.metric("kvxfer_engine_imm_unclaimed_dropped_total") - dropped_before == FLOOD_VALUES
+    assert plane.metric("kvxfer_engine_imm_table_overflows_total") == 0
+    plane.pool_is_whole()
+
+
 def test_a_malformed_prefiller_address_is_refused_and_takes_nothing(plane: DataPlane) -> None:
     plane.pool_is_whole()
 

@@ -62,7 +62,10 @@ class WorkerSide:
         s = self.settings
         self.engine = TransferEngine(s.provider, s.rails, bind_host=s.bind_host, transfer_timeout_s=s.transfer_timeout_s,
                                      same_host=s.same_host, same_host_imm_ring=s.same_host_imm_ring,
-                                     tcp_congestion=s.tcp_congestion, lock_on_register=s.lock_kv_pages)
+                                     tcp_congestion=s.tcp_congestion, lock_on_register=s.lock_kv_pages,
+                                     # Only live loads' immediates count (ReservationScope claims
+                                     # them): a sender spraying others cannot fill the table.
+                                     imm_admission="claimed")
         memory = self.engine.register(self.region.buffer)
         if self.kv_role in ("kv_producer", "kv_both"):
             self.pusher = KVPusher(s, self.engine, self.region, memory, self.metrics, self.fault)
