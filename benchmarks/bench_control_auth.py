@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 
 from kvxfer.cluster.local_cluster import LocalCluster
-from kvxfer.registry.control_token import TokenSigner, TokenVerifier
+from kvxfer.registry.control_token import TokenSigner, TokenVerifier, WorkerIdentity
 
 HERE = Path(__file__).resolve().parent
 CALLS_PER_REQUEST = 3  # /reserve, /prefill, /generate
@@ -49,11 +49,12 @@ def token_cost_s(n: int = 5000) -> float:
     """Seconds to mint and verify one token for a typical /prefill body (this process)."""
     key = os.urandom(48)
     signer = TokenSigner(key, "router", 10.0)
-    verifier = TokenVerifier(key, max_lifetime_s=30.0, clock_skew_s=5.0, max_replay_entries=n + 1)
+    target = WorkerIdentity("prefill", "prefill-0")
+    verifier = TokenVerifier(key, target, max_lifetime_s=30.0, clock_skew_s=5.0, max_replay_entries=n + 1)
     body = json.dumps({"request_id": "kx-0", "prompt_tokens": list(range(256)), "decode": {"pages": [1] * 20}}).encode()
     t0 = time.perf_counter()
     for _ in range(n):
-        header = signer.header("POST", "/prefill", body)["Authorization"]
+        header = signer.header(target, "POST", "/prefill", body)["Authorization"]
         verifier.verify(header, "POST", "/prefill", body)
     return (time.perf_counter() - t0) / n
 

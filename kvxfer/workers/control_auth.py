@@ -4,8 +4,9 @@ A pure ASGI middleware, so it sees the raw body bytes the token's digest covers 
 a request before any route runs (nothing is parsed, reserved or cancelled). Open paths
 (`OPEN_PATHS`: liveness, readiness, Prometheus) need no token: probes and scrapers hold no
 key, and they change nothing. Every other path needs a valid `KvxferToken`
-(`kvxfer.registry.control_token`): 401 when it is missing, malformed, expired or replayed,
-403 when its signature does not verify; each refusal is counted in
+(`kvxfer.registry.control_token`) minted for this worker (its role and worker id): 401 when
+it is missing, malformed, expired or replayed, 403 when it was minted for another worker or
+its signature does not verify; each refusal is counted in
 `kvxfer_worker_auth_rejected_total{reason}`. The verified issuer is put in the request
 scope (`caller_of(request)`), so request ids and limits can be scoped to it.
 
@@ -26,7 +27,7 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvxfer.metrics import WorkerAuthMetrics
-from kvxfer.registry.control_token import TokenRefused, TokenVerifier
+from kvxfer.registry.control_token import TokenRefused, TokenVerifier, WorkerIdentity
 from kvxfer.registry.signing import load_cluster_key
 from kvxfer.workers.runtime import WorkerSettings
 
@@ -128,13 +129,15 @@ async def _answer(send: Send, status: int, body: dict[str, Any], headers: dict[s
     await send({"type": "http.response.body", "body": raw})
 
 
-def install_control_auth(app: FastAPI, settings: WorkerSettings, registry: CollectorRegistry) -> None:
-    """Puts the gate in front of `app` when the worker has a cluster key; warns when it has none."""
+def install_control_auth(app: FastAPI, settings: WorkerSettings, registry: CollectorRegistry,
+                         identity: WorkerIdentity) -> None:
+    """Puts the gate in front of `app` (the worker `identity`) when the worker has a cluster
+    key; warns when it has none."""
     if settings.cluster_key_file is None:
         log.warning("no cluster key (KVXFER_CLUSTER_KEY_FILE): this worker's control API takes anyone's "
                     "requests. Development only.")
         return
-    verifier = TokenVerifier(load_cluster_key(settings.cluster_key_file),
+    verifier = TokenVerifier(load_cluster_key(settings.cluster_key_file), identity,
                              max_lifetime_s=settings.control_token_max_lifetime_s,
                              clock_skew_s=settings.control_token_clock_skew_s)
     app.add_middleware(ControlAuthMiddleware, verifier=verifier, registry=registry,

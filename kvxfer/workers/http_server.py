@@ -21,6 +21,7 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvxfer.kv.page_allocator import PageAllocationError
+from kvxfer.registry.control_token import WorkerIdentity
 from kvxfer.workers.control_auth import install_control_auth
 from kvxfer.workers.rejection import Rejection, RequestRejected
 from kvxfer.workers.runtime import WorkerCore
@@ -51,7 +52,7 @@ def create_worker_app(title: str, core: WorkerCore, info: Callable[[], dict[str,
     """A FastAPI app with the common routes and the rejection-to-status mapping installed."""
     app = FastAPI(title=title)
     add_common_routes(app, core, info)
-    install_control_auth(app, core.settings, core.metrics_registry)
+    install_control_auth(app, core.settings, core.metrics_registry, WorkerIdentity(core.role, core.worker_id))
 
     @app.exception_handler(RequestRejected)
     async def rejected(_: Request, exc: RequestRejected) -> JSONResponse:
@@ -106,7 +107,9 @@ def add_common_routes(app: FastAPI, core: WorkerCore, info: Callable[[], dict[st
 
     @app.get("/health")
     def health() -> dict[str, str]:
-        return {"status": "ok"}
+        # Who answers: a tool that signs calls (`kvxfer.cluster.control_client`) mints its
+        # tokens for this worker. Not a secret (the registry lists it); it grants nothing.
+        return {"status": "ok", "worker_id": core.worker_id, "role": core.role}
 
     @app.get("/ready")
     def ready(response: Response) -> dict[str, Any]:

@@ -221,8 +221,7 @@ class Dispatcher:
         timeout = httpx.Timeout(total_timeout_s, connect=self.settings.connect_timeout_s)
         try:
             resp = await asyncio.wait_for(
-                self.client.post(worker.url(path), timeout=timeout,
-                                 **self.signer.request(worker.url(path), body, worker.engine)),
+                self.client.post(timeout=timeout, **self.signer.request(worker, path, body)),
                 total_timeout_s
             )
         except (httpx.TimeoutException, asyncio.TimeoutError) as exc:
@@ -270,8 +269,7 @@ class Dispatcher:
         s = self.settings
         timeout = httpx.Timeout(s.first_token_timeout_s, connect=s.connect_timeout_s, write=s.control_timeout_s)
         try:
-            async with self.client.stream("POST", worker.url(path), timeout=timeout,
-                                          **self.signer.request(worker.url(path), body, worker.engine)) as resp:
+            async with self.client.stream("POST", timeout=timeout, **self.signer.request(worker, path, body)) as resp:
                 if resp.status_code >= 400:
                     text = (await asyncio.wait_for(resp.aread(), s.control_timeout_s)).decode(errors="replace")
                     raise LegFailure.from_answer(request_id, worker, stage, path, resp.status_code, text, resp.headers,

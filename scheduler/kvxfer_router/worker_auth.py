@@ -2,10 +2,13 @@
 it mints for them.
 
 With a cluster key (`cluster_key_file`) every POST to a worker carries a `KvxferToken`
-(`kvxfer.registry.control_token`) bound to its path and exact body bytes, so the body is
-serialized here once and sent as those bytes; a POST to a vLLM instance carries the
-cluster's vLLM API key instead (`kvxfer.registry.signing.vllm_api_key`). Without a key,
-calls go unsigned (workers without a key accept them; development only).
+(`kvxfer.registry.control_token`) bound to the worker it goes to (role and worker id, from
+its signed registry record), its path and its exact body bytes, so the body is serialized
+here once and sent as those bytes; a POST to a vLLM instance carries the cluster's vLLM API
+key instead (`kvxfer.registry.signing.vllm_api_key`: one static key for every instance,
+which vLLM checks as a bearer key, so it binds to nothing; docs/architecture.md, "Threat
+model"). Without a key, calls go unsigned (workers without a key accept them; development
+only).
 
 Request ids towards workers are minted here, never taken from the client: a client's id
 (echoed back to it) could collide with, or name, another request inside the cluster.
@@ -20,9 +23,10 @@ from typing import Any
 
 import httpx
 
-from kvxfer.registry.control_token import TokenSigner
+from kvxfer.registry.control_token import TokenSigner, WorkerIdentity
 from kvxfer.registry.signing import load_cluster_key, vllm_api_headers, vllm_api_key
 
+from .directory import WorkerView
 from .settings import RouterSettings
 
 log = logging.getLogger(__name__)
@@ -55,16 +59,19 @@ class WorkerCallSigner:
         """Whether calls carry a token."""
         return self._signer is not None
 
-    def request(self, url: str, body: dict[str, Any], engine: str = "kvxfer") -> dict[str, Any]:
-        """Keyword arguments for httpx's POST of `body` to `url`: exact content and headers.
+    def request(self, worker: WorkerView, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """Keyword arguments for httpx's POST of `body` to `path` on `worker`: its URL, the
+        exact content and the headers.
 
-        A kvxfer worker gets a token for this one call; a vLLM instance (`engine` "vllm")
-        gets the cluster's vLLM API key, the only credential vLLM checks.
+        A kvxfer worker gets a token for this one call to it; a vLLM instance (engine
+        "vllm") gets the cluster's vLLM API key, the only credential vLLM checks.
         """
+        url = worker.url(path)
         content = json.dumps(body, separators=(",", ":")).encode()
         headers = {"Content-Type": "application/json"}
-        if engine == "vllm":
+        if worker.engine == "vllm":
             headers.update(vllm_api_headers(self._vllm_key))
         elif self._signer is not None:
-            headers.update(self._signer.header("POST", httpx.URL(url).path, content))
-        return {"content": content, "headers": headers}
+            target = WorkerIdentity(worker.role, worker.worker_id)
+            headers.update(self._signer.header(target, "POST", httpx.URL(url).path, content))
+        return {"url": url, "content": content, "headers": headers}

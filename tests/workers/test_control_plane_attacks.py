@@ -28,7 +28,7 @@ from support.worker_procs import WorkerProc, WorkerSet
 
 from kvxfer.cluster.control_client import ControlTokenAuth
 from kvxfer.kv.protocol import encode_imm
-from kvxfer.registry.control_token import TokenSigner
+from kvxfer.registry.control_token import TokenSigner, WorkerIdentity
 from kvxfer.transfer.engine import TransferEngine
 
 pytestmark = pytest.mark.timeout(240)
@@ -86,6 +86,12 @@ async def legit_request(cluster: Cluster, rid: str) -> None:
     check_against_reference(rid, PROMPT, reservation, pre, gen)
 
 
+def identity_of(worker: WorkerProc) -> WorkerIdentity:
+    """The role and worker id a worker's open /health names (what its tokens must target)."""
+    health = httpx.get(f"{worker.url}/health", trust_env=False).json()
+    return WorkerIdentity(health["role"], health["worker_id"])
+
+
 def body_of(path: str, rid: str) -> dict[str, Any]:
     if path == "/reserve":
         return {"request_id": rid, "prompt_tokens": PROMPT, "max_tokens": 16}
@@ -109,12 +115,13 @@ def test_calls_without_a_valid_token_are_refused_counted_and_change_nothing(clus
         async with httpx.AsyncClient(timeout=10, trust_env=False) as outsider:
             for role, path in TARGETS:
                 url = getattr(cluster, role).url + path
+                target = identity_of(getattr(cluster, role))
                 content = httpx.Request("POST", url, json=body_of(path, "victim")).content
                 for kind, headers in [
                     ("missing", {}),
                     ("malformed", {"Authorization": "Bearer hunter2"}),
-                    ("bad_signature", forger.header("POST", path, content)),
-                    ("expired", {"Authorization": "KvxferToken " + stale.token("POST", path, content,
+                    ("bad_signature", forger.header(target, "POST", path, content)),
+                    ("expired", {"Authorization": "KvxferToken " + stale.token(target, "POST", path, content,
                                                                               now_s=time.time() - 60)}),
                 ]:
                     resp = await outsider.post(url, content=content,
@@ -141,7 +148,7 @@ def test_calls_without_a_valid_token_are_refused_counted_and_change_nothing(clus
 
 def test_a_captured_token_cannot_be_replayed(cluster: Cluster) -> None:
     signer = TokenSigner(cluster.key_path.read_bytes().strip(), "router", 10.0)
-    header = signer.header("GET", "/info", b"")
+    header = signer.header(identity_of(cluster.decode), "GET", "/info", b"")
     url = f"{cluster.decode.url}/info"
     before = cluster.auth_rejections(cluster.decode, "replayed")
     assert httpx.get(url, headers=header, trust_env=False).status_code == 200
