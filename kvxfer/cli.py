@@ -43,6 +43,10 @@ def _add_worker_flags(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--transfer-timeout-s", type=float, help="a write not complete by then fails (default 10)")
     p.add_argument("--etcd", help="comma-separated etcd endpoints; omitted: no registry")
     p.add_argument("--etcd-prefix", help="registry key prefix (default /kvxfer)")
+    p.add_argument("--etcd-ca-file", help="CA bundle that verifies etcd (https:// endpoints)")
+    p.add_argument("--etcd-cert-file", help="client certificate presented to etcd (`kvxfer up`'s etcd takes no "
+                   "client without one: its files are in LOG_DIR/etcd-tls)")
+    p.add_argument("--etcd-key-file", help="private key of --etcd-cert-file")
     p.add_argument("--lease-ttl-s", type=int, help="registry lease TTL (default 5)")
     p.add_argument("--drain-timeout-s", type=float, help="SIGTERM drain bound (default 30)")
     p.add_argument("--cluster-key-file", help="cluster key file: signs this worker's registry record "
@@ -182,7 +186,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--insecure", action="store_true",
                    help="no cluster key: registry records unsigned, worker control APIs open (development only; logs a warning)")
     p.add_argument("--admin-port", type=int, help="router admin port (GET /workers; default: a free one)")
-    p.add_argument("--log-dir", help="folder of the processes' logs (default: a new temporary folder, printed at start)")
+    p.add_argument("--log-dir", help="folder of the processes' logs (default: a new temporary folder, printed at start); "
+                                     "made owner-only (0700), as are the logs in it (0600)")
+    p.add_argument("--num-pages", type=int,
+                   help="builtin: KV cache pages per worker (default: as many as the memory budget allows, at most "
+                        "2048); refused up front if all workers' pages do not fit")
+    p.add_argument("--kv-memory-budget-gib", type=float,
+                   help="builtin: memory all workers' KV caches may take together, GiB (default: MemAvailable less "
+                        "10%% and the processes' own memory, weights included); a layout that needs more is refused "
+                        "before any worker starts, with the memory it needs")
     p.add_argument("--prefill-args", default="",
                    help="vLLM flags for the prefill instances only, one quoted string (e.g. \"--max-num-seqs 4\"; "
                         "a single flag as --prefill-args=--enforce-eager); after the common ones, so they win")

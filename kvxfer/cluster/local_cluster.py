@@ -4,6 +4,12 @@ and N prefill + M decode workers, each a real process on loopback.
 `LocalCluster` is what `kvxfer up`, the demo and the end-to-end tests use. It starts
 everything with deadlines, waits until the router reports every worker, and on stop drains
 the workers (SIGTERM), then stops the router and etcd. Logs go to one file per process.
+
+The run folder (`log_dir`) is its owner's only (0700, every log 0600): it holds the logs,
+the cluster key and the certificates of the etcd it starts, which takes only clients that
+present the run's client certificate (docs/architecture.md, "Threat model"). Before any
+process starts, the builtin workers' KV pages are sized to the machine's free memory, or
+refused with the memory they need (kvxfer.cluster.kv_memory_plan).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import logging
 import os
 import secrets
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -28,6 +35,8 @@ from typing import Any
 import httpx
 
 from kvxfer.cluster.control_client import ControlTokenAuth
+from kvxfer.cluster.etcd_certificates import EtcdClientTls
+from kvxfer.cluster.kv_memory_plan import KvMemoryBudgetError, KvMemoryPlan, plan_kv_pages, read_mem_available_bytes
 from kvxfer.cluster.local_etcd import LocalEtcd
 from kvxfer.registry.signing import load_cluster_key, vllm_api_key
 
@@ -53,7 +62,8 @@ class LocalCluster:
         etcd: str | None = None,
         model: str = "tiny",
         provider: str = "auto",
-        num_pages: int = 2048,
+        num_pages: int | None = None,
+        kv_memory_budget_bytes: int | None = None,
         log_dir: str | None = None,
         worker_env: dict[str, str] | None = None,
         router_env: dict[str, str] | None = None,
@@ -67,6 +77,9 @@ class LocalCluster:
     ) -> None:
         if engine not in ("builtin", "vllm"):
             raise ValueError(f'engine must be "builtin" or "vllm", got {engine!r}')
+        if engine == "vllm" and (num_pages is not None or kv_memory_budget_bytes is not None):
+            raise ValueError("the number of pages and the KV memory budget size the builtin workers' caches; "
+                             "vLLM sizes its own")
         self.engine = engine
         self.insecure = insecure
         if engine == "vllm":
@@ -88,9 +101,16 @@ class LocalCluster:
         self.etcd_url = etcd
         self.model = model
         self.provider = provider
+        # None until start() plans it: as many pages as the memory budget allows.
         self.num_pages = num_pages
+        self.kv_memory_budget_bytes = kv_memory_budget_bytes
+        self.kv_plan: KvMemoryPlan | None = None  # what start() planned (builtin engine)
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="kvxfer-cluster-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        # The logs name requests and addresses, and the folder holds the keys: owner only.
+        os.chmod(self.log_dir, 0o700)
+        # The CA and certificates of the etcd this cluster starts; removed by stop() like the key.
+        self.etcd_cert_dir = self.log_dir / "etcd-tls"
         self.startup_timeout_s = startup_timeout_s
         self.worker_env = dict(worker_env or {})
         self.router_env = dict(router_env or {})
@@ -132,7 +152,7 @@ class LocalCluster:
         return "127.0.0.1"
 
     def _new_etcd(self) -> LocalEtcd:
-        return LocalEtcd(log_path=self.log_dir / "etcd.log")
+        return LocalEtcd(log_path=self.log_dir / "etcd.log", client_cert_dir=self.etcd_cert_dir)
 
     def _signal(self, proc: subprocess.Popen[bytes], sig: int) -> None:
         if self.engine == "vllm" and sig == signal.SIGTERM and proc is not self.router:
@@ -153,7 +173,10 @@ class LocalCluster:
         return ControlTokenAuth(self.key_path) if self.key_path is not None else None
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
-        log = open(self.log_dir / f"{name}.log", "wb")
+        # Created 0600, and tightened if an earlier run left one: owner-only like the folder.
+        fd = os.open(self.log_dir / f"{name}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)
+        log = os.fdopen(fd, "wb")
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
         # Each worker shares 2 cores with the others: one torch thread each avoids thrashing.
         full_env.setdefault("OMP_NUM_THREADS", "1")
@@ -190,6 +213,10 @@ class LocalCluster:
             "advertise_url": f"http://127.0.0.1:{port}", "metrics_port": metrics_port,
         }
         api_key: str | None = None
+        if self.etcd is not None and self.etcd.client_tls is not None:
+            tls = self.etcd.client_tls
+            extra.update(etcd_ca_file=str(tls.ca_path), etcd_cert_file=str(tls.cert_path),
+                         etcd_key_file=str(tls.key_path))
         if self.key_path is not None:
             extra["cluster_key_file"] = str(self.key_path)
             api_key = vllm_api_key(load_cluster_key(self.key_path))  # the router sends it
@@ -220,8 +247,8 @@ class LocalCluster:
     def _exit_message(self, name: str, returncode: int) -> str:
         tail = self.log_tail(name)
         indented = "\n".join("    " + line for line in tail.splitlines())
-        return (f"{name} exited with {returncode}; the last lines of {self.log_dir / (name + '.log')}:\n"
-                f"{indented}")
+        how = f"was killed by {signal.Signals(-returncode).name}" if returncode < 0 else f"exited with {returncode}"
+        return f"{name} {how}; the last lines of {self.log_dir / (name + '.log')}:\n{indented}"
 
     def reap_dead(self) -> list[str]:
         """Workers that exited since the last call, each reported once as a message with its log's
@@ -256,10 +283,14 @@ class LocalCluster:
     def start(self) -> "LocalCluster":
         """Starts etcd (if needed), the workers and the router; waits until ready."""
         try:
+            if self.engine == "builtin":
+                self._plan_kv_memory()
             if self.etcd_url is None:
                 self.etcd = self._new_etcd()
                 self.etcd.start()
                 self.etcd_url = self.etcd.client_url
+                if self.etcd.client_tls is not None:
+                    self._use_etcd_client_tls(self.etcd.client_tls)
             for _ in range(self.n_prefill):
                 self.start_worker("prefill")
             for _ in range(self.n_decode):
@@ -277,27 +308,50 @@ class LocalCluster:
             raise
         return self
 
-    def workers_seen(self) -> dict[str, int]:
-        """How many workers of each role the router knows now."""
+    def _plan_kv_memory(self) -> None:
+        # Imported here: the model's shape comes with torch, which `kvxfer up --engine vllm`
+        # never needs in this process.
+        from kvxfer.model.config import ModelConfig
+
+        self.kv_plan = plan_kv_pages(
+            ModelConfig.preset(self.model), self.n_prefill + self.n_decode,
+            mem_available_bytes=read_mem_available_bytes(), num_pages=self.num_pages,
+            kv_memory_budget_bytes=self.kv_memory_budget_bytes)
+        self.num_pages = self.kv_plan.pages_per_worker
+        self.progress(self.kv_plan.describe())
+
+    def _use_etcd_client_tls(self, tls: EtcdClientTls) -> None:
+        # Workers and router present the run's client certificate; files the caller's
+        # environment names win, as for the cluster key.
+        for name, path in (("ETCD_CA_FILE", tls.ca_path), ("ETCD_CERT_FILE", tls.cert_path),
+                           ("ETCD_KEY_FILE", tls.key_path)):
+            self.worker_env.setdefault(f"KVXFER_{name}", str(path))
+            self.router_env.setdefault(f"KVXFER_ROUTER_{name}", str(path))
+
+    def _workers_listed(self) -> list[dict[str, Any]]:
+        """The router's worker list now (its admin port's GET /workers); empty if it does not answer."""
         try:
             body = httpx.get(f"{self.admin_url}/workers", timeout=2).json()
         except (httpx.HTTPError, ValueError):
-            return {}
+            return []
         items = body.get("workers", body) if isinstance(body, dict) else body
+        return [w for w in items if isinstance(w, dict)] if isinstance(items, list) else []
+
+    def workers_seen(self) -> dict[str, int]:
+        """How many workers of each role the router knows now."""
+        return self._count_roles(self._workers_listed())
+
+    @staticmethod
+    def _count_roles(listed: list[dict[str, Any]]) -> dict[str, int]:
         counts: dict[str, int] = {}
-        for w in items if isinstance(items, list) else []:
+        for w in listed:
             counts[w.get("role", "?")] = counts.get(w.get("role", "?"), 0) + 1
         return counts
 
-    def _note_registered(self) -> None:
+    def _note_registered(self, listed: list[dict[str, Any]]) -> None:
         # Start-up progress: each worker once, as the router first lists it.
-        try:
-            body = httpx.get(f"{self.admin_url}/workers", timeout=2).json()
-        except (httpx.HTTPError, ValueError):
-            return
-        items = body.get("workers", body) if isinstance(body, dict) else body
-        for w in items if isinstance(items, list) else []:
-            wid = str(w.get("worker_id", "")) if isinstance(w, dict) else ""
+        for w in listed:
+            wid = str(w.get("worker_id", ""))
             if wid in self.workers and wid not in self._registered:
                 self._registered.add(wid)
                 self.progress(f"{wid}: ready ({len(self._registered)} of {len(self.workers)} workers registered)")
@@ -309,8 +363,9 @@ class LocalCluster:
             for name, proc in list(self.workers.items()) + [("router", self.router)]:
                 if proc is not None and proc.poll() is not None:
                     raise RuntimeError(self._exit_message(name, proc.returncode))
-            self._note_registered()
-            seen = self.workers_seen()
+            listed = self._workers_listed()
+            self._note_registered(listed)
+            seen = self._count_roles(listed)
             if seen.get("prefill", 0) >= prefill and seen.get("decode", 0) >= decode:
                 try:
                     if httpx.get(f"{self.router_url}/ready", timeout=2).status_code == 200:
@@ -350,6 +405,7 @@ class LocalCluster:
         # this cluster only, and left in the temporary folder it would outlive it.
         if self._own_key is not None:
             self._own_key.unlink(missing_ok=True)
+        shutil.rmtree(self.etcd_cert_dir, ignore_errors=True)
 
     def __enter__(self) -> "LocalCluster":
         return self.start()
@@ -372,11 +428,18 @@ def run_up(args: argparse.Namespace) -> int:
     if args.engine != "vllm" and (vllm_args or any(role_args.values())):
         _print("vLLM flags (after --, --prefill-args, --decode-args) need --engine vllm")
         return 2
+    num_pages = getattr(args, "num_pages", None)
+    budget_gib = getattr(args, "kv_memory_budget_gib", None)
+    if args.engine == "vllm" and (num_pages is not None or budget_gib is not None):
+        _print("--num-pages and --kv-memory-budget-gib size the builtin workers' KV caches; with --engine vllm "
+               "give vLLM's own flags after --")
+        return 2
     cluster = LocalCluster(
         prefill=args.prefill, decode=args.decode, router_port=args.port, etcd=args.etcd,
         model=args.model, provider=args.provider, insecure=args.insecure, engine=args.engine,
         log_dir=getattr(args, "log_dir", None), admin_port=getattr(args, "admin_port", None),
-        vllm_args=vllm_args, role_vllm_args=role_args, progress=_print,
+        vllm_args=vllm_args, role_vllm_args=role_args, progress=_print, num_pages=num_pages,
+        kv_memory_budget_bytes=int(budget_gib * (1 << 30)) if budget_gib is not None else None,
     )
     stop = {"now": False}
 
@@ -388,12 +451,18 @@ def run_up(args: argparse.Namespace) -> int:
     _print(f"logs in {cluster.log_dir}")
     try:
         cluster.start()
+    except KvMemoryBudgetError as exc:
+        _print(str(exc))  # refused before anything started
+        return 2
     except (RuntimeError, TimeoutError) as exc:
         _print(f"start-up failed: {exc}")
         return 1
     targets = cluster.write_prometheus_targets() if cluster.engine == "vllm" else None
     _print(f"router {cluster.router_url} (admin {cluster.admin_url}) with {args.prefill} prefill + {args.decode} "
            f"decode workers, etcd {cluster.etcd_url}")
+    if cluster.etcd is not None and cluster.etcd.client_tls is not None:
+        _print(f"etcd takes only clients with this run's certificate: CA, client.crt and client.key in "
+               f"{cluster.etcd_cert_dir}")
     if targets is not None:
         _print(f"metrics: Prometheus file_sd targets in {targets}")
     try:

@@ -2,7 +2,10 @@
 
 `LocalEtcd` runs the Debian `etcd` binary (package `etcd-server`) as a subprocess on free
 127.0.0.1 ports with its data in a temporary directory, so the registry code is exercised
-against the real server (leases, watches, revisions, restarts) rather than a fake.
+against the real server (leases, watches, revisions, restarts) rather than a fake. Given a
+`client_cert_dir`, it serves TLS and requires a client certificate signed by a CA made for
+it (kvxfer.cluster.etcd_certificates): what `kvxfer up` runs, so an anonymous client on
+the machine gets nothing.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -22,6 +26,7 @@ import weakref
 from pathlib import Path
 from types import TracebackType
 
+from kvxfer.cluster.etcd_certificates import EtcdClientTls, EtcdServerTls, make_etcd_certificates
 from kvxfer.errors import KvxferError
 
 __all__ = ["LocalEtcd", "LocalEtcdError"]
@@ -82,7 +87,9 @@ class LocalEtcd:
     server back on the same ports and data directory (optionally after some downtime),
     which is how tests check that registrations survive an etcd restart or outage. Use
     it as a context manager so the process and the temporary directory are always
-    cleaned up.
+    cleaned up. With `client_cert_dir`, the first start makes a CA and certificates there
+    and etcd's client and peer ports take only clients that present one (`client_tls`
+    names the files); the folder is the caller's to remove.
     """
 
     #: Address etcd listens on and advertises; a subclass that runs etcd elsewhere (the
@@ -101,6 +108,7 @@ class LocalEtcd:
         startup_timeout_s: float = 15.0,
         stop_timeout_s: float = 5.0,
         extra_args: tuple[str, ...] = (),
+        client_cert_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         self._etcd_binary = etcd_binary
         self._fixed_client_port = client_port
@@ -109,6 +117,8 @@ class LocalEtcd:
         self._startup_timeout_s = startup_timeout_s
         self._stop_timeout_s = stop_timeout_s
         self._extra_args = tuple(extra_args)
+        self._client_cert_dir = Path(client_cert_dir) if client_cert_dir is not None else None
+        self._tls: EtcdServerTls | None = None
 
         # A temporary directory is created lazily and owned (removed on stop) only when
         # the caller did not give a data directory.
@@ -123,18 +133,31 @@ class LocalEtcd:
     # ----------------------------------------------------------------- properties
 
     @property
+    def _scheme(self) -> str:
+        return "https" if self._client_cert_dir is not None else "http"
+
+    @property
     def client_url(self) -> str:
-        """URL clients connect to, e.g. ``http://127.0.0.1:41234``; set once started."""
+        """URL clients connect to, e.g. ``http://127.0.0.1:41234`` (``https://`` with
+        `client_cert_dir`); set once started."""
         if self._client_port is None:
             raise LocalEtcdError("LocalEtcd has not been started; call start() first")
-        return f"http://{self.host}:{self._client_port}"
+        return f"{self._scheme}://{self.host}:{self._client_port}"
 
     @property
     def peer_url(self) -> str:
         """Raft peer URL of the single member; set once started."""
         if self._peer_port is None:
             raise LocalEtcdError("LocalEtcd has not been started; call start() first")
-        return f"http://{self.host}:{self._peer_port}"
+        return f"{self._scheme}://{self.host}:{self._peer_port}"
+
+    @property
+    def client_tls(self) -> EtcdClientTls | None:
+        """The CA, client certificate and key a client needs; None without
+        `client_cert_dir`. Set once started."""
+        if self._client_cert_dir is not None and self._tls is None:
+            raise LocalEtcdError("LocalEtcd has not been started; call start() first")
+        return self._tls.client if self._tls is not None else None
 
     @property
     def data_dir(self) -> Path:
@@ -243,7 +266,7 @@ class LocalEtcd:
         self.stop()
 
     def __repr__(self) -> str:
-        url = f"http://{self.host}:{self._client_port}" if self._client_port else "unstarted"
+        url = f"{self._scheme}://{self.host}:{self._client_port}" if self._client_port else "unstarted"
         state = "running" if self.is_running else "stopped"
         return f"LocalEtcd({url}, {state})"
 
@@ -262,6 +285,21 @@ class LocalEtcd:
         # in 3.4; 0700 keeps both quiet.
         os.chmod(self._data_dir, 0o700)
         self._log_path.parent.mkdir(parents=True, exist_ok=True)
+        if self._client_cert_dir is not None and self._tls is None:
+            self._tls = make_etcd_certificates(self._client_cert_dir, self.host)
+
+    def _tls_args(self) -> list[str]:
+        if self._tls is None:
+            return []
+        # One certificate for the client and the peer port: a single member has no peers,
+        # but the port listens all the same and must not take anyone's raft messages.
+        tls = self._tls
+        return [
+            "--client-cert-auth", "--trusted-ca-file", str(tls.ca_path),
+            "--cert-file", str(tls.cert_path), "--key-file", str(tls.key_path),
+            "--peer-client-cert-auth", "--peer-trusted-ca-file", str(tls.ca_path),
+            "--peer-cert-file", str(tls.cert_path), "--peer-key-file", str(tls.key_path),
+        ]
 
     def _command(self, binary: str) -> list[str]:
         return [
@@ -281,11 +319,15 @@ class LocalEtcd:
             "--auto-compaction-mode", "periodic",
             "--auto-compaction-retention", "1h",
             "--quota-backend-bytes", str(1 << 30),
+            *self._tls_args(),
             *self._extra_args,
         ]
 
     def _spawn_and_wait(self, binary: str) -> None:
-        with open(self.log_path, "ab") as log_file:
+        # Owner-only, like every log of `kvxfer up`: it names keys, clients and addresses.
+        log_fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.fchmod(log_fd, 0o600)
+        with os.fdopen(log_fd, "ab") as log_file:
             log_file.write(f"\n=== starting etcd on {self.client_url} ===\n".encode())
             log_file.flush()
             # A new session makes etcd the leader of its own process group, so stop()
@@ -314,10 +356,15 @@ class LocalEtcd:
             time.sleep(_HEALTH_POLL_INTERVAL_S)
 
     def _is_healthy(self) -> bool:
+        opener = _NO_PROXY_OPENER
+        if self._tls is not None:
+            # /health is behind the client-certificate check like everything on that port.
+            context = ssl.create_default_context(cafile=str(self._tls.ca_path))
+            context.load_cert_chain(str(self._tls.client.cert_path), str(self._tls.client.key_path))
+            opener = urllib.request.build_opener(
+                urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=context))
         try:
-            with _NO_PROXY_OPENER.open(
-                f"{self.client_url}/health", timeout=_HEALTH_REQUEST_TIMEOUT_S
-            ) as resp:
+            with opener.open(f"{self.client_url}/health", timeout=_HEALTH_REQUEST_TIMEOUT_S) as resp:
                 return resp.status == 200 and b'"true"' in resp.read()
         except (urllib.error.URLError, OSError, ValueError):
             return False

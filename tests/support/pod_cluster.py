@@ -68,7 +68,7 @@ class PodCluster(LocalCluster):
         return self.net.addresses[name]
 
     def _new_etcd(self) -> LocalEtcd:
-        return PodEtcd(self.net, log_path=self.log_dir / "etcd.log")
+        return PodEtcd(self.net, log_path=self.log_dir / "etcd.log", client_cert_dir=self.etcd_cert_dir)
 
     def _signal(self, proc: subprocess.Popen[bytes], sig: int) -> None:
         signal_pod(proc, sig)

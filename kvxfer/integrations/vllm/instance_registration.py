@@ -44,6 +44,9 @@ class InstanceRegistration:
             endpoints=[e for e in settings.etcd.split(",") if e] if settings.etcd else [],
             prefix=settings.etcd_prefix, lease_ttl_s=settings.lease_ttl_s,
             cluster_key_path=Path(settings.cluster_key_file) if settings.cluster_key_file else None,
+            tls_ca_path=Path(settings.etcd_ca_file) if settings.etcd_ca_file else None,
+            tls_cert_path=Path(settings.etcd_cert_file) if settings.etcd_cert_file else None,
+            tls_key_path=Path(settings.etcd_key_file) if settings.etcd_key_file else None,
         ))
         self._record = WorkerRecord(
             worker_id=settings.worker_id or f"vllm-{role}-{socket.gethostname()}-{os.getpid()}",

@@ -84,6 +84,10 @@ class ConnectorSettings(BaseModel):
     # -- registry and metrics ------------------------------------------------------------
     etcd: str | None = Field(None, description="comma-separated etcd endpoints; None: do not register")
     etcd_prefix: str = Field("/kvxfer", description="registry key prefix")
+    etcd_ca_file: str | None = Field(None, description="CA bundle that verifies etcd (https:// endpoints)")
+    etcd_cert_file: str | None = Field(
+        None, description="client certificate presented to etcd (`kvxfer up`'s etcd takes no client without one)")
+    etcd_key_file: str | None = Field(None, description="private key of etcd_cert_file")
     lease_ttl_s: int = Field(5, ge=1, description="registry lease TTL")
     advertise_url: str | None = Field(None, description="this instance's OpenAI API URL, as the router reaches it")
     registration_wait_s: float = Field(
