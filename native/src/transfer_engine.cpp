@@ -429,22 +429,6 @@ void TransferEngine::submit_many(const MemoryRegionPtr& local, const RemoteRegio
   worker_->submit_all(to_rails);
 }
 
-TransferStatePtr TransferEngine::write(const MemoryRegionPtr& local, uint64_t src_offset,
-                                       const RemoteRegionPtr& remote, uint64_t dst_offset,
-                                       uint64_t length, std::optional<uint32_t> imm) {
-  return submit(local, remote, {SingleWrite{src_offset, dst_offset, length}, imm});
-}
-
-TransferStatePtr TransferEngine::write_paged(const MemoryRegionPtr& local, const int64_t* src_pages,
-                                             const int64_t* dst_pages, size_t count,
-                                             uint64_t page_size, uint64_t src_stride,
-                                             uint64_t dst_stride, uint64_t src_offset,
-                                             uint64_t dst_offset, const RemoteRegionPtr& remote,
-                                             std::optional<uint32_t> imm) {
-  PagedWrite w{{src_pages, count}, {dst_pages, count}, page_size, src_stride, dst_stride, src_offset, dst_offset};
-  return submit(local, remote, {w, imm});
-}
-
 TransferStatePtr TransferEngine::start_copy(std::unique_ptr<WorkBatch> batch,
                                             std::unique_ptr<SameHostCopy> copy,
                                             std::optional<uint32_t> imm, uint64_t units) {

@@ -107,15 +107,6 @@ class TransferEngine {
   void submit_many(const MemoryRegionPtr& local, const RemoteRegionPtr& remote,
                    const std::vector<TransferRequest>& requests,
                    const std::shared_ptr<CompletionCounter>& counter);
-  // Shorthands for submit() with a SingleWrite or a PagedWrite.
-  TransferStatePtr write(const MemoryRegionPtr& local, uint64_t src_offset,
-                         const RemoteRegionPtr& remote, uint64_t dst_offset, uint64_t length,
-                         std::optional<uint32_t> imm);
-  TransferStatePtr write_paged(const MemoryRegionPtr& local, const int64_t* src_pages,
-                               const int64_t* dst_pages, size_t count, uint64_t page_size,
-                               uint64_t src_stride, uint64_t dst_stride, uint64_t src_offset,
-                               uint64_t dst_offset, const RemoteRegionPtr& remote,
-                               std::optional<uint32_t> imm);
   TransferStatePtr write_imm(std::shared_ptr<const EngineAddress> peer, uint32_t imm);
   TransferStatePtr send(std::shared_ptr<const EngineAddress> peer, std::string payload);
 
