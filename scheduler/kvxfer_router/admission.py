@@ -2,9 +2,15 @@
 
 A request is admitted only when (in this order) some compatible worker pair exists for its
 model (else 503: waiting would not help until a worker registers), its id is not already in
-flight (else 409: workers key their state on it), and fewer than ``max_in_flight`` requests
-are running (else 429 with ``Retry-After``). Rejection is immediate rather than queued: the
-client or its load balancer is better placed to back off than a router holding sockets.
+flight (else 409: two answers under one id would be ambiguous to the client), and fewer than
+``max_in_flight`` requests are running (else 429 with ``Retry-After``). Rejection is
+immediate rather than queued: the client or its load balancer is better placed to back off
+than a router holding sockets.
+
+An id is in flight until its answer is delivered (:meth:`AdmissionTicket.release_id`), not
+until the request's clean-up ends: a client reusing the id of a completed request at once
+was answered 409 while the router still waited for a prefill reply. Workers never see the
+client's id (the router mints one per attempt), so nothing else needs it unique.
 """
 
 from __future__ import annotations
@@ -50,17 +56,25 @@ class AdmissionTicket:
         self.deadline = deadline
         self._controller = controller
         self._released = False
+        self._id_released = False
 
     @property
     def released(self) -> bool:
         """Whether the slot was given back."""
         return self._released
 
+    def release_id(self) -> None:
+        """The answer was delivered: the id may be used again, the slot stays taken."""
+        if not self._id_released:
+            self._id_released = True
+            self._controller._release_id(self.request_id)
+
     def release(self) -> None:
-        """Give the slot back; later calls do nothing."""
+        """Give the slot (and the id) back; later calls do nothing."""
+        self.release_id()
         if not self._released:
             self._released = True
-            self._controller._release(self.request_id)
+            self._controller._release_slot()
 
 
 class AdmissionController:
@@ -73,14 +87,16 @@ class AdmissionController:
         self._settings = settings
         self._directory = directory
         self._telemetry = telemetry
-        self._active: set[str] = set()
-        #: The event loop's latest lag sample in seconds (set by the lag sampler).
+        self._ids: set[str] = set()  # ids whose answer is not delivered yet
+        self._slots_taken = 0  # admitted requests whose task has not ended
+        #: The event loop's latest sample of its own lag in seconds (set by the lag
+        #: sampler: time the loop's thread spent running, not time the host kept it waiting).
         self.loop_lag_s = 0.0
 
     @property
     def in_flight(self) -> int:
         """Requests admitted and not yet released."""
-        return len(self._active)
+        return self._slots_taken
 
     @property
     def capacity(self) -> int:
@@ -88,8 +104,8 @@ class AdmissionController:
         return self._settings.max_in_flight
 
     def is_in_flight(self, request_id: str) -> bool:
-        """Whether ``request_id`` holds a slot now."""
-        return request_id in self._active
+        """Whether ``request_id`` is held by a request whose answer is not delivered yet."""
+        return request_id in self._ids
 
     def _shed(self, request_id: str, message: str) -> RouterError:
         """A 429 with Retry-After for a request turned away because the router is full, counted."""
@@ -111,7 +127,7 @@ class AdmissionController:
                 type="service_unavailable",
                 code="no_worker_pair",
             )
-        if request_id in self._active:
+        if request_id in self._ids:
             raise RouterError(
                 409,
                 "a request with this request_id is already in flight",
@@ -119,18 +135,22 @@ class AdmissionController:
                 param="request_id",
                 code="duplicate_request_id",
             )
-        if len(self._active) >= self._settings.max_in_flight:
+        if self._slots_taken >= self._settings.max_in_flight:
             raise self._shed(
                 request_id, f"router is at its limit of {self._settings.max_in_flight} requests in flight; retry later")
-        if self._active and self.loop_lag_s > self._settings.admission_max_loop_lag_s:
+        if self._slots_taken and self.loop_lag_s > self._settings.admission_max_loop_lag_s:
             # The loop is starved by the work in flight: a request admitted now would wait
             # on it past its own deadlines (connects, control tokens) and fail for the
             # router's own lag. With nothing in flight the lag is not ours to shed.
             raise self._shed(request_id,
                              f"router is overloaded (event loop {self.loop_lag_s:.2f} s behind); retry later")
-        self._active.add(request_id)
+        self._ids.add(request_id)
+        self._slots_taken += 1
         self._telemetry.request_admitted()
         return AdmissionTicket(self, request_id, Deadline(self._settings.request_deadline_s))
 
-    def _release(self, request_id: str) -> None:
-        self._active.discard(request_id)
+    def _release_id(self, request_id: str) -> None:
+        self._ids.discard(request_id)
+
+    def _release_slot(self) -> None:
+        self._slots_taken -= 1

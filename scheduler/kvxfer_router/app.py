@@ -163,9 +163,9 @@ class RouterService:
         _ = self.dispatcher
         self._lag_sampler = asyncio.ensure_future(sample_loop_lag(self.settings.loop_lag_interval_s, self._loop_lag))
 
-    def _loop_lag(self, seconds: float) -> None:
-        self.telemetry.loop_lag(seconds)
-        self.admission.loop_lag_s = seconds
+    def _loop_lag(self, timer_late_s: float, own_lag_s: float) -> None:
+        self.telemetry.loop_lag(timer_late_s)
+        self.admission.loop_lag_s = own_lag_s
 
     async def stop(self) -> None:
         """Cancel in-flight requests (bounded by ``shutdown_timeout_s``), close the client."""
@@ -378,7 +378,7 @@ def create_app(
             ticket = service.admission.admit(job.request_id, job.model, needs_prefill=job.needs_prefill)
         except RouterError as exc:
             return exc.to_response()
-        lifecycle = service.dispatcher.start(job, ticket)
+        lifecycle = service.dispatcher.start(job, ticket, buffered=not req.stream)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         if req.stream:
             return await _stream_response(request, lifecycle, include_usage)

@@ -98,6 +98,24 @@ def open_directory(settings: RouterSettings, workers_file: Path | None) -> tuple
     return EtcdWorkerDirectory(watcher), watcher.close
 
 
+def public_server_config(app: Any, settings: RouterSettings) -> Any:
+    """The uvicorn config of the public port: TLS when configured, `header_timeout_s` on
+    request headers, and a graceful shutdown bounded by the request deadline."""
+    import uvicorn
+
+    from .header_timeout import header_timeout_protocol
+
+    # In-flight requests end within their deadline, so that bounds a graceful shutdown
+    # (SIGTERM); the app's own clean-up then takes at most shutdown_timeout_s.
+    # TLS only on the public port: the admin port stays on loopback (port-forward to reach it).
+    tls: dict[str, Any] = {}
+    if settings.tls_cert_file is not None:
+        tls = {"ssl_certfile": str(settings.tls_cert_file), "ssl_keyfile": str(settings.tls_key_file)}
+    return uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
+                          http=header_timeout_protocol(settings.header_timeout_s),
+                          timeout_graceful_shutdown=math.ceil(settings.request_deadline_s), **tls)
+
+
 def serve(app: Any, admin_app: Any | None, settings: RouterSettings) -> None:
     """Serves the public app until SIGINT/SIGTERM, and the admin app beside it in the same loop."""
     import uvicorn
@@ -108,15 +126,7 @@ def serve(app: Any, admin_app: Any | None, settings: RouterSettings) -> None:
         def capture_signals(self) -> Iterator[None]:
             yield
 
-    # In-flight requests end within their deadline, so that bounds a graceful shutdown
-    # (SIGTERM); the app's own clean-up then takes at most shutdown_timeout_s.
-    # TLS only on the public port: the admin port stays on loopback (port-forward to reach it).
-    tls: dict[str, Any] = {}
-    if settings.tls_cert_file is not None:
-        tls = {"ssl_certfile": str(settings.tls_cert_file), "ssl_keyfile": str(settings.tls_key_file)}
-    public = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port,
-                                           log_level=settings.log_level.lower(),
-                                           timeout_graceful_shutdown=math.ceil(settings.request_deadline_s), **tls))
+    public = uvicorn.Server(public_server_config(app, settings))
 
     async def run() -> None:
         admin_task = None

@@ -10,7 +10,13 @@ other and sends ``POST /cancel`` to every worker contacted (which also frees the
 reservation); a client going away does the same. A failure before the first token reached
 the client is retried (``max_retries``, default once) on another pair that excludes the
 failed worker; after the first token the client gets an error event instead, since tokens
-already sent cannot be taken back.
+already sent cannot be taken back. A non-streamed answer reaches the client only whole, so
+its tokens are held and any failure before the finish is retried.
+
+Overload is a 429 with Retry-After, never a 5xx: a worker answering 429, a ``/reserve``
+that timed out (the decoder too starved to answer; the router still cancels the attempt,
+and the decoder frees a reservation that completes after the cancel), or a deadline that
+passed before any worker reserved.
 
 Each request runs in its own asyncio task that hands events (tokens, finish, error) to the
 HTTP side through a queue. That keeps cancellation plain: the HTTP side cancels the task
@@ -181,9 +187,11 @@ class Dispatcher:
         self._live: set[RequestLifecycle] = set()
         self._background: set[asyncio.Task[Any]] = set()
 
-    def start(self, job: CompletionJob, ticket: AdmissionTicket) -> RequestLifecycle:
-        """Start ``job`` in its own task; the ticket is released when the task ends."""
-        lifecycle = RequestLifecycle(self, job, ticket)
+    def start(self, job: CompletionJob, ticket: AdmissionTicket, *, buffered: bool = False) -> RequestLifecycle:
+        """Start ``job`` in its own task; the ticket is released when the task ends.
+        ``buffered``: the client gets the whole answer at once (not streamed), so tokens are
+        held until the finish and a failure mid-generation can still be retried."""
+        lifecycle = RequestLifecycle(self, job, ticket, buffered=buffered)
         self._live.add(lifecycle)
         lifecycle._task.add_done_callback(lambda _t: self._live.discard(lifecycle))
         return lifecycle
@@ -334,13 +342,21 @@ class RequestLifecycle:
     """One admitted request, running in its own task.
 
     The HTTP side reads events with :meth:`next_event` until a :class:`FinishEvent` or
-    :class:`ErrorEvent`, and calls :meth:`abandon` if the client goes away.
+    :class:`ErrorEvent`, and calls :meth:`abandon` if the client goes away. A ``buffered``
+    lifecycle (a non-streamed answer) holds each attempt's tokens until its finish: no byte
+    has reached the client before then, so a decoder dying mid-generation is retried on
+    another pair like a failure before the first token.
     """
 
-    def __init__(self, dispatcher: Dispatcher, job: CompletionJob, ticket: AdmissionTicket) -> None:
+    def __init__(self, dispatcher: Dispatcher, job: CompletionJob, ticket: AdmissionTicket, *,
+                 buffered: bool = False) -> None:
         self.job = job
         self.state = RequestState.ADMITTED
+        self.buffered = buffered
+        #: Tokens handed to the HTTP side (that the client may have seen): none before the
+        #: finish when buffered.
         self.tokens_sent = 0
+        self._held: list[TokenEvent] = []  # this attempt's tokens, when buffered
         self.attempts: list[WorkerPair] = []
         self.serving_mode = ServingMode.DISAGGREGATED if job.needs_prefill else ServingMode.DECODE_ONLY
         self._d = dispatcher
@@ -387,12 +403,23 @@ class RequestLifecycle:
             status = "ok"
             self.state = RequestState.DONE
         except asyncio.TimeoutError:
-            status = "timeout"
-            self._fail(RouterError(
-                504, f"deadline of {self._s.request_deadline_s}s exceeded (request_deadline_s)",
-                request_id=self.request_id, type="timeout", code="deadline_exceeded",
-            ))
+            if self.state in (RequestState.ADMITTED, RequestState.RESERVING):
+                # The whole deadline went by without a worker taking the request: overload.
+                status = "rejected"
+                self._d.telemetry.rejected_after_admission(429)
+                self._fail(self._overloaded(f"no reservation within the deadline of {self._s.request_deadline_s}s "
+                                            "(request_deadline_s)", None))
+            else:
+                status = "timeout"
+                self._fail(RouterError(
+                    504, f"deadline of {self._s.request_deadline_s}s exceeded (request_deadline_s)",
+                    request_id=self.request_id, type="timeout", code="deadline_exceeded",
+                ))
         except RouterError as exc:
+            if exc.status == 429:
+                # Shedding, not a failure: every worker was full or too slow to reserve.
+                status = "rejected"
+                self._d.telemetry.rejected_after_admission(429)
             self._fail(exc)
         except asyncio.CancelledError:
             # Only abandon() or shutdown cancel this task; the legs were cancelled by the
@@ -442,6 +469,7 @@ class RequestLifecycle:
             worker_rid = mint_worker_request_id()
             log.debug("request %s: attempt %d is %s on the workers", self.request_id, attempt, worker_rid)
             self.attempts.append(pair)
+            self._held.clear()  # a failed attempt's tokens never reach the client
             self._d.load.acquire(pair)
             try:
                 if pair.decode.engine == "vllm":
@@ -489,11 +517,15 @@ class RequestLifecycle:
     async def _disaggregated(self, decode: WorkerView, prefill: WorkerView, wrid: str) -> None:
         contacted = [decode]
         completed = False
-        prefill_never_sent = False
+        # Until /prefill is sent, the reservation never left the router: whatever ends the
+        # attempt (a /reserve that timed out and completes late included), the decoder
+        # may free its pages at once instead of fencing them.
+        prefill_never_sent = True
         try:
             self.state = RequestState.RESERVING
             reservation = await self._reserve(decode, prefill, wrid)
             self.state = RequestState.TRANSFERRING
+            prefill_never_sent = False
             contacted.append(prefill)
             prefill_leg = asyncio.ensure_future(self._prefill(prefill, decode, reservation, wrid))
             generate_leg = asyncio.ensure_future(self._stream(
@@ -605,12 +637,20 @@ class RequestLifecycle:
         else:
             self._d.telemetry.inter_token(now - self._last_token_at)
         self._last_token_at = now
+        if self.buffered:
+            self._held.append(TokenEvent(token, text))
+            return
         self.tokens_sent += 1
         self._events.put_nowait(TokenEvent(token, text))
 
     def _finish(self, msg: dict[str, Any]) -> None:
+        for held in self._held:
+            self.tokens_sent += 1
+            self._events.put_nowait(held)
+        self._held.clear()
         usage = usage_from(msg.get("usage"), len(self.job.prompt_tokens), self.tokens_sent)
         self._terminal_sent = True
+        self._ticket.release_id()  # answered: the client may reuse the id at once
         rest = msg.get("text")
         self._events.put_nowait(FinishEvent(str(msg.get("finish_reason") or "stop"), usage,
                                             rest if isinstance(rest, str) else ""))
@@ -620,18 +660,22 @@ class RequestLifecycle:
             self.state = RequestState.FAILED
         if not self._terminal_sent:
             self._terminal_sent = True
+            self._ticket.release_id()
             self._events.put_nowait(ErrorEvent(error))
 
+    def _overloaded(self, message: str, retry_after_s: int | None) -> RouterError:
+        """The 429 of a request no worker could take now (with Retry-After, never a 5xx)."""
+        return RouterError(429, message, request_id=self.request_id, type="rate_limit_error",
+                           code="workers_overloaded",
+                           headers={"Retry-After": str(self._s.retry_after_s if retry_after_s is None else retry_after_s)})
+
     def _upstream_error(self, failure: LegFailure, context: str) -> RouterError:
-        if failure.status == 429:
-            # Every worker tried was full (pages, slots, queue): overload, never a 5xx.
-            retry_after_s = failure.retry_after_s if failure.retry_after_s is not None else self._s.retry_after_s
-            return RouterError(
-                429, f"{failure.worker.role} worker {failure.worker.worker_id} is overloaded at {failure.stage} "
-                f"({failure.reason}) {context}",
-                request_id=self.request_id, type="rate_limit_error", code="workers_overloaded",
-                headers={"Retry-After": str(retry_after_s)},
-            )
+        if failure.status == 429 or (failure.stage == "reserve" and failure.timed_out):
+            # Every worker tried was full (pages, slots, queue), or too slow to even reserve
+            # (its HTTP side starved under load): overload, never a 5xx. A late reservation
+            # was cancelled (freed at once: it never reached a prefiller).
+            return self._overloaded(f"{failure.worker.role} worker {failure.worker.worker_id} is overloaded at "
+                                    f"{failure.stage} ({failure.reason}) {context}", failure.retry_after_s)
         status, code = (504, "worker_timeout") if failure.timed_out else (502, "worker_failed")
         return RouterError(
             status, f"{failure.worker.role} worker {failure.worker.worker_id} failed at {failure.stage} "

@@ -100,8 +100,9 @@ class RouterSettings(BaseSettings):
         "has that many, the router answers 429 with Retry-After (a starved worker would answer late and fail them).",
     )
     admission_max_loop_lag_s: float = Field(
-        1.0, gt=0, description="While the event loop's latest lag sample is above this, new requests get 429 "
-        "with Retry-After: admitted ones would otherwise fail on the router's own deadlines.",
+        1.0, gt=0, description="While the event loop's own lag (the part of a timer's lateness the loop spent "
+        "running its own work, not time a busy host kept it waiting) is above this, new requests get 429 with "
+        "Retry-After: admitted ones would otherwise fail on the router's own deadlines.",
     )
     offload_threads: int = Field(2, ge=1, description="Threads that tokenize and parse big bodies off the event loop.")
     offload_max_queued: int = Field(
@@ -127,6 +128,12 @@ class RouterSettings(BaseSettings):
     max_request_bytes: int = Field(
         1 << 20, ge=1024,
         description="Largest request body accepted, counted while it streams in (chunked bodies too); beyond it: 413.",
+    )
+    header_timeout_s: float = Field(
+        10.0, gt=0,
+        description="Seconds a client has, from opening a connection (or starting its next request on a kept-alive "
+        "one), to send the complete request line and headers on the public port; beyond it the connection is "
+        "closed after a 408, so slow-header clients cannot hold connections.",
     )
     request_body_timeout_s: float = Field(
         10.0, gt=0,

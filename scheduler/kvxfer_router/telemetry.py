@@ -57,6 +57,12 @@ class RouterTelemetry:
             self.metrics.rejected.labels(str(code)).inc()
             self.metrics.requests.labels("rejected").inc()
 
+    def rejected_after_admission(self, code: int) -> None:
+        """An admitted request was shed with HTTP ``code`` (429: every worker full or too
+        slow to reserve); its outcome, ``rejected``, is counted by ``request_finished``."""
+        if self.metrics is not None:
+            self.metrics.rejected.labels(str(code)).inc()
+
     def first_token(self, seconds: float) -> None:
         """The first token reached the client ``seconds`` after arrival."""
         if self.metrics is not None:

@@ -84,6 +84,13 @@ def create_decode_app(runtime: DecodeRuntime) -> FastAPI:
         # the engine's progress thread, which must not stall every other request's I/O.
         reservation = await run_in_threadpool(runtime.reserve, request_id, len(tokens), max_tokens,
                                               caller_of(request), prefill_address=prefill_address)
+        if await request.is_disconnected():
+            # The caller gave up waiting (under load a reservation can queue past its
+            # timeout): nobody will use or cancel these pages, and no prefiller has the
+            # reservation, so they go back at once rather than after reservation_ttl_s.
+            runtime.cancel(request_id, True, caller_of(request))
+            raise RequestRejected(Rejection.CONFLICT, f"request {request_id}: the caller went away before its "
+                                  "reservation was made; released", request_id)
         return reservation.to_json()
 
     @app.post("/generate")

@@ -191,6 +191,10 @@ class DecodeRuntime:
         self.mailbox_region = self.core.engine.register(self.mailbox)
         self.metrics = DecodeMetrics(self.core.metrics_registry)
         self.jobs: dict[str, DecodeJob] = {}
+        # (caller, request id) -> monotonic expiry of a cancel that found no reservation:
+        # the router cancels a /reserve it gave up waiting for, and that reservation may
+        # still complete afterwards (it was queued behind others); it is then refused.
+        self._cancelled_unreserved: dict[tuple[str, str], float] = {}
         self._lock = threading.Lock()  # jobs and batch hand-over: control path only
         self._admitted: list[DecodeJob] = []
         self._deferred_release: list[DecodeJob] = []
@@ -230,6 +234,9 @@ class DecodeRuntime:
         with self._lock:
             if request_id in self.jobs:
                 raise RequestRejected(Rejection.CONFLICT, f"request {request_id} already exists", request_id)
+            if self._cancelled_unreserved.pop((caller, request_id), 0.0) > time.monotonic():
+                raise RequestRejected(Rejection.CONFLICT, f"request {request_id} was cancelled before it was "
+                                      "reserved (its caller gave up waiting)", request_id)
             held = sum(1 for j in self.jobs.values()
                        if j.owner == caller and j.state in (RequestState.RESERVED, RequestState.RUNNING))
             if held >= self.settings.max_reservations_per_caller:
@@ -594,7 +601,10 @@ class DecodeRuntime:
         """Cancels a request. With `prefill_stopped` (the router relays the prefiller's
         `in_flight: false`) its pages are freed at once, else they stay fenced until the
         prefiller's word or `fence_timeout_s`."""
-        job = self.jobs.get(request_id)
+        with self._lock:
+            job = self.jobs.get(request_id)
+            if job is None:
+                self._remember_cancel(caller, request_id)
         if job is not None and job.owner != caller:
             # Only the caller whose token reserved it may end it.
             raise RequestRejected(Rejection.UNKNOWN_REQUEST, f"unknown request id {request_id}", request_id)
@@ -608,6 +618,19 @@ class DecodeRuntime:
             self.writer_stopped(request_id)  # it was already ended and fenced before
         entry = self.ledger.get(request_id)
         return {"request_id": request_id, "state": (entry.state if entry else Res.FREE).value, "known": True}
+
+    def _remember_cancel(self, caller: str, request_id: str) -> None:
+        """Remembers a cancel of an id not (yet) reserved, for reservation_ttl_s (a
+        reservation completing later would be failed by then anyway); held under `_lock`.
+        Bounded: past 4 entries per request slot, expired ones go, then the oldest."""
+        now = time.monotonic()
+        memory = self._cancelled_unreserved
+        if len(memory) >= 4 * self.settings.max_requests:
+            for key in [k for k, expiry in memory.items() if expiry <= now]:
+                del memory[key]
+            while len(memory) >= 4 * self.settings.max_requests:
+                del memory[next(iter(memory))]
+        memory[(caller, request_id)] = now + self.settings.reservation_ttl_s
 
     # -- the reaper -------------------------------------------------------------------
     def _reaper_loop(self) -> None:
