@@ -63,6 +63,11 @@ def _add_instance_flags(p: argparse.ArgumentParser, default_port: int) -> None:
                                   "register, and no router finds it)")
     p.add_argument("--cluster-key-file", help="the cluster's key: signs the registry record and derives the vLLM "
                                               "API key the router sends (required unless --insecure)")
+    p.add_argument("--etcd-ca-file", help="CA bundle that verifies etcd (https:// endpoints; a `kvxfer up` "
+                                          "cluster's is LOG_DIR/etcd-tls/ca.crt)")
+    p.add_argument("--etcd-cert-file", help="client certificate presented to etcd (`kvxfer up`'s etcd takes no "
+                                            "client without one: LOG_DIR/etcd-tls/client.crt)")
+    p.add_argument("--etcd-key-file", help="private key of --etcd-cert-file (LOG_DIR/etcd-tls/client.key)")
     p.add_argument("--insecure", action="store_true", help="no cluster key: unsigned record, open API (development)")
     p.add_argument("--metrics-port", type=int,
                    help="port of the connector's kvxfer_connector_* /metrics (default: the API port + 1; 0: none)")
@@ -89,6 +94,9 @@ def _connector_config(args: argparse.Namespace, port: int) -> tuple[dict[str, An
         raise SystemExit("kvxfer: --connector-config must be a JSON object")
     if args.provider:
         extra.setdefault("provider", args.provider)
+    for name in ("etcd_ca_file", "etcd_cert_file", "etcd_key_file"):
+        if getattr(args, name):
+            extra.setdefault(name, str(Path(getattr(args, name)).resolve()))
     metrics_port = port + 1 if args.metrics_port is None else args.metrics_port
     try:
         return cluster_connector_config(args.role, port=port, advertise_host=args.advertise_host or args.host,
@@ -124,7 +132,8 @@ def _join(args: argparse.Namespace, passthrough: list[str]) -> int:
         argv = [sys.executable, "-m", "kvxfer.cli", args.role, "--port", str(port), "--host", args.host]
         for flag, value in (("--etcd", args.etcd), ("--cluster-key-file", args.cluster_key_file),
                             ("--model", args.model), ("--worker-id", args.worker_id), ("--provider", args.provider),
-                            ("--advertise-host", args.advertise_host)):
+                            ("--advertise-host", args.advertise_host), ("--etcd-ca-file", args.etcd_ca_file),
+                            ("--etcd-cert-file", args.etcd_cert_file), ("--etcd-key-file", args.etcd_key_file)):
             if value:
                 argv += [flag, value]
         os.execv(sys.executable, argv)
