@@ -9,6 +9,12 @@ pages that landed and compares (`verify_pages`): every (layer, page) with
 none with `OFF`. The verdict goes into a `TransferReceipt` (bytes, pages, wire time,
 verification) that the decoder logs and returns to the router.
 
+CRC-32C is not keyed: whoever can write into a reservation can also send the right table
+for what it wrote. So where the cluster has a key, the table is tagged (HMAC-SHA256 under
+`registry.signing.checksum_table_key`, over the record, the table and the reservation's
+immediate: `kv.protocol.mailbox_tag_verifies`), and the decoder admits no table whose tag
+does not verify (docs/architecture.md, "Threat model").
+
 `prompt_kv_digest` is the test oracle's digest: one CRC-32C over the prompt's KV, layer
 by layer and page by page in block-table order, over the token rows the prompt fills only
 (the tail of a last partial page holds whatever the page held before, on both sides), so a

@@ -18,6 +18,8 @@ the transfer engine.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import math
 import re
@@ -55,6 +57,7 @@ __all__ = [
     "layer_dst_offset",
     "mailbox_checksums",
     "mailbox_slot_bytes",
+    "mailbox_tag_verifies",
     "pages_for_tokens",
 ]
 
@@ -66,15 +69,23 @@ PROTOCOL_VERSION = 1
 #: slots are a multiple of it apart (`mailbox_slot_bytes`), so slot offsets are too.
 MAILBOX_SLOT_BYTES = 64
 _MAILBOX_MAGIC = 0x4B564D42  # "KVMB"
-# magic, nonce, first_token, prompt_tokens, checksum algorithm, checksum count. Then, from
+# magic, nonce, first_token, prompt_tokens, checksum algorithm, checksum count; with a
+# tagged table its tag follows (MAILBOX_TAG_BYTES, inside the record's 64 bytes). Then, from
 # byte MAILBOX_SLOT_BYTES, the checksum table: `count` little-endian uint32, layer-major
 # (layer 0's prompt pages in block-table order, then layer 1's...). The table travels in the
 # mailbox write, the push's last write, so the ImmCounter says it landed with the KV.
 _MAILBOX_FORMAT = "<IQiiII"
-#: `checksum algorithm` of a mailbox record: none, or CRC-32C of each (layer, page).
+_MAILBOX_FIELDS_BYTES = struct.calcsize(_MAILBOX_FORMAT)
+#: `checksum algorithm` of a mailbox record: none, CRC-32C of each (layer, page), or that
+#: table with a tag (HMAC-SHA256 under the cluster's table key, `mailbox_tag_verifies`).
 CHECKSUM_NONE = 0
 CHECKSUM_CRC32C = 1
+CHECKSUM_CRC32C_TAGGED = 2
 CHECKSUM_BYTES = 4
+#: Bytes of a tagged table's tag (HMAC-SHA256), right after the record's fields.
+MAILBOX_TAG_BYTES = 32
+# Sets the tag apart from every other HMAC under a key derived from the cluster key.
+_TAG_DOMAIN = b"kvxfer/kv-table/v1"
 
 # ---- immediates -------------------------------------------------------------------------
 #
@@ -141,16 +152,43 @@ def mailbox_slot_bytes(num_layers: int, max_prompt_pages: int) -> int:
     return MAILBOX_SLOT_BYTES + -(-table // MAILBOX_SLOT_BYTES) * MAILBOX_SLOT_BYTES
 
 
-def encode_mailbox(nonce: int, first_token: int, prompt_tokens: int, checksums: bytes = b"") -> bytes:
+def encode_mailbox(nonce: int, first_token: int, prompt_tokens: int, checksums: bytes = b"", *,
+                   table_key: bytes | None = None, imm: int = 0) -> bytes:
     """The record the prefiller writes last: what decode needs besides the KV pages, then
     the CRC-32C table of the pushed pages (`checksums`, little-endian uint32, layer-major;
-    empty when the reservation asked for none)."""
+    empty when the reservation asked for none). With `table_key` the record carries the
+    tag of its fields and table for the reservation whose immediate is `imm`."""
     if len(checksums) % CHECKSUM_BYTES:
         raise ValueError(f"checksum table of {len(checksums)} bytes is not a whole number of uint32")
-    algorithm = CHECKSUM_CRC32C if checksums else CHECKSUM_NONE
-    record = struct.pack(_MAILBOX_FORMAT, _MAILBOX_MAGIC, nonce, first_token, prompt_tokens, algorithm,
+    algorithm = CHECKSUM_NONE
+    if checksums:
+        algorithm = CHECKSUM_CRC32C if table_key is None else CHECKSUM_CRC32C_TAGGED
+    fields = struct.pack(_MAILBOX_FORMAT, _MAILBOX_MAGIC, nonce, first_token, prompt_tokens, algorithm,
                          len(checksums) // CHECKSUM_BYTES)
-    return record.ljust(MAILBOX_SLOT_BYTES, b"\0") + checksums
+    tag = _mailbox_tag(table_key, imm, fields, checksums) if table_key is not None and checksums else b""
+    return (fields + tag).ljust(MAILBOX_SLOT_BYTES, b"\0") + checksums
+
+
+def _mailbox_tag(table_key: bytes, imm: int, fields: bytes, checksums: bytes) -> bytes:
+    # Over the record's fields (nonce, first token, prompt length, algorithm, count) and
+    # the table, and the immediate: a tag is good for one reservation's record only.
+    message = _TAG_DOMAIN + struct.pack("<I", imm) + fields + checksums
+    return hmac.new(table_key, message, hashlib.sha256).digest()
+
+
+def mailbox_tag_verifies(raw: bytes, table_key: bytes, imm: int) -> bool:
+    """True when the record in `raw` (a mailbox slot) has a tagged table whose tag is the
+    one `table_key` gives for it and the reservation's immediate `imm`. False for an
+    untagged or foreign record, a slot shorter than its table, or any other tag."""
+    if len(raw) < MAILBOX_SLOT_BYTES:
+        return False
+    magic, _, _, _, algorithm, count = struct.unpack_from(_MAILBOX_FORMAT, raw)
+    end = MAILBOX_SLOT_BYTES + count * CHECKSUM_BYTES
+    if magic != _MAILBOX_MAGIC or algorithm != CHECKSUM_CRC32C_TAGGED or end > len(raw):
+        return False
+    tag = raw[_MAILBOX_FIELDS_BYTES:_MAILBOX_FIELDS_BYTES + MAILBOX_TAG_BYTES]
+    want = _mailbox_tag(table_key, imm, bytes(raw[:_MAILBOX_FIELDS_BYTES]), bytes(raw[MAILBOX_SLOT_BYTES:end]))
+    return hmac.compare_digest(tag, want)
 
 
 def decode_mailbox(raw: bytes) -> tuple[int, int, int]:
@@ -169,8 +207,9 @@ def mailbox_checksums(raw: bytes) -> bytes:
         raise ValueError("mailbox slot holds no kvxfer record")
     if algorithm == CHECKSUM_NONE:
         return b""
-    if algorithm != CHECKSUM_CRC32C:
-        raise ValueError(f"mailbox record names checksum algorithm {algorithm}, this side knows CRC-32C ({CHECKSUM_CRC32C})")
+    if algorithm not in (CHECKSUM_CRC32C, CHECKSUM_CRC32C_TAGGED):
+        raise ValueError(f"mailbox record names checksum algorithm {algorithm}, this side knows CRC-32C "
+                         f"({CHECKSUM_CRC32C}) and tagged CRC-32C ({CHECKSUM_CRC32C_TAGGED})")
     end = MAILBOX_SLOT_BYTES + count * CHECKSUM_BYTES
     if end > len(raw):
         raise ValueError(f"mailbox record claims {count} checksums, the slot holds {(len(raw) - MAILBOX_SLOT_BYTES) // 4}")
@@ -346,7 +385,10 @@ class KVReservation:
     are unused and `expected_count` is exactly layers x pages. `checksums` asks the
     prefiller to append the CRC-32C of every pushed (layer, page) to the mailbox write (an
     optional field: a reader that does not know it sends none, which a verifying decoder
-    fails as `checksums_missing`). Construction validates.
+    fails as `checksums_missing`). `checksum_tag` asks for that table tagged under the
+    cluster's table key (`mailbox_tag_verifies`): a decoder with a cluster key asks for it
+    and admits no table without it; optional too, and in the JSON form only when true, so
+    a decoder without a key hands out the reservation it did before. Construction validates.
     """
 
     request_id: str
@@ -364,6 +406,7 @@ class KVReservation:
     first_page: int = 0
     mailbox: bool = True
     checksums: bool = False
+    checksum_tag: bool = False
 
     def __post_init__(self) -> None:
         _version(self.version)
@@ -407,6 +450,8 @@ class KVReservation:
             raise ReservationError("fence_timeout_s", f"must be a positive number of seconds, got {fence!r:.40}")
         if not isinstance(self.checksums, bool):
             raise ReservationError("checksums", f"must be true or false, got {type(self.checksums).__name__}")
+        if not isinstance(self.checksum_tag, bool):
+            raise ReservationError("checksum_tag", f"must be true or false, got {type(self.checksum_tag).__name__}")
 
     @property
     def num_layers(self) -> int:
@@ -424,7 +469,7 @@ class KVReservation:
 
     def to_json(self) -> dict[str, Any]:
         """JSON form used by the HTTP API (bytes as hex)."""
-        return {
+        data: dict[str, Any] = {
             "version": self.version,
             "request_id": self.request_id,
             "descriptor": self.descriptor.hex(),
@@ -441,6 +486,9 @@ class KVReservation:
             "mailbox": self.mailbox,
             "checksums": self.checksums,
         }
+        if self.checksum_tag:
+            data["checksum_tag"] = True
+        return data
 
     @classmethod
     def from_json(cls, data: Any, *, request_id: str | None = None) -> "KVReservation":
@@ -486,4 +534,5 @@ class KVReservation:
             first_page=data.get("first_page", 0),
             mailbox=data.get("mailbox", True),
             checksums=data.get("checksums", False),
+            checksum_tag=data.get("checksum_tag", False),
         )

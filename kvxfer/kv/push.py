@@ -9,7 +9,8 @@ decoder admits the request when its ImmCounter reaches `expected_count`, which i
 `num_layers * pages(prompt) + 1` whatever the engine coalesced or sharded.
 
 With `reservation.checksums` each layer's pages are checksummed (native CRC-32C) just
-before their write is posted, and the table rides in the mailbox write (kv.integrity).
+before their write is posted, and the table rides in the mailbox write (kv.integrity),
+tagged under the cluster's table key where the reservation asks (`checksum_tag`).
 A push that stalled longer than `max_stall_s` between two of its writes (a frozen or
 starved process) may have missed its decoder's fence: it raises instead of writing.
 `PushFault` makes one write wrong on purpose (failure drills and tests only).
@@ -127,6 +128,8 @@ class PushSession:
     Call `on_layer_done` from the model's prefill callback, `finish` once the first token
     is known, then `wait`. `cancel` stops further writes; `wait` still returns only when
     nothing of this request is in flight, so the decoder may then reuse the pages.
+    `table_key` (kv.integrity.checksum_table_key) tags the checksum table where the
+    reservation asks for a tag; one that asks while there is no key is refused here.
     """
 
     def __init__(
@@ -143,6 +146,7 @@ class PushSession:
         *,
         max_stall_s: float = float("inf"),
         fault: PushFault | None = None,
+        table_key: bytes | None = None,
     ) -> None:
         if reservation.kv_layout != cache.kv_layout:
             raise TransferError(
@@ -153,6 +157,13 @@ class PushSession:
             raise TransferError(
                 reservation.request_id,
                 f"decoder reserved {len(reservation.pages)} pages, prompt needs {len(local_pages)}",
+            )
+        if reservation.checksums and reservation.checksum_tag and table_key is None:
+            # Refused before any write: the decoder would refuse the untagged table after all of them.
+            raise TransferError(
+                reservation.request_id,
+                "the decoder asks for a tagged checksum table and this prefiller has no cluster key "
+                "(KVXFER_CLUSTER_KEY_FILE) to tag it with",
             )
         self._engine = engine
         self._cache = cache
@@ -177,6 +188,7 @@ class PushSession:
         self._last_progress = time.monotonic()
         self._fault = fault
         self._fault_done = False
+        self._table_key = table_key if reservation.checksum_tag else None
         # Layer-major CRC-32C of the prompt's pages, filled as layers are pushed.
         prompt_pages = reservation.prompt_pages if reservation.checksums else 0
         self._checksums = np.zeros((cache.num_layers, prompt_pages), dtype="<u4")
@@ -274,7 +286,8 @@ class PushSession:
         if self._cancelled.is_set():
             return
         self._check_stall()
-        record = encode_mailbox(self.reservation.nonce, first_token, prompt_tokens, self._checksums.tobytes())
+        record = encode_mailbox(self.reservation.nonce, first_token, prompt_tokens, self._checksums.tobytes(),
+                                table_key=self._table_key, imm=self.reservation.imm)
         # The staging slot is `mailbox_slot_bytes` wide (the prefiller sized it for its context).
         offset = self._slot * self._slot_stride
         if offset + len(record) > self._mailbox.size:

@@ -63,6 +63,14 @@ def vllm_api_key(cluster_key: bytes) -> str:
     return derive_key(cluster_key, "vllm-api").hex()
 
 
+def checksum_table_key(cluster_key: bytes) -> bytes:
+    """The key that tags a push's KV checksum table (`kv.protocol.encode_mailbox`,
+    `mailbox_tag_verifies`), derived from the cluster key: every worker derives it and no
+    message carries it, so whoever steals a reservation (its descriptors, nonce and
+    immediate) still cannot tag a table for forged pages (docs/architecture.md, "Threat model")."""
+    return derive_key(cluster_key, "kv-table")
+
+
 def vllm_api_headers(api_key: str | None) -> dict[str, str]:
     """The header that presents `api_key` to a vLLM instance (none for an open instance)."""
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}

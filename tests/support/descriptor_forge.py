@@ -1,6 +1,7 @@
-"""Reads and rewrites kvxfer memory descriptors (wire version 4) the way an attacker with
-the format (docs/architecture.md, native/src/descriptors.cpp) could: to test that the
-provider, not our own planner, refuses what a forged descriptor asks for.
+"""Reads and rewrites kvxfer memory descriptors (wire version 4), and writes mailbox
+records, the way an attacker with the format (docs/architecture.md, native/src/descriptors.cpp)
+could: to test that the provider, not our own planner, refuses what a forged descriptor asks
+for, and that the decoder, not our own encoder, refuses a forged record.
 """
 
 from __future__ import annotations
@@ -89,3 +90,20 @@ def whole_region_with_window_key(blob: bytes, window: int = 0) -> bytes:
     d.addr, d.length = d.addr + offset, d.length - offset
     d.rails, d.windows = list(keys), []
     return d.serialize()
+
+
+# The mailbox record (docs/architecture.md, "KV integrity"), as the format describes it:
+# magic "KVMB", nonce, first token, prompt tokens, checksum algorithm, checksum count; from
+# byte 28 the table's tag where the algorithm has one; the CRC-32C table from byte 64.
+MAILBOX_MAGIC = 0x4B564D42
+MAILBOX_RECORD_BYTES = 64
+CHECKSUM_CRC32C = 1
+CHECKSUM_CRC32C_TAGGED = 2
+
+
+def mailbox_record(nonce: int, first_token: int, prompt_tokens: int, table: bytes,
+                   algorithm: int = CHECKSUM_CRC32C, tag: bytes = b"") -> bytes:
+    """A mailbox record written from the format alone: what an outsider who holds a
+    reservation's nonce can put in its mailbox slot, with any algorithm and tag it likes."""
+    head = struct.pack("<IQiiII", MAILBOX_MAGIC, nonce, first_token, prompt_tokens, algorithm, len(table) // 4)
+    return (head + tag).ljust(MAILBOX_RECORD_BYTES, b"\0") + table

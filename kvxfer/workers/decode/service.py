@@ -10,9 +10,10 @@ FENCED and come back only once the prefiller confirmed it stopped (its abort mes
 the router relaying its /cancel) or after `fence_timeout_s`.
 
 Before admission the landed KV is checked end to end (`kv_integrity`: off, sampled, full;
-kv.integrity): the mailbox record must be this reservation's, no write may have been
-counted twice, and the pages' CRC-32C must equal the prefiller's. A request that fails the
-check is failed (502 `integrity`, `kvxfer_decode_kv_integrity_failures_total{reason}`) and
+kv.integrity): the mailbox record must be this reservation's (with a cluster key, its
+checksum table tagged under the cluster's table key), no write may have been counted
+twice, and the pages' CRC-32C must equal the prefiller's. A request that fails the check is
+failed (502 `integrity`, `kvxfer_decode_kv_integrity_failures_total{reason}`) and
 its pages are fenced, since what landed is not what was meant. An admitted request carries a
 `TransferReceipt`, logged and returned with /generate.
 
@@ -49,11 +50,13 @@ from kvxfer.kv.protocol import (
     expected_imm_count,
     mailbox_checksums,
     mailbox_slot_bytes,
+    mailbox_tag_verifies,
     pages_for_tokens,
 )
 from kvxfer.kv.reservation_scope import PrefillAddressError, ReservationScope
 from kvxfer.kv.write_windows import reservation_windows
 from kvxfer.metrics import DecodeMetrics
+from kvxfer.registry.signing import checksum_table_key, load_cluster_key
 from kvxfer.model.tokenizer import ByteTokenizer
 from kvxfer.model.transformer import DecodeRequest, FinishReason, finish_reason_after
 from kvxfer.transfer.engine import RegisteredMemory
@@ -188,6 +191,9 @@ class DecodeRuntime:
         self.mailbox_slot_stride = mailbox_slot_bytes(cfg.num_layers, max_prompt_pages)
         self.mailbox = np.zeros(settings.max_requests * self.mailbox_slot_stride, dtype=np.uint8)
         self._sample_rng = random.Random()
+        # With a cluster key, only checksum tables tagged under it are believed (kv.integrity).
+        key_file = settings.cluster_key_file
+        self._table_key = checksum_table_key(load_cluster_key(key_file)) if key_file is not None else None
         self.mailbox_region = self.core.engine.register(self.mailbox)
         self.metrics = DecodeMetrics(self.core.metrics_registry)
         self.jobs: dict[str, DecodeJob] = {}
@@ -295,6 +301,7 @@ class DecodeRuntime:
             nonce=job.nonce,
             fence_timeout_s=self.settings.fence_timeout_s,
             checksums=self.settings.kv_integrity is not KVIntegrity.OFF,
+            checksum_tag=self.settings.kv_integrity is not KVIntegrity.OFF and self._table_key is not None,
         )
 
     def _open_scope(self, job: DecodeJob, prefill_address: bytes | None) -> tuple[bytes, bytes]:
@@ -419,6 +426,12 @@ class DecodeRuntime:
         mode = self.settings.kv_integrity
         verify_s, checked, mismatches = 0.0, 0, []
         if mode is not KVIntegrity.OFF:
+            if self._table_key is not None and not mailbox_tag_verifies(raw, self._table_key, job.imm):
+                # CRC-32C is not keyed: whoever holds a stolen reservation can send the right
+                # table for forged pages, so only a table a holder of the cluster key tagged counts.
+                raise KVIntegrityError(rid, "mailbox_mismatch", "the checksum table carries no tag that verifies "
+                                       "under the cluster key: the record was not written by a prefiller of "
+                                       "this cluster")
             try:
                 table = np.frombuffer(mailbox_checksums(raw), dtype="<u4")
             except ValueError as exc:

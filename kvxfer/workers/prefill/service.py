@@ -48,6 +48,7 @@ from kvxfer.kv.protocol import (
 from kvxfer.kv.push import PushSession
 from kvxfer.kv.push_monitor import DestinationDown, PushMonitor, WatchedPush
 from kvxfer.metrics import PrefillMetrics
+from kvxfer.registry.signing import checksum_table_key, load_cluster_key
 from kvxfer.workers.prefill.faults import FaultPlan, parse_fault_injection
 from kvxfer.workers.rejection import Rejection, RequestRejected
 from kvxfer.workers.runtime import WorkerCore, WorkerSettings
@@ -138,6 +139,9 @@ class PrefillRuntime:
         self.mailbox_slot_stride = mailbox_slot_bytes(cfg.num_layers, max_prompt_pages)
         self.mailbox = np.zeros(settings.mailbox_slots * self.mailbox_slot_stride, dtype=np.uint8)
         self.mailbox_region = self.core.engine.register(self.mailbox)
+        # Tags checksum tables for decoders that ask (a reservation's checksum_tag).
+        key_file = settings.cluster_key_file
+        self._table_key = checksum_table_key(load_cluster_key(key_file)) if key_file is not None else None
         self.metrics = PrefillMetrics(self.core.metrics_registry)
         # One compute thread: requests queue here; queue depth is what routers balance on.
         self._compute = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefill")
@@ -228,6 +232,7 @@ class PrefillRuntime:
                     # fence (which outlasts a write's deadline by this much): see PushStalled.
                     max_stall_s=reservation.fence_timeout_s - self.core.engine.transfer_timeout_s,
                     fault=self.faults.push_fault,
+                    table_key=self._table_key,
                 )
             except TransferError as exc:
                 self.allocator.free(request_id)
