@@ -41,21 +41,25 @@ from .openai_api import (
     CompletionChoice,
     CompletionRequest,
     PromptEncoder,
+    RelayedRequest,
     RouterError,
+    StreamOptions,
     chat_chunk_body,
     chat_completion_body,
-    completion_id,
+    check_media_type,
+    check_sampling,
     default_prompt_encoder,
     models_list,
     now_s,
     render_chat,
+    response_id,
     sse_event,
     validation_error,
 )
 from .policies import PairPolicy, has_pair, make_policy
 from .settings import RouterSettings
 from .telemetry import RouterTelemetry, default_router_metrics
-from .vllm_legs import RESERVED_FIELDS
+from .vllm_legs import RESERVED_FIELDS, RelayedAnswer, RelayedChunk, RelayedEnd, disaggregates
 from .worker_auth import WorkerCallSigner
 
 log = logging.getLogger(__name__)
@@ -204,19 +208,28 @@ class RouterService:
                               request_id=request_id, param="max_tokens", code="invalid_value")
         return value
 
-    @staticmethod
-    def _vllm_job(request_id: str, model: str, max_tokens: int, kind: str, obj: dict[str, Any]) -> CompletionJob:
-        # vLLM tokenizes, templates and checks the context length itself (its 400 reaches
-        # the client as the router's 400); the router forwards the body, minus its own fields.
+    def _vllm_job(self, obj: dict[str, Any], rid: str | None, kind: str) -> tuple[CompletionJob, RelayedRequest]:
+        # vLLM validates, tokenizes, templates and checks the context itself, with its own
+        # defaults (max_tokens...): the router relays the body, minus its own request_id,
+        # and vLLM's refusals reach the client as vLLM wrote them.
+        try:
+            req = RelayedRequest.model_validate(obj)
+        except ValidationError as exc:
+            raise validation_error(exc, rid) from None
+        request_id = rid or f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        for name in RESERVED_FIELDS:
+            if name in obj:
+                raise RouterError(400, f"{name} is set by the router for each worker, not by clients",
+                                  request_id=request_id, param=name, code="invalid_value")
         body = {k: v for k, v in obj.items() if k != "request_id"}
-        body["max_tokens"] = max_tokens
-        body.pop("max_completion_tokens", None)
-        return CompletionJob(request_id=request_id, model=model, prompt_tokens=[], max_tokens=max_tokens,
-                             needs_prefill=True, kind=kind, body=body)
+        job = CompletionJob(request_id=request_id, model=req.model, prompt_tokens=[], max_tokens=0,
+                            needs_prefill=disaggregates(body, kind), kind=kind, body=body)
+        return job, req
 
     async def _read_object(self, request: Request) -> tuple[dict[str, Any], str | None]:
         header_rid = request.headers.get("x-request-id")
         rid: str | None = header_rid if header_rid and _REQUEST_ID_RE.match(header_rid) else None
+        check_media_type(request.headers.get("content-type"), rid)
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.settings.max_request_bytes:
             raise RouterError(413, f"request body exceeds {self.settings.max_request_bytes} bytes",
@@ -233,9 +246,17 @@ class RouterService:
             rid = obj["request_id"]
         return obj, rid
 
+    def _relays(self, obj: dict[str, Any]) -> bool:
+        """Whether the body goes to vLLM instances as it is (their model), not through the
+        router's own schema for kvxfer's workers."""
+        model = obj.get("model")
+        return isinstance(model, str) and model in self.known_models() and self.model_engine(model) == "vllm"
+
     async def parse_chat(self, request: Request) -> tuple[CompletionJob, ChatCompletionRequest]:
         """Validate a ``/v1/chat/completions`` request into a job, or raise a 4xx."""
         obj, rid = await self._read_object(request)
+        if self._relays(obj):
+            return self._vllm_job(obj, rid, "chat")  # type: ignore[return-value]
         try:
             req = ChatCompletionRequest.model_validate(obj)
         except ValidationError as exc:
@@ -243,22 +264,22 @@ class RouterService:
         request_id = rid or f"chatcmpl-{uuid.uuid4().hex}"
         asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = self._check_common(obj, req.model, asked, request_id)
-        if self.model_engine(req.model) == "vllm":
-            return self._vllm_job(request_id, req.model, max_tokens, "chat", obj), req
+        check_sampling(obj, request_id)
         return await self._kvxfer_job(request_id, req.model, render_chat(req.messages), max_tokens, "chat"), req
 
     async def parse_completion(self, request: Request) -> tuple[CompletionJob, CompletionRequest]:
         """Validate a ``/v1/completions`` request into a job, or raise a 4xx
         :class:`RouterError`. Nothing is reserved or sent anywhere before this passes."""
         obj, rid = await self._read_object(request)
+        if self._relays(obj):
+            return self._vllm_job(obj, rid, "completion")  # type: ignore[return-value]
         try:
             req = CompletionRequest.model_validate(obj)
         except ValidationError as exc:
             raise validation_error(exc, rid) from None
         request_id = rid or f"cmpl-{uuid.uuid4().hex}"
         max_tokens = self._check_common(obj, req.model, req.max_tokens, request_id)
-        if self.model_engine(req.model) == "vllm":
-            return self._vllm_job(request_id, req.model, max_tokens, "completion", obj), req
+        check_sampling(obj, request_id)
         return await self._kvxfer_job(request_id, req.model, req.prompt, max_tokens, "completion"), req
 
     async def _kvxfer_job(self, request_id: str, model: str, text: str, max_tokens: int, kind: str) -> CompletionJob:
@@ -379,7 +400,7 @@ def create_app(
         except RouterError as exc:
             return exc.to_response()
         lifecycle = service.dispatcher.start(job, ticket, buffered=not req.stream)
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        include_usage = bool(isinstance(req.stream_options, StreamOptions) and req.stream_options.include_usage)
         if req.stream:
             return await _stream_response(request, lifecycle, include_usage)
         return await _full_response(request, lifecycle)
@@ -476,14 +497,16 @@ async def _full_response(request: Request, lifecycle: RequestLifecycle) -> Respo
     tokens, end = result
     if isinstance(end, ErrorEvent):
         return end.error.to_response()
+    if isinstance(end, RelayedAnswer):
+        return Response(end.body, status_code=end.status, media_type="application/json", headers=_headers(lifecycle))
     assert isinstance(end, FinishEvent)
     text = "".join(t.text for t in tokens) + end.text
     if lifecycle.job.kind == "chat":
-        return JSONResponse(chat_completion_body(completion_id(lifecycle.request_id), now_s(), lifecycle.job.model,
-                                                 text, end.finish_reason, end.usage),
+        return JSONResponse(chat_completion_body(response_id("chat", lifecycle.request_id), now_s(),
+                                                 lifecycle.job.model, text, end.finish_reason, end.usage),
                             headers=_headers(lifecycle))
     body = Completion(
-        id=completion_id(lifecycle.request_id), created=now_s(), model=lifecycle.job.model,
+        id=response_id("completion", lifecycle.request_id), created=now_s(), model=lifecycle.job.model,
         choices=[CompletionChoice(text="".join(t.text for t in tokens) + end.text, finish_reason=end.finish_reason)],
         usage=end.usage,
     )
@@ -514,7 +537,7 @@ class CompletionEventStream(StreamingResponse):
         self._lifecycle = lifecycle
         self._first = first
         self._include_usage = include_usage
-        self._cid = completion_id(lifecycle.request_id)
+        self._cid = response_id(lifecycle.job.kind, lifecycle.request_id)
         self._created = now_s()
         super().__init__(
             self._events(), media_type="text/event-stream",
@@ -532,7 +555,12 @@ class CompletionEventStream(StreamingResponse):
     async def _events(self) -> AsyncIterator[bytes]:
         ev = self._first
         while True:
-            if isinstance(ev, TokenEvent):
+            if isinstance(ev, RelayedChunk):  # a vLLM instance's own event, as it is
+                yield ev.data
+            elif isinstance(ev, RelayedEnd):
+                yield SSE_DONE
+                return
+            elif isinstance(ev, TokenEvent):
                 yield self._chunk(ev.text, None)
             elif isinstance(ev, FinishEvent):
                 yield self._chunk(ev.text, ev.finish_reason)

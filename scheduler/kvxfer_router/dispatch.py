@@ -655,6 +655,24 @@ class RequestLifecycle:
         self._events.put_nowait(FinishEvent(str(msg.get("finish_reason") or "stop"), usage,
                                             rest if isinstance(rest, str) else ""))
 
+    def relay(self, event: Any, *, last: bool) -> None:
+        """Hand the client a piece of a worker's own answer as it is (vLLM legs: one event
+        of its stream, or its whole answer); ``last`` ends the request like a finish. Once
+        one is handed over, the request is no longer retried."""
+        now = time.monotonic()
+        if self._last_token_at is None:
+            self.state = RequestState.STREAMING
+            if not last:  # a whole answer says nothing of when its first token came
+                self._d.telemetry.first_token(self._ticket.deadline.elapsed())
+        elif not last:
+            self._d.telemetry.inter_token(now - self._last_token_at)
+        self._last_token_at = now
+        self.tokens_sent += 1
+        if last:
+            self._terminal_sent = True
+            self._ticket.release_id()  # answered: the client may reuse the id at once
+        self._events.put_nowait(event)
+
     def _fail(self, error: RouterError) -> None:
         if self.state is not RequestState.CANCELLED:
             self.state = RequestState.FAILED

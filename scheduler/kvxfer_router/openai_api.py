@@ -1,18 +1,23 @@
 """The OpenAI-compatible surface: request and response models, error bodies, prompt encoding.
 
-Only ``/v1/completions`` with a string prompt is served. Unknown extra fields (temperature,
-top_p, ...) are accepted and ignored, as the workers sample greedily; fields the router does
-read are validated strictly so that a bad request gets a clear 4xx instead of a surprise.
+For kvxfer's own workers ``/v1/completions`` takes a string prompt and chat text messages.
+Unknown extra fields (top_p, ...) are accepted and ignored, as the workers sample greedily;
+fields the router does read are validated strictly, and ``n`` and ``temperature`` as vLLM
+validates them (``check_sampling``), so that a bad request gets a clear 4xx instead of a
+surprise. Models served by vLLM instances take vLLM's whole schema: the body is relayed
+(``vllm_legs``), and only ``RelayedRequest`` is read here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import math
 import time
 from typing import Any, Callable, Literal, Mapping
 
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvxfer.model.tokenizer import ByteTokenizer
@@ -42,9 +47,12 @@ class RouterError(Exception):
         code: str | None = None,
         param: str | None = None,
         headers: Mapping[str, str] | None = None,
+        raw_body: bytes | None = None,
     ) -> None:
         prefix = f"request {request_id}: " if request_id else ""
         super().__init__(prefix + message)
+        #: A vLLM instance's own error body (``{"error": {...}}``), answered as it is.
+        self.raw_body = raw_body
         self.status = status
         self.message = message
         self.request_id = request_id
@@ -54,7 +62,13 @@ class RouterError(Exception):
         self.headers = dict(headers or {})
 
     def body(self) -> dict[str, Any]:
-        """OpenAI error body: ``{"error": {message, type, param, code, request_id}}``."""
+        """OpenAI error body: ``{"error": {message, type, param, code, request_id}}``, or
+        the vLLM instance's own body when the error is its refusal."""
+        if self.raw_body is not None:
+            with contextlib.suppress(ValueError):
+                parsed = json.loads(self.raw_body)
+                if isinstance(parsed, dict):
+                    return parsed
         return {
             "error": {
                 "message": str(self),
@@ -70,6 +84,8 @@ class RouterError(Exception):
         headers = dict(self.headers)
         if self.request_id:
             headers.setdefault("X-Request-Id", self.request_id)
+        if self.raw_body is not None:
+            return Response(self.raw_body, status_code=self.status, headers=headers, media_type="application/json")
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
@@ -134,8 +150,61 @@ class Completion(BaseModel):
 
 
 def completion_id(request_id: str) -> str:
-    """The ``id`` OpenAI clients see for ``request_id``."""
+    """The ``id`` OpenAI clients see for ``request_id`` on ``/v1/completions``."""
     return request_id if request_id.startswith("cmpl-") else f"cmpl-{request_id}"
+
+
+def response_id(kind: str, request_id: str) -> str:
+    """The ``id`` of an answer of endpoint ``kind`` ("completion" or "chat"), as vLLM forms
+    it: ``cmpl-...`` or ``chatcmpl-...`` (never both prefixes)."""
+    if kind != "chat":
+        return completion_id(request_id)
+    return request_id if request_id.startswith("chatcmpl-") else f"chatcmpl-{request_id}"
+
+
+#: The one media type vLLM's OpenAI server accepts for a body (vLLM refuses others with 400).
+JSON_MEDIA_TYPE = "application/json"
+
+
+def check_media_type(content_type: str | None, request_id: str | None) -> None:
+    """400 unless the body is declared JSON, with vLLM's message (vLLM refuses a
+    ``text/plain`` or undeclared body the same way)."""
+    media_type = (content_type or "").split(";", 1)[0].strip().lower()
+    if media_type != JSON_MEDIA_TYPE:
+        raise RouterError(400, f"Unsupported Media Type: Only '{JSON_MEDIA_TYPE}' is allowed",
+                          request_id=request_id, code="unsupported_media_type")
+
+
+def check_sampling(obj: Mapping[str, Any], request_id: str | None) -> None:
+    """``n`` and ``temperature`` as vLLM checks them (vllm.sampling_params), with its
+    messages, for kvxfer's own workers: they sample greedily, so ``n`` is 1, as vLLM
+    requires of greedy sampling. A NaN (Python's JSON reader accepts it) is refused."""
+    n = obj.get("n")
+    if n is not None:
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise RouterError(400, f"n must be an int, but is of type {type(n)}", request_id=request_id,
+                              param="n", code="invalid_value")
+        if n < 1:
+            raise RouterError(400, f"n must be at least 1, got {n}.", request_id=request_id, param="n",
+                              code="invalid_value")
+        if n > 1:
+            raise RouterError(400, f"n must be 1 when using greedy sampling, got {n}.", request_id=request_id,
+                              param="n", code="invalid_value")
+    t = obj.get("temperature")
+    if t is None:
+        return
+    if isinstance(t, bool) or not isinstance(t, (int, float)):
+        raise RouterError(400, "temperature must be a number", request_id=request_id, param="temperature",
+                          code="invalid_value")
+    if not math.isfinite(t):
+        problem = f"temperature must be a finite number, got {t}."
+    elif t < 0.0:
+        problem = f"temperature must be non-negative, got {t}."
+    elif t > 2.0:
+        problem = f"temperature must be in [0, 2], got {t}."
+    else:
+        return
+    raise RouterError(400, problem, request_id=request_id, param="temperature", code="invalid_value")
 
 
 def now_s() -> int:
@@ -179,6 +248,18 @@ def default_prompt_encoder() -> PromptEncoder:
     and must not silently change what the model sees."""
     encode = ByteTokenizer().encode
     return lambda prompt: list(encode(prompt))
+
+
+class RelayedRequest(BaseModel):
+    """What the router reads of a body relayed to vLLM instances (the rest is vLLM's to
+    validate): the model, whether to stream, and the kvxfer request id."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str = Field(min_length=1, strict=True)
+    stream: bool | None = Field(False, strict=True)
+    stream_options: dict[str, Any] | None = None
+    request_id: str | None = Field(None, pattern=REQUEST_ID_PATTERN)
 
 
 # ---- chat completions -------------------------------------------------------------------

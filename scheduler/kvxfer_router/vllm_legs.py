@@ -4,12 +4,23 @@ The decoder reserves first, inside vLLM: the router sends both legs at once, eac
 `kv_transfer_params = {"kvxfer": {role, transfer_id, peer_engine}}`. The decode instance
 parks the request, reserves blocks and sends the reservation to the prefill instance over
 the kvxfer engine (no HTTP call between the two); the prefill instance computes the
-prompt (`max_tokens` 1) and pushes each layer as it goes; the decoder admits on its
-ImmCounter and streams. The router only relays the decode instance's event stream, as
-token events, so streaming, deadlines, retries before the first token and cancelling both
-legs on a disconnect work as for kvxfer's own workers.
+prompt and pushes each layer as it goes; the decoder admits on its ImmCounter and answers.
 
-`transfer_id` is minted here for every attempt: no client-chosen id reaches the workers.
+The client's body goes to the decode instance as it is (only `kv_transfer_params` added),
+and the decode instance's answer comes back as it is: every field vLLM's OpenAI server
+accepts, its defaults (completions: 16 tokens; chat: up to the context), its status codes
+and error bodies. The router only rewrites the answer's `id` to the client-facing one
+(`cmpl-...` / `chatcmpl-...`, echoed in X-Request-Id). The prefill leg gets a copy that
+computes the same prompt and nothing else (`max_tokens` 1, `n` 1, not streamed, no
+sampling constraints that only make sense for the whole generation). With `n` > 1 vLLM
+forks one child per choice; the connector loads the prompt's KV once for all of them
+(`kvxfer.integrations.vllm.scheduler_side`).
+
+A failure before any byte reached the client (a non-streamed answer counts only once it
+is whole) is retried on another pair, as for kvxfer's own workers; a vLLM refusal of the
+request itself (4xx) is the client's answer, never retried.
+
+`transfer_id` is minted by the router for every attempt: no client-chosen id reaches the workers.
 """
 
 from __future__ import annotations
@@ -18,9 +29,13 @@ import asyncio
 import contextlib
 import copy
 import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .openai_api import usage_from
+import httpx
+
+from .openai_api import RouterError, response_id
 
 if TYPE_CHECKING:
     from .directory import WorkerView
@@ -29,113 +44,342 @@ if TYPE_CHECKING:
 #: Body fields a client may not set: the router fills them for each leg.
 RESERVED_FIELDS = ("kv_transfer_params",)
 
+#: Fields the prefill leg's copy leaves out. That leg only computes the prompt (its one
+#: sampled token is thrown away), so whatever shapes the generation is the decoder's
+#: alone; several would make the copy invalid (`min_tokens` above its `max_tokens` of 1,
+#: `best_of` above its `n` of 1, `prompt_logprobs` with streaming) and fail a request that
+#: vLLM serves. Everything that shapes the prompt's tokens (prompt, messages, tools, chat
+#: template and its arguments, add_special_tokens, truncation, cache_salt) stays identical.
+PREFILL_LEG_DROPPED = (
+    "stream_options", "best_of", "use_beam_search", "length_penalty", "min_tokens", "max_completion_tokens",
+    "logprobs", "top_logprobs", "prompt_logprobs", "logprob_token_ids", "echo",
+    "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+    "guided_decoding_backend", "guided_whitespace_pattern", "logit_bias", "allowed_token_ids", "bad_words",
+    "stop", "stop_token_ids", "parallel_tool_calls",
+)
 
-def _paths(kind: str) -> str:
+
+def disaggregates(body: dict[str, Any], kind: str) -> bool:
+    """Whether the request is served disaggregated: one prompt, whose KV one transfer
+    carries, and no logprobs of the prompt (`prompt_logprobs`, or `echo` with `logprobs`),
+    which need the prompt computed where the answer is made. A batch of
+    prompts (`prompt` a list of several strings or token lists) is one vLLM request per
+    prompt, all with the same kv_transfer_params, and a transfer carries one prompt's KV:
+    it is computed on the decode instance alone (the connector never shares a load between
+    different prompts either)."""
+    if body.get("prompt_logprobs") is not None or (body.get("echo") and body.get("logprobs") is not None):
+        # Logprobs of the prompt's own tokens come from computing the prompt: a decoder that
+        # loaded its KV has none to give, so these are computed on the decode instance.
+        return False
+    prompt = body.get("prompt")
+    if kind == "chat" or not isinstance(prompt, list) or len(prompt) <= 1:
+        return True
+    return all(isinstance(p, int) for p in prompt)  # token ids: one prompt
+
+
+#: Statuses with which vLLM refuses the request itself (a bad field, a prompt over the
+#: context, an unknown LoRA): every instance would answer the same, so they are the
+#: client's answer. Other statuses (401/403: our key, 408, 409, 429, 5xx) are the
+#: instance's trouble and the attempt goes to another pair.
+CLIENT_ERROR_STATUSES = (400, 404, 413, 422)
+#: The most of an error body read from an instance (vLLM's are well under 2 KiB).
+MAX_ERROR_BODY_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class RelayedChunk:
+    """One server-sent event of the decode instance's stream, for the client as it is
+    (``data: ...`` and its blank line), with the client-facing id."""
+
+    data: bytes
+
+
+@dataclass(frozen=True)
+class RelayedEnd:
+    """The decode instance's stream ended with ``data: [DONE]``."""
+
+
+@dataclass(frozen=True)
+class RelayedAnswer:
+    """The decode instance's whole (non-streamed) answer, with the client-facing id."""
+
+    status: int
+    body: bytes
+
+
+def _path(kind: str) -> str:
     return "/v1/chat/completions" if kind == "chat" else "/v1/completions"
 
 
-def leg_bodies(body: dict[str, Any], kind: str, transfer_id: str, decode: WorkerView | None,
+def prefill_copy(body: dict[str, Any]) -> dict[str, Any]:
+    """The prefill leg's body: the same prompt, one choice, one token, not streamed."""
+    copied = {k: copy.deepcopy(v) for k, v in body.items() if k not in PREFILL_LEG_DROPPED}
+    copied.update(stream=False, max_tokens=1, n=1)
+    if copied.get("tools"):
+        # Tools are part of the prompt (the chat template renders them) but choosing one is
+        # the decoder's: "auto" would need --enable-auto-tool-choice on the prefill instance
+        # too, and "required" or a named tool compile a grammar for nothing.
+        copied["tool_choice"] = "none"
+    return copied
+
+
+def leg_bodies(body: dict[str, Any], transfer_id: str, decode: WorkerView | None,
                prefill: WorkerView | None) -> tuple[dict[str, Any] | None, dict[str, Any]]:
-    """(prefill body or None, decode body) for one attempt."""
+    """(prefill body or None, decode body) for one attempt; the decode body is the
+    client's, plus the hand-off (or nothing, computed colocated, without a prefiller)."""
     decode_body = copy.deepcopy(body)
-    decode_body["stream"] = True
-    decode_body["stream_options"] = {"include_usage": True}
+    decode_body.pop("kv_transfer_params", None)
     if prefill is None or decode is None:
-        decode_body.pop("kv_transfer_params", None)
         return None, decode_body
     decode_body["kv_transfer_params"] = {"kvxfer": {
         "role": "decode", "transfer_id": transfer_id, "peer_engine": prefill.engine_address}}
-    prefill_body = copy.deepcopy(body)
-    prefill_body.update(stream=False, max_tokens=1)
-    prefill_body.pop("stream_options", None)
-    if kind == "chat":
-        prefill_body.pop("max_completion_tokens", None)
+    prefill_body = prefill_copy(body)
     prefill_body["kv_transfer_params"] = {"kvxfer": {
         "role": "prefill", "transfer_id": transfer_id, "peer_engine": decode.engine_address}}
     return prefill_body, decode_body
 
 
+class _PrefillRefused(Exception):
+    """The prefill instance refused its copy of the request with a client status."""
+
+    def __init__(self, worker: WorkerView, status: int, error: dict[str, Any]) -> None:
+        super().__init__(f"prefill worker {worker.worker_id} answered {status}: {error.get('message')}")
+        self.worker = worker
+        self.status = status
+        self.error = error
+
+
+def _error_info(raw: bytes) -> dict[str, Any]:
+    """The ``error`` object of a vLLM error body (message, type, param, code), or a stand-in."""
+    try:
+        parsed = json.loads(raw)
+    except ValueError:
+        parsed = None
+    if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
+        return parsed["error"]
+    return {"message": raw[:300].decode(errors="replace"), "type": "BadRequestError", "param": None}
+
+
 async def run_vllm_legs(lc: RequestLifecycle, decode: WorkerView, prefill: WorkerView | None,
                         attempt_id: str) -> None:
-    """Run one attempt; raises LegFailure like the kvxfer legs do."""
-    from .dispatch import LegFailure, RequestState
+    """Run one attempt, handing the client the decode instance's answer; raises
+    LegFailure (retried elsewhere) or RouterError (the client's answer)."""
+    from .dispatch import RequestState
 
     job = lc.job
     assert job.body is not None
-    transfer_id = attempt_id  # minted by the router for this attempt (worker_auth.mint_worker_request_id)
-    prefill_body, decode_body = leg_bodies(job.body, job.kind, transfer_id, decode, prefill)
-    path = _paths(job.kind)
-    d = lc._d
-    s = d.settings
+    prefill_body, decode_body = leg_bodies(job.body, attempt_id, decode, prefill)
+    path = _path(job.kind)
+    s = lc._d.settings
     lc.state = RequestState.TRANSFERRING if prefill_body else RequestState.GENERATING
     prefill_leg: asyncio.Future[Any] | None = None
     if prefill is not None and prefill_body is not None:
-        prefill_leg = asyncio.ensure_future(d.post_json(
-            prefill, path, prefill_body, stage="prefill", request_id=attempt_id,
-            total_timeout_s=s.prefill_timeout_s))
-    decode_leg = asyncio.ensure_future(_relay_stream(lc, decode, path, decode_body, attempt_id))
+        prefill_leg = asyncio.ensure_future(_prefill(lc, prefill, path, prefill_body, attempt_id))
+    relay = _relay_stream if job.body.get("stream") else _relay_answer
+    decode_leg = asyncio.ensure_future(relay(lc, decode, path, decode_body, attempt_id))
     legs = [leg for leg in (prefill_leg, decode_leg) if leg is not None]
     try:
         await asyncio.wait(legs, return_when=asyncio.FIRST_EXCEPTION)
         if decode_leg.done() and decode_leg.exception() is None:
             return
-        failed = prefill_leg if prefill_leg is not None and prefill_leg.done() and prefill_leg.exception() \
-            else decode_leg
-        exc = failed.exception()
+        if decode_leg.done():
+            raise decode_leg.exception()  # type: ignore[misc]
+        assert prefill_leg is not None
+        exc = prefill_leg.exception()
         assert exc is not None
-        if not isinstance(exc, LegFailure):
-            raise exc
+        if isinstance(exc, _PrefillRefused):
+            # The decoder got the client's own body and may refuse it too, within a
+            # control call's time: its answer is the one plain vLLM would give.
+            await asyncio.wait({decode_leg}, timeout=s.control_timeout_s)
+            if decode_leg.done():
+                if decode_leg.exception() is None:
+                    return
+                raise decode_leg.exception()  # type: ignore[misc]
+            raise RouterError(
+                exc.status, f"the prefill leg (this request with max_tokens 1, n 1, not streamed) was refused by "
+                f"prefill worker {exc.worker.worker_id}, which kvxfer cannot serve disaggregated: "
+                f"{exc.error.get('message')}",
+                request_id=lc.request_id, param=exc.error.get("param"), code="prefill_leg_refused")
         raise exc
     finally:
-        # Closing the decode stream aborts the request in vLLM; the connector then cancels
+        # Closing the decode call aborts the request in vLLM; the connector then cancels
         # the push and frees the blocks only once no write can land.
         for leg in legs:
             leg.cancel()
         await asyncio.gather(*legs, return_exceptions=True)
 
 
-def _is_sse_done(line: str) -> bool:
-    """Whether a line of vLLM's server-sent events is its last (``data: [DONE]``)."""
-    return line.startswith("data:") and line[5:].strip() == "[DONE]"
+def _client_error(lc: RequestLifecycle, status: int, raw: bytes) -> RouterError:
+    """vLLM's refusal of the request, for the client as vLLM wrote it."""
+    return RouterError(status, str(_error_info(raw).get("message")), request_id=lc.request_id, raw_body=raw)
+
+
+async def _read_error(resp: httpx.Response, timeout_s: float) -> bytes:
+    """An error answer's body, bounded in size and time."""
+    chunks: list[bytes] = []
+    size = 0
+
+    async def read() -> None:
+        nonlocal size
+        async for chunk in resp.aiter_bytes():
+            chunks.append(chunk)
+            size += len(chunk)
+            if size >= MAX_ERROR_BODY_BYTES:
+                return
+
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(read(), timeout_s)
+    return b"".join(chunks)[:MAX_ERROR_BODY_BYTES]
+
+
+@contextlib.asynccontextmanager
+async def _post(lc: RequestLifecycle, worker: WorkerView, path: str, body: dict[str, Any], stage: str,
+                attempt_id: str, read_timeout_s: float) -> AsyncIterator[httpx.Response]:
+    """A POST to a vLLM instance, its response open for reading; transport failures are LegFailure."""
+    from .dispatch import LegFailure
+
+    d = lc._d
+    s = d.settings
+    url = worker.url(path)
+    timeout = httpx.Timeout(read_timeout_s, connect=s.connect_timeout_s, write=s.control_timeout_s)
+    try:
+        async with d.client.stream("POST", url, timeout=timeout, **d.signer.request(url, body, worker.engine)) as resp:
+            yield resp
+    except httpx.ConnectError as exc:
+        raise LegFailure(attempt_id, worker, stage, f"POST {path}: {type(exc).__name__}: {exc}",
+                         never_sent=True) from exc
+    except httpx.TimeoutException as exc:
+        raise LegFailure(attempt_id, worker, stage, f"POST {path} timed out: {type(exc).__name__}",
+                         timed_out=True) from exc
+    except httpx.HTTPError as exc:
+        raise LegFailure(attempt_id, worker, stage, f"POST {path}: {type(exc).__name__}: {exc}") from exc
+
+
+async def _refusal(lc: RequestLifecycle, worker: WorkerView, path: str, stage: str, attempt_id: str,
+                   resp: httpx.Response) -> Exception:
+    """What an answer with an error status stands for: the client's refusal or a LegFailure."""
+    from .dispatch import LegFailure
+
+    raw = await _read_error(resp, lc._d.settings.control_timeout_s)
+    if resp.status_code in CLIENT_ERROR_STATUSES:
+        if stage == "prefill":
+            return _PrefillRefused(worker, resp.status_code, _error_info(raw))
+        return _client_error(lc, resp.status_code, raw)
+    return LegFailure.from_answer(attempt_id, worker, stage, path, resp.status_code, raw.decode(errors="replace"),
+                                  resp.headers, rejected=False)
+
+
+async def _prefill(lc: RequestLifecycle, prefill: WorkerView, path: str, body: dict[str, Any],
+                   attempt_id: str) -> None:
+    """The prefill leg: its answer (one token, thrown away) only says whether it ran."""
+    s = lc._d.settings
+
+    async def call() -> None:
+        async with _post(lc, prefill, path, body, "prefill", attempt_id, s.prefill_timeout_s) as resp:
+            if resp.status_code >= 400:
+                raise await _refusal(lc, prefill, path, "prefill", attempt_id, resp)
+            await resp.aread()
+
+    try:
+        await asyncio.wait_for(call(), s.prefill_timeout_s)
+    except asyncio.TimeoutError:
+        from .dispatch import LegFailure
+
+        raise LegFailure(attempt_id, prefill, "prefill", f"POST {path} timed out (after {s.prefill_timeout_s}s)",
+                         timed_out=True) from None
+
+
+def _with_client_id(data: str, client_id: str) -> tuple[dict[str, Any] | None, str]:
+    """(the parsed object or None, ``data`` with vLLM's id replaced by the client-facing one).
+
+    The id is replaced in the text, not by serializing the object again, so every other
+    byte (float formatting included) is exactly what vLLM sent."""
+    try:
+        obj = json.loads(data)
+    except ValueError:
+        return None, data
+    if not isinstance(obj, dict):
+        return None, data
+    vllm_id = obj.get("id")
+    if isinstance(vllm_id, str) and vllm_id:
+        data = data.replace(json.dumps(vllm_id), json.dumps(client_id), 1)
+    return obj, data
+
+
+def _failed_finish(obj: dict[str, Any]) -> str | None:
+    """The finish reason of a choice that ended without an answer (the KV never came:
+    ``error``; the instance refused it while draining: ``abort``), if one did."""
+    for choice in obj.get("choices") or ():
+        if isinstance(choice, dict) and choice.get("finish_reason") in ("error", "abort"):
+            return str(choice["finish_reason"])
+    return None
+
+
+async def _relay_answer(lc: RequestLifecycle, decode: WorkerView, path: str, body: dict[str, Any],
+                        attempt_id: str) -> None:
+    """A non-streamed request: the decode instance's whole answer, once it is complete."""
+    from .dispatch import LegFailure
+
+    stage = "generate"
+    # The answer comes only once the whole generation is done: the request's own deadline
+    # (the lifecycle's) bounds it, not the idle time between stream lines.
+    async with _post(lc, decode, path, body, stage, attempt_id, lc._d.settings.request_deadline_s) as resp:
+        if resp.status_code >= 400:
+            raise await _refusal(lc, decode, path, stage, attempt_id, resp)
+        raw = (await resp.aread()).decode(errors="replace")
+    obj, text = _with_client_id(raw, response_id(lc.job.kind, lc.request_id))
+    if obj is None:
+        raise LegFailure(attempt_id, decode, stage, f"unreadable answer {raw[:300]!r}")
+    failed = _failed_finish(obj)
+    if failed is not None:
+        raise LegFailure(attempt_id, decode, stage, f"a choice finished with {failed!r} (the KV load failed, or the "
+                         "instance drains)")
+    lc.relay(RelayedAnswer(resp.status_code, text.encode()), last=True)
 
 
 async def _relay_stream(lc: RequestLifecycle, decode: WorkerView, path: str, body: dict[str, Any],
                         attempt_id: str) -> None:
-    """Relay vLLM's server-sent events as the lifecycle's token and finish events."""
-    from .dispatch import LegFailure, _detail, stream_object
+    """A streamed request: each of the decode instance's events as it comes, each within
+    its deadline (the first ``first_token_timeout_s``, later ones ``token_idle_timeout_s``)."""
+    from .dispatch import _REST_OF_STREAM_WAIT_S, LegFailure, _read_to_end
 
     stage = "generate"
-    chat = lc.job.kind == "chat"
-    usage: dict[str, Any] | None = None
-    finish: str | None = None
-    tokens = 0
-    stream = lc._d.stream_lines(decode, path, body, stage=stage, request_id=attempt_id,
-                                rejected_statuses=(400, 422), end_marker="[DONE]", is_last=_is_sse_done)
-    async with contextlib.aclosing(stream) as lines:
-        async for line in lines:
+    s = lc._d.settings
+    client_id = response_id(lc.job.kind, lc.request_id)
+    relayed = 0
+    async with _post(lc, decode, path, body, stage, attempt_id, s.first_token_timeout_s) as resp:
+        if resp.status_code >= 400:
+            raise await _refusal(lc, decode, path, stage, attempt_id, resp)
+        lines = resp.aiter_lines()
+        wait_s = s.first_token_timeout_s
+        while True:
+            try:
+                line = await asyncio.wait_for(lines.__anext__(), wait_s)
+            except StopAsyncIteration:
+                raise LegFailure(attempt_id, decode, stage, "stream ended before [DONE]") from None
+            except asyncio.TimeoutError:
+                raise LegFailure(attempt_id, decode, stage, f"no stream line within {wait_s}s",
+                                 timed_out=True) from None
+            wait_s = s.token_idle_timeout_s
             if not line.startswith("data:"):
                 continue
             data = line[5:].strip()
             if data == "[DONE]":
-                if finish == "abort" and tokens == 0:
-                    # vLLM refuses a request that arrives while it drains (SIGTERM) this way;
-                    # nothing reached the client, so the attempt may be retried elsewhere.
-                    raise LegFailure(attempt_id, decode, stage, "the instance aborted the request before its "
-                                     "first token (draining?)")
-                lc._finish({"finish_reason": finish or "stop", "usage": usage})
+                # The rest of the body (normally only its end) is read, so the connection
+                # goes back to the pool instead of being closed (dispatch.stream_lines).
+                await _read_to_end(lines, _REST_OF_STREAM_WAIT_S)
+                lc.relay(RelayedEnd(), last=True)
                 return
-            chunk = stream_object(data, attempt_id, decode, stage, "event")
-            if "error" in chunk:
-                raise LegFailure(attempt_id, decode, stage, f"generation failed: {_detail(json.dumps(chunk))}")
-            if isinstance(chunk.get("usage"), dict):
-                usage = chunk["usage"]
-            for choice in chunk.get("choices") or ():
-                text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
-                if text:
-                    tokens += 1
-                    lc._token(-1, str(text))
-                if choice.get("finish_reason"):
-                    finish = str(choice["finish_reason"])
+            obj, text = _with_client_id(data, client_id)
+            if obj is None:
+                raise LegFailure(attempt_id, decode, stage, f"unreadable event {data[:300]!r}")
+            if relayed == 0 and ("error" in obj or _failed_finish(obj) is not None):
+                # Nothing reached the client yet: another pair may serve it.
+                raise LegFailure(attempt_id, decode, stage, f"the instance ended the request before its first "
+                                 f"token: {data[:300]}")
+            relayed += 1
+            lc.relay(RelayedChunk(f"data: {text}\n\n".encode()), last=False)
 
 
-__all__ = ["RESERVED_FIELDS", "leg_bodies", "run_vllm_legs", "usage_from"]
+__all__ = ["CLIENT_ERROR_STATUSES", "PREFILL_LEG_DROPPED", "RESERVED_FIELDS", "RelayedAnswer", "RelayedChunk",
+           "RelayedEnd", "disaggregates", "leg_bodies", "prefill_copy", "run_vllm_legs"]

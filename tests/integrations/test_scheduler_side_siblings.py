@@ -70,3 +70,23 @@ def test_siblings_of_a_failed_load_compute_locally_rather_than_wait() -> None:
     side.build_connector_meta(idle_step())
     side.update_connector_output(loads_ended("0_parent", failed=True))
     assert side.get_num_new_matched_tokens(child(1, 50), 0) == (0, False)
+
+
+def test_a_request_with_another_prompt_under_the_same_transfer_never_shares_its_load() -> None:
+    # A batch of prompts sent with one kv_transfer_params: each prompt is its own request.
+    # Only one reservation exists, for one prompt's KV: the others compute here, at once.
+    side = SchedulerSide(block_size=32, reservation_wait_s=5.0)
+    first, other = child(0, 100), child(1, 60)
+    first.prompt_token_ids, other.prompt_token_ids = list(range(100)), list(range(60))
+    assert side.get_num_new_matched_tokens(first, 0) == (100, True)
+    assert side.get_num_new_matched_tokens(other, 0) == (0, False)
+
+
+def test_a_prefill_instance_pushes_one_request_per_transfer() -> None:
+    side = SchedulerSide(block_size=32, reservation_wait_s=5.0)
+    one, two = child(0, 100), child(1, 60)
+    for req in (one, two):
+        req.kv_transfer_params["kvxfer"]["role"] = "prefill"
+    assert side.get_num_new_matched_tokens(one, 0) == (0, False)
+    assert side.get_num_new_matched_tokens(two, 0) == (0, False)
+    assert list(side._pushes) == ["0_parent"]

@@ -155,3 +155,51 @@ def test_openapi_describes_the_completions_request_and_every_ref_resolves(router
     responses = doc["paths"]["/v1/completions"]["post"]["responses"]
     assert {"200", "400", "413", "408", "429"} <= set(responses)
     json.dumps(doc)
+
+
+# ---- n, temperature and content type, as vLLM validates them ------------------------------
+
+@pytest.mark.parametrize(("name", "raw", "param", "message"), [
+    ("n: 1000", b'{"model": "%s", "prompt": "hi", "n": 1000}' % MODEL.encode(), "n",
+     "n must be 1 when using greedy sampling, got 1000."),
+    ("n: 0", b'{"model": "%s", "prompt": "hi", "n": 0}' % MODEL.encode(), "n", "n must be at least 1, got 0."),
+    ("temperature: NaN", b'{"model": "%s", "prompt": "hi", "temperature": NaN}' % MODEL.encode(), "temperature",
+     "temperature must be a finite number, got nan."),
+    ("temperature: -1", b'{"model": "%s", "prompt": "hi", "temperature": -1}' % MODEL.encode(), "temperature",
+     "temperature must be non-negative, got -1."),
+    ("temperature: Infinity", b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}], '
+     b'"temperature": Infinity}' % MODEL.encode(), "temperature", "temperature must be a finite number, got inf."),
+])
+def test_n_and_temperature_are_refused_as_vllm_refuses_them(router: str, name: str, raw: bytes, param: str,
+                                                             message: str) -> None:
+    # Before: n 1000 was answered with one choice and a NaN temperature was accepted.
+    path = "/v1/chat/completions" if b"messages" in raw else "/v1/completions"
+    resp = httpx.post(router + path, content=raw, headers={"content-type": "application/json"}, timeout=10)
+    assert resp.status_code == 400, f"{name}: {resp.status_code} {resp.text[:200]}"
+    error = _error(resp)
+    assert error["param"] == param and error["message"].endswith(message), error
+    assert set(error) >= {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", None, "application/x-www-form-urlencoded"])
+def test_a_body_not_declared_json_is_refused_as_vllm_refuses_it(router: str, content_type: str | None) -> None:
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 3}).encode()
+    headers = {"content-type": content_type} if content_type else {}
+    resp = httpx.post(router + "/v1/completions", content=body, headers=headers, timeout=10)
+    assert resp.status_code == 400, resp.text
+    assert _error(resp)["message"].endswith("Unsupported Media Type: Only 'application/json' is allowed")
+    # A charset parameter is still JSON.
+    resp = httpx.post(router + "/v1/completions", content=body,
+                      headers={"content-type": "application/json; charset=utf-8"}, timeout=10)
+    assert resp.status_code == 200, resp.text
+
+
+def test_chat_ids_read_chatcmpl_once(router: str) -> None:
+    # Before: "cmpl-chatcmpl-...".
+    resp = httpx.post(router + "/v1/chat/completions", timeout=10, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["id"].startswith("chatcmpl-") and not resp.json()["id"].startswith("chatcmpl-chatcmpl")
+    resp = httpx.post(router + "/v1/chat/completions", timeout=10, headers={"x-request-id": "mine-1"}, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert resp.json()["id"] == "chatcmpl-mine-1"

@@ -55,6 +55,12 @@ class _ActivePush:
     pushed_to: int = 0  # computed_end already announced to the worker
 
 
+def _prompt_key(request: Request) -> int:
+    """A request's prompt, as a key: siblings of one `n` > 1 request have equal keys."""
+    ids = getattr(request, "prompt_token_ids", None)
+    return hash((request.num_prompt_tokens, tuple(ids) if ids is not None else ()))
+
+
 class SchedulerSide:
     """Bookkeeping of kvxfer legs in the scheduler; builds each step's metadata."""
 
@@ -71,9 +77,13 @@ class SchedulerSide:
         # each loading request. vLLM's children of one `n` > 1 request share the transfer id;
         # the first child loads, its siblings wait (None: asked again next step) and then hit
         # the blocks the load cached, computing only the last partial block themselves.
+        # A request with another prompt under the same transfer id (a batch of prompts sent
+        # with one kv_transfer_params) is no sibling: it computes here, it never shares a load.
         self._transfer_loader: dict[str, str] = {}
         self._load_transfer: dict[str, str] = {}
-        self._loaded_transfers: dict[str, float] = {}  # transfer id -> when its load ended (monotonic)
+        self._transfer_prompt: dict[str, int] = {}  # transfer id -> the loading request's prompt key
+        # transfer id -> (when its load ended (monotonic), the prompt key)
+        self._loaded_transfers: dict[str, tuple[float, int]] = {}
         # Loads the worker reported failed: with kv_load_failure_policy=recompute vLLM asks
         # again for the same request, which must then be computed here, not loaded again.
         self._failed_loads: set[str] = set()
@@ -129,7 +139,8 @@ class SchedulerSide:
             return self._gate_prefill(request, params)
         if params is None or rid in self._failed_loads:
             return 0, False
-        sibling = self._sibling_answer(rid, params.transfer_id)
+        prompt = _prompt_key(request)
+        sibling = self._sibling_answer(rid, params.transfer_id, prompt)
         if sibling is not None:
             return sibling
         n = request.num_tokens - num_computed_tokens
@@ -137,15 +148,19 @@ class SchedulerSide:
             return 0, False
         self._pending_loads[rid] = _PendingLoad(params, num_computed_tokens)
         self._transfer_loader[params.transfer_id] = rid
+        self._transfer_prompt[params.transfer_id] = prompt
         self._load_transfer[rid] = params.transfer_id
         return n, True
 
-    def _sibling_answer(self, rid: str, transfer_id: str) -> tuple[int | None, bool] | None:
+    def _sibling_answer(self, rid: str, transfer_id: str, prompt: int) -> tuple[int | None, bool] | None:
         """For a request whose transfer another request loads or loaded (a sibling choice of
         the same `n` > 1 request): None to ask again while that load runs, then (0, False)
-        (compute here; the loaded blocks are prefix-cache hits). None for the first asker."""
+        (compute here; the loaded blocks are prefix-cache hits). (0, False) at once for a
+        request with another prompt. None for the first asker."""
         loader = self._transfer_loader.get(transfer_id)
         if loader is not None and loader != rid:
+            if self._transfer_prompt.get(transfer_id) != prompt:
+                return 0, False
             return (None, False) if loader in self._pending_loads or loader in self._loads_in_flight else (0, False)
         if transfer_id in self._loaded_transfers:
             return 0, False
@@ -160,6 +175,12 @@ class SchedulerSide:
         # (one vLLM step on each side: about 30 ms of a 64-token TTFT on this machine).
         rid = request.request_id
         if rid in self._pushes:
+            return 0, False
+        if any(push.params.transfer_id == params.transfer_id for push in self._pushes.values()):
+            # Another request of this instance pushes for that transfer (a batch of prompts
+            # under one kv_transfer_params): one reservation takes one prompt's KV.
+            log.warning("request %s: transfer %s is pushed by another request; computing without a push",
+                        rid, params.transfer_id)
             return 0, False
         if self.wait_for_reservation and self._still_gated(rid, params.transfer_id):
             return None, False
@@ -246,8 +267,8 @@ class SchedulerSide:
         tid = self._load_transfer.pop(rid, None)
         if tid is not None and self._transfer_loader.get(tid) == rid:
             del self._transfer_loader[tid]
-            self._loaded_transfers[tid] = now
-        expired = [t for t, at in self._loaded_transfers.items() if now - at > SIBLING_MEMORY_S]
+            self._loaded_transfers[tid] = (now, self._transfer_prompt.pop(tid, 0))
+        expired = [t for t, (at, _) in self._loaded_transfers.items() if now - at > SIBLING_MEMORY_S]
         for t in expired:
             del self._loaded_transfers[t]
 
