@@ -293,6 +293,8 @@ class LocalEtcd:
             return []
         # One certificate for the client and the peer port: a single member has no peers,
         # but the port listens all the same and must not take anyone's raft messages.
+        # (etcd 3.4 already asks clients for a certificate once --trusted-ca-file is set;
+        # --client-cert-auth says so rather than relying on it.)
         tls = self._tls
         return [
             "--client-cert-auth", "--trusted-ca-file", str(tls.ca_path),
@@ -340,13 +342,14 @@ class LocalEtcd:
                 start_new_session=True,
             )
         deadline = time.monotonic() + self._startup_timeout_s
+        opener = self._health_opener()
         while True:
             if self._process.poll() is not None:
                 raise LocalEtcdError(
                     f"etcd exited with code {self._process.returncode} during start-up on "
                     f"{self.client_url}; log {self.log_path}:\n{self._log_tail()}"
                 )
-            if self._is_healthy():
+            if self._is_healthy(opener):
                 return
             if time.monotonic() >= deadline:
                 raise LocalEtcdError(
@@ -355,14 +358,15 @@ class LocalEtcd:
                 )
             time.sleep(_HEALTH_POLL_INTERVAL_S)
 
-    def _is_healthy(self) -> bool:
-        opener = _NO_PROXY_OPENER
-        if self._tls is not None:
-            # /health is behind the client-certificate check like everything on that port.
-            context = ssl.create_default_context(cafile=str(self._tls.ca_path))
-            context.load_cert_chain(str(self._tls.client.cert_path), str(self._tls.client.key_path))
-            opener = urllib.request.build_opener(
-                urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=context))
+    def _health_opener(self) -> urllib.request.OpenerDirector:
+        if self._tls is None:
+            return _NO_PROXY_OPENER
+        # /health is behind the client-certificate check like everything on that port.
+        context = ssl.create_default_context(cafile=str(self._tls.ca_path))
+        context.load_cert_chain(str(self._tls.client.cert_path), str(self._tls.client.key_path))
+        return urllib.request.build_opener(urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=context))
+
+    def _is_healthy(self, opener: urllib.request.OpenerDirector) -> bool:
         try:
             with opener.open(f"{self.client_url}/health", timeout=_HEALTH_REQUEST_TIMEOUT_S) as resp:
                 return resp.status == 200 and b'"true"' in resp.read()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import ssl
 import stat
@@ -32,15 +33,17 @@ import pyetcd
 import pytest
 
 from kvxfer.cluster.local_cluster import free_port
+from kvxfer.model.config import ModelConfig
 
-pytestmark = pytest.mark.skipif(os.system("command -v etcd >/dev/null") != 0, reason="needs Debian's etcd-server")
+pytestmark = pytest.mark.skipif(shutil.which("etcd") is None or shutil.which("openssl") is None,
+                                reason="needs Debian's etcd-server and openssl")
 
 STARTUP_S = 120.0
 STOP_S = 60.0
 # Small enough to size the tiny model's pages below the 2,048 default: 2 workers share it.
 BUDGET_GIB = 0.01
-PAGE_BYTES_TINY = 2 * 16 * 2 * 16 * 4 * 2  # K and V, 16 tokens, 2 KV heads of 16, float32, 2 layers
-EXPECTED_PAGES = int(BUDGET_GIB * (1 << 30)) // (2 * PAGE_BYTES_TINY)
+TINY = ModelConfig.preset("tiny")
+EXPECTED_PAGES = int(BUDGET_GIB * (1 << 30)) // (2 * TINY.page_bytes * TINY.num_layers)
 ETCD_TIMEOUT_S = 3
 
 
@@ -177,16 +180,15 @@ def test_the_peer_port_refuses_clients_without_a_certificate(up: UpRun) -> None:
 
 
 def _etcd_pid(up: UpRun) -> int:
-    port = str(up.etcd_host_port()[1])
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 argv = (entry / "cmdline").read_bytes().decode().split("\0")
             except OSError:
                 continue
-            if argv and Path(argv[0]).name == "etcd" and any(port in a for a in argv):
+            if argv and Path(argv[0]).name == "etcd" and up.etcd_url in argv:
                 return int(entry.name)
-    raise AssertionError(f"no etcd process with port {port}")
+    raise AssertionError(f"no etcd process serving {up.etcd_url}")
 
 
 def test_the_cluster_serves_with_etcd_closed(up: UpRun) -> None:
