@@ -24,6 +24,7 @@ from support.kv_requests import (
     text_prompt,
     tokens_of,
 )
+from support.waiting import wait_until
 from support.worker_procs import WorkerProc, WorkerSet
 
 from kvxfer.cluster.control_client import ControlTokenAuth
@@ -206,21 +207,28 @@ def test_one_caller_cannot_squat_every_reservation(cluster: Cluster) -> None:
     assert metric_value(get_metrics(cluster.decode.url), "kvxfer_decode_caller_limit_rejections_total") == before + 1
 
 
-def test_immediates_injected_before_a_reservation_are_discarded_not_credited(cluster: Cluster) -> None:
+def test_immediates_injected_before_a_reservation_are_dropped_on_arrival_never_credited(cluster: Cluster) -> None:
     # An outside process with the decoder's engine address (stolen from /info here) credits
-    # every slot's next generations before the reservations exist. Without the discard at
-    # /reserve, the next request is "complete" before its KV landed.
+    # every slot's next generations before the reservations exist. A decoder that counted
+    # them would find the next request "complete" before its KV landed. Its engine counts
+    # only the immediates of live reservations (claimed when reserved), so every injected
+    # one is dropped on arrival and none is even left for /reserve's stray check.
     address = bytes.fromhex(cluster.decode_info()["engine_address"])
     generations = 24  # well beyond what the tests of this module use per slot
-    stray_before = metric_value(get_metrics(cluster.decode.url), "kvxfer_decode_stray_immediates_total")
+    metrics = get_metrics(cluster.decode.url)
+    stray_before = metric_value(metrics, "kvxfer_decode_stray_immediates_total")
+    unclaimed_before = metric_value(metrics, "kvxfer_engine_imm_unclaimed_dropped_total")
+    injected = MAX_REQUESTS * generations
     with TransferEngine("net", bind_host="127.0.0.1") as outsider:
         for slot in range(MAX_REQUESTS):
             for generation in range(generations):
                 outsider.write_imm(address, encode_imm(slot, generation)).wait(timeout=5)
+    wait_until(lambda: metric_value(get_metrics(cluster.decode.url), "kvxfer_engine_imm_unclaimed_dropped_total")
+               - unclaimed_before >= injected, 10, "every injected immediate dropped on arrival")
 
     async def run() -> None:
         await asyncio.gather(*(legit_request(cluster, f"legit-after-injection-{i}") for i in range(2)))
 
     asyncio.run(run())
     stray = metric_value(get_metrics(cluster.decode.url), "kvxfer_decode_stray_immediates_total") - stray_before
-    assert stray >= 2, stray  # at least one injected immediate for each of the two reservations
+    assert stray == 0, f"{stray} injected immediates were counted for a reservation"
