@@ -41,6 +41,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: The KV cache layout the connector asks vLLM for (see `get_required_kvcache_layout`).
+PREFERRED_KV_CACHE_LAYOUT = "LBHNC"
+
 
 def _log_through_vllm() -> None:
     # vLLM configures handlers for its own logger tree only; kvxfer's modules log under
@@ -88,9 +91,19 @@ class KvxferConnector(KVConnectorBase_V1):
 
     # ---- worker side -----------------------------------------------------------------------
 
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        # LBHNC: a (layer, block) is one run, so a request's blocks of one layer are one
+        # paged write; a head slice of a block is one run too (tensor parallel peers of
+        # different sizes exchange contiguous slices); and it is kvxfer's own cache order.
+        # vLLM uses it where every attention backend supports it (the CPU backend only does).
+        return PREFERRED_KV_CACHE_LAYOUT
+
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         assert self._worker is not None
-        self._worker.register_kv_caches(kv_caches)
+        cache, model = self._vllm_config.cache_config, self._vllm_config.model_config
+        layout = cache.get_resolved_kv_cache_layout() if cache.kv_cache_layout is not None else None
+        self._worker.register_kv_caches(kv_caches, layout, latent=bool(model.use_mla))
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

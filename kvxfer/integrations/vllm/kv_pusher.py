@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from kvxfer.errors import TransferError
+from kvxfer.kv.kv_geometry import KVGeometry
 from kvxfer.kv.protocol import KVReservation, encode_abort
 from kvxfer.transfer.engine import RegisteredMemory, Transfer, TransferEngine
 
@@ -121,7 +122,10 @@ class KVPusher:
         self.memory = memory
         self.metrics = metrics
         self._fault = fault
-        self.block_size = int(region.signature.split("-bs")[1].split("-")[0])
+        self.block_size = region.block_size
+        #: Per destination cache size (a reservation's num_pages): its geometry and the
+        #: copy plan of one block, the same for every layer and request.
+        self._plans: dict[int, tuple[KVGeometry, tuple[tuple[int, int, int], ...]]] = {}
         self._by_request: dict[str, PrefillPush] = {}
         self._by_transfer: dict[str, PrefillPush] = {}
         self._early: dict[str, tuple[KVReservation, float]] = {}
@@ -269,21 +273,31 @@ class KVPusher:
         if len(src) != len(dst):
             self._fail(push, f"the request has {len(push.block_ids)} blocks, fewer than its computed pages")
             return
-        page = self.region.block_bytes
         try:
-            transfer = self.engine.write_paged(
-                self.memory, src, res.descriptor, dst, page,
-                src_offset=self.region.layer_offset(layer), dst_offset=layer * res.num_pages * page,
-                imm=res.imm, request_id=push.transfer_id,
-            )
-        except Exception as exc:  # a dead peer, a descriptor the engine refuses
+            dst_geometry, plan = self._plan(res.num_pages)
+            writes = self.region.geometry.layer_writes(layer, dst_geometry, plan)
+            for run in writes:
+                push.in_flight.append(self.engine.write_paged(
+                    self.memory, src, res.descriptor, dst, run.length, src_stride=run.src_stride,
+                    dst_stride=run.dst_stride, src_offset=run.src_offset, dst_offset=run.dst_offset,
+                    imm=res.imm, request_id=push.transfer_id,
+                ))
+        except Exception as exc:  # a dead peer, a descriptor the engine refuses, a bad num_pages
             self._fail(push, f"posting layer {layer} failed: {exc}")
             return
-        push.in_flight.append(transfer)
         push.pushed_upto[layer] = end
         push.layer_posted_at[layer] = time.monotonic()
         push.pages_posted += len(src)
-        push.bytes_posted += len(src) * page
+        push.bytes_posted += len(src) * sum(run.length for run in writes)
+
+    def _plan(self, num_pages: int) -> tuple[KVGeometry, tuple[tuple[int, int, int], ...]]:
+        """The decoder's geometry (this cache's shape, its number of blocks: the signature
+        check made sure of the rest) and the pieces one block is copied in."""
+        cached = self._plans.get(num_pages)
+        if cached is None:
+            dst = self.region.geometry.with_num_blocks(num_pages)
+            cached = self._plans[num_pages] = (dst, self.region.geometry.copy_plan(dst))
+        return cached
 
     # ---- completion -------------------------------------------------------------------------
 

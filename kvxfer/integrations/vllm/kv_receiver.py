@@ -43,7 +43,6 @@ from kvxfer.kv.protocol import (
     generations_per_slot,
 )
 from kvxfer.kv.reservation_scope import ReservationScope
-from kvxfer.kv.write_windows import reservation_windows
 from kvxfer.transfer.engine import RegisteredMemory, TransferEngine
 
 from .connector_metrics import ConnectorMetrics
@@ -123,7 +122,7 @@ class KVReceiver:
             return
         reservation = KVReservation(
             request_id=spec.transfer_id, descriptor=descriptor, pages=list(spec.block_ids),
-            num_pages=self.region.num_blocks, imm=imm, expected_count=self.region.num_layers * len(spec.block_ids),
+            num_pages=self.region.num_blocks, imm=imm, expected_count=self._expected_count(len(spec.block_ids)),
             kv_layout=self.region.signature, meta_descriptor=b"", meta_offset=0,
             nonce=secrets.randbits(63), fence_timeout_s=self.settings.fence_timeout_s,
             first_page=spec.first_page, mailbox=False,
@@ -143,9 +142,7 @@ class KVReceiver:
         blocks (per_reservation), and its immediate bound to the prefiller it names. Returns
         the descriptor the load hands out."""
         per_reservation = self.settings.kv_registration == "per_reservation"
-        parts = [(self.memory, reservation_windows(list(load.spec.block_ids), self.region.num_layers,
-                                                   self.region.num_blocks, self.region.block_bytes))
-                 ] if per_reservation else []
+        parts = [(self.memory, self.region.geometry.windows(list(load.spec.block_ids)))] if per_reservation else []
         load.scope = ReservationScope.open(self.engine, f"transfer {load.spec.transfer_id}", imm,
                                            load.spec.prefill_engine, parts)
         if not per_reservation:
@@ -153,6 +150,11 @@ class KVReceiver:
         self.metrics.registrations.inc()
         self.metrics.registrations_open.inc()
         return load.scope.descriptors[0]
+
+    def _expected_count(self, blocks: int) -> int:
+        """Immediates the load waits for: one per paged write per block of every layer,
+        as the prefiller's plan (same layout, checked by the signature) posts them."""
+        return self.region.num_layers * blocks * len(self.region.geometry.block_runs())
 
     def _revoke(self, load: DecodeLoad) -> None:
         """Revokes the load's scope (idempotent): from now on a write with its descriptor

@@ -1,31 +1,31 @@
-"""vLLM's paged KV cache seen as one registered region: layer order, block size, signature.
+"""vLLM's paged KV cache seen as one registered region: layer order, geometry, signature.
 
-vLLM's CPU backend allocates one backing buffer for every layer and hands the connector a
-view per layer, `[num_blocks, kv_heads, block_size, 2 * head_size]` (LBHNC). One block of
-one layer is one contiguous run of bytes, and layers follow each other, so page `p` of
-layer `l` lives at `l * num_blocks * block_bytes + p * block_bytes`: the same geometry as
-kvxfer's own cache (`kvxfer.kv.layout`), and a request's blocks of one layer are one
-paged write. This module checks that shape instead of assuming it, and refuses anything
-else with a clear error.
+vLLM allocates one backing buffer per KV cache group and hands the connector one view per
+layer, logically `[num_blocks, heads, block_size, content]` (content: one head's K then V
+of one token, or MLA's latent vector with one head slot), laid out in memory by the
+resolved `KVCacheLayout` (the CPU backend: LBHNC only). This module reads the layout and
+the views' strides into one `KVGeometry` (`kvxfer.kv.kv_geometry`), checks that the views
+are exactly that layout packed densely in one allocation, and refuses anything else with a
+clear error. Offsets, runs and writes come from the geometry; the `signature` shown to
+peers and the registry is derived from it, for display and compatibility checks only.
 """
 
 from __future__ import annotations
 
 import ctypes
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvxfer.errors import KvxferError
+from kvxfer.kv.kv_geometry import KVGeometry
 
 
 class KVRegionError(KvxferError, ValueError):
     """vLLM's KV cache does not have the layout the connector can push."""
-
-
-_LAYER_NUMBER = re.compile(r"(\d+)")
 
 
 @dataclass
@@ -33,16 +33,48 @@ class KVRegion:
     """The whole KV allocation as one buffer, plus what a reservation needs to address it."""
 
     layer_names: list[str]
-    num_blocks: int
-    block_bytes: int
+    geometry: KVGeometry
     buffer: np.ndarray  # uint8 view over the backing allocation (does not own it)
     owners: list[Any]  # the tensors that keep the allocation alive
-    signature: str
+    dtype: str  # element type of the views, e.g. "bfloat16"
+    element_bytes: int
+    isa: str  # the CPU kernel family whose in-block byte order the blocks follow
+    _index: dict[str, int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._index = {name: i for i, name in enumerate(self.layer_names)}
 
     @property
     def num_layers(self) -> int:
         """Attention layers, in allocation order."""
         return len(self.layer_names)
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks per layer."""
+        return self.geometry.num_blocks
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one (layer, block), every head."""
+        return self.geometry.page_bytes
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+        return self.geometry.block_size
+
+    @property
+    def signature(self) -> str:
+        """The `kv_layout` string peers compare: raw blocks are only portable where the
+        shape, dtype, block size, layout and ISA all match. Derived, never parsed."""
+        g = self.geometry
+        elements = g.content_bytes // self.element_bytes
+        # Attention content is K then V of one head: D is the head size. MLA's is one latent vector.
+        head = f"D{elements}-{self.dtype}" if g.latent else f"D{elements // 2}-{self.dtype}"
+        kind = "-mla" if g.latent else ""
+        isa = re.sub(r"[^a-z0-9_]", "", self.isa)
+        return f"L{g.num_layers}-H{g.num_heads}-{head}-bs{g.block_size}-vllm-{g.layout.lower()}{kind}-{isa}"
 
     def layer_index(self, layer_name: str) -> int:
         """Index of `layer_name` in allocation order; KVRegionError if unknown."""
@@ -51,17 +83,9 @@ class KVRegion:
         except KeyError:
             raise KVRegionError(f"layer {layer_name!r} has no registered KV cache") from None
 
-    def layer_offset(self, layer: int) -> int:
-        """Byte offset of block 0 of `layer` in the region."""
-        return layer * self.num_blocks * self.block_bytes
-
     def page_bytes(self, layer: int, block: int) -> bytes:
-        """A copy of one block of one layer (test hook digests and checks)."""
-        start = self.layer_offset(layer) + block * self.block_bytes
-        return bytes(self.buffer[start:start + self.block_bytes])
-
-    def __post_init__(self) -> None:
-        self._index = {name: i for i, name in enumerate(self.layer_names)}
+        """A copy of one block of one layer, its runs in address order (digest checks)."""
+        return b"".join(bytes(self.buffer[start:start + length]) for start, length in self.geometry.runs(layer, block))
 
 
 def _cpu_isa() -> str:
@@ -74,16 +98,21 @@ def _cpu_isa() -> str:
         return "unknown"
 
 
-def layout_signature(num_layers: int, kv_heads: int, head_size: int, dtype: str, block_size: int,
-                     isa: str | None = None) -> str:
-    """The `kv_layout` string of a vLLM CPU cache: kvxfer's format plus the engine, the
-    block layout and the ISA (raw blocks are only portable where all of them match)."""
-    isa = isa or _cpu_isa()
-    return f"L{num_layers}-H{kv_heads}-D{head_size}-{dtype}-bs{block_size}-vllm-lbhnc-{re.sub(r'[^a-z0-9_]', '', isa)}"
+def _matches(geometry: KVGeometry, observed: list[int | None]) -> bool:
+    # An axis of extent 1 has no meaningful stride (torch reports anything there).
+    return all(seen is None or extent == 1 or seen == want
+               for seen, want, extent in zip(observed, geometry.strides, geometry.shape))
 
 
-def region_from_kv_caches(kv_caches: dict[str, Any]) -> KVRegion:
-    """Builds the region from `register_kv_caches`' dict; KVRegionError on any other layout."""
+def region_from_kv_caches(kv_caches: dict[str, Any], layout: KVCacheLayout | None = None, *,
+                          latent: bool = False, isa: str | None = None) -> KVRegion:
+    """Builds the region from `register_kv_caches`' dict.
+
+    `layout` is vLLM's resolved layout (None: the one of the six the strides show);
+    `latent` marks MLA content. KVRegionError for device memory, views of different
+    shapes, layers spread over several allocations, or strides that are not `layout`
+    packed densely (padded pages).
+    """
     if not kv_caches:
         raise KVRegionError("vLLM registered no KV cache layers")
     tensors = list(kv_caches.items())
@@ -91,24 +120,46 @@ def region_from_kv_caches(kv_caches: dict[str, Any]) -> KVRegion:
         if getattr(t, "is_cuda", False) or str(getattr(t, "device", "cpu")) != "cpu":
             raise KVRegionError(f"layer {name}: only host (CPU) KV caches are supported, got {t.device}")
         if t.dim() != 4:
-            raise KVRegionError(f"layer {name}: expected [blocks, kv_heads, block_size, 2*head_size], got {tuple(t.shape)}")
+            raise KVRegionError(f"layer {name}: expected a [blocks, heads, block_size, content] view, "
+                                f"got {tuple(t.shape)}")
     tensors.sort(key=lambda item: item[1].data_ptr())
     first = tensors[0][1]
-    num_blocks, kv_heads, block_size, two_head = (int(x) for x in first.shape)
     element = first.element_size()
-    block_bytes = kv_heads * block_size * two_head * element
-    layer_bytes = num_blocks * block_bytes
+    storage = first.untyped_storage()
+    for name, t in tensors:
+        if tuple(t.shape) != tuple(first.shape) or t.dtype != first.dtype or t.stride() != first.stride():
+            raise KVRegionError(f"layer {name}: shape {tuple(t.shape)} {t.dtype} strides {t.stride()} differ "
+                                f"from layer 0's ({tuple(first.shape)} {first.dtype} {first.stride()})")
+        if t.untyped_storage().data_ptr() != storage.data_ptr():
+            raise KVRegionError(f"layer {name}: not in the allocation of layer 0 (one allocation for every "
+                                "layer is what vLLM allocates for one KV cache group)")
+    num_blocks, heads, block_size, content = (int(x) for x in first.shape)
     base = first.data_ptr()
+    layer_stride = tensors[1][1].data_ptr() - base if len(tensors) > 1 else None
     for i, (name, t) in enumerate(tensors):
-        if tuple(t.shape) != tuple(first.shape) or t.dtype != first.dtype:
-            raise KVRegionError(f"layer {name}: shape {tuple(t.shape)} {t.dtype} differs from layer 0's")
-        if int(t.stride(0)) * element != block_bytes or not t[0].is_contiguous():
-            raise KVRegionError(f"layer {name}: a block is not one contiguous run of {block_bytes} bytes")
-        if t.data_ptr() != base + i * layer_bytes:
-            raise KVRegionError(f"layer {name}: not at offset {i * layer_bytes} of one allocation (layers must be "
-                                "consecutive, as vLLM's CPU backend allocates them)")
-    total = layer_bytes * len(tensors)
-    buffer = np.ctypeslib.as_array((ctypes.c_uint8 * total).from_address(base))
+        if layer_stride is not None and t.data_ptr() != base + i * layer_stride:
+            raise KVRegionError(f"layer {name}: not at offset {i * layer_stride} of the allocation (layers must "
+                                "be evenly spaced, as vLLM lays out one KV cache group)")
+    if int(first.stride(3)) != 1:
+        raise KVRegionError(f"the content axis is not contiguous (strides {first.stride()})")
+    # The geometry counts content in bytes: its innermost stride is one byte.
+    observed = [layer_stride, *(int(s) * element for s in first.stride()[:3]), 1]
+    candidates = [layout] if layout is not None else list(KVCacheLayout)
+    geometry = None
+    for candidate in candidates:
+        trial = KVGeometry.dense(candidate.name, candidate.value, len(tensors), num_blocks, heads, block_size,
+                                 content * element, latent=latent)
+        if _matches(trial, observed):
+            geometry = trial
+            break
+    if geometry is None:
+        named = f"layout {layout.name}" if layout is not None else "any of vLLM's KV cache layouts"
+        raise KVRegionError(f"the KV cache's byte strides (L, B, H, N, C) {observed} are not {named} packed "
+                            "densely (padded pages are not supported)")
+    if base < storage.data_ptr() or base + geometry.total_bytes > storage.data_ptr() + storage.nbytes():
+        raise KVRegionError(f"the KV cache's {geometry.total_bytes} bytes ({geometry.layout}) overrun its "
+                            f"allocation of {storage.nbytes()} bytes")
+    buffer = np.ctypeslib.as_array((ctypes.c_uint8 * geometry.total_bytes).from_address(base))
     dtype = str(first.dtype).removeprefix("torch.")
-    signature = layout_signature(len(tensors), kv_heads, two_head // 2, dtype, block_size)
-    return KVRegion([n for n, _ in tensors], num_blocks, block_bytes, buffer, [t for _, t in tensors], signature)
+    return KVRegion([n for n, _ in tensors], geometry, buffer, [t for _, t in tensors], dtype, element,
+                    isa or _cpu_isa())

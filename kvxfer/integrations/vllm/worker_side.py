@@ -9,7 +9,7 @@ no locks; the engine's own progress thread moves the bytes meanwhile.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvxfer.kv.protocol import ReservationError, decode_abort, decode_cancel, decode_reservation_message
 from kvxfer.transfer.engine import TransferEngine
@@ -21,6 +21,9 @@ from .kv_receiver import KVReceiver
 from .kv_region import KVRegion, region_from_kv_caches
 from .metadata import KvxferStepMetadata, KvxferWorkerReport
 from .settings import ConnectorSettings
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_cache_layout import KVCacheLayout
 
 log = logging.getLogger(__name__)
 
@@ -55,10 +58,13 @@ class WorkerSide:
             return self._faults[name]
         return None
 
-    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        """Register vLLM's whole KV allocation once; start serving transfers and publish."""
+    def register_kv_caches(self, kv_caches: dict[str, Any], layout: KVCacheLayout | None = None, *,
+                           latent: bool = False) -> None:
+        """Register vLLM's whole KV allocation once; start serving transfers and publish.
+        `layout` is vLLM's resolved KV cache layout (None: read from the strides);
+        `latent` marks MLA content."""
         self._request_amx_permission()
-        self.region = region_from_kv_caches(kv_caches)
+        self.region = region_from_kv_caches(kv_caches, layout, latent=latent)
         s = self.settings
         self.engine = TransferEngine(s.provider, s.rails, bind_host=s.bind_host, transfer_timeout_s=s.transfer_timeout_s,
                                      same_host=s.same_host, same_host_imm_ring=s.same_host_imm_ring,
