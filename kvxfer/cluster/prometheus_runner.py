@@ -55,13 +55,16 @@ class PrometheusRunner:
     """One Prometheus process scraping `jobs` ({job name: ["host:port", ...]}).
 
     `scrape_interval_s` defaults to 1 s so tests see samples quickly; `metrics_path` is
-    the path scraped on every target (kvxfer serves `/metrics`).
+    the path scraped on every target (kvxfer serves `/metrics`). `file_sd_files` are
+    Prometheus file_sd_configs files (such as `kvxfer up`'s prometheus-targets.json) whose
+    target groups are scraped too, with the `job` and other labels they carry.
     """
 
     def __init__(self, jobs: Mapping[str, Sequence[str]], *, scrape_interval_s: float = 1.0,
                  metrics_path: str = "/metrics", binary: Optional[str] = None,
-                 workdir: Optional[Path] = None) -> None:
+                 workdir: Optional[Path] = None, file_sd_files: Sequence[Path] = ()) -> None:
         self.jobs = {job: list(targets) for job, targets in jobs.items()}
+        self.file_sd_files = [Path(f).resolve() for f in file_sd_files]
         self.scrape_interval_s = scrape_interval_s
         self.metrics_path = metrics_path
         self.binary = binary or find_prometheus_binary()
@@ -84,14 +87,19 @@ class PrometheusRunner:
     def config(self) -> dict[str, Any]:
         """The prometheus.yml contents this runner uses."""
         interval = f"{int(self.scrape_interval_s * 1000)}ms"
+        scrape_configs: list[dict[str, Any]] = [
+            {"job_name": job, "metrics_path": self.metrics_path, "static_configs": [{"targets": targets}]}
+            for job, targets in self.jobs.items()]
+        if self.file_sd_files:
+            # The groups' own `job` labels win over this job name (Prometheus sets it only where unset).
+            scrape_configs.append({"job_name": "file_sd", "metrics_path": self.metrics_path,
+                                   "file_sd_configs": [{"files": [str(f) for f in self.file_sd_files],
+                                                        "refresh_interval": interval}]})
         return {
             "global": {"scrape_interval": interval, "evaluation_interval": interval,
                        # A scrape must finish within its interval.
                        "scrape_timeout": interval},
-            "scrape_configs": [
-                {"job_name": job, "metrics_path": self.metrics_path,
-                 "static_configs": [{"targets": targets}]}
-                for job, targets in self.jobs.items()],
+            "scrape_configs": scrape_configs,
         }
 
     def start(self, timeout_s: float = 30.0) -> "PrometheusRunner":

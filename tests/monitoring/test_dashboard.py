@@ -22,10 +22,11 @@ from kvxfer.metrics import (ALL_METRIC_NAMES, DecodeMetrics, EngineMetrics, Pref
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD_PATH = REPO / "k8s" / "grafana" / "kvxfer-dashboard.json"
 METRIC_NAME = re.compile(r"\bkvxfer_[a-zA-Z0-9_:]*")
-#: Labels Prometheus attaches to every target (static configs and the operator's monitors);
-#: `le` is the histogram bucket label.
+#: Labels Prometheus attaches to every target (static configs and the operator's monitors;
+#: `worker` and `role` come with `kvxfer up`'s prometheus-targets.json); `le` is the histogram
+#: bucket label.
 TARGET_LABELS = {"namespace", "pod", "job", "instance", "container", "service", "endpoint",
-                 "le"}
+                 "worker", "role", "le"}
 ENGINE_STATS = [{"bytes_posted": 1, "bytes_completed": 1, "ops_posted": 1,
                  "ops_completed": 1, "completion_errors": 0}]
 
