@@ -30,7 +30,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
 from kvxfer.integrations.vllm.kv_region import KVRegion, KVRegionError, region_from_kv_caches  # noqa: E402
-from kvxfer.kv.kv_geometry import GeometryError, KVGeometry  # noqa: E402
+from kvxfer.kv.cache_geometry import GeometryError, CacheGeometry  # noqa: E402
 from kvxfer.kv.write_windows import reservation_windows  # noqa: E402
 
 LAYERS, TOKENS, HEADS, HEAD_SIZE, LATENT = 3, 4, 4, 8, 24
@@ -197,9 +197,10 @@ def test_views_that_are_not_the_named_layout_are_refused() -> None:
 
 
 def test_latent_content_has_no_head_axis_to_split() -> None:
-    geometry = KVGeometry.dense("LBHNC", KVCacheLayout.LBHNC.value, LAYERS, SRC_BLOCKS, 1, TOKENS, 2 * LATENT,
+    geometry = CacheGeometry.dense("LBHNC", KVCacheLayout.LBHNC.value, LAYERS, SRC_BLOCKS, 1, TOKENS, 2 * LATENT,
                                 latent=True)
     with pytest.raises(GeometryError, match="no head axis to split"):
         geometry.runs(0, 0, (0, 0))
+    heads = CacheGeometry.dense("LBHNC", KVCacheLayout.LBHNC.value, LAYERS, SRC_BLOCKS, HEADS, TOKENS, 32)
     with pytest.raises(GeometryError, match="not a slice"):
-        KVGeometry.dense("LBHNC", KVCacheLayout.LBHNC.value, LAYERS, SRC_BLOCKS, HEADS, TOKENS, 32).runs(0, 0, (2, 5))
+        heads.runs(0, 0, (2, 5))

@@ -17,7 +17,7 @@ from kvxfer.integrations.vllm.kv_pusher import KVPusher  # noqa: E402
 from kvxfer.integrations.vllm.kv_region import KVRegion  # noqa: E402
 from kvxfer.integrations.vllm.metadata import KvxferStepMetadata, PushSpec  # noqa: E402
 from kvxfer.integrations.vllm.settings import ConnectorSettings  # noqa: E402
-from kvxfer.kv.kv_geometry import KVGeometry  # noqa: E402
+from kvxfer.kv.cache_geometry import CacheGeometry  # noqa: E402
 from kvxfer.kv.protocol import KVReservation, encode_imm  # noqa: E402
 
 LAYOUT = "L4-H2-D64-bfloat16-bs32-vllm-lbhnc-avx2"
@@ -53,7 +53,7 @@ class RecordingEngine:
 def run(arrival: tuple[int, int] | None) -> list[tuple[int, list[int], list[int]]]:
     """A 150-token prompt prefilled in chunks ending at 64, 128, 150; the reservation comes
     before layer `arrival[1]` of step `arrival[0]` (None: before the first step)."""
-    geometry = KVGeometry.dense("LBHNC", (0, 1, 2, 3, 4), 4, BLOCKS, 2, 32, PAGE // 64)
+    geometry = CacheGeometry.dense("LBHNC", (0, 1, 2, 3, 4), 4, BLOCKS, 2, 32, PAGE // 64)
     region = KVRegion([f"layer{i}" for i in range(4)], geometry, np.zeros(4 * BLOCKS * PAGE, np.uint8), [], "bfloat16",
                       2, "avx2")
     assert region.signature == LAYOUT

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from kvxfer.errors import TransferError
-from kvxfer.kv.kv_geometry import KVGeometry
+from kvxfer.kv.cache_geometry import CacheGeometry
 from kvxfer.kv.protocol import KVReservation, encode_abort
 from kvxfer.transfer.engine import RegisteredMemory, Transfer, TransferEngine
 
@@ -125,7 +125,7 @@ class KVPusher:
         self.block_size = region.block_size
         #: Per destination cache size (a reservation's num_pages): its geometry and the
         #: copy plan of one block, the same for every layer and request.
-        self._plans: dict[int, tuple[KVGeometry, tuple[tuple[int, int, int], ...]]] = {}
+        self._plans: dict[int, tuple[CacheGeometry, tuple[tuple[int, int, int], ...]]] = {}
         self._by_request: dict[str, PrefillPush] = {}
         self._by_transfer: dict[str, PrefillPush] = {}
         self._early: dict[str, tuple[KVReservation, float]] = {}
@@ -290,7 +290,7 @@ class KVPusher:
         push.pages_posted += len(src)
         push.bytes_posted += len(src) * sum(run.length for run in writes)
 
-    def _plan(self, num_pages: int) -> tuple[KVGeometry, tuple[tuple[int, int, int], ...]]:
+    def _plan(self, num_pages: int) -> tuple[CacheGeometry, tuple[tuple[int, int, int], ...]]:
         """The decoder's geometry (this cache's shape, its number of blocks: the signature
         check made sure of the rest) and the pieces one block is copied in."""
         cached = self._plans.get(num_pages)

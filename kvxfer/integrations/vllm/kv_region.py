@@ -4,7 +4,7 @@ vLLM allocates one backing buffer per KV cache group and hands the connector one
 layer, logically `[num_blocks, heads, block_size, content]` (content: one head's K then V
 of one token, or MLA's latent vector with one head slot), laid out in memory by the
 resolved `KVCacheLayout` (the CPU backend: LBHNC only). This module reads the layout and
-the views' strides into one `KVGeometry` (`kvxfer.kv.kv_geometry`), checks that the views
+the views' strides into one `CacheGeometry` (`kvxfer.kv.cache_geometry`), checks that the views
 are exactly that layout packed densely in one allocation, and refuses anything else with a
 clear error. Offsets, runs and writes come from the geometry; the `signature` shown to
 peers and the registry is derived from it, for display and compatibility checks only.
@@ -21,7 +21,7 @@ import numpy as np
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvxfer.errors import KvxferError
-from kvxfer.kv.kv_geometry import KVGeometry
+from kvxfer.kv.cache_geometry import CacheGeometry
 
 
 class KVRegionError(KvxferError, ValueError):
@@ -33,7 +33,7 @@ class KVRegion:
     """The whole KV allocation as one buffer, plus what a reservation needs to address it."""
 
     layer_names: list[str]
-    geometry: KVGeometry
+    geometry: CacheGeometry
     buffer: np.ndarray  # uint8 view over the backing allocation (does not own it)
     owners: list[Any]  # the tensors that keep the allocation alive
     dtype: str  # element type of the views, e.g. "bfloat16"
@@ -98,7 +98,7 @@ def _cpu_isa() -> str:
         return "unknown"
 
 
-def _matches(geometry: KVGeometry, observed: list[int | None]) -> bool:
+def _matches(geometry: CacheGeometry, observed: list[int | None]) -> bool:
     # An axis of extent 1 has no meaningful stride (torch reports anything there).
     return all(seen is None or extent == 1 or seen == want
                for seen, want, extent in zip(observed, geometry.strides, geometry.shape))
@@ -147,7 +147,7 @@ def region_from_kv_caches(kv_caches: dict[str, Any], layout: KVCacheLayout | Non
     candidates = [layout] if layout is not None else list(KVCacheLayout)
     geometry = None
     for candidate in candidates:
-        trial = KVGeometry.dense(candidate.name, candidate.value, len(tensors), num_blocks, heads, block_size,
+        trial = CacheGeometry.dense(candidate.name, candidate.value, len(tensors), num_blocks, heads, block_size,
                                  content * element, latent=latent)
         if _matches(trial, observed):
             geometry = trial

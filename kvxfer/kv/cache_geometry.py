@@ -4,7 +4,7 @@ A paged KV cache is logically `[L, B, H, N, C]`: layer, block, head, token, and 
 of one head's content for one token (K then V for attention; for MLA the token's latent
 vector, with one head slot that cannot be split). Engines store it in one of several
 physical orders: vLLM names six (`KVCacheLayout`: LBHNC, LBNHC, LHBNC, BLHNC, BLNHC,
-BHLNC), kvxfer's own cache is LBHNC. `KVGeometry` is that order plus the byte strides,
+BHLNC), kvxfer's own cache is LBHNC. `CacheGeometry` is that order plus the byte strides,
 and it answers what a transfer needs: the contiguous byte runs of one (layer, block) or of
 a head slice of it, the paged writes that copy a request's blocks of one layer into
 another cache (one write per run of a block, each covering every listed block at the
@@ -44,7 +44,7 @@ class PagedRun:
 
 
 @dataclass(frozen=True)
-class KVGeometry:
+class CacheGeometry:
     """A paged KV cache's shape, physical axis order and byte strides (dense: no padding).
 
     `order` lists the logical axes (0..4 for L, B, H, N, C) outermost first, the
@@ -61,7 +61,7 @@ class KVGeometry:
 
     @classmethod
     def dense(cls, layout: str, order: tuple[int, ...], num_layers: int, num_blocks: int, num_heads: int,
-              block_size: int, content_bytes: int, *, latent: bool = False) -> KVGeometry:
+              block_size: int, content_bytes: int, *, latent: bool = False) -> CacheGeometry:
         """The geometry of a cache packed with no gaps in axis order `order`."""
         order = tuple(int(a) for a in order)
         if sorted(order) != list(range(5)) or order[-1] != _C:
@@ -78,9 +78,9 @@ class KVGeometry:
             step *= shape[axis]
         return cls(layout, order, shape, tuple(strides), latent)
 
-    def with_num_blocks(self, num_blocks: int) -> KVGeometry:
+    def with_num_blocks(self, num_blocks: int) -> CacheGeometry:
         """The same cache with another number of blocks (a peer's cache of this shape)."""
-        return KVGeometry.dense(self.layout, self.order, self.num_layers, num_blocks, self.num_heads,
+        return CacheGeometry.dense(self.layout, self.order, self.num_layers, num_blocks, self.num_heads,
                                 self.block_size, self.content_bytes, latent=self.latent)
 
     # ---- extents -------------------------------------------------------------------------
@@ -149,7 +149,7 @@ class KVGeometry:
         return (h0, h1)
 
     @functools.lru_cache(maxsize=64)  # noqa: B019 (geometries are few and live as long as the process)
-    def copy_plan(self, dst: KVGeometry, src_heads: tuple[int, int] | None = None,
+    def copy_plan(self, dst: CacheGeometry, src_heads: tuple[int, int] | None = None,
                   dst_heads: tuple[int, int] | None = None) -> tuple[tuple[int, int, int], ...]:
         """(source offset, destination offset, length) of each contiguous piece that copies
         heads `src_heads` of one block here to heads `dst_heads` of one block of `dst`,
@@ -188,7 +188,7 @@ class KVGeometry:
         origin = self.offset(layer, block)
         return [(origin + rel, length) for rel, length in self.block_runs(heads)]
 
-    def layer_writes(self, layer: int, dst: KVGeometry, plan: tuple[tuple[int, int, int], ...],
+    def layer_writes(self, layer: int, dst: CacheGeometry, plan: tuple[tuple[int, int, int], ...],
                      dst_layer: int | None = None) -> list[PagedRun]:
         """The paged writes that copy `layer`'s listed blocks into `dst` along `plan`
         (from `copy_plan`): one per piece, each covering every block of the request."""
