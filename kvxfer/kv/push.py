@@ -13,7 +13,8 @@ before their write is posted, and the table rides in the mailbox write (kv.integ
 tagged under the cluster's table key where the reservation asks (`checksum_tag`).
 A push that stalled longer than `max_stall_s` between two of its writes (a frozen or
 starved process) may have missed its decoder's fence: it raises instead of writing.
-`PushFault` makes one write wrong on purpose (failure drills and tests only).
+Tests and failure drills make a push go wrong through its `PushHooks` (kv.push_hooks),
+given at construction; production gives none.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from kvxfer.errors import TransferError
 from kvxfer.kv.cache import PagedKVCache
 from kvxfer.kv.integrity import layer_checksums
 from kvxfer.kv.protocol import KVReservation, encode_mailbox, layer_dst_offset
+from kvxfer.kv.push_hooks import NO_PUSH_HOOKS, PushHooks
 from kvxfer.transfer.engine import RegisteredMemory, Transfer, TransferEngine
 
 
@@ -91,27 +93,6 @@ class PushStalled(TransferError):
     land after the decoder gave the pages to another request, so none is posted."""
 
 
-@dataclass(frozen=True)
-class PushFault:
-    """A defect made on purpose in the first chunk of `layer` that has two pages or more.
-
-    `skip_page`: its second page is not written (the decoder never counts it).
-    `duplicate_page`: its first page is written twice (one unit too many).
-    `flip_bit`: one bit of its first page is flipped after the checksum was taken (a
-    corruption on the way). `swap_pages`: its first two pages are swapped in the
-    prefiller's cache before checksum and write (misplaced KV that every checksum agrees with).
-    """
-
-    kind: str
-    layer: int
-
-    KINDS = ("skip_page", "duplicate_page", "flip_bit", "swap_pages")
-
-    def __post_init__(self) -> None:
-        if self.kind not in self.KINDS or self.layer < 0:
-            raise ValueError(f"push fault {self.kind}:{self.layer}: kind must be one of {self.KINDS}, layer >= 0")
-
-
 def _covered_seconds(spans: list[tuple[float, float]]) -> float:
     """Length of the union of [start, end) spans."""
     total, reach = 0.0, float("-inf")
@@ -130,6 +111,7 @@ class PushSession:
     nothing of this request is in flight, so the decoder may then reuse the pages.
     `table_key` (kv.integrity.checksum_table_key) tags the checksum table where the
     reservation asks for a tag; one that asks while there is no key is refused here.
+    `hooks` (kv.push_hooks) are called at each layer: tests and drills inject faults there.
     """
 
     def __init__(
@@ -145,7 +127,7 @@ class PushSession:
         local_pages: list[int],
         *,
         max_stall_s: float = float("inf"),
-        fault: PushFault | None = None,
+        hooks: PushHooks = NO_PUSH_HOOKS,
         table_key: bytes | None = None,
     ) -> None:
         if reservation.kv_layout != cache.kv_layout:
@@ -186,12 +168,16 @@ class PushSession:
         self.stats = PushStats()
         self._max_stall_s = max_stall_s
         self._last_progress = time.monotonic()
-        self._fault = fault
-        self._fault_done = False
+        self._hooks = hooks
         self._table_key = table_key if reservation.checksum_tag else None
         # Layer-major CRC-32C of the prompt's pages, filled as layers are pushed.
         prompt_pages = reservation.prompt_pages if reservation.checksums else 0
         self._checksums = np.zeros((cache.num_layers, prompt_pages), dtype="<u4")
+
+    @property
+    def cache(self) -> PagedKVCache:
+        """The prefiller's KV cache the pages are written from."""
+        return self._cache
 
     @property
     def cancelled(self) -> bool:
@@ -209,6 +195,9 @@ class PushSession:
 
     def on_layer_done(self, layer: int, first_block: int, end_block: int) -> None:
         """Pushes blocks [first_block, end_block) of `layer`: they are final now."""
+        if end_block > first_block and not self._cancelled.is_set():
+            # Outside the lock: a hook that holds the push here must not hold up cancel().
+            self._hooks.before_layer(self, layer, first_block)
         with self._issue_lock:
             self._push_layer(layer, first_block, end_block)
 
@@ -234,30 +223,14 @@ class PushSession:
             self.stats.first_write_at = start
         local = self._local[first_block:end_block]
         remote = self._remote[first_block:end_block]
-        fault = self._fault_here(layer, len(local))
-        if fault == "swap_pages":
-            a, b = (self._cache.page_view(layer, int(p)) for p in local[:2])
-            a_copy = a.clone()
-            a.copy_(b)
-            b.copy_(a_copy)
+        self._hooks.before_checksum(self, layer, local)
         if self.reservation.checksums:
             # Taken before the write is posted: the table says what this side meant to send.
             self._checksums[layer, first_block:end_block] = layer_checksums(self._cache, layer, local)
-        if fault == "flip_bit":
-            self._cache.as_bytes()[self._cache.page_offset_bytes(layer, int(local[0])) + page_bytes // 2] ^= 0x04
-        elif fault == "skip_page":
-            local, remote = np.delete(local, 1), np.delete(remote, 1)
-        self._write_pages(layer, local, remote)
-        if fault == "duplicate_page":
-            self._write_pages(layer, local[:1], remote[:1])
+        for write_local, write_remote in self._hooks.layer_writes(self, layer, local, remote):
+            self._write_pages(layer, write_local, write_remote)
         self.stats.kv_bytes += (end_block - first_block) * page_bytes
         self.stats.layer_push_s.append(time.perf_counter() - start)
-
-    def _fault_here(self, layer: int, pages: int) -> str | None:
-        if self._fault is None or self._fault_done or layer != self._fault.layer or pages < 2:
-            return None
-        self._fault_done = True
-        return self._fault.kind
 
     def _write_pages(self, layer: int, local: np.ndarray, remote: np.ndarray) -> None:
         page_bytes = self._cache.page_bytes

@@ -7,14 +7,19 @@ alone; integrations (kvxfer inside other engines: the vLLM connector) sit on tra
 and registry, beside workers, and only cluster and cli may import them; cluster (developer
 tooling) and cli may use everything; the router uses only registry, the model's
 tokenizer, the hand-off protocol, metrics and errors.
+
+Faults are injected from outside (kv.push_hooks): no production module imports a test
+helper or a fault module, or names a fault the drills make.
 """
 
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
+from support import push_faults
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "kvxfer"
@@ -40,6 +45,11 @@ ROUTER_ALLOWED = {"registry", "model.tokenizer", "kv.protocol", "metrics", "erro
 HTTP_FREE = ["workers/runtime.py", "workers/prefill/service.py", "workers/decode/service.py",
              "workers/rejection.py"]
 HTTP_PACKAGES = ("fastapi", "starlette", "uvicorn")
+PRODUCTION = sorted([*PACKAGE.rglob("*.py"), *ROUTER.rglob("*.py")])
+#: Top-level packages of the test tree (tests/ on sys.path makes `support` importable).
+TEST_PACKAGES = ("tests", "support", "conftest")
+#: Every fault the tests and drills inject (the modules that make them list them).
+FAULT_NAMES = push_faults.KINDS
 
 
 def imported_modules(path: Path) -> list[str]:
@@ -101,3 +111,17 @@ def test_worker_services_know_nothing_of_http(rel: str) -> None:
 def test_kv_and_model_form_no_cycle() -> None:
     kv_imports = {m for p in (PACKAGE / "kv").rglob("*.py") for m in imported_modules(p)}
     assert not any(m.startswith("kvxfer.model") for m in kv_imports), "kv imports the model: a cycle"
+
+
+@pytest.mark.parametrize("path", PRODUCTION, ids=lambda p: str(p.relative_to(REPO)))
+def test_no_production_module_imports_a_test_helper_or_a_fault_module(path: Path) -> None:
+    bad = sorted(m for m in imported_modules(path) if m.split(".")[0] not in sys.stdlib_module_names  # faulthandler
+                 and (m.split(".")[0] in TEST_PACKAGES or any("fault" in part for part in m.split("."))))
+    assert not bad, f"{path.relative_to(REPO)} imports {bad}: tests and drills inject their faults from outside"
+
+
+@pytest.mark.parametrize("path", PRODUCTION, ids=lambda p: str(p.relative_to(REPO)))
+def test_no_production_module_names_a_fault(path: Path) -> None:
+    text = path.read_text()
+    named = sorted(name for name in FAULT_NAMES if name in text)
+    assert not named, f"{path.relative_to(REPO)} names the faults {named}: a fault belongs in its test hooks"

@@ -1,8 +1,8 @@
 """Fault injection over the fabric, in pods: real prefill and decode processes, each in a
 network and PID namespace of its own on one bridge (tests/support/pod_namespaces.py), so
 the KV crosses libfabric as between Kubernetes pods; where namespaces cannot be made, plain
-processes on loopback with the same-host path off. One faulty prefiller per test
-(KVXFER_FAULT_INJECTION) beside a healthy one. The freeze comes from outside: the test
+processes on loopback with the same-host path off. One faulty prefiller per test (its push
+hooks from support.push_faults) beside a healthy one. The freeze comes from outside: the test
 SIGSTOPs the pod's PID 1 from the host (a PID 1 ignores a SIGSTOP it sends itself).
 
 Each fault must end in a clear error within its deadline, leak no page on any worker,
@@ -34,6 +34,7 @@ from support.kv_requests import (
     wait_pages_full,
 )
 from support.pod_cluster import pod_worker_set
+from support.push_faults import fault_env
 from support.waiting import wait_until
 from support.worker_procs import WorkerProc, WorkerSet
 
@@ -75,7 +76,7 @@ def own_workers(pod_set: WorkerSet) -> Iterator[WorkerSet]:
 
 
 def faulty_prefiller(own_workers: WorkerSet, spec: str) -> WorkerProc:
-    return own_workers.start("prefill", env={**PREFILL_ENV, "KVXFER_FAULT_INJECTION": spec})
+    return own_workers.start("prefill", env={**PREFILL_ENV, **fault_env(spec)})
 
 
 def metric(worker: WorkerProc, name: str) -> float:
@@ -178,7 +179,7 @@ def test_frozen_prefiller_resumed_after_reuse_writes_nothing(fabric_pair: dict[s
     pages = -(-(PROMPT + MAX_TOKENS) // CONFIG.block_size) + 4
     decode, faulty = own_workers.start_many([
         ("decode", {"num_pages": pages, "env": {**FABRIC, **DIGEST_ENV, "KVXFER_FENCE_TIMEOUT_S": str(FENCE_S)}}),
-        ("prefill", {"env": {**PREFILL_ENV, "KVXFER_FAULT_INJECTION": "freeze_after_layer:1"}}),
+        ("prefill", {"env": {**PREFILL_ENV, **fault_env("freeze_after_layer:1")}}),
     ])
     bad = tokens_of(text_prompt(720, PROMPT))
     nxt = tokens_of(text_prompt(721, PROMPT))

@@ -34,6 +34,7 @@ from support.kv_requests import (
     tokens_of,
     wait_pages_full,
 )
+from support.push_faults import fault_env
 from support.waiting import wait_until
 from support.worker_procs import WorkerSet
 
@@ -47,7 +48,7 @@ def test_aborted_push_fails_decode_at_once(pod_workers: WorkerSet) -> None:
     # As pods: the abort and the KV before it cross the fabric, not the same-host copy.
     decode, prefill = pod_workers.start_many([
         ("decode", {"env": {"KVXFER_KV_WAIT_TIMEOUT_S": str(KV_WAIT_S), "KVXFER_FENCE_TIMEOUT_S": "60"}}),
-        ("prefill", {"env": {**PREFILL_ENV, "KVXFER_FAULT_INJECTION": "abort_after_layer:1"}}),
+        ("prefill", {"env": {**PREFILL_ENV, **fault_env("abort_after_layer:1")}}),
     ])
     prompt = tokens_of(text_prompt(900, 600))
 

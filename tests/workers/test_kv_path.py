@@ -64,6 +64,7 @@ from support.kv_requests import (
 )
 from support.pod_cluster import POD_MODE_UNAVAILABLE, assert_kv_crossed_fabric
 from support.pod_namespaces import PodNetwork
+from support.push_faults import fault_env
 from support.waiting import wait_until
 from support.worker_procs import WorkerProc, WorkerSet
 
@@ -523,7 +524,7 @@ def test_oracle_catches_two_swapped_pages_of_one_layer(kv_workers: WorkerSet) ->
     the colocated reference's) fails it, whatever the tokens do."""
     decode, prefill = kv_workers.start_many([
         ("decode", {"env": DIGEST_ENV}),
-        ("prefill", {"env": {**PREFILL_ENV, "KVXFER_FAULT_INJECTION": "swap_pages:1"}}),
+        ("prefill", {"env": {**PREFILL_ENV, **fault_env("swap_pages:1")}}),
     ])
     prompt = tokens_of(text_prompt(800, 300))
 

@@ -6,6 +6,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
+from kvxfer.kv.push_hooks import NO_PUSH_HOOKS, PushHooks, load_hooks
 from kvxfer.workers.control_auth import caller_of
 from kvxfer.workers.http_server import (
     body_field,
@@ -41,6 +42,8 @@ def create_prefill_app(runtime: PrefillRuntime) -> FastAPI:
 
 
 def run_prefill_worker(settings: PrefillSettings) -> None:
-    """Starts a prefill worker process: engine, model, HTTP API, etcd registration."""
-    runtime = PrefillRuntime(settings)
+    """Starts a prefill worker process: engine, model, HTTP API, etcd registration; its
+    pushes call the hooks `settings.push_hooks` names (none when empty)."""
+    hooks = load_hooks(settings.push_hooks, PushHooks) if settings.push_hooks else NO_PUSH_HOOKS
+    runtime = PrefillRuntime(settings, hooks)
     serve(create_prefill_app(runtime), runtime.core, runtime.load, runtime.in_flight)

@@ -15,9 +15,8 @@ may have reused the pages on the strength of that answer). A push that cannot co
 sent once none of its writes is in flight, so the decoder fails the request at once and
 frees its pages.
 
-`fault_injection` (env KVXFER_FAULT_INJECTION, off when empty) makes pushes fail on
-purpose for failure drills and tests (the forms are listed in `faults.py`), e.g.
-`abort_after_layer:N` stops every push before layer N (0-based) and aborts it.
+Every push gets the runtime's `PushHooks` (kv.push_hooks), given at construction: the
+no-op in production; tests and failure drills name their own with `push_hooks`.
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ import asyncio
 import concurrent.futures
 import logging
 import math
-import os
 import threading
 import time
 from typing import Any
@@ -46,10 +44,10 @@ from kvxfer.kv.protocol import (
     pages_for_tokens,
 )
 from kvxfer.kv.push import PushSession
+from kvxfer.kv.push_hooks import NO_PUSH_HOOKS, PushHooks
 from kvxfer.kv.push_monitor import DestinationDown, PushMonitor, WatchedPush
 from kvxfer.metrics import PrefillMetrics
 from kvxfer.registry.signing import checksum_table_key, load_cluster_key
-from kvxfer.workers.prefill.faults import FaultPlan, parse_fault_injection
 from kvxfer.workers.rejection import Rejection, RequestRejected
 from kvxfer.workers.runtime import WorkerCore, WorkerSettings
 
@@ -80,32 +78,10 @@ class PrefillSettings(WorkerSettings):
         50e6, gt=0, description="a destination's writes in flight get destination_stall_timeout_s plus their "
         "bytes at this rate before it counts as down: a big layer write to a slow but healthy decoder is not a stall",
     )
-    fault_injection: str = Field(
-        "", description="failure drill, off when empty: e.g. 'abort_after_layer:N' aborts every push before "
-        "layer N; every form is in kvxfer/workers/prefill/faults.py"
+    push_hooks: str = Field(
+        "", description="'module:callable' making the kv.push_hooks.PushHooks every push of this worker calls "
+        "(tests and failure drills plug in here, docs/architecture.md); empty: none"
     )
-
-
-#: How long the freeze drill waits at its point for the outside SIGSTOP and SIGCONT.
-FREEZE_WAIT_S = 120.0
-#: A pause between two short sleeps at least this long means the process was stopped.
-STOPPED_GAP_S = 0.5
-
-
-def wait_until_stopped_and_continued(timeout_s: float) -> bool:
-    """Holds the calling thread until the process was stopped and continued (seen as a gap in
-    CLOCK_MONOTONIC, which runs on while a process is stopped), or `timeout_s` passed."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        before = time.monotonic()
-        time.sleep(0.01)
-        if time.monotonic() - before >= STOPPED_GAP_S:
-            return True
-    return False
-
-
-class InjectedFault(TransferError):
-    """A push failure made on purpose by `fault_injection`."""
 
 
 def transfer_failure_reason(exc: Exception, cancelled: bool) -> str:
@@ -127,10 +103,12 @@ def transfer_failure_reason(exc: Exception, cancelled: bool) -> str:
 
 
 class PrefillRuntime:
-    """State and logic of a prefill worker, independent of HTTP."""
+    """State and logic of a prefill worker, independent of HTTP. `hooks` go to every push
+    (kv.push_hooks): tests and drills give their own, production none."""
 
-    def __init__(self, settings: PrefillSettings) -> None:
+    def __init__(self, settings: PrefillSettings, hooks: PushHooks = NO_PUSH_HOOKS) -> None:
         self.settings = settings
+        self.hooks = hooks
         self.core = WorkerCore(settings, "prefill")
         self.allocator = PageAllocator(settings.num_pages, self.core.config.block_size)
         cfg = self.core.config
@@ -155,9 +133,6 @@ class PrefillRuntime:
         self._aborts: list[Any] = []  # abort sends not yet completed (kept referenced)
         self.pushes = PushMonitor(settings.destination_stall_timeout_s, settings.destination_min_rate_bytes_per_s)
         self.core.closers.append(self.pushes.close)
-        self.faults: FaultPlan = parse_fault_injection(settings.fault_injection)
-        if self.faults.active:
-            log.warning("fault injection on (%s): %s", settings.fault_injection, self.faults)
 
     def queue_depth(self) -> int:
         """Requests waiting for or in compute."""
@@ -231,7 +206,7 @@ class PrefillRuntime:
                     # A stall longer than this between two writes could outlast the decoder's
                     # fence (which outlasts a write's deadline by this much): see PushStalled.
                     max_stall_s=reservation.fence_timeout_s - self.core.engine.transfer_timeout_s,
-                    fault=self.faults.push_fault,
+                    hooks=self.hooks,
                     table_key=self._table_key,
                 )
             except TransferError as exc:
@@ -363,24 +338,9 @@ class PrefillRuntime:
         extra_s = self.settings.emulated_layer_compute_ms / 1e3
         session.mark_progress()
 
-        faults = self.faults
-
         def on_layer_done(layer: int, chunk: Any) -> None:
             if push.error is not None:  # its destination is down: stop computing for it
                 raise push.error
-            if faults.abort_before_layer is not None and layer >= faults.abort_before_layer:
-                raise InjectedFault(request_id, f"fault injection: abort_after_layer:{faults.abort_before_layer}")
-            if faults.freeze_before_layer == layer and chunk.first_block == 0:
-                # Frozen between writes, none in flight: what a SIGSTOP'd process looks like
-                # to its decoder. The stop comes from outside (a pod's PID 1 ignores a SIGSTOP
-                # it sends itself): this thread holds here until it has been stopped and
-                # continued, so no write of this push is posted before the SIGCONT.
-                session.wait(self.core.engine.transfer_timeout_s)
-                log.warning("fault injection: request %s: frozen point before layer %d (pid %d): waiting for "
-                            "SIGSTOP and SIGCONT", request_id, layer, os.getpid())
-                wait_until_stopped_and_continued(FREEZE_WAIT_S)
-            if faults.write_late_ms is not None and layer == 1 and chunk.first_block == 0:
-                time.sleep(faults.write_late_ms / 1e3)
             if extra_s:
                 time.sleep(extra_s)  # the layer "computes" longer, then its pages go out
             session.on_layer_done(layer, chunk.first_block, chunk.end_block)
