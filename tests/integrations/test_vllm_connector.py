@@ -12,14 +12,10 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 import uuid
-from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import numpy as np
@@ -29,39 +25,25 @@ pytest.importorskip("vllm", reason="the vllm extra is not installed")
 
 from support.descriptor_forge import parse as parse_descriptor  # noqa: E402
 from support.descriptor_forge import whole_region_with_window_key  # noqa: E402
-from support.vllm_instances import VllmFleet, free_port  # noqa: E402
+from support.vllm_instances import BLOCK, CONNECTOR_TIMEOUTS, SLOW_LAYER_MS  # noqa: E402
+from support.vllm_instances import SharedConnectorFleet, VllmFleet  # noqa: E402
 from support.waiting import wait_until  # noqa: E402
 
 from kvxfer.errors import BoundsError, TransferError  # noqa: E402
-from kvxfer.integrations.vllm.checkpoint import make_checkpoint  # noqa: E402
 from kvxfer.kv.protocol import KVReservation, decode_abort, encode_imm, encode_reservation_message  # noqa: E402
 from kvxfer.transfer.engine import TransferEngine  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 
-BLOCK = 32
-CHUNK = 64  # max_num_batched_tokens of the prefill instance: prompts over it prefill in chunks
-TIMEOUTS = {"transfer_timeout_s": 2.0, "load_stall_timeout_s": 6.0, "load_timeout_s": 60.0, "fence_timeout_s": 3.0,
-            "reservation_wait_s": 5.0}
-SLOW_LAYER_MS = 2500  # fault slow_layers: 4 layers take 10 s in all, 2.5 s apart
 # One bf16 step at these magnitudes (|logprob| < 16): 2**-8 relative, 0.0625 absolute at most.
 LOGPROB_TOLERANCE = 0.0625
+TIMEOUTS = CONNECTOR_TIMEOUTS
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmFleet]:
-    work = tmp_path_factory.mktemp("vllm")
-    model = make_checkpoint(Path(os.environ.get("KVXFER_TEST_MODEL_DIR", work / "model")))
-    digests = work / "digests"
-    digests.mkdir()
-    common = {"same_host": False, "bind_host": "127.0.0.1", "kv_digest_dir": str(digests), **TIMEOUTS}
-    with VllmFleet(model, work, common_extra=common) as f:
-        f.start("prefill-a", "kv_producer", "0", max_num_batched_tokens=CHUNK,
-                extra={"fault_injection": f"misplace_page,stall_after_layer:1,slow_layers:{SLOW_LAYER_MS}"})
-        f.start("decode-a", "kv_consumer", "1")
-        f.wait_ready("prefill-a", "decode-a")
-        f.digests = digests  # type: ignore[attr-defined]
-        yield f
+def fleet(shared_vllm_pair: SharedConnectorFleet) -> VllmFleet:
+    # The pair is shared with test_vllm_api_conformance.py (tests/integrations/conftest.py).
+    return shared_vllm_pair.fleet()
 
 
 def _params(role: str, tid: str, peer: str) -> dict[str, Any]:
@@ -357,30 +339,8 @@ def test_the_instances_refuse_api_calls_without_the_clusters_api_key(fleet: Vllm
 # ---- through the router ---------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def router(fleet: VllmFleet) -> Iterator[str]:
-    port = free_port()
-    env = {**os.environ, "KVXFER_ROUTER_ETCD_ENDPOINTS": fleet.etcd.client_url,  # type: ignore[union-attr]
-           "KVXFER_ROUTER_CLUSTER_KEY_FILE": str(fleet.key_file), "KVXFER_ROUTER_PORT": str(port),
-           "KVXFER_ROUTER_HOST": "127.0.0.1"}
-    log = (fleet.work_dir / "router.log").open("wb")
-    proc = subprocess.Popen([sys.executable, "-m", "kvxfer_router"], env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(lambda: _models(url) == ["tiny"], timeout_s=60, interval_s=0.2, what="the router lists tiny")
-        yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
-def _models(url: str) -> list[str]:
-    try:
-        return [m["id"] for m in httpx.get(url + "/v1/models", timeout=2).json()["data"]]
-    except (httpx.HTTPError, ValueError, KeyError):
-        return []
+def router(shared_vllm_pair: SharedConnectorFleet) -> str:
+    return shared_vllm_pair.router_url()
 
 
 def test_router_serves_completions_through_vllm_legs_equal_to_colocated(fleet: VllmFleet, router: str) -> None:

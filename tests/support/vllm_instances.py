@@ -2,21 +2,25 @@
 
 `VllmFleet` starts instances (each its own process tree, pinned to its own core), a local
 etcd they register in, and a cluster key; it waits for readiness with a deadline and
-stops everything on exit, whatever happened.
+stops everything on exit, whatever happened. `SharedConnectorFleet` is the one prefill +
+decode pair (and a router in front of it) that the vLLM test modules share: each instance
+costs about 20 s of start-up on 2 cores.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
 import secrets
 import signal
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import httpx
 
@@ -117,6 +121,15 @@ class VllmFleet:
         assert self.etcd is not None
         return RegistrySettings(endpoints=[self.etcd.client_url], cluster_key_path=self.key_file)
 
+    def restart(self, name: str) -> VllmInstance:
+        """Start a stopped (or killed) instance again as it was started (no wait)."""
+        inst = self.instances[name]
+        if inst.process.poll() is None:
+            return inst
+        inst.process = subprocess.Popen(inst.spec.argv(), env=inst.spec.env(), stdout=inst.log_path.open("ab"),
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+        return inst
+
     def start(self, name: str, kv_role: KVRole | None, core: str, *, register: bool = True,
               extra: dict[str, Any] | None = None, **spec_fields: Any) -> VllmInstance:
         """Start one instance (no wait). `register=False`: no etcd settings (another connector)."""
@@ -168,3 +181,104 @@ class VllmFleet:
                         return rec
                 time.sleep(0.2)
         raise RuntimeError(f"{name} did not register within {timeout_s}s:\n{self.instances[name].log_text()[-3000:]}")
+
+
+# ---- the pair the vLLM test modules share ---------------------------------------------------
+
+BLOCK = 32
+CHUNK = 64  # max_num_batched_tokens of the prefill instance: prompts over it prefill in chunks
+#: The connector's deadlines on the shared pair, short so that fault tests end quickly.
+CONNECTOR_TIMEOUTS = {"transfer_timeout_s": 2.0, "load_stall_timeout_s": 6.0, "load_timeout_s": 60.0,
+                      "fence_timeout_s": 3.0, "reservation_wait_s": 5.0}
+SLOW_LAYER_MS = 2500  # fault slow_layers: 4 layers take 10 s in all, 2.5 s apart
+#: Faults armed on the shared prefiller; each fires only for transfer ids that name it
+#: (`fault-<name>...`), never for the router's own ids.
+PREFILL_FAULTS = f"misplace_page,stall_after_layer:1,slow_layers:{SLOW_LAYER_MS}"
+ROUTER_READY_TIMEOUT_S = 60.0
+
+
+class SharedConnectorFleet:
+    """`prefill-a` and `decode-a` (KvxferConnector over the fabric path, same_host off,
+    KV digests written to `digests`) and a router process in front of them, started on
+    first use and stopped by `close()` (tests/integrations/conftest.py closes it after the
+    last test that uses it). An instance found dead (a test killed it) is started again."""
+
+    def __init__(self, work_dir: Path, model_dir: Path) -> None:
+        self.work_dir = work_dir
+        self.model_dir = model_dir
+        self._stack: contextlib.ExitStack | None = None
+        self._fleet: VllmFleet | None = None
+        self._router_url: str | None = None
+
+    def fleet(self) -> VllmFleet:
+        """The running pair, started (or restarted where an instance died) as needed."""
+        from kvxfer.integrations.vllm.checkpoint import make_checkpoint
+
+        if self._fleet is None:
+            self._stack = contextlib.ExitStack()
+            model = make_checkpoint(self.model_dir)
+            digests = self.work_dir / "digests"
+            digests.mkdir(parents=True, exist_ok=True)
+            common = {"same_host": False, "bind_host": "127.0.0.1", "kv_digest_dir": str(digests),
+                      **CONNECTOR_TIMEOUTS}
+            fleet = self._stack.enter_context(VllmFleet(model, self.work_dir, common_extra=common))
+            fleet.start("prefill-a", "kv_producer", "0", max_num_batched_tokens=CHUNK,
+                        extra={"fault_injection": PREFILL_FAULTS})
+            fleet.start("decode-a", "kv_consumer", "1")
+            fleet.digests = digests  # type: ignore[attr-defined]
+            self._fleet = fleet
+        dead = [name for name, inst in self._fleet.instances.items() if inst.process.poll() is not None]
+        for name in dead:
+            self._fleet.restart(name)
+        self._fleet.wait_ready(*self._fleet.instances)
+        return self._fleet
+
+    def router_url(self) -> str:
+        """A router process (`python -m kvxfer_router`) on the fleet's etcd and cluster key."""
+        fleet = self.fleet()
+        if self._router_url is None:
+            assert self._stack is not None
+            self._router_url = self._stack.enter_context(router_process(fleet, self.work_dir / "router.log"))
+        return self._router_url
+
+    def close(self) -> None:
+        """Stop the router, the instances and etcd."""
+        stack, self._stack, self._fleet, self._router_url = self._stack, None, None, None
+        if stack is not None:
+            stack.close()
+
+
+@contextlib.contextmanager
+def router_process(fleet: VllmFleet, log_path: Path, env: dict[str, str] | None = None) -> Iterator[str]:
+    """A router process (`python -m kvxfer_router`) on `fleet`'s etcd and cluster key, until
+    the block ends (SIGTERM, then SIGKILL); yields its URL once it lists the fleet's model."""
+    assert fleet.etcd is not None
+    port = free_port()
+    full_env = {**os.environ, "KVXFER_ROUTER_ETCD_ENDPOINTS": fleet.etcd.client_url,
+                "KVXFER_ROUTER_CLUSTER_KEY_FILE": str(fleet.key_file), "KVXFER_ROUTER_PORT": str(port),
+                "KVXFER_ROUTER_HOST": "127.0.0.1", **(env or {})}
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "kvxfer_router"], env=full_env, stdout=log,
+                                stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + ROUTER_READY_TIMEOUT_S
+        while _served_models(url) != [fleet.served_model_name]:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the router did not list the model:\n{log_path.read_text(errors='replace')[-3000:]}")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def _served_models(url: str) -> list[str]:
+    try:
+        return [m["id"] for m in httpx.get(url + "/v1/models", timeout=2).json()["data"]]
+    except (httpx.HTTPError, ValueError, KeyError):
+        return []
