@@ -327,7 +327,8 @@ class Dispatcher:
             await asyncio.gather(*(self._cancel_one(request_id, w, {"request_id": request_id, "prefill_stopped": True})
                                    for w in workers if w.role == "decode"))
 
-    async def _cancel_one(self, request_id: str, worker: WorkerView, body: dict[str, Any]) -> dict[str, Any] | None:
+    async def _cancel_one(self, request_id: str, worker: WorkerView, body: dict[str, Any],
+                          attempt: int = 0) -> dict[str, Any] | None:
         try:
             return await self.post_json(
                 worker, "/cancel", body, stage="cancel",
@@ -335,7 +336,16 @@ class Dispatcher:
             )
         except LegFailure as exc:
             log.warning("cancel not confirmed: %s", exc)
+            if exc.status is None and attempt < self.settings.cancel_retries:
+                # No answer (a starved or restarting worker): the reservation may still be
+                # held, and only a cancel frees it before reservation_ttl_s. Sent again in
+                # the background, so the client's answer does not wait for it.
+                self.spawn(self._cancel_later(request_id, worker, body, attempt + 1))
             return None
+
+    async def _cancel_later(self, request_id: str, worker: WorkerView, body: dict[str, Any], attempt: int) -> None:
+        await asyncio.sleep(self.settings.cancel_timeout_s * attempt)
+        await self._cancel_one(request_id, worker, body, attempt)
 
 
 class RequestLifecycle:
@@ -523,7 +533,15 @@ class RequestLifecycle:
         prefill_never_sent = True
         try:
             self.state = RequestState.RESERVING
-            reservation = await self._reserve(decode, prefill, wrid)
+            try:
+                reservation = await self._reserve(decode, prefill, wrid)
+            except LegFailure as failure:
+                if failure.status is not None:
+                    # The decoder answered with a refusal: it holds nothing for this id
+                    # (a /reserve either returns a reservation or takes nothing). Under
+                    # overload most attempts end here; a cancel each doubled its load.
+                    contacted.clear()
+                raise
             self.state = RequestState.TRANSFERRING
             prefill_never_sent = False
             contacted.append(prefill)
