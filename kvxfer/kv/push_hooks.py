@@ -7,16 +7,18 @@ the layer's local pages are final but before they are checksummed (a hook may ch
 and when the layer's writes are planned (a hook may change the list of paged writes). The
 base class does nothing at each point: it is what production runs. A worker gets its hooks
 at construction; the worker process names a factory by the `push_hooks` setting
-("module:callable", loaded by `load_hooks`), so a test harness or a drill selects its own
+("module:callable" or "file.py:callable", loaded by `load_hooks`), so a test harness or a drill selects its own
 module by environment variable and the production modules never import it.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -56,21 +58,30 @@ NO_PUSH_HOOKS = PushHooks()
 HooksT = TypeVar("HooksT")
 
 
-def load_hooks(spec: str, kind: type[HooksT]) -> HooksT:
-    """The hooks object a "module:callable" spec makes (the callable takes no arguments).
+def load_hooks(spec: str, kind: type[HooksT], **config: Any) -> HooksT:
+    """The hooks object a "module:callable" spec makes, called with `config`.
 
-    For the `push_hooks`-style settings of workers and the connector: the module is imported
-    by name (so it may live outside the package, e.g. a test harness's), and what the
-    callable returns must be a `kind`. ValueError naming the spec otherwise.
+    For the `push_hooks`-style settings of workers and the connector. The module is a
+    module name (imported as such, so it may live outside the package where the process's
+    path reaches it) or a path to a .py file (loaded from there). What the callable returns
+    must be a `kind`. ValueError naming the spec otherwise.
     """
-    module_name, _, attr = spec.partition(":")
+    module_name, _, attr = spec.rpartition(":")
     if not module_name or not attr:
-        raise ValueError(f"hooks {spec!r}: expected 'module:callable'")
+        raise ValueError(f"hooks {spec!r}: expected 'module:callable' or 'path/to/file.py:callable'")
     try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
+        if module_name.endswith(".py"):
+            loader_spec = importlib.util.spec_from_file_location(Path(module_name).stem, module_name)
+            if loader_spec is None or loader_spec.loader is None:
+                raise ImportError(f"no module at {module_name}")
+            module = importlib.util.module_from_spec(loader_spec)
+            loader_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+        factory = getattr(module, attr)
+    except (ImportError, AttributeError, OSError) as exc:
         raise ValueError(f"hooks {spec!r}: cannot load it: {exc}") from None
-    hooks = factory()
+    hooks = factory(**config)
     if not isinstance(hooks, kind):
         raise ValueError(f"hooks {spec!r} made a {type(hooks).__name__}, not a {kind.__name__}")
     log.warning("hooks from %s in use: %r", spec, hooks)
