@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvxfer.errors import KvxferError
 from kvxfer.kv.write_windows import MAX_WINDOWS
 
 #: Logical axes, in the order strides and shapes are given.
@@ -26,7 +27,7 @@ AXES = "LBHNC"
 _L, _B, _H, _N, _C = range(5)
 
 
-class GeometryError(ValueError):
+class GeometryError(KvxferError, ValueError):
     """A geometry that cannot exist, or a question it cannot answer (a bad head slice, a
     destination whose shape differs)."""
 

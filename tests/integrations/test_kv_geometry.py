@@ -11,29 +11,32 @@ equal the source's for the moved blocks and leave every other byte untouched.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import pytest
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed")
 
 import torch  # noqa: E402
-from vllm.v1.kv_cache_interface import (  # noqa: E402
-    FullAttentionSpec,
-    KVCacheSpec,
-    KVCacheTensor,
-    MLAAttentionSpec,
-    compute_layout_strides,
-    create_kv_cache_views,
+from support.vllm_kv_caches import (  # noqa: E402
+    HEAD_SIZE,
+    HEADS,
+    LATENT,
+    LAYERS,
+    TOKENS,
+    Cache,
+    attention_spec,
+    mask_of,
+    mla_spec,
+    same_bytes,
+    vllm_cache,
 )
+from vllm.v1.kv_cache_interface import KVCacheSpec  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
-from kvxfer.integrations.vllm.kv_region import KVRegion, KVRegionError, region_from_kv_caches  # noqa: E402
-from kvxfer.kv.cache_geometry import GeometryError, CacheGeometry  # noqa: E402
+from kvxfer.integrations.vllm.kv_region import KVRegionError, region_from_kv_caches  # noqa: E402
+from kvxfer.kv.cache_geometry import CacheGeometry, GeometryError  # noqa: E402
 from kvxfer.kv.write_windows import reservation_windows  # noqa: E402
 
-LAYERS, TOKENS, HEADS, HEAD_SIZE, LATENT = 3, 4, 4, 8, 24
 #: Blocks of the source and destination caches, and the blocks one request moves.
 SRC_BLOCKS, DST_BLOCKS = 6, 9
 MOVED = [(1, 7), (2, 3), (4, 5)]  # (source block, destination block)
@@ -41,54 +44,7 @@ CONTENTS = ["attention", "mla"]
 
 
 def _spec(content: str) -> KVCacheSpec:
-    if content == "mla":
-        return MLAAttentionSpec(block_size=TOKENS, num_kv_heads=1, head_size=LATENT, dtype=torch.bfloat16)
-    return FullAttentionSpec(block_size=TOKENS, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.bfloat16)
-
-
-@dataclass
-class Cache:
-    """One vLLM cache: its allocation, vLLM's per-layer views, and the connector's region."""
-
-    raw: torch.Tensor
-    views: list[torch.Tensor]
-    region: KVRegion
-
-    def cell(self, layer: int, block: int, head: int, token: int) -> tuple[int, int]:
-        """(offset, length) of one cell where vLLM's view puts it (the oracle)."""
-        view = self.views[layer][block, head, token]
-        return view.data_ptr() - self.raw.data_ptr(), view.numel() * view.element_size()
-
-
-def vllm_cache(layout: KVCacheLayout, spec: KVCacheSpec, num_blocks: int, seed: int) -> Cache:
-    """A cache allocated and viewed as vLLM's workers do, filled with seeded bytes."""
-    layer_stride, block_stride, *_ = compute_layout_strides(spec, num_blocks, LAYERS, layout)
-    size = LAYERS * num_blocks * spec.page_size_bytes
-    tensor = KVCacheTensor(size=size, layers=[f"model.layers.{i}.attn" for i in range(LAYERS)],
-                           layer_stride=layer_stride, block_stride=block_stride, offset=0)
-    raw = torch.from_numpy(np.random.default_rng(seed).integers(-128, 128, size, dtype=np.int8))
-    views = create_kv_cache_views(raw, spec, num_blocks, layout, tensor)
-    caches = dict(zip(tensor.layers, views))
-    region = region_from_kv_caches(caches, layout, latent=isinstance(spec, MLAAttentionSpec), isa="test")
-    return Cache(raw, views, region)
-
-
-def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    # Seeded random bytes read as bf16 hold NaNs, which never compare equal as numbers.
-    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
-
-
-def mask_of(ranges: list[tuple[int, int]], size: int) -> np.ndarray:
-    mask = np.zeros(size, dtype=bool)
-    for start, length in ranges:
-        assert not mask[start:start + length].any(), f"byte range {start}+{length} named twice"
-        mask[start:start + length] = True
-    return mask
-
-
-def cells_of(cache: Cache, layer: int, block: int) -> list[tuple[int, int]]:
-    heads = cache.region.geometry.num_heads
-    return [cache.cell(layer, block, h, n) for h in range(heads) for n in range(TOKENS)]
+    return mla_spec() if content == "mla" else attention_spec()
 
 
 def head_slices(content: str) -> list[tuple[int, int]]:
@@ -124,7 +80,7 @@ def test_every_byte_of_a_block_and_of_a_head_slice_is_where_vllm_reads_it(layout
                 runs = geometry.runs(layer, block, heads)
                 assert (mask_of(runs, size) == mask_of(cells, size)).all(), (layer, block, heads, runs)
             data = cache.raw.numpy().view(np.uint8)
-            in_address_order = b"".join(bytes(data[o:o + n]) for o, n in sorted(cells_of(cache, layer, block)))
+            in_address_order = b"".join(bytes(data[o:o + n]) for o, n in sorted(cache.cells(layer, block)))
             assert cache.region.page_bytes(layer, block) == in_address_order
 
 
@@ -141,7 +97,7 @@ def test_copying_the_named_runs_moves_the_blocks_and_touches_nothing_else(layout
     for layer in range(LAYERS):
         for s, d in MOVED:
             assert same_bytes(dst.views[layer][d], src.views[layer][s]), (layer, s, d)
-            moved |= mask_of(cells_of(dst, layer, d), dst.raw.numel())
+            moved |= mask_of(dst.cells(layer, d), dst.raw.numel())
     assert torch.equal(dst.raw[torch.from_numpy(~moved)], before[torch.from_numpy(~moved)])
     # The reservation's windows are exactly the moved blocks' bytes, and what the decoder
     # counts is what the plan posts: one immediate per paged write per block.
@@ -155,7 +111,7 @@ def test_copying_the_named_runs_moves_the_blocks_and_touches_nothing_else(layout
 def test_a_head_slice_lands_in_a_narrower_cache_as_vllm_reads_it_there(layout: KVCacheLayout) -> None:
     # A decode rank serving heads 2..3 of a prefill rank's 4 (tensor parallel 1 into 2).
     src = vllm_cache(layout, _spec("attention"), SRC_BLOCKS, seed=4)
-    narrow = FullAttentionSpec(block_size=TOKENS, num_kv_heads=HEADS // 2, head_size=HEAD_SIZE, dtype=torch.bfloat16)
+    narrow = attention_spec(heads=HEADS // 2)
     dst = vllm_cache(layout, narrow, DST_BLOCKS, seed=5)
     before = dst.raw.clone()
     copy(src, dst, MOVED, src_heads=(2, 4))
@@ -163,7 +119,7 @@ def test_a_head_slice_lands_in_a_narrower_cache_as_vllm_reads_it_there(layout: K
     for layer in range(LAYERS):
         for s, d in MOVED:
             assert same_bytes(dst.views[layer][d], src.views[layer][s, 2:4]), (layer, s, d)
-            moved |= mask_of(cells_of(dst, layer, d), dst.raw.numel())
+            moved |= mask_of(dst.cells(layer, d), dst.raw.numel())
     assert torch.equal(dst.raw[torch.from_numpy(~moved)], before[torch.from_numpy(~moved)])
 
 

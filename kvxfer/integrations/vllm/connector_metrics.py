@@ -13,7 +13,8 @@ _SECONDS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 
 #: Values of the `reason` label of kvxfer_connector_failures_total, per `side`.
 FAILURE_REASONS = {"prefill": ("push_failed", "layout_mismatch"),
                    "decode": ("load_timeout", "load_stalled", "cancelled", "prefill_aborted", "fence_timeout",
-                              "no_slot", "reservation_send_failed", "registration_failed")}
+                              "no_slot", "reservation_send_failed", "registration_failed",
+                              "no_landing_room", "landing_failed")}
 #: Values of the `reason` label of kvxfer_connector_dropped_messages_total.
 DROP_REASONS = ("early_reservations_full", "duplicate_reservation", "orphan_reservation", "unknown_cancel",
                 "unknown_abort", "malformed_reservation", "not_a_prefiller", "unknown_message")

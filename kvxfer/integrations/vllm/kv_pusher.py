@@ -32,10 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from kvxfer.errors import TransferError
-from kvxfer.kv.cache_geometry import CacheGeometry
 from kvxfer.kv.protocol import KVReservation, encode_abort
-from kvxfer.transfer.engine import RegisteredMemory, Transfer, TransferEngine
+from kvxfer.transfer.engine import RegisteredMemory, TransferEngine
 
+from .cache_paths import DirectWrites, InFlight, StagedWrites
 from .connector_metrics import ConnectorMetrics
 from .kv_region import KVRegion
 from .metadata import KvxferStepMetadata, PushSpec
@@ -73,7 +73,7 @@ class PrefillPush:
     computed_upto: list[int] = field(default_factory=list)
     #: prompt page index up to which layer l was pushed (starts at the reservation's first_page).
     pushed_upto: list[int] = field(default_factory=list)
-    in_flight: list[Transfer] = field(default_factory=list)
+    in_flight: list[InFlight] = field(default_factory=list)
     vllm_finished_at: float | None = None
     created_at: float = field(default_factory=time.monotonic)
     layer_saved_at: list[float] = field(default_factory=list)
@@ -114,8 +114,8 @@ class KVPusher:
     """Pushes prefill requests' KV; owned by the worker half, called from vLLM's worker thread only."""
 
     def __init__(self, settings: ConnectorSettings, engine: TransferEngine, region: KVRegion,
-                 memory: RegisteredMemory, metrics: ConnectorMetrics,
-                 fault: Callable[[str, str], str | None]) -> None:
+                 memory: RegisteredMemory | None, metrics: ConnectorMetrics,
+                 fault: Callable[[str, str], str | None], writes: DirectWrites | StagedWrites | None = None) -> None:
         self.settings = settings
         self.engine = engine
         self.region = region
@@ -123,9 +123,10 @@ class KVPusher:
         self.metrics = metrics
         self._fault = fault
         self.block_size = region.block_size
-        #: Per destination cache size (a reservation's num_pages): its geometry and the
-        #: copy plan of one block, the same for every layer and request.
-        self._plans: dict[int, tuple[CacheGeometry, tuple[tuple[int, int, int], ...]]] = {}
+        #: How a layer's blocks leave this cache: read in place (host memory registered as
+        #: `memory`), or through pinned staging (a device cache).
+        self.writes = writes or (DirectWrites(engine, memory, region.geometry) if memory is not None
+                                 else StagedWrites(engine, region))
         self._by_request: dict[str, PrefillPush] = {}
         self._by_transfer: dict[str, PrefillPush] = {}
         self._early: dict[str, tuple[KVReservation, float]] = {}
@@ -274,30 +275,14 @@ class KVPusher:
             self._fail(push, f"the request has {len(push.block_ids)} blocks, fewer than its computed pages")
             return
         try:
-            dst_geometry, plan = self._plan(res.num_pages)
-            writes = self.region.geometry.layer_writes(layer, dst_geometry, plan)
-            for run in writes:
-                push.in_flight.append(self.engine.write_paged(
-                    self.memory, src, res.descriptor, dst, run.length, src_stride=run.src_stride,
-                    dst_stride=run.dst_stride, src_offset=run.src_offset, dst_offset=run.dst_offset,
-                    imm=res.imm, request_id=push.transfer_id,
-                ))
+            posted = self.writes.post(layer, src, res, dst, push.transfer_id, push.in_flight)
         except Exception as exc:  # a dead peer, a descriptor the engine refuses, a bad num_pages
             self._fail(push, f"posting layer {layer} failed: {exc}")
             return
         push.pushed_upto[layer] = end
         push.layer_posted_at[layer] = time.monotonic()
         push.pages_posted += len(src)
-        push.bytes_posted += len(src) * sum(run.length for run in writes)
-
-    def _plan(self, num_pages: int) -> tuple[CacheGeometry, tuple[tuple[int, int, int], ...]]:
-        """The decoder's geometry (this cache's shape, its number of blocks: the signature
-        check made sure of the rest) and the pieces one block is copied in."""
-        cached = self._plans.get(num_pages)
-        if cached is None:
-            dst = self.region.geometry.with_num_blocks(num_pages)
-            cached = self._plans[num_pages] = (dst, self.region.geometry.copy_plan(dst))
-        return cached
+        push.bytes_posted += posted
 
     # ---- completion -------------------------------------------------------------------------
 
@@ -330,7 +315,7 @@ class KVPusher:
         return out
 
     def _reap(self, push: PrefillPush) -> None:
-        still: list[Transfer] = []
+        still: list[InFlight] = []
         for t in push.in_flight:
             if not t.done():
                 still.append(t)

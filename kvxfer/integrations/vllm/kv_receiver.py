@@ -31,7 +31,7 @@ import json
 import logging
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvxfer.errors import TransferError
@@ -45,6 +45,7 @@ from kvxfer.kv.protocol import (
 from kvxfer.kv.reservation_scope import ReservationScope
 from kvxfer.transfer.engine import RegisteredMemory, TransferEngine
 
+from .cache_paths import DirectLanding, StagedLanding
 from .connector_metrics import ConnectorMetrics
 from .kv_region import KVRegion
 from .metadata import LoadSpec
@@ -79,17 +80,23 @@ class DecodeLoad:
     fence_deadline: float = 0.0
     vllm_aborted: bool = False
     scope: ReservationScope | None = None  # its registration and immediate binding, until revoked
+    pages: list[int] = field(default_factory=list)  # what the prefiller writes: its blocks, or landing blocks
 
 
 class KVReceiver:
     """Reservations and admissions of one decode instance; called from vLLM's worker thread only."""
 
     def __init__(self, settings: ConnectorSettings, engine: TransferEngine, region: KVRegion,
-                 memory: RegisteredMemory, metrics: ConnectorMetrics) -> None:
+                 memory: RegisteredMemory | None, metrics: ConnectorMetrics,
+                 landing: DirectLanding | StagedLanding | None = None) -> None:
         self.settings = settings
         self.engine = engine
         self.region = region
         self.memory = memory
+        #: Where the prefiller's writes land: the request's own blocks (a host cache
+        #: registered as `memory`), or pinned landing blocks copied to a device cache.
+        self.landing = landing or (DirectLanding(memory, region.geometry) if memory is not None
+                                   else StagedLanding(engine, region))
         self.metrics = metrics
         slots = settings.max_concurrent_loads
         self._generations = generations_per_slot(slots)
@@ -110,10 +117,17 @@ class KVReceiver:
             self._to_failed(load, "no_slot", f"{self.settings.max_concurrent_loads} loads already in flight "
                             "(max_concurrent_loads)")
             return
+        pages = self.landing.reserve(list(spec.block_ids))
+        if pages is None:
+            load = DecodeLoad(spec, None, -1, now, now)
+            self._loads[spec.request_id] = load
+            self._to_failed(load, "no_landing_room", f"no room for {len(spec.block_ids)} blocks in the landing "
+                            "cache (device caches land in pinned host blocks first)")
+            return
         slot = self._free_slots.pop()
         imm = encode_imm(slot, self._generation[slot])
         load = DecodeLoad(spec, None, slot, now, now + self.settings.load_timeout_s,
-                          stall_deadline=now + self.settings.load_stall_timeout_s)
+                          stall_deadline=now + self.settings.load_stall_timeout_s, pages=pages)
         self._loads[spec.request_id] = load
         try:
             descriptor = self._open_scope(load, imm)
@@ -121,8 +135,8 @@ class KVReceiver:
             self._to_failed(load, "registration_failed", f"scoping the reservation failed: {exc}")
             return
         reservation = KVReservation(
-            request_id=spec.transfer_id, descriptor=descriptor, pages=list(spec.block_ids),
-            num_pages=self.region.num_blocks, imm=imm, expected_count=self._expected_count(len(spec.block_ids)),
+            request_id=spec.transfer_id, descriptor=descriptor, pages=list(pages),
+            num_pages=self.landing.geometry.num_blocks, imm=imm, expected_count=self.region.num_layers * len(pages),
             kv_layout=self.region.signature, meta_descriptor=b"", meta_offset=0,
             nonce=secrets.randbits(63), fence_timeout_s=self.settings.fence_timeout_s,
             first_page=spec.first_page, mailbox=False,
@@ -142,19 +156,14 @@ class KVReceiver:
         blocks (per_reservation), and its immediate bound to the prefiller it names. Returns
         the descriptor the load hands out."""
         per_reservation = self.settings.kv_registration == "per_reservation"
-        parts = [(self.memory, self.region.geometry.windows(list(load.spec.block_ids)))] if per_reservation else []
+        parts = [(self.landing.memory, self.landing.geometry.windows(load.pages))] if per_reservation else []
         load.scope = ReservationScope.open(self.engine, f"transfer {load.spec.transfer_id}", imm,
                                            load.spec.prefill_engine, parts)
         if not per_reservation:
-            return self.memory.descriptor
+            return self.landing.memory.descriptor
         self.metrics.registrations.inc()
         self.metrics.registrations_open.inc()
         return load.scope.descriptors[0]
-
-    def _expected_count(self, blocks: int) -> int:
-        """Immediates the load waits for: one per paged write per block of every layer,
-        as the prefiller's plan (same layout, checked by the signature) posts them."""
-        return self.region.num_layers * blocks * len(self.region.geometry.block_runs())
 
     def _revoke(self, load: DecodeLoad) -> None:
         """Revokes the load's scope (idempotent): from now on a write with its descriptor
@@ -242,10 +251,15 @@ class KVReceiver:
                     load.stall_deadline = now + self.settings.load_stall_timeout_s
                 if landed >= res.expected_count:
                     self._revoke(load)  # every write landed: none may come any more
-                    load.state = LoadState.ADMITTED
-                    self.metrics.admission_wait.observe(now - load.sent_at)
-                    self.metrics.pages_received.inc(res.expected_count)
-                    self._write_digests(load)
+                    try:
+                        self.landing.land(load.pages, list(load.spec.block_ids))
+                    except Exception as exc:  # a device copy that failed: vLLM must not read the blocks
+                        self._to_failed(load, "landing_failed", f"copying the landed blocks to the cache failed: {exc}")
+                    else:
+                        load.state = LoadState.ADMITTED
+                        self.metrics.admission_wait.observe(now - load.sent_at)
+                        self.metrics.pages_received.inc(res.expected_count)
+                        self._write_digests(load)
                 elif now > load.deadline:
                     self._to_fencing(load, "load_timeout", f"not every write landed within load_timeout_s="
                                      f"{self.settings.load_timeout_s} ({landed} of {res.expected_count} pages)")
@@ -271,6 +285,7 @@ class KVReceiver:
             # slot a new generation so the value is not reused soon.
             self.engine.reset_imm(load.reservation.imm)
             self.metrics.loads_in_flight.dec()
+        self.landing.release(load.pages)  # no write for them can land any more
         if load.slot >= 0:
             self._generation[load.slot] = (self._generation[load.slot] + 1) % self._generations
             self._free_slots.append(load.slot)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvxfer.errors import KvxferError
@@ -34,15 +35,28 @@ class KVRegion:
 
     layer_names: list[str]
     geometry: CacheGeometry
-    buffer: np.ndarray  # uint8 view over the backing allocation (does not own it)
+    buffer: np.ndarray | None  # uint8 view over a host allocation (does not own it); None on a device
     owners: list[Any]  # the tensors that keep the allocation alive
     dtype: str  # element type of the views, e.g. "bfloat16"
     element_bytes: int
-    isa: str  # the CPU kernel family whose in-block byte order the blocks follow
+    isa: str  # the CPU kernel family whose in-block byte order the blocks follow ("cuda" on a GPU)
+    device_bytes: Any = None  # flat uint8 tensor over a device allocation (buffer is None then)
     _index: dict[str, int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._index = {name: i for i, name in enumerate(self.layer_names)}
+
+    @property
+    def on_host(self) -> bool:
+        """The cache is host memory the engine can register (else it moves through staging)."""
+        return self.device_bytes is None
+
+    @property
+    def cache_bytes(self) -> Any:
+        """The whole allocation as a flat uint8 tensor, on the cache's device."""
+        if self.device_bytes is not None:
+            return self.device_bytes
+        return torch.from_numpy(self.buffer)
 
     @property
     def num_layers(self) -> int:
@@ -85,13 +99,15 @@ class KVRegion:
 
     def page_bytes(self, layer: int, block: int) -> bytes:
         """A copy of one block of one layer, its runs in address order (digest checks)."""
-        return b"".join(bytes(self.buffer[start:start + length]) for start, length in self.geometry.runs(layer, block))
+        runs = self.geometry.runs(layer, block)
+        if self.buffer is not None:
+            return b"".join(bytes(self.buffer[start:start + length]) for start, length in runs)
+        flat = self.device_bytes
+        return b"".join(flat[start:start + length].cpu().numpy().tobytes() for start, length in runs)
 
 
 def _cpu_isa() -> str:
     # The CPU attention kernels lay a block out per ISA, so it is part of the signature.
-    import torch
-
     try:
         return str(torch.backends.cpu.get_cpu_capability()).lower()
     except Exception:  # an older torch: be conservative, never match another machine by accident
@@ -109,16 +125,16 @@ def region_from_kv_caches(kv_caches: dict[str, Any], layout: KVCacheLayout | Non
     """Builds the region from `register_kv_caches`' dict.
 
     `layout` is vLLM's resolved layout (None: the one of the six the strides show);
-    `latent` marks MLA content. KVRegionError for device memory, views of different
-    shapes, layers spread over several allocations, or strides that are not `layout`
-    packed densely (padded pages).
+    `latent` marks MLA content. Host and CUDA tensors; KVRegionError for other devices,
+    views of different shapes, layers spread over several allocations, or strides that
+    are not `layout` packed densely (padded pages).
     """
     if not kv_caches:
         raise KVRegionError("vLLM registered no KV cache layers")
     tensors = list(kv_caches.items())
     for name, t in tensors:
-        if getattr(t, "is_cuda", False) or str(getattr(t, "device", "cpu")) != "cpu":
-            raise KVRegionError(f"layer {name}: only host (CPU) KV caches are supported, got {t.device}")
+        if t.device.type not in ("cpu", "cuda"):
+            raise KVRegionError(f"layer {name}: only host (CPU) and CUDA KV caches are supported, got {t.device}")
         if t.dim() != 4:
             raise KVRegionError(f"layer {name}: expected a [blocks, heads, block_size, content] view, "
                                 f"got {tuple(t.shape)}")
@@ -127,7 +143,8 @@ def region_from_kv_caches(kv_caches: dict[str, Any], layout: KVCacheLayout | Non
     element = first.element_size()
     storage = first.untyped_storage()
     for name, t in tensors:
-        if tuple(t.shape) != tuple(first.shape) or t.dtype != first.dtype or t.stride() != first.stride():
+        if tuple(t.shape) != tuple(first.shape) or t.dtype != first.dtype or t.stride() != first.stride() \
+                or t.device != first.device:
             raise KVRegionError(f"layer {name}: shape {tuple(t.shape)} {t.dtype} strides {t.stride()} differ "
                                 f"from layer 0's ({tuple(first.shape)} {first.dtype} {first.stride()})")
         if t.untyped_storage().data_ptr() != storage.data_ptr():
@@ -159,7 +176,13 @@ def region_from_kv_caches(kv_caches: dict[str, Any], layout: KVCacheLayout | Non
     if base < storage.data_ptr() or base + geometry.total_bytes > storage.data_ptr() + storage.nbytes():
         raise KVRegionError(f"the KV cache's {geometry.total_bytes} bytes ({geometry.layout}) overrun its "
                             f"allocation of {storage.nbytes()} bytes")
-    buffer = np.ctypeslib.as_array((ctypes.c_uint8 * geometry.total_bytes).from_address(base))
     dtype = str(first.dtype).removeprefix("torch.")
-    return KVRegion([n for n, _ in tensors], geometry, buffer, [t for _, t in tensors], dtype, element,
-                    isa or _cpu_isa())
+    owners = [t for _, t in tensors]
+    if first.device.type == "cuda":
+        # Device blocks have no CPU kernel's byte order: "cuda" keeps them apart from CPU ones.
+        flat = first.new_empty(0, dtype=torch.uint8).set_(storage, base - storage.data_ptr(),
+                                                         (geometry.total_bytes,), (1,))
+        return KVRegion([n for n, _ in tensors], geometry, None, owners, dtype, element, isa or "cuda",
+                        device_bytes=flat)
+    buffer = np.ctypeslib.as_array((ctypes.c_uint8 * geometry.total_bytes).from_address(base))
+    return KVRegion([n for n, _ in tensors], geometry, buffer, owners, dtype, element, isa or _cpu_isa())

@@ -72,7 +72,8 @@ class WorkerSide:
                                      # Only live loads' immediates count (ReservationScope claims
                                      # them): a sender spraying others cannot fill the table.
                                      imm_admission="claimed")
-        memory = self.engine.register(self.region.buffer)
+        # A device cache is not registered: it moves through pinned staging (cache_paths.py).
+        memory = self.engine.register(self.region.buffer) if self.region.on_host else None
         if self.kv_role in ("kv_producer", "kv_both"):
             self.pusher = KVPusher(s, self.engine, self.region, memory, self.metrics, self.fault)
         if self.kv_role in ("kv_consumer", "kv_both"):

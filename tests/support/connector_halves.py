@@ -1,0 +1,91 @@
+"""The vLLM connector's worker halves without vLLM: a prefill `KVPusher` and a decode
+`KVReceiver`, each with its own engine and cache, driven step by step as vLLM's worker
+would (the step metadata, `save_kv_layer` per layer, `get_finished` polls), with the
+reservation and the prefiller's messages travelling over the fabric as in production.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from kvxfer.integrations.vllm.cache_paths import DirectLanding, DirectWrites, StagedLanding, StagedWrites
+from kvxfer.integrations.vllm.connector_metrics import ConnectorMetrics
+from kvxfer.integrations.vllm.kv_pusher import KVPusher
+from kvxfer.integrations.vllm.kv_receiver import KVReceiver
+from kvxfer.integrations.vllm.kv_region import KVRegion
+from kvxfer.integrations.vllm.metadata import KvxferStepMetadata, LoadSpec, PushSpec
+from kvxfer.integrations.vllm.settings import ConnectorSettings
+from kvxfer.kv.protocol import decode_abort, decode_reservation_message
+from kvxfer.transfer.engine import TransferEngine
+
+#: Rows of staging and blocks of landing cache the staged halves get (small caches).
+STAGING_ROWS, LANDING_BLOCKS = 64, 16
+
+
+def halves_engine(provider: str) -> TransferEngine:
+    """An engine as the worker half makes one (claimed immediates), on loopback."""
+    return TransferEngine(provider, same_host=False, bind_host="127.0.0.1", imm_admission="claimed")
+
+
+def prefill_half(engine: TransferEngine, region: KVRegion, settings: ConnectorSettings, staged: bool) -> KVPusher:
+    """A pusher over `region`: reading the registered host cache in place, or through staging."""
+    if staged:
+        writes: DirectWrites | StagedWrites = StagedWrites(engine, region, staging_rows=STAGING_ROWS)
+    else:
+        writes = DirectWrites(engine, engine.register(region.buffer), region.geometry)
+    return KVPusher(settings, engine, region, None, ConnectorMetrics("kv_producer"), lambda name, tid: None,
+                    writes=writes)
+
+
+def decode_half(engine: TransferEngine, region: KVRegion, settings: ConnectorSettings, staged: bool) -> KVReceiver:
+    """A receiver over `region`: landing in the registered host cache, or in landing blocks."""
+    if staged:
+        landing: DirectLanding | StagedLanding = StagedLanding(engine, region, landing_blocks=LANDING_BLOCKS)
+    else:
+        landing = DirectLanding(engine.register(region.buffer), region.geometry)
+    return KVReceiver(settings, engine, region, None, ConnectorMetrics("kv_consumer"), landing=landing)
+
+
+@dataclass
+class HandOff:
+    """What one hand-off ended in."""
+
+    admitted: bool
+    failed: bool
+    reason: str
+
+
+def hand_off(pusher: KVPusher, receiver: KVReceiver, src_blocks: list[int], dst_blocks: list[int], tokens: int,
+             transfer_id: str, deadline_s: float = 20.0) -> HandOff:
+    """One request's prompt blocks from the prefill half into the decode half: the decoder
+    reserves, the prefiller computes every layer (save_kv_layer) and pushes, both poll until
+    the decoder reports the load finished or `deadline_s` passes."""
+    request = f"decode-{transfer_id}"
+    receiver.start(LoadSpec(request, transfer_id, pusher.engine.address, list(dst_blocks), 0))
+    reason = receiver._loads[request].reason if request in receiver._loads else ""
+    pusher.on_step(KvxferStepMetadata(pushes=[PushSpec(f"prefill-{transfer_id}", transfer_id,
+                                                        receiver.engine.address, tokens, list(src_blocks), tokens)]))
+    end = time.monotonic() + deadline_s
+    reserved = False
+    while not reserved and time.monotonic() < end and not reason:
+        raw = pusher.engine.recv(0.05)
+        reservation = decode_reservation_message(bytes(raw)) if raw is not None else None
+        if reservation is not None:
+            pusher.on_reservation(reservation)
+            reserved = True
+    for layer in range(pusher.region.num_layers):
+        pusher.save_layer(layer)
+    while time.monotonic() < end:
+        pusher.poll(set())
+        raw = receiver.engine.recv(0.0)
+        stopped = decode_abort(bytes(raw)) if raw is not None else None
+        if stopped is not None:
+            receiver.on_prefill_stopped(*stopped)
+        load = receiver._loads.get(request)
+        reason = load.reason if load is not None else reason
+        finished, failed = receiver.poll(set())
+        if request in finished:
+            return HandOff(request not in failed, request in failed, reason)
+        time.sleep(0.002)
+    return HandOff(False, False, f"no outcome within {deadline_s} s ({reason})")
