@@ -88,7 +88,9 @@ def up(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProc
         proc = subprocess.Popen(
             [sys.executable, "-m", "kvxfer.cli", "up", "--engine", "vllm", "--model", str(model), "--port", str(port),
              "--admin-port", str(free_port()), "--log-dir", str(work / "logs"),
-             "--decode-args", f"--max-num-seqs {MAX_NUM_SEQS}", "--", "--served-model-name", SERVED],
+             "--decode-args", f"--max-num-seqs {MAX_NUM_SEQS}", "--", "--served-model-name", SERVED,
+             # Also makes the connector's warm-up (a chunk and a block) short: 288 tokens, not 2,046.
+             "--max-num-batched-tokens", "256"],
             stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     up = UpProcess(proc, out_path, work / "logs", f"http://127.0.0.1:{port}")

@@ -186,7 +186,8 @@ def test_kvxfer_join_adds_a_decoder_under_load_and_it_gets_traffic(own: OwnClust
     joined = subprocess.Popen(
         [sys.executable, "-m", "kvxfer.cli", "join", "--engine", "vllm", "--role", "decode", "--model", str(own.model),
          "--port", str(port), "--cpu-cores", "1", "--etcd", own.etcd, "--cluster-key-file", str(own.key),
-         "--", "--served-model-name", SERVED, "--block-size", "32", "--enforce-eager"],
+         "--", "--served-model-name", SERVED, "--block-size", "32", "--enforce-eager",
+         "--max-num-batched-tokens", "256"],  # a short warm-up (a chunk and a block) before it registers
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
     stop = threading.Event()
     statuses: list[int] = []
