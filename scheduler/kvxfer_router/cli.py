@@ -100,7 +100,8 @@ def open_directory(settings: RouterSettings, workers_file: Path | None) -> tuple
 
 def public_server_config(app: Any, settings: RouterSettings) -> Any:
     """The uvicorn config of the public port: TLS when configured, `header_timeout_s` on
-    request headers, and a graceful shutdown bounded by the request deadline."""
+    request headers, `keep_alive_timeout_s` on idle connections, and a graceful shutdown
+    bounded by the request deadline."""
     import uvicorn
 
     from .header_timeout import header_timeout_protocol
@@ -113,6 +114,7 @@ def public_server_config(app: Any, settings: RouterSettings) -> Any:
         tls = {"ssl_certfile": str(settings.tls_cert_file), "ssl_keyfile": str(settings.tls_key_file)}
     return uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
                           http=header_timeout_protocol(settings.header_timeout_s),
+                          timeout_keep_alive=settings.keep_alive_timeout_s,
                           timeout_graceful_shutdown=math.ceil(settings.request_deadline_s), **tls)
 
 

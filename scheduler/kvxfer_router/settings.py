@@ -135,6 +135,12 @@ class RouterSettings(BaseSettings):
         "one), to send the complete request line and headers on the public port; beyond it the connection is "
         "closed after a 408, so slow-header clients cannot hold connections.",
     )
+    keep_alive_timeout_s: int = Field(
+        75, ge=1,
+        description="Seconds the public port keeps an idle kept-alive connection open. Longer than clients' own pool "
+        "expiry (httpx: 5 s), so the client closes idle connections first: at equal values a client reusing a "
+        "connection the router is just closing gets a connection error for a request the router never saw.",
+    )
     request_body_timeout_s: float = Field(
         10.0, gt=0,
         description="Seconds a client has to send the whole request body once the headers are in; a half-sent "
