@@ -58,8 +58,7 @@ def run(arrival: tuple[int, int] | None) -> list[tuple[int, list[int], list[int]
                       2, "avx2")
     assert region.signature == LAYOUT
     engine = RecordingEngine()
-    pusher = KVPusher(ConnectorSettings(), engine, region, SimpleNamespace(), ConnectorMetrics("kv_producer"),  # type: ignore[arg-type]
-                      lambda name, tid: None)
+    pusher = KVPusher(ConnectorSettings(), engine, region, SimpleNamespace(), ConnectorMetrics("kv_producer"))  # type: ignore[arg-type]
     reservation = KVReservation(request_id="t1", descriptor=b"d", pages=[10, 11, 12, 13, 14], num_pages=BLOCKS,
                                 imm=encode_imm(0, 1), expected_count=20, kv_layout=LAYOUT, meta_descriptor=b"",
                                 meta_offset=0, nonce=1, fence_timeout_s=15.0, mailbox=False)

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from support import push_faults
+from support import push_faults, vllm_faults
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "kvxfer"
@@ -49,7 +49,7 @@ PRODUCTION = sorted([*PACKAGE.rglob("*.py"), *ROUTER.rglob("*.py")])
 #: Top-level packages of the test tree (tests/ on sys.path makes `support` importable).
 TEST_PACKAGES = ("tests", "support", "conftest")
 #: Every fault the tests and drills inject (the modules that make them list them).
-FAULT_NAMES = push_faults.KINDS
+FAULT_NAMES = (*push_faults.KINDS, *vllm_faults.KINDS)
 
 
 def imported_modules(path: Path) -> list[str]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from kvxfer.integrations.vllm.cache_paths import DirectLanding, DirectWrites, StagedLanding, StagedWrites
 from kvxfer.integrations.vllm.connector_metrics import ConnectorMetrics
+from kvxfer.integrations.vllm.kv_checksums import decode_table
 from kvxfer.integrations.vllm.kv_pusher import KVPusher
 from kvxfer.integrations.vllm.kv_receiver import KVReceiver
 from kvxfer.integrations.vllm.kv_region import KVRegion
@@ -28,20 +29,21 @@ def halves_engine(provider: str) -> TransferEngine:
     return TransferEngine(provider, same_host=False, bind_host="127.0.0.1", imm_admission="claimed")
 
 
-def prefill_half(engine: TransferEngine, region: KVRegion, settings: ConnectorSettings, staged: bool) -> KVPusher:
+def prefill_half(engine: TransferEngine, region: KVRegion, settings: ConnectorSettings, staged: bool,
+                 staging_rows: int = STAGING_ROWS) -> KVPusher:
     """A pusher over `region`: reading the registered host cache in place, or through staging."""
     if staged:
-        writes: DirectWrites | StagedWrites = StagedWrites(engine, region, staging_rows=STAGING_ROWS)
+        writes: DirectWrites | StagedWrites = StagedWrites(engine, region, staging_rows=staging_rows)
     else:
         writes = DirectWrites(engine, engine.register(region.buffer), region.geometry)
-    return KVPusher(settings, engine, region, None, ConnectorMetrics("kv_producer"), lambda name, tid: None,
-                    writes=writes)
+    return KVPusher(settings, engine, region, None, ConnectorMetrics("kv_producer"), writes=writes)
 
 
-def decode_half(engine: TransferEngine, region: KVRegion, settings: ConnectorSettings, staged: bool) -> KVReceiver:
+def decode_half(engine: TransferEngine, region: KVRegion, settings: ConnectorSettings, staged: bool,
+                landing_blocks: int = LANDING_BLOCKS) -> KVReceiver:
     """A receiver over `region`: landing in the registered host cache, or in landing blocks."""
     if staged:
-        landing: DirectLanding | StagedLanding = StagedLanding(engine, region, landing_blocks=LANDING_BLOCKS)
+        landing: DirectLanding | StagedLanding = StagedLanding(engine, region, landing_blocks=landing_blocks)
     else:
         landing = DirectLanding(engine.register(region.buffer), region.geometry)
     return KVReceiver(settings, engine, region, None, ConnectorMetrics("kv_consumer"), landing=landing)
@@ -82,6 +84,9 @@ def hand_off(pusher: KVPusher, receiver: KVReceiver, src_blocks: list[int], dst_
         stopped = decode_abort(bytes(raw)) if raw is not None else None
         if stopped is not None:
             receiver.on_prefill_stopped(*stopped)
+        table = decode_table(bytes(raw)) if raw is not None else None
+        if table is not None:  # the prefiller's checksum table (kv_integrity)
+            receiver.on_checksum_table(table)
         load = receiver._loads.get(request)
         reason = load.reason if load is not None else reason
         finished, failed = receiver.poll(set())

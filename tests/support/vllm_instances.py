@@ -28,6 +28,7 @@ from kvxfer.cluster.local_etcd import LocalEtcd
 from kvxfer.integrations.vllm.launch import KVRole, VllmInstanceSpec
 from kvxfer.registry import RegistrySettings, RegistryWatcher, WorkerRecord
 from kvxfer.registry.signing import load_cluster_key, vllm_api_headers, vllm_api_key
+from support.vllm_faults import HOOKS_SPEC
 
 #: Start-up of one instance: about 20 s idle on 2 cores, several times that when loaded.
 READY_TIMEOUT_S = 420.0
@@ -191,9 +192,6 @@ CHUNK = 64  # max_num_batched_tokens of the prefill instance: prompts over it pr
 CONNECTOR_TIMEOUTS = {"transfer_timeout_s": 2.0, "load_stall_timeout_s": 6.0, "load_timeout_s": 60.0,
                       "fence_timeout_s": 3.0, "reservation_wait_s": 5.0}
 SLOW_LAYER_MS = 2500  # fault slow_layers: 4 layers take 10 s in all, 2.5 s apart
-#: Faults armed on the shared prefiller; each fires only for transfer ids that name it
-#: (`fault-<name>...`), never for the router's own ids.
-PREFILL_FAULTS = f"misplace_page,stall_after_layer:1,slow_layers:{SLOW_LAYER_MS}"
 ROUTER_READY_TIMEOUT_S = 60.0
 
 
@@ -219,11 +217,15 @@ class SharedConnectorFleet:
             model = make_checkpoint(self.model_dir)
             digests = self.work_dir / "digests"
             digests.mkdir(parents=True, exist_ok=True)
-            common = {"same_host": False, "bind_host": "127.0.0.1", "kv_digest_dir": str(digests),
+            # The connector's test hooks (tests/support/vllm_faults.py): digest files of every
+            # push and load, and faults for transfer ids that name them (`fault-<name>...`),
+            # never for the router's own ids.
+            hooks = {"digest_dir": str(digests)}
+            common = {"same_host": False, "bind_host": "127.0.0.1", "hooks": HOOKS_SPEC, "hooks_config": hooks,
                       **CONNECTOR_TIMEOUTS}
             fleet = self._stack.enter_context(VllmFleet(model, self.work_dir, common_extra=common))
             fleet.start("prefill-a", "kv_producer", "0", max_num_batched_tokens=CHUNK,
-                        extra={"fault_injection": PREFILL_FAULTS})
+                        extra={"hooks_config": {**hooks, "stall_after_layer": 1, "slow_layer_ms": SLOW_LAYER_MS}})
             fleet.start("decode-a", "kv_consumer", "1")
             fleet.digests = digests  # type: ignore[attr-defined]
             self._fleet = fleet

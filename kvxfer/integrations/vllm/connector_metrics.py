@@ -8,16 +8,19 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from kvxfer.metrics import INTEGRITY_FAILURE_REASONS, KV_VERIFY_BUCKETS_SECONDS
+
 _SECONDS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
 
 #: Values of the `reason` label of kvxfer_connector_failures_total, per `side`.
 FAILURE_REASONS = {"prefill": ("push_failed", "layout_mismatch"),
                    "decode": ("load_timeout", "load_stalled", "cancelled", "prefill_aborted", "fence_timeout",
                               "no_slot", "reservation_send_failed", "registration_failed",
-                              "no_landing_room", "landing_failed")}
+                              "no_landing_room", "landing_failed", "integrity")}
 #: Values of the `reason` label of kvxfer_connector_dropped_messages_total.
 DROP_REASONS = ("early_reservations_full", "duplicate_reservation", "orphan_reservation", "unknown_cancel",
-                "unknown_abort", "malformed_reservation", "not_a_prefiller", "unknown_message")
+                "unknown_abort", "malformed_reservation", "not_a_prefiller", "unknown_message", "unknown_table",
+                "bad_table", "not_a_decoder")
 
 
 class ConnectorMetrics:
@@ -55,6 +58,18 @@ class ConnectorMetrics:
         self.foreign_immediates = Gauge("kvxfer_connector_foreign_immediates_dropped",
                                         "immediates dropped because their sender was not the prefiller the "
                                         "load names (the engine's count)", registry=self.registry)
+        # The builtin decoder's integrity metrics (kvxfer.metrics.DecodeMetrics), for the connector.
+        self.integrity_failures = Counter("kvxfer_connector_kv_integrity_failures",
+                                          "loads failed because their landed KV did not pass the end-to-end check, "
+                                          "by reason", ["reason"], registry=self.registry)
+        self.pages_verified = Counter("kvxfer_connector_kv_pages_verified",
+                                      "(layer, block) pairs whose CRC-32C the decoder checked before admission",
+                                      registry=self.registry)
+        self.verify_seconds = Histogram("kvxfer_connector_kv_verify_seconds",
+                                        "time to check one load's landed KV against the prefiller's checksums",
+                                        buckets=KV_VERIFY_BUCKETS_SECONDS, registry=self.registry)
+        for reason in INTEGRITY_FAILURE_REASONS:
+            self.integrity_failures.labels(reason=reason)
         # Every label value exported from the start, so dashboards see zeros, not gaps.
         for side, reasons in FAILURE_REASONS.items():
             for reason in reasons:

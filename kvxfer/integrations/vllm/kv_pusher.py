@@ -17,29 +17,33 @@ delays their free until this side reports the push finished, with nothing in fli
 A push that ends early (FAILED, or STOPPING drained) tells the decoder with the protocol's
 abort message, sent only once none of its writes is in flight: from then on the decoder
 may reuse its pages.
+
+Where the reservation asks for checksums, each block's CRC-32C is taken just before its
+write is posted, and the table goes to the decoder once the last write is posted
+(kv_checksums.py). Tests and drills slow, stop or corrupt a push through the
+`ConnectorHooks` given at construction (connector_hooks.py); production gives none.
 """
 
 from __future__ import annotations
 
 import enum
-import json
 import logging
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+
+import numpy as np
 
 from kvxfer.errors import TransferError
 from kvxfer.kv.protocol import KVReservation, encode_abort
 from kvxfer.transfer.engine import RegisteredMemory, TransferEngine
 
 from .cache_paths import DirectWrites, InFlight, StagedWrites
+from .connector_hooks import NO_CONNECTOR_HOOKS, ConnectorHooks
 from .connector_metrics import ConnectorMetrics
+from .kv_checksums import block_checksums, cluster_table_key, encode_table
 from .kv_region import KVRegion
 from .metadata import KvxferStepMetadata, PushSpec
-from .page_digests import page_digest
 from .settings import ConnectorSettings
 
 log = logging.getLogger(__name__)
@@ -87,6 +91,9 @@ class PrefillPush:
     pending_end: int = 0
     #: pages posted late, from the kept blocks, because the reservation came after their layer.
     caught_up_pages: int = 0
+    #: CRC-32C of each (layer, reserved page) posted, where the reservation asks for them.
+    checksums: np.ndarray | None = None
+    table_sent: bool = False
 
     def __post_init__(self) -> None:
         self.computed_upto = [0] * self.num_layers
@@ -115,13 +122,14 @@ class KVPusher:
 
     def __init__(self, settings: ConnectorSettings, engine: TransferEngine, region: KVRegion,
                  memory: RegisteredMemory | None, metrics: ConnectorMetrics,
-                 fault: Callable[[str, str], str | None], writes: DirectWrites | StagedWrites | None = None) -> None:
+                 hooks: ConnectorHooks = NO_CONNECTOR_HOOKS, writes: DirectWrites | StagedWrites | None = None) -> None:
         self.settings = settings
         self.engine = engine
         self.region = region
         self.memory = memory
         self.metrics = metrics
-        self._fault = fault
+        self._hooks = hooks
+        self._table_key = cluster_table_key(settings.cluster_key_file)
         self.block_size = region.block_size
         #: How a layer's blocks leave this cache: read in place (host memory registered as
         #: `memory`), or through pinned staging (a device cache).
@@ -204,6 +212,11 @@ class KVPusher:
                              push.transfer_id, push.request_id, reason)
                     push.state = PushState.STOPPING
                     push.reason = f"cancelled by the decoder: {reason}"
+                elif push.state is PushState.DONE and not push.in_flight and not push.abort_sent:
+                    # Every write landed already (the decoder refused what landed): confirm
+                    # at once rather than let it wait for its fence.
+                    push.abort_sent = True
+                    self._send_stopped(res, f"cancelled by the decoder after every write landed: {reason}")
                 return
         for tid, (res, _) in list(self._early.items()):
             if res.imm == imm and res.nonce == nonce:
@@ -220,6 +233,8 @@ class KVPusher:
             self._fail(push, problem)
             return
         push.pushed_upto = [res.first_page] * push.num_layers
+        if res.checksums:
+            push.checksums = np.zeros((push.num_layers, len(res.pages)), dtype=np.uint32)
         push.state = PushState.PUSHING
 
     def _check(self, push: PrefillPush, res: KVReservation) -> str:
@@ -233,6 +248,9 @@ class KVPusher:
         if res.fence_timeout_s <= self.settings.transfer_timeout_s:
             return (f"the decoder's fence_timeout_s ({res.fence_timeout_s}) does not exceed this prefiller's "
                     f"transfer_timeout_s ({self.settings.transfer_timeout_s})")
+        if res.checksums and res.checksum_tag and self._table_key is None:
+            return ("the decoder asks for a tagged checksum table and this prefiller has no cluster key "
+                    "(cluster_key_file) to tag it with")
         return ""
 
     # ---- posting ----------------------------------------------------------------------------
@@ -240,9 +258,7 @@ class KVPusher:
     def save_layer(self, layer: int) -> None:
         """vLLM computed `layer` for this step's requests: post their final pages of it."""
         for push in self._this_step:
-            slow_ms = self._fault("slow_layers", push.transfer_id)
-            if slow_ms is not None:
-                time.sleep(float(slow_ms) / 1000.0)  # test hook: this layer's compute took longer
+            self._hooks.layer_saved(push.transfer_id, layer)
         now = time.monotonic()
         for push in self._this_step:
             push.computed_upto[layer] = max(push.computed_upto[layer], push.pending_end)
@@ -261,19 +277,23 @@ class KVPusher:
     def _post(self, push: PrefillPush, layer: int) -> None:
         res = push.reservation
         assert res is not None
-        stall = self._fault("stall_after_layer", push.transfer_id)
-        if stall is not None and layer > int(stall):
-            return  # test hook: a prefiller that stopped mid-push without a word
         start, end = push.pushed_upto[layer], push.final_pages(layer)
         if end <= start:
             return
         src = push.block_ids[start:end]
         dst = res.pages[start - res.first_page:end - res.first_page]
-        if self._fault("misplace_page", push.transfer_id) is not None and layer == 0 and len(dst) >= 2:
-            dst = [dst[1], dst[0], *dst[2:]]  # test hook: two pages land in each other's place
         if len(src) != len(dst):
             self._fail(push, f"the request has {len(push.block_ids)} blocks, fewer than its computed pages")
             return
+        pages = self._hooks.layer_pages(push.transfer_id, layer, src, dst)
+        if pages is None:
+            return
+        src, dst = pages
+        if push.checksums is not None:
+            # Taken before the write is posted: the table says what this side meant to send.
+            push.checksums[layer, start - res.first_page:end - res.first_page] = \
+                block_checksums(self.region, layer, src)
+            self._hooks.layer_checksummed(self.region, push.transfer_id, layer, src)
         try:
             posted = self.writes.post(layer, src, res, dst, push.transfer_id, push.in_flight)
         except Exception as exc:  # a dead peer, a descriptor the engine refuses, a bad num_pages
@@ -283,6 +303,20 @@ class KVPusher:
         push.layer_posted_at[layer] = time.monotonic()
         push.pages_posted += len(src)
         push.bytes_posted += posted
+        if push.checksums is not None and push.complete and not push.table_sent:
+            self._send_table(push)
+
+    def _send_table(self, push: PrefillPush) -> None:
+        """The checksum table, once every write of the push is posted (not yet landed: the
+        decoder waits for both)."""
+        res = push.reservation
+        assert res is not None and push.checksums is not None
+        push.table_sent = True
+        try:
+            for message in encode_table(res.imm, res.nonce, push.checksums, self._table_key):
+                push.in_flight.append(self.engine.send(res.descriptor, message))
+        except Exception as exc:  # the decoder is gone: this push cannot complete
+            self._fail(push, f"sending the checksum table failed: {exc}")
 
     # ---- completion -------------------------------------------------------------------------
 
@@ -337,7 +371,8 @@ class KVPusher:
         self.metrics.push_seconds.observe(max(0.0, completed - push.created_at))
         self.metrics.pages_pushed.inc(push.pages_posted)
         self.metrics.bytes_pushed.inc(push.bytes_posted)
-        self._write_digests(push, tail)
+        if push.reservation is not None:
+            self._hooks.push_finished(self.region, push, tail)
 
     def _fail(self, push: PrefillPush, reason: str) -> None:
         if push.state in (PushState.DONE, PushState.FAILED):
@@ -366,16 +401,3 @@ class KVPusher:
         self._by_request.pop(push.request_id, None)
         self._by_transfer.pop(push.transfer_id, None)
         self._report.add(push.request_id)
-
-    def _write_digests(self, push: PrefillPush, tail_s: float) -> None:
-        if not self.settings.kv_digest_dir or push.reservation is None:
-            return
-        res = push.reservation
-        pages = [[layer, p, page_digest(self.region.page_bytes(layer, push.block_ids[p]))]
-                 for layer in range(push.num_layers) for p in range(res.first_page, push.total_pages)]
-        record: dict[str, Any] = {
-            "transfer_id": push.transfer_id, "role": "prefill", "pages": pages, "tail_s": tail_s,
-            "caught_up_pages": push.caught_up_pages,
-            "layer_saved_at": push.layer_saved_at, "layer_posted_at": push.layer_posted_at,
-        }
-        Path(self.settings.kv_digest_dir, f"prefill-{push.transfer_id}.json").write_text(json.dumps(record))

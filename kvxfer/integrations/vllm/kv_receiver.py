@@ -14,6 +14,13 @@ them can land: the prefiller said none is in flight, or its deadline and the fen
 A prefiller frozen longer than `fence_timeout_s` that wakes up refuses to post, because
 its own `transfer_timeout_s` is shorter than the fence (checked on both sides).
 
+Where `kv_integrity` is on, a load is admitted only once every write landed and the
+prefiller's checksum table arrived (a control message, tagged where the cluster has a key:
+kv_checksums.py) and the landed blocks' CRC-32C equal it (every block with `full`, a share
+with `sampled`); otherwise it fails (FENCING, then FAILED) with an error naming the request,
+layer and block, and vLLM fails or recomputes it (`kv_load_failure_policy`). Tests read what
+a load reserved and admitted through the `ConnectorHooks` given at construction.
+
 The immediate of a reservation is a slot and a generation (`kvxfer.kv.protocol`): a slot
 comes back only with a new generation, so a late write of an earlier holder never counts.
 
@@ -27,14 +34,14 @@ blocks, and nothing at all once the load was admitted, cancelled or timed out.
 from __future__ import annotations
 
 import enum
-import json
 import logging
+import random
 import secrets
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from kvxfer.errors import TransferError
+from kvxfer.kv.integrity import KVIntegrity, KVIntegrityError
 from kvxfer.kv.protocol import (
     KVReservation,
     encode_cancel,
@@ -46,10 +53,11 @@ from kvxfer.kv.reservation_scope import ReservationScope
 from kvxfer.transfer.engine import RegisteredMemory, TransferEngine
 
 from .cache_paths import DirectLanding, StagedLanding
+from .connector_hooks import NO_CONNECTOR_HOOKS, ConnectorHooks
 from .connector_metrics import ConnectorMetrics
+from .kv_checksums import LoadChecksums, TablePart, cluster_table_key
 from .kv_region import KVRegion
 from .metadata import LoadSpec
-from .page_digests import page_digest
 from .settings import ConnectorSettings
 
 log = logging.getLogger(__name__)
@@ -81,6 +89,7 @@ class DecodeLoad:
     vllm_aborted: bool = False
     scope: ReservationScope | None = None  # its registration and immediate binding, until revoked
     pages: list[int] = field(default_factory=list)  # what the prefiller writes: its blocks, or landing blocks
+    checksums: LoadChecksums | None = None  # the prefiller's table as it arrives (kv_integrity on)
 
 
 class KVReceiver:
@@ -88,8 +97,12 @@ class KVReceiver:
 
     def __init__(self, settings: ConnectorSettings, engine: TransferEngine, region: KVRegion,
                  memory: RegisteredMemory | None, metrics: ConnectorMetrics,
-                 landing: DirectLanding | StagedLanding | None = None) -> None:
+                 landing: DirectLanding | StagedLanding | None = None,
+                 hooks: ConnectorHooks = NO_CONNECTOR_HOOKS) -> None:
         self.settings = settings
+        self._hooks = hooks
+        self._table_key = cluster_table_key(settings.cluster_key_file)
+        self._sample_rng = random.Random()
         self.engine = engine
         self.region = region
         self.memory = memory
@@ -140,11 +153,16 @@ class KVReceiver:
             kv_layout=self.region.signature, meta_descriptor=b"", meta_offset=0,
             nonce=secrets.randbits(63), fence_timeout_s=self.settings.fence_timeout_s,
             first_page=spec.first_page, mailbox=False,
+            checksums=self.settings.kv_integrity is not KVIntegrity.OFF,
+            checksum_tag=self.settings.kv_integrity is not KVIntegrity.OFF and self._table_key is not None,
         )
         load.reservation = reservation
+        if reservation.checksums:
+            load.checksums = LoadChecksums(spec.request_id, reservation.nonce, self.region.num_layers,
+                                           len(pages), self._table_key)
         self._by_imm[imm] = load
         self.metrics.loads_in_flight.inc()  # _release decrements it, whatever happens next
-        self._write_reservation_record(load)
+        self._hooks.load_reserved(self.region, load)
         try:
             self.engine.send(spec.prefill_engine, encode_reservation_message(reservation))
         except Exception as exc:
@@ -220,6 +238,18 @@ class KVReceiver:
         elif load.state is LoadState.FENCING:
             self._to_failed(load, None, load.reason)
 
+    def on_checksum_table(self, part: TablePart) -> None:
+        """A part of a prefiller's checksum table; dropped unless it is for a waiting load
+        and from its prefiller (its nonce, and with a cluster key its tag)."""
+        load = self._by_imm.get(part.imm)
+        if load is None or load.checksums is None or load.state is not LoadState.RESERVED:
+            self.metrics.dropped_messages.labels(reason="unknown_table").inc()
+            return
+        refused = load.checksums.accept(part)
+        if refused:
+            log.warning("transfer %s: dropped a checksum table (%s)", load.spec.transfer_id, refused)
+            self.metrics.dropped_messages.labels(reason="bad_table").inc()
+
     # ---- every step -----------------------------------------------------------------------
 
     def wait_briefly(self) -> None:
@@ -249,23 +279,23 @@ class KVReceiver:
                 if landed > load.landed:  # progress: the prefiller is alive and pushing
                     load.landed = landed
                     load.stall_deadline = now + self.settings.load_stall_timeout_s
-                if landed >= res.expected_count:
+                table_missing = load.checksums is not None and not load.checksums.complete
+                if landed >= res.expected_count and not table_missing:
                     self._revoke(load)  # every write landed: none may come any more
                     try:
                         self.landing.land(load.pages, list(load.spec.block_ids))
                     except Exception as exc:  # a device copy that failed: vLLM must not read the blocks
                         self._to_failed(load, "landing_failed", f"copying the landed blocks to the cache failed: {exc}")
                     else:
-                        load.state = LoadState.ADMITTED
-                        self.metrics.admission_wait.observe(now - load.sent_at)
-                        self.metrics.pages_received.inc(res.expected_count)
-                        self._write_digests(load)
+                        self._admit(load, landed, now)
                 elif now > load.deadline:
                     self._to_fencing(load, "load_timeout", f"not every write landed within load_timeout_s="
-                                     f"{self.settings.load_timeout_s} ({landed} of {res.expected_count} pages)")
+                                     f"{self.settings.load_timeout_s} ({landed} of {res.expected_count} pages"
+                                     f"{', no checksum table' if table_missing else ''})")
                 elif now > load.stall_deadline:
                     self._to_fencing(load, "load_stalled", f"no write landed for load_stall_timeout_s="
-                                     f"{self.settings.load_stall_timeout_s} ({landed} of {res.expected_count} pages)")
+                                     f"{self.settings.load_stall_timeout_s} ({landed} of {res.expected_count} pages"
+                                     f"{', no checksum table' if table_missing else ''})")
             if load.state is LoadState.FENCING and now > load.fence_deadline:
                 self._to_failed(load, "fence_timeout", f"{load.reason}; the prefiller never confirmed, "
                                 f"fence_timeout_s={self.settings.fence_timeout_s} passed")
@@ -275,6 +305,32 @@ class KVReceiver:
                     failed.add(rid)
                 self._release(load)
         return finished, failed
+
+    def _admit(self, load: DecodeLoad, landed: int, now: float) -> None:
+        """Every write landed (in the request's blocks): check them per `kv_integrity`,
+        then ADMITTED, or FENCING on a failed check (what landed is not what was meant)."""
+        res = load.reservation
+        assert res is not None
+        mode = self.settings.kv_integrity
+        try:
+            if mode is not KVIntegrity.OFF:
+                if landed > res.expected_count:
+                    raise KVIntegrityError(load.spec.request_id, "write_overcount", f"{landed} writes counted, the "
+                                           f"reservation expects {res.expected_count}: a page was written twice")
+                assert load.checksums is not None
+                t0 = time.perf_counter()
+                verification = load.checksums.verify(self.region, list(load.spec.block_ids), res.first_page, mode,
+                                                     self.settings.kv_integrity_sample_rate, self._sample_rng)
+                self.metrics.pages_verified.inc(verification.checked)
+                self.metrics.verify_seconds.observe(time.perf_counter() - t0)
+        except KVIntegrityError as exc:
+            self.metrics.integrity_failures.labels(reason=exc.reason).inc()
+            self._to_fencing(load, "integrity", str(exc))
+            return
+        load.state = LoadState.ADMITTED
+        self.metrics.admission_wait.observe(now - load.sent_at)
+        self.metrics.pages_received.inc(res.expected_count)
+        self._hooks.load_admitted(self.region, load)
 
     def _release(self, load: DecodeLoad) -> None:
         self._revoke(load)
@@ -294,23 +350,3 @@ class KVReceiver:
     def pending(self) -> int:
         """Loads not yet reported to vLLM."""
         return len(self._loads)
-
-    def _write_reservation_record(self, load: DecodeLoad) -> None:
-        # Test hook: what a reservation hands out, for the tests that steal it.
-        if not self.settings.kv_digest_dir or load.reservation is None:
-            return
-        res = load.reservation
-        record = {"transfer_id": load.spec.transfer_id, "descriptor": res.descriptor.hex(), "blocks": list(res.pages),
-                  "num_blocks": self.region.num_blocks, "block_bytes": self.region.block_bytes,
-                  "num_layers": self.region.num_layers}
-        Path(self.settings.kv_digest_dir, f"reserved-{load.spec.transfer_id}.json").write_text(json.dumps(record))
-
-    def _write_digests(self, load: DecodeLoad) -> None:
-        if not self.settings.kv_digest_dir or load.reservation is None:
-            return
-        res = load.reservation
-        pages = [[layer, res.first_page + i, page_digest(self.region.page_bytes(layer, block))]
-                 for layer in range(self.region.num_layers) for i, block in enumerate(res.pages)]
-        record = {"transfer_id": load.spec.transfer_id, "role": "decode", "pages": pages,
-                  "admission_wait_s": time.monotonic() - load.sent_at}
-        Path(self.settings.kv_digest_dir, f"decode-{load.spec.transfer_id}.json").write_text(json.dumps(record))

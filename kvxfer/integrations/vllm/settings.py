@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvxfer.errors import KvxferError
+from kvxfer.kv.integrity import KVIntegrity
 
 
 class ConnectorConfigError(KvxferError, ValueError):
@@ -67,6 +68,13 @@ class ConnectorSettings(BaseModel):
         "load is complete before it returns to vLLM. It bounds how long a new request waits for that step to end. "
         "It does not make an idle decode instance sleep: vLLM's shared-memory message queues busy-loop for 1 s "
         "after each read (EngineCore and worker, about one core in all, measured), whatever this is")
+    kv_integrity: KVIntegrity = Field(
+        KVIntegrity.FULL, description="end-to-end check of landed KV before the load is reported finished, as "
+        "the builtin decoder's: 'off' (prefillers send no checksums), 'sampled' (kv_integrity_sample_rate of each "
+        "layer's blocks), 'full' (every block). A failed check fails the load (kv_load_failure_policy)")
+    kv_integrity_sample_rate: float = Field(
+        0.05, gt=0, le=1.0, description="share of each layer's blocks checked when kv_integrity is 'sampled' "
+        "(at least one block per layer)")
 
     # -- prefill side (kv_producer) ------------------------------------------------------
     wait_for_reservation: bool = Field(
@@ -107,14 +115,11 @@ class ConnectorSettings(BaseModel):
     insecure: bool = Field(False, description="publish an unsigned registry record (local development only)")
     metrics_port: int = Field(0, ge=0, le=65535, description="port of the connector's own /metrics (0: off)")
 
-    # -- test hooks ------------------------------------------------------------------------
-    kv_digest_dir: str | None = Field(
-        None, description="test hook: write a digest of every pushed and every admitted page here")
-    fault_injection: str = Field(
-        "", description="test hooks, off when empty; comma-separated: misplace_page (swap two destination "
-        "pages), stall_after_layer:N (stop pushing after layer N, like a frozen process), slow_layers:MS (each "
-        "layer takes MS ms longer, like a slow prefiller). A hook fires only "
-        "for transfers whose id starts with fault-HOOK (e.g. fault-misplace_page-1)")
+    # -- hooks -----------------------------------------------------------------------------
+    hooks: str = Field(
+        "", description="'module:callable' or 'path/to/file.py:callable' making the connector_hooks.ConnectorHooks "
+        "the pusher and receiver call (tests and failure drills plug in here, docs/architecture.md); empty: none")
+    hooks_config: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the hooks' callable")
 
     @classmethod
     def from_extra_config(cls, extra: Any) -> ConnectorSettings:

@@ -12,10 +12,13 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from kvxfer.kv.protocol import ReservationError, decode_abort, decode_cancel, decode_reservation_message
+from kvxfer.kv.push_hooks import load_hooks
 from kvxfer.transfer.engine import TransferEngine
 
+from .connector_hooks import NO_CONNECTOR_HOOKS, ConnectorHooks
 from .connector_metrics import ConnectorMetrics
 from .instance_registration import InstanceRegistration
+from .kv_checksums import decode_table
 from .kv_pusher import KVPusher
 from .kv_receiver import KVReceiver
 from .kv_region import KVRegion, region_from_kv_caches
@@ -47,16 +50,9 @@ class WorkerSide:
         self.receiver: KVReceiver | None = None
         self.registration: InstanceRegistration | None = None
         self._meta: KvxferStepMetadata | None = None
-        self._faults = dict(part.partition(":")[::2] for part in settings.fault_injection.split(",") if part)
-
-    def fault(self, name: str, transfer_id: str) -> str | None:
-        """The value of test hook `name` for this transfer, or None when it is off.
-
-        An enabled hook fires only for transfers whose id starts with "fault-NAME", so one
-        instance serves healthy and faulty requests side by side in a test."""
-        if name in self._faults and transfer_id.startswith(f"fault-{name}"):
-            return self._faults[name]
-        return None
+        # Tests and drills plug in here (connector_hooks.py); production runs the no-op.
+        self.hooks: ConnectorHooks = (load_hooks(settings.hooks, ConnectorHooks, **settings.hooks_config)
+                                      if settings.hooks else NO_CONNECTOR_HOOKS)
 
     def register_kv_caches(self, kv_caches: dict[str, Any], layout: KVCacheLayout | None = None, *,
                            latent: bool = False) -> None:
@@ -75,9 +71,9 @@ class WorkerSide:
         # A device cache is not registered: it moves through pinned staging (cache_paths.py).
         memory = self.engine.register(self.region.buffer) if self.region.on_host else None
         if self.kv_role in ("kv_producer", "kv_both"):
-            self.pusher = KVPusher(s, self.engine, self.region, memory, self.metrics, self.fault)
+            self.pusher = KVPusher(s, self.engine, self.region, memory, self.metrics, self.hooks)
         if self.kv_role in ("kv_consumer", "kv_both"):
-            self.receiver = KVReceiver(s, self.engine, self.region, memory, self.metrics)
+            self.receiver = KVReceiver(s, self.engine, self.region, memory, self.metrics, hooks=self.hooks)
         log.info("kvxfer connector: %s, %d layers x %d blocks of %d bytes registered, layout %s, engine %s (%s)",
                  self.kv_role, self.region.num_layers, self.region.num_blocks, self.region.block_bytes,
                  self.region.signature, self.engine.address.hex(), self.engine.provider)
@@ -182,6 +178,13 @@ class WorkerSide:
         if cancel is not None:
             if self.pusher is not None:
                 self.pusher.on_cancel(*cancel)
+            return
+        part = decode_table(raw)
+        if part is not None:
+            if self.receiver is not None:
+                self.receiver.on_checksum_table(part)
+            else:
+                self.metrics.dropped_messages.labels(reason="not_a_decoder").inc()
             return
         stopped = decode_abort(raw)
         if stopped is not None:
