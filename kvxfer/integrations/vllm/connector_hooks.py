@@ -31,7 +31,8 @@ class ConnectorHooks:
         return src, dst
 
     def layer_checksummed(self, region: KVRegion, transfer_id: str, layer: int, src: list[int]) -> None:
-        """The checksums of `src` (blocks of `layer`) were taken; their writes are posted next."""
+        """The checksums of `src` (blocks of `layer`) were taken, where the reservation asks
+        for them; their writes are posted next."""
 
     def push_finished(self, region: KVRegion, push: PrefillPush, tail_s: float) -> None:
         """Every write of `push` landed (`tail_s`: its last layer's compute to its last write)."""

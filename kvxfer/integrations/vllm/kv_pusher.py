@@ -293,7 +293,7 @@ class KVPusher:
             # Taken before the write is posted: the table says what this side meant to send.
             push.checksums[layer, start - res.first_page:end - res.first_page] = \
                 block_checksums(self.region, layer, src)
-            self._hooks.layer_checksummed(self.region, push.transfer_id, layer, src)
+        self._hooks.layer_checksummed(self.region, push.transfer_id, layer, src)
         try:
             posted = self.writes.post(layer, src, res, dst, push.transfer_id, push.in_flight)
         except Exception as exc:  # a dead peer, a descriptor the engine refuses, a bad num_pages
