@@ -189,12 +189,10 @@ class CacheGeometry:
         origin = self.offset(layer, block)
         return [(origin + rel, length) for rel, length in self.block_runs(heads)]
 
-    def layer_writes(self, layer: int, dst: CacheGeometry, plan: tuple[tuple[int, int, int], ...],
-                     dst_layer: int | None = None) -> list[PagedRun]:
-        """The paged writes that copy `layer`'s listed blocks into `dst` along `plan`
-        (from `copy_plan`): one per piece, each covering every block of the request."""
-        dst_layer = layer if dst_layer is None else dst_layer
-        src_base, dst_base = self.offset(layer, 0), dst.offset(dst_layer, 0)
+    def layer_writes(self, layer: int, dst: CacheGeometry, plan: tuple[tuple[int, int, int], ...]) -> list[PagedRun]:
+        """The paged writes that copy `layer`'s listed blocks into the same layer of `dst`
+        along `plan` (from `copy_plan`): one per piece, each covering every block of the request."""
+        src_base, dst_base = self.offset(layer, 0), dst.offset(layer, 0)
         return [PagedRun(src_base + s, dst_base + d, n, self.block_stride, dst.block_stride) for s, d, n in plan]
 
     def windows(self, blocks: list[int]) -> list[tuple[int, int]]:

@@ -19,13 +19,13 @@ test_kv_cache_paths.py`); a device cache picks them in `KVPusher` and `KVReceive
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from kvxfer.kv.cache_geometry import CacheGeometry, GeometryError
+from kvxfer.kv.cache_geometry import CacheGeometry, GeometryError, PagedRun
 from kvxfer.kv.protocol import KVReservation
-from kvxfer.transfer.device_staging import DevicePageReceiver, DevicePageSender
+from kvxfer.transfer.device_staging import DevicePageReceiver, DevicePageSender, StagedPush
 from kvxfer.transfer.engine import RegisteredMemory, TransferEngine
 
 if TYPE_CHECKING:
@@ -57,7 +57,7 @@ class _Plans:
         self.geometry = geometry
         self._by_num_pages: dict[int, tuple[CacheGeometry, tuple[tuple[int, int, int], ...]]] = {}
 
-    def layer_writes(self, layer: int, num_pages: int) -> list[Any]:
+    def layer_writes(self, layer: int, num_pages: int) -> list[PagedRun]:
         cached = self._by_num_pages.get(num_pages)
         if cached is None:
             dst = self.geometry.with_num_blocks(num_pages)
@@ -75,7 +75,7 @@ class DirectWrites:
         self._plans = _Plans(geometry)
 
     def post(self, layer: int, src: list[int], res: KVReservation, dst: list[int], request_id: str,
-             in_flight: list[Any]) -> int:
+             in_flight: list[InFlight]) -> int:
         """Posts `layer`'s blocks `src` to the reservation's pages `dst`, appending each
         write to `in_flight` as it is posted; the bytes posted."""
         posted = 0
@@ -91,7 +91,7 @@ class DirectWrites:
 class _StagedWrite:
     """One `DevicePageSender.push` as the pusher reaps it."""
 
-    def __init__(self, push: Any) -> None:
+    def __init__(self, push: StagedPush) -> None:
         self._push = push
 
     @property
@@ -135,7 +135,7 @@ class StagedWrites:
                                        chunk_pages=min(staging_rows, 64))
 
     def post(self, layer: int, src: list[int], res: KVReservation, dst: list[int], request_id: str,
-             in_flight: list[Any]) -> int:
+             in_flight: list[InFlight]) -> int:
         """As `DirectWrites.post`, through the staging rows."""
         posted = 0
         blocks = np.asarray(src, dtype=np.int64)
