@@ -6,6 +6,9 @@ The prefiller flips one bit of one block it pushes, after taking its checksum (t
 connector hook `flip_bit` of tests/support/vllm_faults.py, for this transfer only): the
 decoder must fail that request (kv_load_failure_policy fail) with an error naming the
 request, the layer and the block, and never admit it; the next request is exact.
+
+Named to run between test_vllm_api_conformance.py and test_vllm_connector.py: both use the
+pair, and the last test of the latter kills its prefiller (a restart costs a minute).
 """
 
 from __future__ import annotations
