@@ -196,7 +196,10 @@ async def run_vllm_legs(lc: RequestLifecycle, decode: WorkerView, prefill: Worke
             if decode_leg.done():
                 if decode_leg.exception() is None:
                     return
-                raise decode_leg.exception()  # type: ignore[misc]
+                if isinstance(decode_leg.exception(), RouterError):
+                    raise decode_leg.exception()  # type: ignore[misc]
+            # The decoder took the request (or failed waiting for KV that the refused prefill
+            # leg never pushes): the refusal is the client's answer, never a retry elsewhere.
             raise RouterError(
                 exc.status, f"the prefill leg (this request with max_tokens 1, n 1, not streamed) was refused by "
                 f"prefill worker {exc.worker.worker_id}, which kvxfer cannot serve disaggregated: "
