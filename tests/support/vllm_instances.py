@@ -193,6 +193,7 @@ CONNECTOR_TIMEOUTS = {"transfer_timeout_s": 2.0, "load_stall_timeout_s": 6.0, "l
                       "fence_timeout_s": 3.0, "reservation_wait_s": 5.0}
 SLOW_LAYER_MS = 2500  # fault slow_layers: 4 layers take 10 s in all, 2.5 s apart
 ROUTER_READY_TIMEOUT_S = 60.0
+ROUTER_START_ATTEMPTS = 2
 
 
 class SharedConnectorFleet:
@@ -253,30 +254,44 @@ class SharedConnectorFleet:
 @contextlib.contextmanager
 def router_process(fleet: VllmFleet, log_path: Path, env: dict[str, str] | None = None) -> Iterator[str]:
     """A router process (`python -m kvxfer_router`) on `fleet`'s etcd and cluster key, until
-    the block ends (SIGTERM, then SIGKILL); yields its URL once it lists the fleet's model."""
+    the block ends (SIGTERM, then SIGKILL); yields its URL once it lists the fleet's model.
+
+    Its admin server takes any free port (the default, 8001, is taken by whatever other
+    router runs on the machine); a router that exits at start-up (its public port taken
+    between `free_port` and its bind) is started once more on another port."""
     assert fleet.etcd is not None
-    port = free_port()
-    full_env = {**os.environ, "KVXFER_ROUTER_ETCD_ENDPOINTS": fleet.etcd.client_url,
-                "KVXFER_ROUTER_CLUSTER_KEY_FILE": str(fleet.key_file), "KVXFER_ROUTER_PORT": str(port),
-                "KVXFER_ROUTER_HOST": "127.0.0.1", **(env or {})}
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "kvxfer_router"], env=full_env, stdout=log,
-                                stderr=subprocess.STDOUT)
-    try:
+    for attempt in range(ROUTER_START_ATTEMPTS):
+        port = free_port()
+        full_env = {**os.environ, "KVXFER_ROUTER_ETCD_ENDPOINTS": fleet.etcd.client_url,
+                    "KVXFER_ROUTER_CLUSTER_KEY_FILE": str(fleet.key_file), "KVXFER_ROUTER_PORT": str(port),
+                    "KVXFER_ROUTER_HOST": "127.0.0.1", "KVXFER_ROUTER_ADMIN_PORT": "0", **(env or {})}
+        with log_path.open("wb") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "kvxfer_router"], env=full_env, stdout=log,
+                                    stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + ROUTER_READY_TIMEOUT_S
-        while _served_models(url) != [fleet.served_model_name]:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the router did not list the model:\n{log_path.read_text(errors='replace')[-3000:]}")
+        while _served_models(url) != [fleet.served_model_name] and proc.poll() is None \
+                and time.monotonic() < deadline:
             time.sleep(0.2)
+        if _served_models(url) == [fleet.served_model_name]:
+            break
+        _stop(proc)
+        text = log_path.read_text(errors="replace")
+        if attempt + 1 == ROUTER_START_ATTEMPTS:
+            raise RuntimeError(f"the router did not list the model:\n{text[:2000]}\n...\n{text[-2000:]}")
+    try:
         yield url
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        _stop(proc)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
 
 
 def _served_models(url: str) -> list[str]:
