@@ -24,7 +24,7 @@ disaggregated request can be compared with the colocated reference by bytes, not
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any
@@ -104,22 +104,37 @@ def verify_pages(
     SAMPLED checks `ceil(sample_rate * len(pages))` random blocks of each layer (at least
     one), so a defect confined to one layer is still found with that probability.
     """
+    return compare_checksums(cache.num_layers, pages, expected, mode, sample_rate, rng or random.Random(),
+                             lambda layer, ids: layer_checksums(cache, layer, ids))
+
+
+def compare_checksums(
+    num_layers: int,
+    pages: Sequence[int],
+    expected: np.ndarray,
+    mode: KVIntegrity,
+    sample_rate: float,
+    rng: random.Random,
+    checksums_of: Callable[[int, np.ndarray], np.ndarray],
+) -> Verification:
+    """The one check both decoders run: per layer, `checksums_of(layer, page ids)` of every
+    page (FULL) or of `ceil(sample_rate * len(pages))` random ones (SAMPLED, at least one),
+    against `expected[layer, position]`. Mismatches are (layer, position, page id)."""
     verification = Verification()
     if mode is KVIntegrity.OFF or not len(pages):
         return verification
     ids = np.asarray(pages, dtype=np.int64)
     n = len(ids)
-    rng = rng or random.Random()
-    for layer in range(cache.num_layers):
+    for layer in range(num_layers):
         if mode is KVIntegrity.FULL:
-            blocks = np.arange(n)
+            positions = np.arange(n)
         else:
             count = min(n, max(1, int(np.ceil(sample_rate * n))))
-            blocks = np.asarray(sorted(rng.sample(range(n), count)), dtype=np.int64)
-        got = layer_checksums(cache, layer, ids[blocks])
-        verification.checked += len(blocks)
-        for block in blocks[got != expected[layer, blocks]]:
-            verification.mismatches.append((layer, int(block), int(ids[block])))
+            positions = np.asarray(sorted(rng.sample(range(n), count)), dtype=np.int64)
+        got = checksums_of(layer, ids[positions])
+        verification.checked += len(positions)
+        for position in positions[got != expected[layer, positions]]:
+            verification.mismatches.append((layer, int(position), int(ids[position])))
     return verification
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvxfer.kv.integrity import KVIntegrity, KVIntegrityError, Verification, crc32c
+from kvxfer.kv.integrity import KVIntegrity, KVIntegrityError, Verification, compare_checksums, crc32c
 from kvxfer.kv.protocol import MAX_CONTROL_MESSAGE_BYTES, PROTOCOL_VERSION
 from kvxfer.registry.signing import checksum_table_key, load_cluster_key
 from kvxfer.transfer.native_library import native as _native
@@ -175,24 +175,13 @@ class LoadChecksums:
         """Compares the checksums of the landed `blocks` (prompt pages `first_page...`) with
         the table; raises KVIntegrityError naming the request, the first mismatching layer,
         block and prompt page."""
-        verification = Verification()
-        n = len(blocks)
-        if mode is KVIntegrity.OFF or not n:
-            return verification
+        if mode is KVIntegrity.OFF or not len(blocks):
+            return Verification()
         if not self.complete:
             raise KVIntegrityError(self.request_id, "checksums_missing", "the prefiller's checksum table did not "
                                    f"arrive for every layer ({int(self._have.sum())} of {self.num_layers})")
-        ids = np.asarray(blocks, dtype=np.int64)
-        for layer in range(self.num_layers):
-            if mode is KVIntegrity.FULL:
-                picked = np.arange(n)
-            else:
-                count = min(n, max(1, int(np.ceil(sample_rate * n))))
-                picked = np.asarray(sorted(rng.sample(range(n), count)), dtype=np.int64)
-            got = block_checksums(region, layer, ids[picked])
-            verification.checked += len(picked)
-            for index in picked[got != self.table[layer, picked]]:
-                verification.mismatches.append((layer, int(index), int(ids[index])))
+        verification = compare_checksums(self.num_layers, blocks, self.table, mode, sample_rate, rng,
+                                         lambda layer, ids: block_checksums(region, layer, ids))
         if verification.mismatches:
             layer, index, block = verification.mismatches[0]
             raise KVIntegrityError(
