@@ -110,18 +110,6 @@ class Cluster:
         return [*self.decoders.values(), *self.prefillers.values()]
 
 
-@pytest.fixture(scope="module")
-def host() -> Iterator[tuple[ServerHost, WorkerMux, str]]:
-    """One event loop and one fake-worker server for the whole module (fast); each test
-    mounts its own workers on it and starts its own router."""
-    h = ServerHost()
-    mux = WorkerMux()
-    try:
-        yield h, mux, h.serve(mux)
-    finally:
-        h.close()
-
-
 @pytest.fixture
 def cluster(host: tuple[ServerHost, WorkerMux, str]) -> Iterator[Cluster]:
     c = Cluster(*host)

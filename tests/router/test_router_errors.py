@@ -80,16 +80,6 @@ class Setup:
         self.host.stop(self.url)
 
 
-@pytest.fixture(scope="module")
-def host() -> Iterator[tuple[ServerHost, WorkerMux, str]]:
-    h = ServerHost()
-    mux = WorkerMux()
-    try:
-        yield h, mux, h.serve(mux)
-    finally:
-        h.close()
-
-
 @pytest.fixture
 def setup(host: tuple[ServerHost, WorkerMux, str]) -> Iterator[Setup]:
     s = Setup(*host)

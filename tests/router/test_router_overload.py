@@ -121,16 +121,6 @@ class Setup:
         return self.app.state.router
 
 
-@pytest.fixture(scope="module")
-def host() -> Iterator[tuple[ServerHost, WorkerMux, str]]:
-    h = ServerHost()
-    mux = WorkerMux()
-    try:
-        yield h, mux, h.serve(mux)
-    finally:
-        h.close()
-
-
 @pytest.fixture
 def setup(host: tuple[ServerHost, WorkerMux, str]) -> Iterator[Setup]:
     s = Setup(*host)
