@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -115,7 +114,9 @@ def _path(kind: str) -> str:
 
 def prefill_copy(body: dict[str, Any]) -> dict[str, Any]:
     """The prefill leg's body: the same prompt, one choice, one token, not streamed."""
-    copied = {k: copy.deepcopy(v) for k, v in body.items() if k not in PREFILL_LEG_DROPPED}
+    # Shallow: only top-level keys are set, and deep copies of a 1,024-token-id prompt took
+    # 0.4 ms here, on the path to the first token.
+    copied = {k: v for k, v in body.items() if k not in PREFILL_LEG_DROPPED}
     copied.update(stream=False, max_tokens=1, n=1)
     if copied.get("tools"):
         # Tools are part of the prompt (the chat template renders them) but choosing one is
@@ -129,7 +130,7 @@ def leg_bodies(body: dict[str, Any], transfer_id: str, decode: WorkerView | None
                prefill: WorkerView | None) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """(prefill body or None, decode body) for one attempt; the decode body is the
     client's, plus the hand-off (or nothing, computed colocated, without a prefiller)."""
-    decode_body = copy.deepcopy(body)
+    decode_body = dict(body)
     decode_body.pop("kv_transfer_params", None)
     if prefill is None or decode is None:
         return None, decode_body
@@ -174,11 +175,13 @@ async def run_vllm_legs(lc: RequestLifecycle, decode: WorkerView, prefill: Worke
     path = _path(job.kind)
     s = lc._d.settings
     lc.state = RequestState.TRANSFERRING if prefill_body else RequestState.GENERATING
+    # The decode leg leaves first: its reservation, sent from the decode instance to the
+    # prefiller, is on the way to the first token; the prefiller computes without it.
+    relay = _relay_stream if job.body.get("stream") else _relay_answer
+    decode_leg = asyncio.ensure_future(relay(lc, decode, path, decode_body, attempt_id))
     prefill_leg: asyncio.Future[Any] | None = None
     if prefill is not None and prefill_body is not None:
         prefill_leg = asyncio.ensure_future(_prefill(lc, prefill, path, prefill_body, attempt_id))
-    relay = _relay_stream if job.body.get("stream") else _relay_answer
-    decode_leg = asyncio.ensure_future(relay(lc, decode, path, decode_body, attempt_id))
     legs = [leg for leg in (prefill_leg, decode_leg) if leg is not None]
     try:
         await asyncio.wait(legs, return_when=asyncio.FIRST_EXCEPTION)
