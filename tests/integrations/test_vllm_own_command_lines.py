@@ -42,7 +42,7 @@ pytestmark = pytest.mark.timeout(600)
 
 REPO = Path(__file__).resolve().parents[2]
 #: Start-up of two instances side by side on 2 cores, with their warm-ups; several times the idle figure under load.
-READY_TIMEOUT_S = 300.0
+READY_TIMEOUT_S = 420.0
 SERVED = "llama"  # the README's --served-model-name
 PROMPTS = ("The licence grants you", "Permission is hereby granted, free of charge, to any person " * 12)
 README_PORTS = {"prefill": 8100, "decode": 8200, "router": 8000, "admin": 8001}

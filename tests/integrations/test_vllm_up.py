@@ -36,7 +36,7 @@ pytestmark = pytest.mark.timeout(600)
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "k8s" / "grafana" / "kvxfer-dashboard.json"
-READY_TIMEOUT_S = 300.0
+READY_TIMEOUT_S = 420.0
 SERVED = "up2k"  # --served-model-name, passed through after --
 MAX_NUM_SEQS = 3  # --decode-args
 
