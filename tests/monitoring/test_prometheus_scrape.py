@@ -170,7 +170,9 @@ def test_every_dashboard_query_is_valid_promql_and_returns_series(
     empty = []
     for expr in _dashboard_queries():
         result = prometheus.query(expr)  # raises PrometheusError on a PromQL error
-        if not result:
+        # vLLM's own vllm:* series come from real vLLM instances only: the panels that show
+        # them are checked against a `kvxfer up --engine vllm` in tests/integrations/test_vllm_up.py.
+        if not result and "vllm:" not in expr:
             empty.append(expr)
     assert not empty, f"dashboard queries with no series: {empty}"
 
