@@ -282,20 +282,10 @@ class Dispatcher:
                     text = (await asyncio.wait_for(resp.aread(), s.control_timeout_s)).decode(errors="replace")
                     raise LegFailure.from_answer(request_id, worker, stage, path, resp.status_code, text, resp.headers,
                                                  rejected=resp.status_code in rejected_statuses)
-                lines = resp.aiter_lines()
-                wait_s = s.first_token_timeout_s
-                while True:
-                    try:
-                        line = await asyncio.wait_for(lines.__anext__(), wait_s)
-                    except StopAsyncIteration:
-                        raise LegFailure(request_id, worker, stage, f"stream ended before {end_marker}") from None
-                    except asyncio.TimeoutError:
-                        raise LegFailure(request_id, worker, stage, f"no stream line within {wait_s}s",
-                                         timed_out=True) from None
-                    wait_s = s.token_idle_timeout_s
-                    if is_last(line):
-                        await _read_to_end(lines, _REST_OF_STREAM_WAIT_S)
-                    yield line
+                async with contextlib.aclosing(timed_lines(resp, s, request_id, worker, stage, end_marker,
+                                                           is_last)) as lines:
+                    async for line in lines:
+                        yield line
         except (httpx.TimeoutException, asyncio.TimeoutError) as exc:
             raise LegFailure(request_id, worker, stage, f"POST {path} timed out: {type(exc).__name__}",
                              timed_out=True) from exc
@@ -647,14 +637,20 @@ class RequestLifecycle:
 
     # --- events ----------------------------------------------------------------------------
 
-    def _token(self, token: int, text: str) -> None:
+    def _output_arrived(self, *, timed: bool) -> None:
+        """Bookkeeping of one piece of output from the decoder: the first moves the request
+        to STREAMING; with ``timed``, it is observed as time to first token or between tokens."""
         now = time.monotonic()
         if self._last_token_at is None:
             self.state = RequestState.STREAMING
-            self._d.telemetry.first_token(self._ticket.deadline.elapsed())
-        else:
+            if timed:
+                self._d.telemetry.first_token(self._ticket.deadline.elapsed())
+        elif timed:
             self._d.telemetry.inter_token(now - self._last_token_at)
         self._last_token_at = now
+
+    def _token(self, token: int, text: str) -> None:
+        self._output_arrived(timed=True)
         if self.buffered:
             self._held.append(TokenEvent(token, text))
             return
@@ -677,14 +673,8 @@ class RequestLifecycle:
         """Hand the client a piece of a worker's own answer as it is (vLLM legs: one event
         of its stream, or its whole answer); ``last`` ends the request like a finish. Once
         one is handed over, the request is no longer retried."""
-        now = time.monotonic()
-        if self._last_token_at is None:
-            self.state = RequestState.STREAMING
-            if not last:  # a whole answer says nothing of when its first token came
-                self._d.telemetry.first_token(self._ticket.deadline.elapsed())
-        elif not last:
-            self._d.telemetry.inter_token(now - self._last_token_at)
-        self._last_token_at = now
+        # A whole answer (or the stream's end) says nothing of when a token came.
+        self._output_arrived(timed=not last)
         self.tokens_sent += 1
         if last:
             self._terminal_sent = True
@@ -734,6 +724,28 @@ def _retry_after(headers: Mapping[str, str]) -> int | None:
     """A worker's Retry-After in whole seconds (None when absent or not a number)."""
     value = headers.get("retry-after")
     return int(value) if value is not None and value.strip().isdigit() else None
+
+
+async def timed_lines(resp: httpx.Response, settings: RouterSettings, request_id: str, worker: WorkerView, stage: str,
+                      end_marker: str, is_last: Callable[[str], bool]) -> AsyncIterator[str]:
+    """The lines of a streamed answer, each within its deadline (the first
+    ``first_token_timeout_s``, later ones ``token_idle_timeout_s``), or :class:`LegFailure`;
+    so is a stream that ends before the caller stopped reading at ``end_marker``. The line
+    ``is_last`` recognises is yielded only once the rest of the body is read, so that the
+    connection goes back to the client's pool (see :meth:`Dispatcher.stream_lines`)."""
+    lines = resp.aiter_lines()
+    wait_s = settings.first_token_timeout_s
+    while True:
+        try:
+            line = await asyncio.wait_for(lines.__anext__(), wait_s)
+        except StopAsyncIteration:
+            raise LegFailure(request_id, worker, stage, f"stream ended before {end_marker}") from None
+        except asyncio.TimeoutError:
+            raise LegFailure(request_id, worker, stage, f"no stream line within {wait_s}s", timed_out=True) from None
+        wait_s = settings.token_idle_timeout_s
+        if is_last(line):
+            await _read_to_end(lines, _REST_OF_STREAM_WAIT_S)
+        yield line
 
 
 async def _read_to_end(lines: AsyncIterator[str], timeout_s: float) -> None:

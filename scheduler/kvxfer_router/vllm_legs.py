@@ -344,11 +344,16 @@ async def _relay_answer(lc: RequestLifecycle, decode: WorkerView, path: str, bod
     lc.relay(RelayedAnswer(resp.status_code, text.encode()), last=True)
 
 
+def _is_done(line: str) -> bool:
+    """Whether `line` is the end of an OpenAI event stream (`data: [DONE]`)."""
+    return line.startswith("data:") and line[5:].strip() == "[DONE]"
+
+
 async def _relay_stream(lc: RequestLifecycle, decode: WorkerView, path: str, body: dict[str, Any],
                         attempt_id: str) -> None:
     """A streamed request: each of the decode instance's events as it comes, each within
     its deadline (the first ``first_token_timeout_s``, later ones ``token_idle_timeout_s``)."""
-    from .dispatch import _REST_OF_STREAM_WAIT_S, LegFailure, _read_to_end
+    from .dispatch import LegFailure, timed_lines
 
     stage = "generate"
     s = lc._d.settings
@@ -357,35 +362,23 @@ async def _relay_stream(lc: RequestLifecycle, decode: WorkerView, path: str, bod
     async with _post(lc, decode, path, body, stage, attempt_id, s.first_token_timeout_s) as resp:
         if resp.status_code >= 400:
             raise await _refusal(lc, decode, path, stage, attempt_id, resp)
-        lines = resp.aiter_lines()
-        wait_s = s.first_token_timeout_s
-        while True:
-            try:
-                line = await asyncio.wait_for(lines.__anext__(), wait_s)
-            except StopAsyncIteration:
-                raise LegFailure(attempt_id, decode, stage, "stream ended before [DONE]") from None
-            except asyncio.TimeoutError:
-                raise LegFailure(attempt_id, decode, stage, f"no stream line within {wait_s}s",
-                                 timed_out=True) from None
-            wait_s = s.token_idle_timeout_s
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                # The rest of the body (normally only its end) is read, so the connection
-                # goes back to the pool instead of being closed (dispatch.stream_lines).
-                await _read_to_end(lines, _REST_OF_STREAM_WAIT_S)
-                lc.relay(RelayedEnd(), last=True)
-                return
-            obj, text = _with_client_id(data, client_id)
-            if obj is None:
-                raise LegFailure(attempt_id, decode, stage, f"unreadable event {data[:300]!r}")
-            if relayed == 0 and ("error" in obj or _failed_finish(obj) is not None):
-                # Nothing reached the client yet: another pair may serve it.
-                raise LegFailure(attempt_id, decode, stage, f"the instance ended the request before its first "
-                                 f"token: {data[:300]}")
-            relayed += 1
-            lc.relay(RelayedChunk(f"data: {text}\n\n".encode()), last=False)
+        async with contextlib.aclosing(timed_lines(resp, s, attempt_id, decode, stage, "[DONE]", _is_done)) as lines:
+            async for line in lines:
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    lc.relay(RelayedEnd(), last=True)
+                    return
+                obj, text = _with_client_id(data, client_id)
+                if obj is None:
+                    raise LegFailure(attempt_id, decode, stage, f"unreadable event {data[:300]!r}")
+                if relayed == 0 and ("error" in obj or _failed_finish(obj) is not None):
+                    # Nothing reached the client yet: another pair may serve it.
+                    raise LegFailure(attempt_id, decode, stage, f"the instance ended the request before its first "
+                                     f"token: {data[:300]}")
+                relayed += 1
+                lc.relay(RelayedChunk(f"data: {text}\n\n".encode()), last=False)
 
 
 __all__ = ["CLIENT_ERROR_STATUSES", "PREFILL_LEG_DROPPED", "RESERVED_FIELDS", "RelayedAnswer", "RelayedChunk",
