@@ -71,6 +71,12 @@ def checksum_table_key(cluster_key: bytes) -> bytes:
     return derive_key(cluster_key, "kv-table")
 
 
+def checksum_table_key_of(cluster_key_file: str | os.PathLike[str] | None) -> bytes | None:
+    """`checksum_table_key` of the cluster key in `cluster_key_file`; None without one
+    (`--insecure`: tables go untagged)."""
+    return checksum_table_key(load_cluster_key(cluster_key_file)) if cluster_key_file else None
+
+
 def vllm_api_headers(api_key: str | None) -> dict[str, str]:
     """The header that presents `api_key` to a vLLM instance (none for an open instance)."""
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}

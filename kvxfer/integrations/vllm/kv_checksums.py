@@ -30,7 +30,6 @@ import numpy as np
 
 from kvxfer.kv.integrity import KVIntegrity, KVIntegrityError, Verification, compare_checksums, crc32c
 from kvxfer.kv.protocol import MAX_CONTROL_MESSAGE_BYTES, PROTOCOL_VERSION
-from kvxfer.registry.signing import checksum_table_key, load_cluster_key
 from kvxfer.transfer.native_library import native as _native
 
 from .kv_region import KVRegion
@@ -44,11 +43,6 @@ _HEADER_BYTES = struct.calcsize(_TABLE_FORMAT)
 _TAG_BYTES = 32
 # Sets this tag apart from every other HMAC under the table key (the mailbox's included).
 _TAG_DOMAIN = b"kvxfer/vllm-kv-table/v1"
-
-
-def cluster_table_key(cluster_key_file: str | None) -> bytes | None:
-    """The key that tags checksum tables in this cluster (None without a cluster key)."""
-    return checksum_table_key(load_cluster_key(cluster_key_file)) if cluster_key_file else None
 
 
 def block_checksums(region: KVRegion, layer: int, blocks: Sequence[int]) -> np.ndarray:

@@ -36,12 +36,13 @@ import numpy as np
 
 from kvxfer.errors import TransferError
 from kvxfer.kv.protocol import KVReservation, encode_abort
+from kvxfer.registry.signing import checksum_table_key_of
 from kvxfer.transfer.engine import RegisteredMemory, TransferEngine
 
 from .cache_paths import DirectWrites, InFlight, StagedWrites
 from .connector_hooks import NO_CONNECTOR_HOOKS, ConnectorHooks
 from .connector_metrics import ConnectorMetrics
-from .kv_checksums import block_checksums, cluster_table_key, encode_table
+from .kv_checksums import block_checksums, encode_table
 from .kv_region import KVRegion
 from .metadata import KvxferStepMetadata, PushSpec
 from .settings import ConnectorSettings
@@ -129,7 +130,7 @@ class KVPusher:
         self.memory = memory
         self.metrics = metrics
         self._hooks = hooks
-        self._table_key = cluster_table_key(settings.cluster_key_file)
+        self._table_key = checksum_table_key_of(settings.cluster_key_file)
         self.block_size = region.block_size
         #: How a layer's blocks leave this cache: read in place (host memory registered as
         #: `memory`), or through pinned staging (a device cache).

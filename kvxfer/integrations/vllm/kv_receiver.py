@@ -50,12 +50,13 @@ from kvxfer.kv.protocol import (
     generations_per_slot,
 )
 from kvxfer.kv.reservation_scope import ReservationScope
+from kvxfer.registry.signing import checksum_table_key_of
 from kvxfer.transfer.engine import RegisteredMemory, TransferEngine
 
 from .cache_paths import DirectLanding, StagedLanding
 from .connector_hooks import NO_CONNECTOR_HOOKS, ConnectorHooks
 from .connector_metrics import ConnectorMetrics
-from .kv_checksums import LoadChecksums, TablePart, cluster_table_key
+from .kv_checksums import LoadChecksums, TablePart
 from .kv_region import KVRegion
 from .metadata import LoadSpec
 from .settings import ConnectorSettings
@@ -101,7 +102,7 @@ class KVReceiver:
                  hooks: ConnectorHooks = NO_CONNECTOR_HOOKS) -> None:
         self.settings = settings
         self._hooks = hooks
-        self._table_key = cluster_table_key(settings.cluster_key_file)
+        self._table_key = checksum_table_key_of(settings.cluster_key_file)
         self._sample_rng = random.Random()
         self.engine = engine
         self.region = region

@@ -56,7 +56,7 @@ from kvxfer.kv.protocol import (
 from kvxfer.kv.reservation_scope import PrefillAddressError, ReservationScope
 from kvxfer.kv.write_windows import reservation_windows
 from kvxfer.metrics import DecodeMetrics
-from kvxfer.registry.signing import checksum_table_key, load_cluster_key
+from kvxfer.registry.signing import checksum_table_key_of
 from kvxfer.model.tokenizer import ByteTokenizer
 from kvxfer.model.transformer import DecodeRequest, FinishReason, finish_reason_after
 from kvxfer.transfer.engine import RegisteredMemory
@@ -192,8 +192,7 @@ class DecodeRuntime:
         self.mailbox = np.zeros(settings.max_requests * self.mailbox_slot_stride, dtype=np.uint8)
         self._sample_rng = random.Random()
         # With a cluster key, only checksum tables tagged under it are believed (kv.integrity).
-        key_file = settings.cluster_key_file
-        self._table_key = checksum_table_key(load_cluster_key(key_file)) if key_file is not None else None
+        self._table_key = checksum_table_key_of(settings.cluster_key_file)
         self.mailbox_region = self.core.engine.register(self.mailbox)
         self.metrics = DecodeMetrics(self.core.metrics_registry)
         self.jobs: dict[str, DecodeJob] = {}

@@ -47,7 +47,7 @@ from kvxfer.kv.push import PushSession
 from kvxfer.kv.push_hooks import NO_PUSH_HOOKS, PushHooks
 from kvxfer.kv.push_monitor import DestinationDown, PushMonitor, WatchedPush
 from kvxfer.metrics import PrefillMetrics
-from kvxfer.registry.signing import checksum_table_key, load_cluster_key
+from kvxfer.registry.signing import checksum_table_key_of
 from kvxfer.workers.rejection import Rejection, RequestRejected
 from kvxfer.workers.runtime import WorkerCore, WorkerSettings
 
@@ -118,8 +118,7 @@ class PrefillRuntime:
         self.mailbox = np.zeros(settings.mailbox_slots * self.mailbox_slot_stride, dtype=np.uint8)
         self.mailbox_region = self.core.engine.register(self.mailbox)
         # Tags checksum tables for decoders that ask (a reservation's checksum_tag).
-        key_file = settings.cluster_key_file
-        self._table_key = checksum_table_key(load_cluster_key(key_file)) if key_file is not None else None
+        self._table_key = checksum_table_key_of(settings.cluster_key_file)
         self.metrics = PrefillMetrics(self.core.metrics_registry)
         # One compute thread: requests queue here; queue depth is what routers balance on.
         self._compute = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefill")
