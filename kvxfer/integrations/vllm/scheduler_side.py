@@ -55,6 +55,16 @@ class _ActivePush:
     pushed_to: int = 0  # computed_end already announced to the worker
 
 
+@dataclass
+class _TransferLoad:
+    """The one load of a transfer id: the request that loads it, its prompt (siblings have
+    the same), and when the load ended (None while it runs)."""
+
+    loader: str
+    prompt: int
+    ended_at: float | None = None
+
+
 def _prompt_key(request: Request) -> int:
     """A request's prompt, as a key: siblings of one `n` > 1 request have equal keys."""
     ids = getattr(request, "prompt_token_ids", None)
@@ -79,11 +89,9 @@ class SchedulerSide:
         # the blocks the load cached, computing only the last partial block themselves.
         # A request with another prompt under the same transfer id (a batch of prompts sent
         # with one kv_transfer_params) is no sibling: it computes here, it never shares a load.
-        self._transfer_loader: dict[str, str] = {}
-        self._load_transfer: dict[str, str] = {}
-        self._transfer_prompt: dict[str, int] = {}  # transfer id -> the loading request's prompt key
-        # transfer id -> (when its load ended (monotonic), the prompt key)
-        self._loaded_transfers: dict[str, tuple[float, int]] = {}
+        # An ended load is remembered for SIBLING_MEMORY_S.
+        self._transfer_loads: dict[str, _TransferLoad] = {}
+        self._load_transfer: dict[str, str] = {}  # loading request -> its transfer id
         # Loads the worker reported failed: with kv_load_failure_policy=recompute vLLM asks
         # again for the same request, which must then be computed here, not loaded again.
         self._failed_loads: set[str] = set()
@@ -147,8 +155,7 @@ class SchedulerSide:
         if n <= 0:
             return 0, False
         self._pending_loads[rid] = _PendingLoad(params, num_computed_tokens)
-        self._transfer_loader[params.transfer_id] = rid
-        self._transfer_prompt[params.transfer_id] = prompt
+        self._transfer_loads[params.transfer_id] = _TransferLoad(rid, prompt)
         self._load_transfer[rid] = params.transfer_id
         return n, True
 
@@ -157,14 +164,17 @@ class SchedulerSide:
         the same `n` > 1 request): None to ask again while that load runs, then (0, False)
         (compute here; the loaded blocks are prefix-cache hits). (0, False) at once for a
         request with another prompt. None for the first asker."""
-        loader = self._transfer_loader.get(transfer_id)
-        if loader is not None and loader != rid:
-            if self._transfer_prompt.get(transfer_id) != prompt:
-                return 0, False
-            return (None, False) if loader in self._pending_loads or loader in self._loads_in_flight else (0, False)
-        if transfer_id in self._loaded_transfers:
+        load = self._transfer_loads.get(transfer_id)
+        if load is None:
+            return None
+        if load.ended_at is not None:
             return 0, False
-        return None
+        if load.loader == rid:
+            return None
+        if load.prompt != prompt:
+            return 0, False
+        running = load.loader in self._pending_loads or load.loader in self._loads_in_flight
+        return (None, False) if running else (0, False)
 
     def _gate_prefill(self, request: Request, params: TransferParams) -> tuple[int | None, bool]:
         # With wait_for_reservation, compute only once the decoder's reservation is here, so
@@ -264,13 +274,13 @@ class SchedulerSide:
     def _load_ended(self, rid: str) -> None:
         """The load of `rid` ended (landed, failed or fenced): its siblings compute locally now."""
         now = time.monotonic()
-        tid = self._load_transfer.pop(rid, None)
-        if tid is not None and self._transfer_loader.get(tid) == rid:
-            del self._transfer_loader[tid]
-            self._loaded_transfers[tid] = (now, self._transfer_prompt.pop(tid, 0))
-        expired = [t for t, (at, _) in self._loaded_transfers.items() if now - at > SIBLING_MEMORY_S]
+        load = self._transfer_loads.get(self._load_transfer.pop(rid, ""))
+        if load is not None and load.loader == rid and load.ended_at is None:
+            load.ended_at = now
+        expired = [t for t, ld in self._transfer_loads.items()
+                   if ld.ended_at is not None and now - ld.ended_at > SIBLING_MEMORY_S]
         for t in expired:
-            del self._loaded_transfers[t]
+            del self._transfer_loads[t]
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Keep the blocks while a load or push may still write them or read from them."""
