@@ -43,14 +43,20 @@ def _add_worker_flags(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--transfer-timeout-s", type=float, help="a write not complete by then fails (default 10)")
     p.add_argument("--etcd", help="comma-separated etcd endpoints; omitted: no registry")
     p.add_argument("--etcd-prefix", help="registry key prefix (default /kvxfer)")
-    p.add_argument("--etcd-ca-file", help="CA bundle that verifies etcd (https:// endpoints)")
-    p.add_argument("--etcd-cert-file", help="client certificate presented to etcd (`kvxfer up`'s etcd takes no "
-                   "client without one: its files are in LOG_DIR/etcd-tls)")
-    p.add_argument("--etcd-key-file", help="private key of --etcd-cert-file")
+    _add_etcd_tls_flags(p)
     p.add_argument("--lease-ttl-s", type=int, help="registry lease TTL (default 5)")
     p.add_argument("--drain-timeout-s", type=float, help="SIGTERM drain bound (default 30)")
     p.add_argument("--cluster-key-file", help="cluster key file: signs this worker's registry record "
                    "(env KVXFER_CLUSTER_KEY_FILE; unset: unsigned, with a warning)")
+
+
+def _add_etcd_tls_flags(p: argparse.ArgumentParser) -> None:
+    """The client credentials for an etcd that asks for them (as `kvxfer up`'s does)."""
+    p.add_argument("--etcd-ca-file", help="CA bundle that verifies etcd (https:// endpoints; a `kvxfer up` "
+                                          "cluster's is LOG_DIR/etcd-tls/ca.crt)")
+    p.add_argument("--etcd-cert-file", help="client certificate presented to etcd (`kvxfer up`'s etcd takes no "
+                                            "client without one: LOG_DIR/etcd-tls/client.crt)")
+    p.add_argument("--etcd-key-file", help="private key of --etcd-cert-file (LOG_DIR/etcd-tls/client.key)")
 
 
 def _add_instance_flags(p: argparse.ArgumentParser, default_port: int) -> None:
@@ -63,11 +69,7 @@ def _add_instance_flags(p: argparse.ArgumentParser, default_port: int) -> None:
                                   "register, and no router finds it)")
     p.add_argument("--cluster-key-file", help="the cluster's key: signs the registry record and derives the vLLM "
                                               "API key the router sends (required unless --insecure)")
-    p.add_argument("--etcd-ca-file", help="CA bundle that verifies etcd (https:// endpoints; a `kvxfer up` "
-                                          "cluster's is LOG_DIR/etcd-tls/ca.crt)")
-    p.add_argument("--etcd-cert-file", help="client certificate presented to etcd (`kvxfer up`'s etcd takes no "
-                                            "client without one: LOG_DIR/etcd-tls/client.crt)")
-    p.add_argument("--etcd-key-file", help="private key of --etcd-cert-file (LOG_DIR/etcd-tls/client.key)")
+    _add_etcd_tls_flags(p)
     p.add_argument("--insecure", action="store_true", help="no cluster key: unsigned record, open API (development)")
     p.add_argument("--metrics-port", type=int,
                    help="port of the connector's kvxfer_connector_* /metrics (default: the API port + 1; 0: none)")
