@@ -6,7 +6,7 @@ base (errors, metrics) -> transfer -> kv -> model -> workers; registry sits on b
 alone; integrations (kvxfer inside other engines: the vLLM connector) sit on transfer, kv
 and registry, beside workers, and only cluster and cli may import them; cluster (developer
 tooling) and cli may use everything; the router uses only registry, the model's
-tokenizer, the hand-off protocol, metrics and errors.
+tokenizer, the hand-off protocol, the prefix block hashes, metrics and errors.
 
 Faults are injected from outside (kv.push_hooks): no production module imports a test
 helper or a fault module, or names a fault the drills make.
@@ -40,7 +40,7 @@ ALLOWED: dict[str, set[str]] = {
     "cli": BASE | {"transfer", "kv", "model", "registry", "workers", "cluster", "integrations"},
     "__init__": BASE | {"transfer"},
 }
-ROUTER_ALLOWED = {"registry", "model.tokenizer", "kv.protocol", "metrics", "errors"}
+ROUTER_ALLOWED = {"registry", "model.tokenizer", "kv.protocol", "kv.prefix_hash", "metrics", "errors"}
 #: Modules that are HTTP-free by contract: services raise typed errors instead.
 HTTP_FREE = ["workers/runtime.py", "workers/prefill/service.py", "workers/decode/service.py",
              "workers/rejection.py"]
