@@ -182,6 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, help="running batch size (default 64)")
     p.add_argument("--kv-wait-timeout-s", type=float, help="ImmCounter admission deadline (default 30)")
 
+    from kvxfer.cluster.instance_restarts import RestartSettings  # pydantic only: --help stays quick
+
     p = sub.add_parser("up", help="start a local etcd (unless --etcd), the router and workers")
     p.add_argument("--port", type=int, default=8000, help="router port (default 8000)")
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
@@ -210,6 +212,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vLLM flags for the prefill instances only, one quoted string (e.g. \"--max-num-seqs 4\"; "
                         "a single flag as --prefill-args=--enforce-eager); after the common ones, so they win")
     p.add_argument("--decode-args", default="", help="vLLM flags for the decode instances only (as --prefill-args)")
+    p.add_argument("--max-restarts", type=int, default=RestartSettings().max_restarts,
+                   help="restarts of a worker or vLLM instance that died, each under its own name, before it is "
+                        "left down (default %(default)s; 0: never restart, only report)")
+    p.add_argument("--restart-backoff-s", type=float, default=RestartSettings().restart_backoff_s,
+                   help="seconds before an instance's first restart, doubled for each further one of the same "
+                        "instance (default %(default)s)")
     p.epilog = ("With --engine vllm, everything after `--` is passed to every vLLM API server (e.g. `-- "
                 "--max-num-seqs 8 --served-model-name llama`). kvxfer sets only --kv-transfer-config; its other "
                 "defaults (--block-size 32, --enforce-eager, --seed 0, --shutdown-timeout 30, --served-model-name "

@@ -33,9 +33,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from pydantic import ValidationError
 
 from kvxfer.cluster.control_client import ControlTokenAuth
 from kvxfer.cluster.etcd_certificates import EtcdClientTls
+from kvxfer.cluster.instance_restarts import RestartBook, RestartSettings
 from kvxfer.cluster.kv_memory_plan import KvMemoryBudgetError, KvMemoryPlan, plan_kv_pages, read_mem_available_bytes
 from kvxfer.cluster.local_etcd import LocalEtcd
 from kvxfer.registry.signing import load_cluster_key, vllm_api_key
@@ -74,6 +76,7 @@ class LocalCluster:
         role_vllm_args: dict[str, list[str]] | None = None,
         admin_port: int | None = None,
         progress: Callable[[str], None] | None = None,
+        restarts: RestartSettings | None = None,
     ) -> None:
         if engine not in ("builtin", "vllm"):
             raise ValueError(f'engine must be "builtin" or "vllm", got {engine!r}')
@@ -96,6 +99,14 @@ class LocalCluster:
         self.progress = progress or (lambda line: log.info("%s", line))
         self._registered: set[str] = set()
         self._reported_dead: set[str] = set()
+        # What `supervise()` does with an instance that died (kvxfer up calls it; tests that
+        # kill workers on purpose do not, and nothing restarts behind their back).
+        self.restart_book = RestartBook(restarts or RestartSettings())
+        self._worker_roles: dict[str, str] = {}
+        self._worker_extra_env: dict[str, dict[str, str]] = {}
+        self._next_listing_at = 0.0
+        self._left_down: set[str] = set()  # died with no restart left
+        self._gone: set[str] = set()  # died, and the router stopped listing them since
         #: name -> ("role", API port, connector metrics port) of each vLLM instance: what Prometheus scrapes.
         self.vllm_ports: dict[str, tuple[str, int, int]] = {}
         self.etcd_url = etcd
@@ -187,6 +198,11 @@ class LocalCluster:
         assert self.etcd_url
         self._counter += 1
         name = f"{role}-{self._counter}"
+        self._worker_roles[name] = role
+        self._worker_extra_env[name] = dict(extra_env or {})
+        return self._launch(role, name, extra_env)
+
+    def _launch(self, role: str, name: str, extra_env: dict[str, str] | None) -> str:
         if self.engine == "vllm":
             return self._start_vllm_instance(role, name, extra_env)
         args = [
@@ -224,7 +240,8 @@ class LocalCluster:
             extra["insecure"] = True
         # Instances pinned apart: vLLM binds its compute thread to core 0 unless told, and
         # two instances on one core take several times as long per step.
-        core = str((self._counter - 1) % (os.cpu_count() or 1))
+        # (From the name's number, so that a restarted instance keeps its core.)
+        core = str((int(name.rsplit("-", 1)[1]) - 1) % (os.cpu_count() or 1))
         spec = VllmInstanceSpec(model_dir=model_dir, port=port, served_model_name=model_dir.name,
                                 kv_role="kv_producer" if role == "prefill" else "kv_consumer",
                                 cpu_cores=core, extra_config=extra, api_key=api_key,
@@ -253,12 +270,58 @@ class LocalCluster:
     def reap_dead(self) -> list[str]:
         """Workers that exited since the last call, each reported once as a message with its log's
         last lines (`poll()` also reaps the process: no zombie stays)."""
-        messages = []
+        return [message for _name, message in self._reap()]
+
+    def supervise(self) -> None:
+        """Look after the workers once (`kvxfer up` calls it a few times a second): report each
+        that died, with its log's last lines, and restart it under its own name after a
+        backoff, or say that it stays down (`RestartSettings`); start the restarts that are
+        due; say when the router lists a restarted worker again. Every line goes to `progress`."""
+        for name, message in self._reap():
+            self.progress(message)
+            self._registered.discard(name)
+            decision = self.restart_book.died(name)
+            if decision.delay_s is None:
+                self._left_down.add(name)
+            self.progress(decision.describe())
+        for name in self.restart_book.due():
+            self._relaunch(name)
+        waiting = [name for name in self.workers if name not in self._registered and name not in self._left_down]
+        if waiting and self.router is not None and time.monotonic() >= self._next_listing_at:
+            # Only while a worker that died is not listed again: one admin call a second.
+            self._next_listing_at = time.monotonic() + 1.0
+            listed = self._workers_listed()
+            ids = {str(w.get("worker_id", "")) for w in listed}
+            # The dead process's record stays until its lease expires: a worker counts as
+            # back only once the router stopped listing it and lists it again.
+            self._gone.update(name for name in waiting if name not in ids)
+            self._note_registered([w for w in listed if w.get("worker_id") in self._gone - self._reported_dead])
+            self._gone -= self._registered
+
+    def _reap(self) -> list[tuple[str, str]]:
+        """(name, message) of each worker that exited since the last call (`poll()` also
+        reaps the process: no zombie stays)."""
+        dead = []
         for name, proc in self.workers.items():
             if name not in self._reported_dead and proc.poll() is not None:
                 self._reported_dead.add(name)
-                messages.append(self._exit_message(name, proc.returncode))
-        return messages
+                dead.append((name, self._exit_message(name, proc.returncode)))
+        return dead
+
+    def _relaunch(self, name: str) -> None:
+        """Start worker `name` again, in its own role, under its own name; its previous log
+        is kept as NAME.N.log (N: the restart), and Prometheus's targets file follows."""
+        restart = self.restart_book.restarts(name)
+        old_log = self.log_dir / f"{name}.log"
+        kept = self.log_dir / f"{name}.{restart}.log"
+        if old_log.exists():
+            old_log.replace(kept)
+        self._reported_dead.discard(name)
+        self._launch(self._worker_roles[name], name, self._worker_extra_env.get(name))
+        if self.vllm_ports and (self.log_dir / "prometheus-targets.json").exists():
+            self.write_prometheus_targets()  # a restarted vLLM instance has new ports
+        self.progress(f"{name}: restarted (restart {restart} of {self.restart_book.settings.max_restarts}); "
+                      f"the log before it is {kept}")
 
     def prometheus_targets(self) -> list[dict[str, Any]]:
         """Prometheus file_sd target groups: the router's /metrics, and per vLLM instance vLLM's own
@@ -420,7 +483,8 @@ def _print(line: str) -> None:
 
 def run_up(args: argparse.Namespace) -> int:
     """`kvxfer up`: start everything, serve until SIGINT/SIGTERM, then drain and stop. A worker
-    that dies meanwhile is reported with the last lines of its log (the rest keep serving)."""
+    that dies meanwhile is reported with the last lines of its log (the rest keep serving) and
+    restarted after a backoff, at most `--max-restarts` times (`LocalCluster.supervise`)."""
     # The readiness poll of the router's admin port would log a line per call at INFO.
     logging.getLogger("httpx").setLevel(logging.DEBUG if getattr(args, "verbose", False) else logging.WARNING)
     vllm_args = list(getattr(args, "vllm_args", None) or [])
@@ -434,12 +498,20 @@ def run_up(args: argparse.Namespace) -> int:
         _print("--num-pages and --kv-memory-budget-gib size the builtin workers' KV caches; with --engine vllm "
                "give vLLM's own flags after --")
         return 2
+    defaults = RestartSettings()
+    try:
+        restarts = RestartSettings(max_restarts=getattr(args, "max_restarts", defaults.max_restarts),
+                                   restart_backoff_s=getattr(args, "restart_backoff_s", defaults.restart_backoff_s))
+    except ValidationError as exc:
+        _print(f"--max-restarts and --restart-backoff-s must not be negative: {exc.errors()[0]['msg']}")
+        return 2
     cluster = LocalCluster(
         prefill=args.prefill, decode=args.decode, router_port=args.port, etcd=args.etcd,
         model=args.model, provider=args.provider, insecure=args.insecure, engine=args.engine,
         log_dir=getattr(args, "log_dir", None), admin_port=getattr(args, "admin_port", None),
         vllm_args=vllm_args, role_vllm_args=role_args, progress=_print, num_pages=num_pages,
         kv_memory_budget_bytes=int(budget_gib * (1 << 30)) if budget_gib is not None else None,
+        restarts=restarts,
     )
     stop = {"now": False}
 
@@ -467,8 +539,7 @@ def run_up(args: argparse.Namespace) -> int:
         _print(f"metrics: Prometheus file_sd targets in {targets}")
     try:
         while not stop["now"]:
-            for message in cluster.reap_dead():
-                _print(message)
+            cluster.supervise()
             time.sleep(0.2)
     finally:
         _print("draining and stopping")
