@@ -38,6 +38,13 @@ RETRY_STAGES: tuple[str, ...] = ("reserve", "prefill", "generate")
 #: worker registered, or the request's prefill leg failed.
 FALLBACK_REASONS: tuple[str, ...] = ("no_prefiller", "prefill_failed")
 WORKER_ROLES: tuple[str, ...] = ("prefill", "decode")
+#: The router's pair policies (label `policy` of `kvxfer_router_policy_decisions_total`).
+ROUTING_POLICIES: tuple[str, ...] = ("kv_aware", "least_loaded", "round_robin")
+#: How a pair decision for a request that needed prefill came out (label `outcome`; the
+#: router's `policies.DECISION_OUTCOMES`): a prefill+decode pair, the decode worker alone
+#: because it held nearly all the prompt's KV, or kv_aware choosing by load alone because
+#: its KV index knew nothing of the candidates.
+DECISION_OUTCOMES: tuple[str, ...] = ("pair", "decoder_only", "fallback")
 #: ready: registered and serving; draining: finishing in-flight work after SIGTERM;
 #: unhealthy: still registered but failing the router's checks.
 WORKER_STATES: tuple[str, ...] = ("ready", "draining", "unhealthy")
@@ -79,6 +86,10 @@ KV_VERIFY_BUCKETS_SECONDS: tuple[float, ...] = (
 #: queue can take tens of seconds; 60 s is the router's default request deadline.
 TTFT_BUCKETS_SECONDS: tuple[float, ...] = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
+#: KV moved for one request: a short prompt of the demo model is a few KiB, a 2K-token prompt
+#: of an 8B model about 256 MiB.
+REQUEST_KV_BUCKETS_BYTES: tuple[float, ...] = tuple(
+    float(1 << shift) for shift in (10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30))
 #: Event-loop lag: a healthy loop is below a millisecond; a second is an outage of its deadlines.
 LOOP_LAG_BUCKETS_SECONDS: tuple[float, ...] = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
@@ -170,6 +181,38 @@ class RouterMetrics:
             "kvxfer_router_workers", "Workers the router knows from the registry.",
             ["role", "state"], registry=registry)
         _init_labels(self.workers, WORKER_ROLES, WORKER_STATES)
+        self.policy_decisions = Counter(
+            "kvxfer_router_policy_decisions",
+            "Pair decisions for requests that needed prefill, by policy and outcome (pair, decoder_only: the "
+            "decode worker held nearly all the prompt's KV, fallback: kv_aware chose by load alone).",
+            ["policy", "outcome"], registry=registry)
+        _init_labels(self.policy_decisions, ROUTING_POLICIES, DECISION_OUTCOMES)
+        self.estimated_prefix_hit_blocks = Counter(
+            "kvxfer_router_estimated_prefix_hit_blocks",
+            "Leading prompt blocks the router's KV index expected the chosen worker to hold already, summed "
+            "over requests, by side (prefill, decode).", ["side"], registry=registry)
+        _init_labels(self.estimated_prefix_hit_blocks, WORKER_ROLES)
+        self.kv_pages_not_sent = Counter(
+            "kvxfer_router_kv_pages_not_sent",
+            "KV pages prefill workers did not push because the decode worker held them (pages_skipped of their "
+            "/prefill answers).", registry=registry)
+        self.kv_pages_moved = Counter(
+            "kvxfer_router_kv_pages_moved",
+            "KV pages prefill workers pushed (pages_pushed of their /prefill answers, when they carry it).",
+            registry=registry)
+        self.request_kv_moved = Histogram(
+            "kvxfer_router_request_kv_moved_bytes",
+            "KV bytes pushed for one disaggregated request (kv_bytes of the prefill worker's /prefill answer).",
+            buckets=REQUEST_KV_BUCKETS_BYTES, registry=registry)
+        self.kv_index_blocks = Gauge(
+            "kvxfer_router_kv_index_blocks",
+            "Prefix blocks the router's KV index counts as held, per worker (policy kv_aware).",
+            ["worker_id"], registry=registry)
+        self.kv_index_report_age = Gauge(
+            "kvxfer_router_kv_index_report_age_seconds",
+            "Seconds since a worker's last prefix index report (policy kv_aware; past prefix_index_max_age_s "
+            "the report is ignored). Workers that never reported (vLLM instances) have no sample.",
+            ["worker_id"], registry=registry)
 
     def set_registry_rejections(self, totals: Mapping[str, int]) -> None:
         """Advance the rejected-records counter to the watcher's running totals by reason."""
@@ -178,6 +221,16 @@ class RouterMetrics:
             if total > seen:
                 self.registry_records_rejected.labels(reason=reason).inc(total - seen)
                 self._registry_rejections_seen[reason] = total
+
+    def set_kv_index(self, sizes: Mapping[str, tuple[int, float | None]]) -> None:
+        """Replace the KV index view with `{worker_id: (blocks, seconds since its last report
+        or None)}`; workers no longer listed lose their series."""
+        self.kv_index_blocks.clear()
+        self.kv_index_report_age.clear()
+        for worker_id, (blocks, age_s) in sizes.items():
+            self.kv_index_blocks.labels(worker_id).set(blocks)
+            if age_s is not None:
+                self.kv_index_report_age.labels(worker_id).set(age_s)
 
     def set_workers(self, counts: Mapping[tuple[str, str], int]) -> None:
         """Replace the worker view with `{(role, state): count}`; absent pairs become 0."""
@@ -458,10 +511,11 @@ def exported_sample_names(registry: CollectorRegistry) -> set[str]:
 def all_metric_names() -> set[str]:
     """Every sample name kvxfer exports, from all components on a throwaway registry.
 
-    The engine collector is fed one fake rail so its families produce samples.
+    The engine collector is fed one fake rail, and the router's KV index one fake worker, so
+    their families produce samples.
     """
     registry = CollectorRegistry()
-    RouterMetrics(registry)
+    RouterMetrics(registry).set_kv_index({"worker": (0, 0.0)})
     DecodeMetrics(registry)
     PrefillMetrics(registry)
     WorkerAuthMetrics(registry)

@@ -32,6 +32,7 @@ from kvxfer.metrics import metrics_response
 from .admission import AdmissionController
 from .directory import WorkerDirectory
 from .dispatch import CompletionJob, Dispatcher, ErrorEvent, Event, FinishEvent, RequestLifecycle, TokenEvent
+from .kv_index import PrefixIndexPoller
 from .loop_work import LoopOffload, sample_loop_lag
 from .openai_api import (
     REQUEST_ID_PATTERN,
@@ -143,6 +144,7 @@ class RouterService:
         self.signer = WorkerCallSigner.from_settings(settings)
         self.offload = LoopOffload(settings.offload_threads, settings.offload_max_queued, settings.retry_after_s)
         self._lag_sampler: asyncio.Task[None] | None = None
+        self._index_poller: asyncio.Task[None] | None = None
 
     @property
     def dispatcher(self) -> Dispatcher:
@@ -166,6 +168,11 @@ class RouterService:
         """Open the outgoing HTTP client; start sampling the event loop's lag."""
         _ = self.dispatcher
         self._lag_sampler = asyncio.ensure_future(sample_loop_lag(self.settings.loop_lag_interval_s, self._loop_lag))
+        if self.policy.kv_index is not None:
+            # kv_aware's index: workers' reports polled, and entries of departed workers dropped.
+            poller = PrefixIndexPoller(self.settings, self.policy.kv_index, self.directory,
+                                       lambda: self.dispatcher.client, self.signer)
+            self._index_poller = asyncio.ensure_future(poller.run())
 
     def _loop_lag(self, timer_late_s: float, own_lag_s: float) -> None:
         self.telemetry.loop_lag(timer_late_s)
@@ -173,9 +180,10 @@ class RouterService:
 
     async def stop(self) -> None:
         """Cancel in-flight requests (bounded by ``shutdown_timeout_s``), close the client."""
-        if self._lag_sampler is not None:
-            self._lag_sampler.cancel()
-            self._lag_sampler = None
+        for task in (self._lag_sampler, self._index_poller):
+            if task is not None:
+                task.cancel()
+        self._lag_sampler = self._index_poller = None
         self.offload.close()
         if self._dispatcher is not None:
             await self._dispatcher.aclose()
@@ -324,7 +332,7 @@ def create_app(
     settings = settings or RouterSettings()
     if directory is None:
         raise ValueError("create_app needs a WorkerDirectory (EtcdWorkerDirectory or StaticWorkerDirectory)")
-    policy = make_policy(settings.policy)
+    policy = make_policy(settings.policy, settings)
     if metrics_registry is None:
         metrics_registry = CollectorRegistry()
         if metrics is None:
@@ -365,6 +373,8 @@ def create_app(
         """Prometheus exposition of ``metrics_registry``."""
         service.telemetry.workers(directory.workers())
         service.telemetry.registry_rejections(directory.rejected_records())
+        if service.policy.kv_index is not None:
+            service.telemetry.kv_index(service.policy.kv_index.sizes())
         body, content_type = _render_metrics(metrics_registry, request.headers.get("accept"))
         return Response(body, media_type=content_type)
 

@@ -42,6 +42,7 @@ from kvxfer.kv.protocol import KVReservation, ReservationError
 
 from .admission import AdmissionTicket
 from .directory import WorkerDirectory, WorkerView, layout_key
+from .kv_index import PromptBlocks
 from .openai_api import RouterError, Usage, usage_from
 from .policies import LocalLoad, PairPolicy, WorkerPair, select_pair
 from .settings import RouterSettings
@@ -87,6 +88,7 @@ class ServingMode(str, enum.Enum):
     DISAGGREGATED = "disaggregated"            # prefill worker pushed the KV to the decode worker
     DECODE_ONLY = "decode_only"                # a short prompt: decode worker alone by design
     COLOCATED_FALLBACK = "colocated_fallback"  # needed prefill, but no prefill worker could take it
+    PREFIX_CACHED = "prefix_cached"            # kv_aware: the decode worker held nearly all the prompt's KV
 
 
 @dataclass(frozen=True)
@@ -434,17 +436,28 @@ class RequestLifecycle:
             self._ticket.release()
             self._d.telemetry.request_finished(status, deadline.elapsed())
 
+    def _prompt_blocks(self) -> PromptBlocks | None:
+        """The prompt as the policy's KV index names it; None for policies without one."""
+        if self._d.policy.kv_index is None:
+            return None
+        return PromptBlocks.for_request(self.job.model, self.job.prompt_tokens, self.job.body, self.job.kind)
+
     async def _attempts(self) -> None:
         exclude: set[str] = set()
         last: LegFailure | None = None
+        prompt = self._prompt_blocks()
         for attempt in range(self._s.max_retries + 1):
             pair = select_pair(
                 self._d.directory, self.job.model, needs_prefill=self.job.needs_prefill,
                 policy=self._d.policy, load=self._d.load, exclude=exclude,
-                max_per_worker=self._s.max_in_flight_per_worker,
+                max_per_worker=self._s.max_in_flight_per_worker, prompt=prompt,
             )
+            if pair is not None and self.job.needs_prefill:
+                # kv_aware may send a request that needs prefill to a decode worker that
+                # already holds nearly all of its KV.
+                self.serving_mode = ServingMode.DISAGGREGATED if pair.prefill else ServingMode.PREFIX_CACHED
             if pair is None and self.job.needs_prefill and self._s.colocated_fallback:
-                pair = self._colocated_fallback(exclude, last)
+                pair = self._colocated_fallback(exclude, last, prompt)
             if pair is None and select_pair(
                 self._d.directory, self.job.model, needs_prefill=self.job.needs_prefill,
                 policy=self._d.policy, load=self._d.load, exclude=exclude,
@@ -471,6 +484,9 @@ class RequestLifecycle:
             self.attempts.append(pair)
             self._held.clear()  # a failed attempt's tokens never reach the client
             self._d.load.acquire(pair)
+            if pair.estimate is not None and self.job.needs_prefill \
+                    and self.serving_mode is not ServingMode.COLOCATED_FALLBACK:
+                self._d.telemetry.pair_decision(self._d.policy.name, pair.estimate)
             try:
                 if pair.decode.engine == "vllm":
                     await run_vllm_legs(self, pair.decode, pair.prefill, worker_rid)
@@ -478,6 +494,7 @@ class RequestLifecycle:
                     await self._local(pair.decode, worker_rid)
                 else:
                     await self._disaggregated(pair.decode, pair.prefill, worker_rid)
+                self._d.policy.served(pair, prompt)
                 return
             except LegFailure as failure:
                 log.warning("%s", failure)
@@ -501,12 +518,13 @@ class RequestLifecycle:
         suffix = "after a retry" if len(self.attempts) > 1 else "and no other worker pair was available"
         raise self._upstream_error(last, suffix)
 
-    def _colocated_fallback(self, exclude: set[str], last: LegFailure | None) -> WorkerPair | None:
+    def _colocated_fallback(self, exclude: set[str], last: LegFailure | None,
+                            prompt: PromptBlocks | None) -> WorkerPair | None:
         """A decode worker alone for a request that needed prefill: no compatible prefill
         worker is eligible (none registered, or the one tried failed and is excluded)."""
         pair = select_pair(self._d.directory, self.job.model, needs_prefill=False,
                            policy=self._d.policy, load=self._d.load, exclude=exclude,
-                           max_per_worker=self._s.max_in_flight_per_worker)
+                           max_per_worker=self._s.max_in_flight_per_worker, prompt=prompt)
         if pair is not None:
             reason = "prefill_failed" if last is not None and last.worker.role == "prefill" else "no_prefiller"
             log.info("request %s: serving colocated on %s (%s)", self.request_id, pair.decode.worker_id, reason)
@@ -547,6 +565,8 @@ class RequestLifecycle:
                     if prefill_leg.exception() is not None:
                         log.warning("request %s: prefill reply failed after decode finished: %s",
                                     self.request_id, prefill_leg.exception())
+                    else:
+                        self._d.telemetry.prefill_reply(prefill_leg.result())
                     completed = True
                     return
                 # Blame the leg that failed first; the other's error is usually a consequence.

@@ -3,8 +3,10 @@
 Filtering is common to every policy and lives in :func:`select_pair`: only workers serving
 the request's model, not ``draining``, not excluded by an earlier failed attempt, and - for a
 pair - a prefill worker whose ``kv_layout`` equals the decode worker's (an incompatible pair
-would write KV the decoder cannot read). A policy only ranks the survivors. Policies are
-pluggable by name through :func:`register_policy` / :func:`make_policy`.
+would write KV the decoder cannot read). A policy only ranks the survivors, and may be told
+the request's prompt (its block hashes, :class:`~kvxfer_router.kv_index.PromptBlocks`):
+``kv_aware`` (:mod:`kvxfer_router.kv_aware`) uses it, the load-based ones ignore it. Policies
+are pluggable by name through :func:`register_policy` / :func:`make_policy`.
 """
 
 from __future__ import annotations
@@ -13,19 +15,39 @@ import abc
 import itertools
 import threading
 from collections import Counter
-from dataclasses import dataclass
-from typing import Callable, ClassVar, Collection, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Collection, Sequence
+
+from kvxfer.metrics import DECISION_OUTCOMES
 
 from .directory import WorkerDirectory, WorkerView
+
+if TYPE_CHECKING:
+    from .kv_index import KvIndex, PromptBlocks
+    from .settings import RouterSettings
+
+
+
+@dataclass(frozen=True)
+class RoutingEstimate:
+    """What the policy expected of its choice: the outcome (one of ``DECISION_OUTCOMES``) and
+    how many leading prompt blocks it believed each chosen worker held."""
+
+    outcome: str
+    decode_hit_blocks: int = 0
+    prefill_hit_blocks: int = 0
 
 
 @dataclass(frozen=True)
 class WorkerPair:
     """The workers chosen for one attempt. ``prefill`` is ``None`` when the prompt is short
-    enough to run on the decode worker alone (``POST /generate_local``)."""
+    enough to run on the decode worker alone (``POST /generate_local``), or when ``kv_aware``
+    found the decode worker already holding nearly all of it. ``estimate`` is the policy's
+    expectation, when it had one (not part of equality)."""
 
     decode: WorkerView
     prefill: WorkerView | None
+    estimate: RoutingEstimate | None = field(default=None, compare=False)
 
     @property
     def worker_ids(self) -> tuple[str, ...]:
@@ -34,9 +56,19 @@ class WorkerPair:
 
 
 def compatible(decode: WorkerView, prefill: WorkerView) -> bool:
-    """Whether ``prefill`` may push KV to ``decode``: same model and same KV layout."""
+    """Whether ``prefill`` may push KV to ``decode``: same model and same KV layout, and
+    tensor parallel sizes whose KV heads map onto each other (both split the same heads
+    as vLLM does: one of heads and size divides the other; unknown heads: equal sizes)."""
     return (decode.model == prefill.model and decode.layout_key == prefill.layout_key
-            and decode.engine == prefill.engine)
+            and decode.engine == prefill.engine and _heads_map(decode, prefill))
+
+
+def _heads_map(decode: WorkerView, prefill: WorkerView) -> bool:
+    if decode.tp_size == prefill.tp_size:
+        return True
+    heads = decode.kv_heads
+    return heads > 0 and heads == prefill.kv_heads and all(
+        heads % tp == 0 or tp % heads == 0 for tp in (decode.tp_size, prefill.tp_size))
 
 
 class LocalLoad:
@@ -74,9 +106,27 @@ class LocalLoad:
 
 class PairPolicy(abc.ABC):
     """Ranks eligible workers. Subclasses implement :meth:`choose_decode` and
-    :meth:`choose_prefill`; both receive a non-empty list that is already filtered."""
+    :meth:`choose_prefill`; both receive a non-empty list that is already filtered. A policy
+    that weighs whole pairs against the request's prompt overrides :meth:`choose_pair` (and
+    :meth:`served`, to learn where prompts went); ``kv_index`` is the KV index it reads, if
+    any (the app then keeps it fed)."""
 
     name: ClassVar[str]
+    kv_index: "KvIndex | None" = None
+
+    def choose_pair(self, decodes: Sequence[WorkerView], prefills: Sequence[WorkerView], load: LocalLoad, *,
+                    needs_prefill: bool, prompt: "PromptBlocks | None") -> WorkerPair:
+        """Pick the pair among ``decodes`` (non-empty; with ``needs_prefill`` each has a
+        compatible worker in ``prefills``). The default: :meth:`choose_decode`, then
+        :meth:`choose_prefill` among the prefill workers compatible with it."""
+        decode = self.choose_decode(decodes, load)
+        if not needs_prefill:
+            return WorkerPair(decode, None)
+        return WorkerPair(decode, self.choose_prefill([p for p in prefills if compatible(decode, p)], load),
+                          RoutingEstimate("pair"))
+
+    def served(self, pair: WorkerPair, prompt: "PromptBlocks | None") -> None:
+        """``pair`` served a request for ``prompt`` (its workers now hold its KV); no-op here."""
 
     @abc.abstractmethod
     def choose_decode(self, candidates: Sequence[WorkerView], load: LocalLoad) -> WorkerView:
@@ -113,35 +163,64 @@ class RoundRobinPolicy(PairPolicy):
         return self._pick("prefill", candidates)
 
 
+class FairTies:
+    """Picks the best candidate by a key; candidates tied on it take turns (per role), in
+    ``worker_id`` order. The registry's load figures are seconds old, so sequential requests
+    see every idle worker tied: always taking the lowest id sent them all to one worker."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._turns: dict[str, itertools.count[int]] = {}
+
+    def pick(self, role: str, candidates: Sequence[Any], key: Callable[[Any], Any],
+             worker_id: Callable[[Any], str] = lambda w: w.worker_id) -> Any:
+        """The candidate with the smallest ``key``; among equal keys, the next in turn."""
+        keys = [key(c) for c in candidates]
+        best = min(keys)
+        tied = sorted((c for c, k in zip(candidates, keys) if k == best), key=worker_id)
+        with self._lock:
+            # Advanced on every pick, tied or not, so that the rotation is reproducible.
+            turn = next(self._turns.setdefault(role, itertools.count()))
+        return tied[turn % len(tied)]
+
+
 class LeastLoadedPolicy(PairPolicy):
     """Decode: fewest running requests (registry ``running`` plus this router's own), then
     most free pages; a worker with no free page at all goes last because its ``/reserve``
     would fail. Prefill: shortest queue (``queue_depth`` plus this router's own).
-    Ties go to the lowest ``worker_id`` so the choice is reproducible."""
+    Tied workers take turns (:class:`FairTies`)."""
 
     name = "least_loaded"
 
+    def __init__(self) -> None:
+        self._ties = FairTies()
+
     def choose_decode(self, candidates: Sequence[WorkerView], load: LocalLoad) -> WorkerView:
         """Least busy decode worker."""
-        return min(
-            candidates,
-            key=lambda w: (w.free_pages <= 0, w.running + load.get(w.worker_id), -w.free_pages, w.worker_id),
-        )
+        return self._ties.pick("decode", candidates,
+                               lambda w: (w.free_pages <= 0, w.running + load.get(w.worker_id), -w.free_pages))
 
     def choose_prefill(self, candidates: Sequence[WorkerView], load: LocalLoad) -> WorkerView:
         """Prefill worker with the shortest queue."""
-        return min(candidates, key=lambda w: (w.queue_depth + load.get(w.worker_id), w.worker_id))
+        return self._ties.pick("prefill", candidates, lambda w: w.queue_depth + load.get(w.worker_id))
 
 
-_POLICIES: dict[str, Callable[[], PairPolicy]] = {
-    RoundRobinPolicy.name: RoundRobinPolicy,
-    LeastLoadedPolicy.name: LeastLoadedPolicy,
+def _kv_aware(settings: "RouterSettings") -> PairPolicy:
+    from .kv_aware import KvAwarePolicy  # its own module; it imports this one
+
+    return KvAwarePolicy(settings)
+
+
+_POLICIES: dict[str, Callable[["RouterSettings"], PairPolicy]] = {
+    RoundRobinPolicy.name: lambda _settings: RoundRobinPolicy(),
+    LeastLoadedPolicy.name: lambda _settings: LeastLoadedPolicy(),
+    "kv_aware": _kv_aware,
 }
 
 
 def register_policy(name: str, factory: Callable[[], PairPolicy]) -> None:
     """Make a policy selectable by ``name`` (setting ``policy``); replaces an existing one."""
-    _POLICIES[name] = factory
+    _POLICIES[name] = lambda _settings: factory()
 
 
 def policy_names() -> list[str]:
@@ -149,13 +228,18 @@ def policy_names() -> list[str]:
     return sorted(_POLICIES)
 
 
-def make_policy(name: str) -> PairPolicy:
-    """A fresh policy instance for ``name``; ``ValueError`` listing the known names if unknown."""
+def make_policy(name: str, settings: "RouterSettings | None" = None) -> PairPolicy:
+    """A fresh policy instance for ``name``, configured from ``settings`` (``RouterSettings()``
+    when left out); ``ValueError`` listing the known names if unknown."""
     try:
         factory = _POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown routing policy {name!r}; known: {', '.join(policy_names())}") from None
-    return factory()
+    if settings is None:
+        from .settings import RouterSettings
+
+        settings = RouterSettings()
+    return factory(settings)
 
 
 def eligible(workers: Sequence[WorkerView], model: str, exclude: Collection[str] = ()) -> list[WorkerView]:
@@ -173,6 +257,7 @@ def select_pair(
     load: LocalLoad,
     exclude: Collection[str] = (),
     max_per_worker: int | None = None,
+    prompt: "PromptBlocks | None" = None,
 ) -> WorkerPair | None:
     """Choose the workers for one attempt, or ``None`` when no eligible combination exists.
 
@@ -181,22 +266,22 @@ def select_pair(
 
     The decode worker is chosen first among those that have at least one compatible prefill
     worker (so a decode worker whose layout no prefiller shares is never picked for a
-    disaggregated request), then the prefill worker among the compatible ones.
+    disaggregated request), then the prefill worker among the compatible ones; a policy
+    given the ``prompt`` may weigh whole pairs instead, and may answer a pair without a
+    prefill worker even when ``needs_prefill`` (the decode worker holds the prompt's KV).
     """
     if max_per_worker is not None:
         busy = {w.worker_id for w in directory.workers() if load.get(w.worker_id) >= max_per_worker}
         exclude = set(exclude) | busy
     decodes = eligible(directory.workers("decode"), model, exclude)
     if not needs_prefill:
-        return WorkerPair(policy.choose_decode(decodes, load), None) if decodes else None
+        return policy.choose_pair(decodes, [], load, needs_prefill=False, prompt=prompt) if decodes else None
     prefills = eligible(directory.workers("prefill"), model, exclude)
     layouts = {p.layout_key for p in prefills}
     decodes = [d for d in decodes if d.layout_key in layouts]
     if not decodes:
         return None
-    decode = policy.choose_decode(decodes, load)
-    prefill = policy.choose_prefill([p for p in prefills if compatible(decode, p)], load)
-    return WorkerPair(decode, prefill)
+    return policy.choose_pair(decodes, prefills, load, needs_prefill=True, prompt=prompt)
 
 
 def has_pair(directory: WorkerDirectory, model: str | None = None, *, needs_prefill: bool = True) -> bool:

@@ -66,7 +66,8 @@ class RouterSettings(BaseSettings):
     policy: str = Field(
         "least_loaded",
         description="Pair-selection policy: least_loaded (decode by running batch and free pages, "
-        "prefill by queue depth) or round_robin.",
+        "prefill by queue depth; ties take turns), round_robin, or kv_aware (lowest estimated time to first "
+        "token from where the prompt's KV already is, and the load; see the kv_index_* and *_cost_ms settings).",
     )
     disaggregation_min_prompt_tokens: int = Field(
         32,
@@ -85,6 +86,52 @@ class RouterSettings(BaseSettings):
         description="When no compatible prefill worker is registered, or the request's prefill failed, serve "
         "it colocated on a decode worker (POST /generate_local: it prefills locally) instead of answering "
         "503; such answers carry X-Kvxfer-Serving-Mode: colocated_fallback. Off: 503 no_worker_pair.",
+    )
+
+    # --- KV-aware routing (policy kv_aware) ------------------------------------------------
+    kv_index_mode: str = Field(
+        "both", pattern=r"^(precise|approximate|both)$", description="What tells the router which prompt prefixes each worker holds: precise (the builtin "
+        "workers' own POST /prefix_index reports), approximate (what the router routed where; the only source for "
+        "vLLM instances, whose prompts are hashed as text: an estimate), or both.",
+    )
+    prefix_index_poll_interval_s: float = Field(
+        1.0, gt=0, description="Seconds between two polls of every builtin worker's POST /prefix_index."
+    )
+    prefix_index_max_age_s: float = Field(
+        10.0, gt=0, description="A worker's prefix report older than this many seconds is stale and ignored: that "
+        "worker is then chosen by load alone.",
+    )
+    kv_index_approximate_capacity_blocks: int = Field(
+        4096, ge=1, description="Blocks the router remembers routing to one worker (least recently routed dropped "
+        "first), for workers that do not report their own capacity (vLLM instances).",
+    )
+    approximate_block_tokens: int = Field(
+        16, ge=1, description="Tokens per KV page assumed for a worker that has not reported its own block size "
+        "(vLLM instances, builtin workers before their first report): sizes routed records and the pages-to-send "
+        "estimate.",
+    )
+    approximate_text_block_bytes: int = Field(
+        64, ge=1, description="Bytes of prompt text per block when the router hashes a vLLM request's prompt as text "
+        "(it does not tokenize for vLLM).",
+    )
+    text_bytes_per_token: float = Field(
+        4.0, gt=0, description="Bytes of prompt text counted as one token in kv_aware's cost estimate for vLLM "
+        "requests (the router does not tokenize them).",
+    )
+    prefill_token_cost_ms: float = Field(
+        0.1, ge=0, description="kv_aware: estimated milliseconds for a prefill worker to compute one prompt token it "
+        "does not hold.",
+    )
+    transfer_page_cost_ms: float = Field(
+        0.05, ge=0, description="kv_aware: estimated milliseconds to move one KV page the decode worker lacks.",
+    )
+    load_cost_ms: float = Field(
+        20.0, ge=0, description="kv_aware: estimated milliseconds one request already running or queued on a worker "
+        "adds to a new request's time to first token.",
+    )
+    skip_prefill_fraction: float = Field(
+        0.9, gt=0, le=1, description="kv_aware: when a decode worker holds at least this fraction of the prompt's "
+        "blocks it may serve the request alone (no prefill leg): it computes the rest itself.",
     )
 
     # --- admission -----------------------------------------------------------------------

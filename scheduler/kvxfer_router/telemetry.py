@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 from kvxfer.metrics import RouterMetrics
 
 from .directory import WorkerView
+from .policies import RoutingEstimate
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,33 @@ class RouterTelemetry:
         if self.metrics is not None:
             self.metrics.set_registry_rejections(totals)
 
+    def pair_decision(self, policy: str, estimate: RoutingEstimate) -> None:
+        """The policy chose a pair (or a decode worker alone) for a request that needed
+        prefill, expecting the prompt blocks ``estimate`` names to be held already."""
+        if self.metrics is None or not hasattr(self.metrics, "policy_decisions"):
+            return
+        self.metrics.policy_decisions.labels(policy, estimate.outcome).inc()
+        self.metrics.estimated_prefix_hit_blocks.labels("decode").inc(estimate.decode_hit_blocks)
+        self.metrics.estimated_prefix_hit_blocks.labels("prefill").inc(estimate.prefill_hit_blocks)
+
+    def prefill_reply(self, reply: dict[str, Any]) -> None:
+        """A prefill worker's ``/prefill`` answer: the KV it pushed and the pages it did not
+        push because the decoder held them, for the figures its answer carries."""
+        if self.metrics is None or not hasattr(self.metrics, "request_kv_moved"):
+            return
+        kv_bytes, skipped, pushed = reply.get("kv_bytes"), reply.get("pages_skipped"), reply.get("pages_pushed")
+        if _is_count(kv_bytes):
+            self.metrics.request_kv_moved.observe(kv_bytes)
+        if _is_count(skipped):
+            self.metrics.kv_pages_not_sent.inc(skipped)
+        if _is_count(pushed):
+            self.metrics.kv_pages_moved.inc(pushed)
+
+    def kv_index(self, sizes: dict[str, tuple[int, float | None]]) -> None:
+        """Publish the KV index's blocks and report age per worker."""
+        if self.metrics is not None and hasattr(self.metrics, "set_kv_index"):
+            self.metrics.set_kv_index(sizes)
+
     def workers(self, views: Iterable[WorkerView]) -> None:
         """Publish how many workers of each role are ready or draining."""
         if self.metrics is None:
@@ -96,6 +124,10 @@ class RouterTelemetry:
             (v.role, "draining" if v.draining else "ready") for v in views
         )
         self.metrics.set_workers(dict(counts))
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def default_router_metrics(registry: CollectorRegistry) -> RouterMetrics:

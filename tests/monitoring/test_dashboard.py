@@ -58,7 +58,7 @@ def dashboard() -> dict[str, Any]:
 def exported() -> dict[str, set[str]]:
     """Every exported sample name -> the label names its samples carry."""
     registry = CollectorRegistry()
-    RouterMetrics(registry)
+    RouterMetrics(registry).set_kv_index({"worker": (0, 0.0)})  # per-worker series need a worker
     DecodeMetrics(registry)
     PrefillMetrics(registry)
     WorkerAuthMetrics(registry)
@@ -156,7 +156,7 @@ def test_all_metric_names_constant_matches_what_the_classes_export(
 def test_exported_names_follow_prometheus_conventions(exported: dict[str, set[str]]) -> None:
     # Dashboards and alerts rely on these: one prefix, and units in histogram names.
     registry = CollectorRegistry()
-    RouterMetrics(registry)
+    RouterMetrics(registry).set_kv_index({"worker": (0, 0.0)})  # per-worker series need a worker
     DecodeMetrics(registry)
     PrefillMetrics(registry)
     WorkerAuthMetrics(registry)

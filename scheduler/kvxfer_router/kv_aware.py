@@ -1,0 +1,104 @@
+"""The ``kv_aware`` pair policy: the pair with the lowest estimated time to first token.
+
+For each (decode, prefill) pair the estimate, in milliseconds, is::
+
+    prefill_token_cost_ms  x  prompt tokens the prefill worker does not hold (its own cache)
+  + transfer_page_cost_ms  x  KV pages the decode worker does not hold (they cross the wire)
+  + load_cost_ms           x  (requests on the decode worker + requests on the prefill worker)
+
+and a decode worker that holds at least ``skip_prefill_fraction`` of the prompt's blocks may
+serve it alone, without a prefill leg (it computes the rest itself)::
+
+    prefill_token_cost_ms x tokens it does not hold  +  load_cost_ms x requests on it
+
+What each worker holds comes from the router's :class:`~kvxfer_router.kv_index.KvIndex`; a
+worker the index knows nothing usable of (no report, or a stale one) counts as holding
+nothing, and when that is true of every candidate the choice is ``least_loaded``'s (outcome
+``fallback``). Equal estimates take turns, as in ``least_loaded``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from .directory import WorkerView
+from .kv_index import KvIndex, PromptBlocks
+from .policies import FairTies, LeastLoadedPolicy, LocalLoad, PairPolicy, RoutingEstimate, WorkerPair, compatible
+from .settings import RouterSettings
+
+
+class KvAwarePolicy(PairPolicy):
+    """Chooses the pair (or the decode worker alone) with the lowest estimated time to
+    first token from where the prompt's KV already is and the load on each worker; see the
+    module docs for the estimate. Without a prompt (or an index that knows nothing of the
+    candidates) it chooses as ``least_loaded`` does."""
+
+    name = "kv_aware"
+
+    def __init__(self, settings: RouterSettings, index: KvIndex | None = None) -> None:
+        self._s = settings
+        self.kv_index = index if index is not None else KvIndex(settings)
+        self._by_load = LeastLoadedPolicy()
+        self._ties = FairTies()
+
+    def choose_decode(self, candidates: Sequence[WorkerView], load: LocalLoad) -> WorkerView:
+        """As ``least_loaded``: used when there is no prompt to weigh."""
+        return self._by_load.choose_decode(candidates, load)
+
+    def choose_prefill(self, candidates: Sequence[WorkerView], load: LocalLoad) -> WorkerView:
+        """As ``least_loaded``: used when there is no prompt to weigh."""
+        return self._by_load.choose_prefill(candidates, load)
+
+    def choose_pair(self, decodes: Sequence[WorkerView], prefills: Sequence[WorkerView], load: LocalLoad, *,
+                    needs_prefill: bool, prompt: PromptBlocks | None) -> WorkerPair:
+        """The option with the lowest estimate (module docs); ``fallback`` to load alone when
+        the index knows nothing of any candidate."""
+        index = self.kv_index
+        assert index is not None
+        held = {w.worker_id: index.held_units(w, prompt) for w in (*decodes, *prefills)} if prompt else {}
+        if prompt is None or prompt.units == 0 or all(v is None for v in held.values()):
+            chosen = self._by_load.choose_pair(decodes, prefills, load, needs_prefill=needs_prefill, prompt=None)
+            return WorkerPair(chosen.decode, chosen.prefill, RoutingEstimate("fallback"))
+        s = self._s
+        units_per_token = s.text_bytes_per_token if prompt.is_text else 1.0
+        options: list[tuple[tuple[bool, float], WorkerPair]] = []
+        for d in decodes:
+            d_held = held[d.worker_id] or 0
+            d_block = index.block_size(d, prompt)
+            d_blocks = d_held // d_block
+            missing_tokens = (prompt.units - d_held) / units_per_token
+            d_load = d.running + load.get(d.worker_id)
+            full = d.free_pages <= 0  # its /reserve would fail: last resort only
+            total_blocks = prompt.units // d_block
+            if not needs_prefill or (total_blocks and d_blocks >= s.skip_prefill_fraction * total_blocks):
+                cost = s.prefill_token_cost_ms * missing_tokens + s.load_cost_ms * d_load
+                options.append(((full, cost), WorkerPair(d, None, RoutingEstimate("decoder_only", d_blocks))))
+            if not needs_prefill:
+                continue
+            tokens_per_page = s.approximate_block_tokens if prompt.is_text else d_block
+            pages_missing = math.ceil(missing_tokens / tokens_per_page)
+            for p in prefills:
+                if not compatible(d, p):
+                    continue
+                p_held = held[p.worker_id] or 0
+                cost = (s.prefill_token_cost_ms * (prompt.units - p_held) / units_per_token
+                        + s.transfer_page_cost_ms * pages_missing
+                        + s.load_cost_ms * (d_load + p.queue_depth + load.get(p.worker_id)))
+                options.append(((full, cost), WorkerPair(
+                    d, p, RoutingEstimate("pair", d_blocks, p_held // index.block_size(p, prompt)))))
+        return self._ties.pick("pair", options, key=lambda o: o[0], worker_id=_option_ids)[1]
+
+    def served(self, pair: WorkerPair, prompt: PromptBlocks | None) -> None:
+        """Record that ``pair``'s workers now hold ``prompt``'s KV (approximate feed)."""
+        if prompt is None or self.kv_index is None:
+            return
+        self.kv_index.record_routed(pair.decode, prompt)
+        if pair.prefill is not None:
+            self.kv_index.record_routed(pair.prefill, prompt)
+
+
+def _option_ids(option: tuple[tuple[bool, float], WorkerPair]) -> str:
+    # Sort key of tied options: decode id, then prefill id ("" for the decoder alone).
+    pair = option[1]
+    return f"{pair.decode.worker_id}\0{pair.prefill.worker_id if pair.prefill else ''}"
