@@ -43,6 +43,10 @@ class WorkerRecord(BaseModel):
     running: int = Field(default=0, ge=0)
     draining: bool = False
     engine: WorkerEngine = "kvxfer"
+    # A vLLM instance's tensor parallel size and its model's KV heads over every rank (0:
+    # not said): a router pairs instances of different sizes only where the heads map.
+    tp_size: int = Field(default=1, ge=1)
+    kv_heads: int = Field(default=0, ge=0)
     # The contract names it updated_at; the unit is seconds since the Unix epoch.
     updated_at: float = 0.0
 

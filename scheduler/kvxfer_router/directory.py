@@ -67,6 +67,9 @@ class WorkerView:
     updated_at: float = 0.0
     #: "kvxfer" (kvxfer's own worker API) or "vllm" (an OpenAI server with the kvxfer connector).
     engine: str = "kvxfer"
+    #: A vLLM instance's tensor parallel size and KV heads over every rank (0: not said).
+    tp_size: int = 1
+    kv_heads: int = 0
 
     @property
     def layout_key(self) -> str:
@@ -118,6 +121,8 @@ class WorkerView:
             draining=bool(get("draining", False)),
             updated_at=float(get("updated_at", 0.0) or 0.0),
             engine=str(get("engine", "kvxfer") or "kvxfer"),
+            tp_size=int(get("tp_size", 1) or 1),
+            kv_heads=int(get("kv_heads", 0) or 0),
         )
 
 
