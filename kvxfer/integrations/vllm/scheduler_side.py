@@ -95,6 +95,9 @@ class SchedulerSide:
         # Loads the worker reported failed: with kv_load_failure_policy=recompute vLLM asks
         # again for the same request, which must then be computed here, not loaded again.
         self._failed_loads: set[str] = set()
+        # Per loading request: (blocks it loads, leading prompt blocks it held already), for
+        # the figures its answer's kv_transfer_params carry to the router.
+        self._load_blocks: dict[str, tuple[int, int]] = {}
         self._loads_to_send: list[LoadSpec] = []
         self._pushes: dict[str, _ActivePush] = {}
         self._finished_pushes: list[str] = []
@@ -216,6 +219,7 @@ class SchedulerSide:
         block_ids = list(blocks.get_block_ids()[0])
         first_page = pending.num_computed // self.block_size
         last_page = math.ceil(request.num_tokens / self.block_size)
+        self._load_blocks[request.request_id] = (len(block_ids[first_page:last_page]), first_page)
         self._loads_to_send.append(LoadSpec(
             request_id=request.request_id, transfer_id=pending.params.transfer_id,
             prefill_engine=pending.params.peer_engine, block_ids=block_ids[first_page:last_page],
@@ -288,17 +292,40 @@ class SchedulerSide:
         if self._pending_loads.pop(rid, None) is not None:
             self._load_ended(rid)  # never sent to the worker: nothing in flight for its siblings to wait on
         self._gated_since.pop(rid, None)
+        load_failed = rid in self._failed_loads
         self._failed_loads.discard(rid)
+        loaded = self._load_blocks.pop(rid, None)
         if rid in self._loads_in_flight:
             return True, None  # the worker cancels, fences, then reports finished_recving
         push = self._pushes.pop(rid, None)
         if push is None:
-            return False, None
+            return False, (self._load_report(*loaded) if loaded is not None and not load_failed else None)
         if push.pushed_to == 0:
             return False, None  # never reached the worker: nothing to push, nothing in flight
         self._awaiting_send.add(rid)
         self._finished_pushes.append(rid)
         return True, {"kvxfer": {"transfer_id": push.params.transfer_id, "role": "prefill"}}
+
+    def _load_report(self, blocks: int, held_blocks: int) -> dict[str, Any] | None:
+        """What a decode request's answer tells the router about its load: KV pages (blocks
+        of one layer) and bytes that came from the prefill instance, and the pages it held
+        already (a prefix-cache hit: they did not travel); None without vLLM's block manager
+        (nothing to count pages with). vLLM puts it in a non-streamed answer's
+        `kv_transfer_params`; the router reads it there and gives the client null."""
+        layers, block_bytes = self._block_geometry()
+        if layers == 0:
+            return None
+        return {"kvxfer": {"role": "decode", "pages_loaded": blocks * layers, "bytes_loaded": blocks * block_bytes,
+                           "pages_held": held_blocks * layers}}
+
+    def _block_geometry(self) -> tuple[int, int]:
+        """(layers, bytes) behind one block id: a block id names one page in every layer."""
+        config = getattr(self._kv_cache_manager, "kv_cache_config", None)
+        if config is None:
+            return 0, 0
+        groups = config.kv_cache_groups
+        return (sum(len(g.layer_names) for g in groups),
+                sum(len(g.layer_names) * int(g.kv_cache_spec.page_size_bytes) for g in groups))
 
     def has_pending_push_work(self) -> bool:
         """True while a finished prefill request's blocks wait for its push to end."""
