@@ -45,7 +45,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, Union
+from typing import Any, Protocol
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -64,9 +64,6 @@ METRICS_TIMEOUT_S = 10.0
 #: Words prompts are made of on the builtin engine (one token per byte).
 _WORDS = ("the cache holds pages of keys and values for every layer so a prompt that starts like an "
           "earlier one needs only its new tokens computed and moved across the wire to decode").split()
-
-Prompt = Union[str, list[int]]
-
 
 @dataclass(frozen=True)
 class Sizes:
@@ -102,8 +99,8 @@ class Session:
     each turn's prompt is the conversation so far (answers included) plus the message;
     without, the prefix plus the message alone."""
 
-    prefix: Prompt
-    turns: list[Prompt]
+    prefix: str
+    turns: list[str]
     keeps_history: bool
 
 
@@ -162,11 +159,9 @@ class Engine(Protocol):
     sizes: Sizes
     ttft_bound_ms: float
 
-    def segment(self, rng: random.Random, n: int) -> Prompt: ...
-    def join(self, a: Prompt, b: Prompt) -> Prompt: ...
-    def prompt_tokens(self, prompt: Prompt) -> int: ...
-    def body(self, prompt: Prompt, max_tokens: int) -> dict[str, Any]: ...
-    def answer_of(self, choice: dict[str, Any]) -> Prompt: ...
+    def segment(self, rng: random.Random, n: int) -> str: ...
+    def prompt_tokens(self, prompt: str) -> int: ...
+    def body(self, prompt: str, max_tokens: int) -> dict[str, Any]: ...
     def policy_run(self, policy: str) -> contextlib.AbstractContextManager[str]: ...
     def counters(self) -> Counters: ...
 
@@ -194,22 +189,14 @@ class BuiltinEngine:
         self.num_pages = num_pages
         self.cluster: Any = None
 
-    def segment(self, rng: random.Random, n: int) -> Prompt:
+    def segment(self, rng: random.Random, n: int) -> str:
         return words_of(rng, n)
 
-    def join(self, a: Prompt, b: Prompt) -> Prompt:
-        assert isinstance(a, str) and isinstance(b, str)
-        return a + b
-
-    def prompt_tokens(self, prompt: Prompt) -> int:
-        assert isinstance(prompt, str)
+    def prompt_tokens(self, prompt: str) -> int:
         return len(prompt.encode()) + 1  # and BOS
 
-    def body(self, prompt: Prompt, max_tokens: int) -> dict[str, Any]:
+    def body(self, prompt: str, max_tokens: int) -> dict[str, Any]:
         return {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "stream": True}
-
-    def answer_of(self, choice: dict[str, Any]) -> Prompt:
-        return str(choice.get("text") or "")
 
     @contextlib.contextmanager
     def policy_run(self, policy: str) -> Iterator[str]:
@@ -250,6 +237,8 @@ class VllmEngine:
     def __init__(self, prefill: int, work: Path) -> None:
         self.prefill = prefill
         self.work = work
+        self.tokenizer: Any = None
+        self.word_tokens: dict[str, int] = {}
         self.stack = contextlib.ExitStack()
         self.fleet: Any = None
         self.metrics_ports: dict[str, int] = {}
@@ -260,7 +249,11 @@ class VllmEngine:
 
         # POST /reset_prefix_cache, to start each policy cold, is served in dev mode only.
         os.environ["VLLM_SERVER_DEV_MODE"] = "1"
+        from tokenizers import Tokenizer
+
         model = make_checkpoint(self.work / "model")
+        self.tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+        self.word_tokens = {" " + w: len(self.tokenizer.encode(" " + w).ids) for w in _WORDS}
         self.fleet = self.stack.enter_context(VllmFleet(
             model, self.work, served_model_name=self.served_model,
             common_extra={"same_host": False, "bind_host": "127.0.0.1"}))
@@ -275,22 +268,23 @@ class VllmEngine:
     def __exit__(self, *exc: object) -> None:
         self.stack.close()
 
-    def segment(self, rng: random.Random, n: int) -> Prompt:
-        return [rng.randrange(3, 1900) for _ in range(n)]
+    def segment(self, rng: random.Random, n: int) -> str:
+        # Words with a leading space: the byte-level BPE splits at spaces, so a segment's
+        # tokens are its words' tokens and a prompt's tokens are its segments'.
+        out, tokens = "", 0
+        while tokens < n:
+            word = " " + rng.choice(_WORDS)
+            out += word
+            tokens += self.word_tokens[word]
+        return out
 
-    def join(self, a: Prompt, b: Prompt) -> Prompt:
-        assert isinstance(a, list) and isinstance(b, list)
-        return a + b
+    def prompt_tokens(self, prompt: str) -> int:
+        return len(self.tokenizer.encode(prompt).ids)
 
-    def prompt_tokens(self, prompt: Prompt) -> int:
-        return len(prompt)
-
-    def body(self, prompt: Prompt, max_tokens: int) -> dict[str, Any]:
+    def body(self, prompt: str, max_tokens: int) -> dict[str, Any]:
+        # Text, not token ids: the router's approximate KV index hashes a vLLM prompt's text.
         return {"model": self.served_model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
-                "temperature": 0, "return_token_ids": True, "ignore_eos": True}
-
-    def answer_of(self, choice: dict[str, Any]) -> Prompt:
-        return [int(t) for t in choice.get("token_ids") or ()]
+                "temperature": 0, "ignore_eos": True}
 
     @contextlib.contextmanager
     def policy_run(self, policy: str) -> Iterator[str]:
@@ -329,15 +323,14 @@ def sessions_of(engine: Engine, workload: str, shape: Shape, seed: int) -> list[
         doc = engine.segment(rng, s.document_tokens)
         return [Session(doc, [engine.segment(rng, s.question_tokens) for _ in range(shape.document_questions)], False)
                 for _ in range(shape.document_users)]
-    empty = engine.segment(rng, 0)
-    return [Session(empty, [engine.segment(rng, rng.randint(s.random_min_tokens, s.random_max_tokens))], False)
+    return [Session("", [engine.segment(rng, rng.randint(s.random_min_tokens, s.random_max_tokens))], False)
             for _ in range(shape.random_requests)]
 
 
-async def one_request(client: httpx.AsyncClient, url: str, engine: Engine, prompt: Prompt,
-                      max_tokens: int) -> tuple[Outcome, Prompt]:
-    """Streams one completion; returns what the client saw and the answer."""
-    answer = engine.segment(random.Random(0), 0)
+async def one_request(client: httpx.AsyncClient, url: str, engine: Engine, prompt: str,
+                      max_tokens: int) -> tuple[Outcome, str]:
+    """Streams one completion; returns what the client saw and the answer's text."""
+    answer = ""
     outcome = Outcome(ok=False, prompt_tokens=engine.prompt_tokens(prompt))
     start = time.perf_counter()
     try:
@@ -350,12 +343,12 @@ async def one_request(client: httpx.AsyncClient, url: str, engine: Engine, promp
                 if not line.startswith("data: {"):
                     continue
                 for choice in json.loads(line[6:]).get("choices") or ():
-                    piece = engine.answer_of(choice)
-                    if piece and outcome.completion_tokens == 0:
+                    if choice.get("text") is None:
+                        continue
+                    if outcome.completion_tokens == 0:
                         outcome.ttft_s = time.perf_counter() - start
-                    if piece:
-                        outcome.completion_tokens += 1
-                        answer = engine.join(answer, piece)
+                    outcome.completion_tokens += 1
+                    answer += choice["text"]
     except httpx.HTTPError as exc:
         outcome.error = f"{type(exc).__name__}: {exc}"
         return outcome, answer
@@ -375,12 +368,12 @@ async def run_sessions(url: str, engine: Engine, sessions: list[Session], users_
             async with gate:
                 history = session.prefix
                 for message in session.turns:
-                    prompt = engine.join(history, message)
+                    prompt = history + message
                     outcome, answer = await one_request(client, url, engine, prompt, engine.sizes.answer_tokens)
                     outcomes.append(outcome)
                     bar.update(1)
                     if session.keeps_history:
-                        history = engine.join(prompt, answer)
+                        history = prompt + answer
         await asyncio.gather(*(user(s) for s in sessions))
     return outcomes
 
