@@ -111,6 +111,20 @@ class RouterTelemetry:
         if _is_count(pushed):
             self.metrics.kv_pages_moved.inc(pushed)
 
+    def decode_load_report(self, report: dict[str, Any]) -> None:
+        """A vLLM decode instance's answer said what its load moved (the connector's
+        ``kv_transfer_params["kvxfer"]``: ``bytes_loaded``, ``pages_loaded``, ``pages_held``),
+        the same figures a builtin prefill worker's ``/prefill`` answer carries."""
+        if self.metrics is None or not hasattr(self.metrics, "request_kv_moved"):
+            return
+        kv_bytes, pages, held = report.get("bytes_loaded"), report.get("pages_loaded"), report.get("pages_held")
+        if _is_count(kv_bytes):
+            self.metrics.request_kv_moved.observe(kv_bytes)
+        if _is_count(pages):
+            self.metrics.kv_pages_moved.inc(pages)
+        if _is_count(held):
+            self.metrics.kv_pages_not_sent.inc(held)
+
     def kv_index(self, sizes: dict[str, tuple[int, float | None]]) -> None:
         """Publish the KV index's blocks and report age per worker."""
         if self.metrics is not None and hasattr(self.metrics, "set_kv_index"):

@@ -10,7 +10,10 @@ The client's body goes to the decode instance as it is (only `kv_transfer_params
 and the decode instance's answer comes back as it is: every field vLLM's OpenAI server
 accepts, its defaults (completions: 16 tokens; chat: up to the context), its status codes
 and error bodies. The router only rewrites the answer's `id` to the client-facing one
-(`cmpl-...` / `chatcmpl-...`, echoed in X-Request-Id). The prefill leg gets a copy that
+(`cmpl-...` / `chatcmpl-...`, echoed in X-Request-Id) and, in a non-streamed answer, takes
+the connector's report of the KV the decode instance loaded out of `kv_transfer_params`
+(for its metrics; the client gets null there, as from plain vLLM; vLLM sends no
+`kv_transfer_params` in a stream, so streamed requests are not counted). The prefill leg gets a copy that
 computes the same prompt and nothing else (`max_tokens` 1, `n` 1, not streamed, no
 sampling constraints that only make sense for the whole generation). With `n` > 1 vLLM
 forks one child per choice; the connector loads the prompt's KV once for all of them
@@ -28,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -313,6 +317,32 @@ def _with_client_id(data: str, client_id: str) -> tuple[dict[str, Any] | None, s
     return obj, data
 
 
+_KV_TRANSFER_PARAMS = re.compile(r'"kv_transfer_params"\s*:\s*')
+
+
+def _take_load_report(obj: dict[str, Any], text: str) -> tuple[dict[str, Any] | None, str]:
+    """(the decode instance's load report or None, ``text`` with it replaced by null).
+
+    The connector puts what a decode request's load moved in its answer's
+    ``kv_transfer_params`` (``kvxfer.integrations.vllm.scheduler_side``); the client gets
+    null there, as from plain vLLM. Only that value's characters change: the answer's other
+    bytes stay vLLM's own."""
+    params = obj.get("kv_transfer_params")
+    report = params.get("kvxfer") if isinstance(params, dict) else None
+    if not isinstance(report, dict) or report.get("role") != "decode":
+        return None, text
+    # The top-level field: an escaped copy inside generated text has a backslash before its quotes.
+    matches = list(_KV_TRANSFER_PARAMS.finditer(text))
+    if not matches:
+        return report, text
+    start = matches[-1].end()
+    try:
+        _, end = json.JSONDecoder().raw_decode(text, start)
+    except ValueError:
+        return report, text
+    return report, text[:start] + "null" + text[end:]
+
+
 def _failed_finish(obj: dict[str, Any]) -> str | None:
     """The finish reason of a choice that ended without an answer (the KV never came:
     ``error``; the instance refused it while draining: ``abort``), if one did."""
@@ -341,6 +371,9 @@ async def _relay_answer(lc: RequestLifecycle, decode: WorkerView, path: str, bod
     if failed is not None:
         raise LegFailure(attempt_id, decode, stage, f"a choice finished with {failed!r} (the KV load failed, or the "
                          "instance drains)")
+    report, text = _take_load_report(obj, text)
+    if report is not None:
+        lc._d.telemetry.decode_load_report(report)
     lc.relay(RelayedAnswer(resp.status_code, text.encode()), last=True)
 
 

@@ -46,6 +46,8 @@ REQUIRED_PANELS = {
     r"rejected": "kvxfer_router_rejected_requests_total",
     r"workers by role and state": "kvxfer_router_workers",
     r"engine bytes per rail": "kvxfer_engine_completed_bytes_total",
+    r"kv bytes moved per request": "kvxfer_router_request_kv_moved_bytes_bucket",
+    r"kv pages moved / held by the decoder": "kvxfer_router_kv_pages_not_sent_total",
 }
 
 
