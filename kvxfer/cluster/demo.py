@@ -1,8 +1,11 @@
 """The main demo: a local etcd, the router, one prefill and two decode workers on this
-machine; a batch of streaming requests through the router; a table of TTFT, inter-token
-latency, KV bytes moved and transfer GB/s; then a clean shutdown.
+machine; a few users in multi-turn conversations through the router (every turn re-sends
+the conversation on one shared system prompt, plus a new message; the answer is appended);
+a table of TTFT (first turns and later ones), inter-token latency, prefix-cache hits on the
+prefill and decode side, KV pages pushed and not pushed, and the KV push per request; then
+a clean shutdown.
 
-    python -m kvxfer.cluster.demo [--requests 24] [--concurrency 8] [--max-tokens 24] [--provider auto]
+    python -m kvxfer.cluster.demo [--users 4] [--turns 6] [--max-tokens 16] [--policy kv_aware] [--provider auto]
 """
 
 from __future__ import annotations
@@ -10,51 +13,129 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import random
-import statistics
 import sys
 import time
-from typing import Any, Sequence
+from dataclasses import dataclass, field
+from typing import Sequence
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
 from kvxfer.cluster.local_cluster import LocalCluster
+from kvxfer.model.config import ModelConfig
 
+MODEL = "tiny"
+#: One request, admission to last token; a request that takes longer counts as failed.
+REQUEST_TIMEOUT_S = 120.0
+METRICS_TIMEOUT_S = 5.0
 _WORDS = ("kv cache pages move layer by layer from prefill to decode over one sided writes "
           "while the next layer computes and the decoder counts immediates").split()
+# Sized for the tiny model's 1,024-token context (one token per byte): the last turn of a
+# conversation stays under it even when every answer byte comes back as a 3-byte U+FFFD.
+SYSTEM_PROMPT_BYTES = 280
+MESSAGE_BYTES = (24, 48)
 
 
-def _prompt(rng: random.Random) -> str:
-    return " ".join(rng.choice(_WORDS) for _ in range(rng.randint(20, 140)))
+def _words(rng: random.Random, n_bytes: int) -> str:
+    out = ""
+    while len(out) < n_bytes:
+        out += rng.choice(_WORDS) + " "
+    return out[:n_bytes]
 
 
-async def _one(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+@dataclass
+class Turn:
+    """What the client saw of one request."""
+
+    user: int
+    turn: int
+    prompt_bytes: int
+    ok: bool = False
+    ttft_s: float = float("nan")
+    #: Arrival times of the streamed tokens, from the request's start.
+    stamps: list[float] = field(default_factory=list)
+    serving_mode: str = ""
+    error: str = ""
+
+    @property
+    def inter_token_s(self) -> float | None:
+        """Mean gap between tokens: (last - first) / (tokens - 1). Per-gap figures read 0.0
+        whenever several tokens arrive in one read (the decode worker steps faster than this
+        client's loop wakes on two busy cores, so a read often holds 2-4 tokens, which then
+        share one time stamp); the mean over the stream is what a user sees."""
+        if len(self.stamps) < 2:
+            return None
+        return (self.stamps[-1] - self.stamps[0]) / (len(self.stamps) - 1)
+
+
+async def _one(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int, turn: Turn) -> str:
+    """Streams one completion into `turn`; returns the answer's text."""
+    answer = ""
     start = time.perf_counter()
-    stamps: list[float] = []
-    async with client.stream("POST", f"{url}/v1/completions", json={
-        "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "stream": True,
-    }) as resp:
-        if resp.status_code != 200:
-            return {"ok": False, "status": resp.status_code, "error": (await resp.aread()).decode()[:200]}
-        async for line in resp.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                chunk = json.loads(line[6:])
-                if chunk.get("choices") and chunk["choices"][0].get("text") is not None:
-                    stamps.append(time.perf_counter())
-    if not stamps:
-        return {"ok": False, "status": 200, "error": "no tokens"}
-    itl = [b - a for a, b in zip(stamps, stamps[1:])]
-    return {"ok": True, "ttft": stamps[0] - start, "itl": itl, "tokens": len(stamps), "e2e": stamps[-1] - start}
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json={
+            "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+        }) as resp:
+            turn.serving_mode = resp.headers.get("x-kvxfer-serving-mode", "")
+            if resp.status_code != 200:
+                turn.error = f"status {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:200]}"
+                return answer
+            async for line in resp.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunk = json.loads(line[6:])
+                    if chunk.get("choices") and chunk["choices"][0].get("text") is not None:
+                        turn.stamps.append(time.perf_counter() - start)
+                        answer += chunk["choices"][0]["text"]
+    except httpx.HTTPError as exc:
+        turn.error = f"{type(exc).__name__}: {exc}"
+        return answer
+    turn.ok = bool(turn.stamps)
+    turn.ttft_s = turn.stamps[0] if turn.stamps else float("nan")
+    turn.error = "" if turn.ok else "no tokens"
+    return answer
+
+
+async def _converse(url: str, users: int, turns: int, max_tokens: int, seed: int) -> list[Turn]:
+    """Every user's conversation, the users at once, each user's turns in order."""
+    rng = random.Random(seed)
+    system = "system: " + _words(rng, SYSTEM_PROMPT_BYTES - 8) + "\n"
+    messages = [[_words(rng, rng.randint(*MESSAGE_BYTES)) for _ in range(turns)] for _ in range(users)]
+    results: list[Turn] = []
+    bar = tqdm(total=users * turns, desc="requests", unit="req")
+    async with httpx.AsyncClient(timeout=httpx.Timeout(REQUEST_TIMEOUT_S)) as client:
+        async def user(u: int) -> None:
+            conversation = system
+            for t, message in enumerate(messages[u]):
+                prompt = f"{conversation}user {u}: {message}\nassistant: "
+                turn = Turn(u, t, len(prompt.encode()))
+                answer = await _one(client, url, prompt, max_tokens, turn)
+                results.append(turn)
+                bar.update(1)
+                conversation = prompt + answer + "\n"
+        await asyncio.gather(*(user(u) for u in range(users)))
+    bar.close()
+    return results
 
 
 def _scrape(url: str) -> dict[str, float]:
+    """A /metrics page's samples summed by name (and by `le` for histogram buckets)."""
     out: dict[str, float] = {}
-    text = httpx.get(f"{url}/metrics", timeout=5).text
+    text = httpx.get(f"{url}/metrics", timeout=METRICS_TIMEOUT_S).text
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            out[sample.name] = out.get(sample.name, 0.0) + sample.value
+            key = sample.name + (f"|{sample.labels['le']}" if "le" in sample.labels else "")
+            out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
+def _merged(urls: list[str]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for url in urls:
+        for k, v in _scrape(url).items():
+            out[k] = out.get(k, 0.0) + v
     return out
 
 
@@ -65,75 +146,111 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-async def _drive(url: str, prompts: list[str], concurrency: int, max_tokens: int) -> list[dict[str, Any]]:
-    sem = asyncio.Semaphore(concurrency)
-    results: list[dict[str, Any]] = []
-    bar = tqdm(total=len(prompts), desc="requests", unit="req")
-    async with httpx.AsyncClient(timeout=httpx.Timeout(120.0)) as client:
-        async def run(p: str) -> None:
-            async with sem:
-                results.append(await _one(client, url, p, max_tokens))
-                bar.update(1)
-        await asyncio.gather(*(run(p) for p in prompts))
-    bar.close()
-    return results
+def _histogram_quantile(metrics: dict[str, float], name: str, q: float) -> float:
+    """The q-quantile of a histogram from its cumulative buckets, interpolated inside the
+    bucket as Prometheus' histogram_quantile does; NaN without observations."""
+    buckets = sorted((float(k.split("|")[1]), v) for k, v in metrics.items() if k.startswith(name + "_bucket|"))
+    count = buckets[-1][1] if buckets else 0.0
+    if count <= 0:
+        return float("nan")
+    rank, lower, below = q * count, 0.0, 0.0
+    for upper, cumulative in buckets:
+        if cumulative >= rank:
+            if math.isinf(upper):
+                return lower
+            return lower + (upper - lower) * (rank - below) / max(cumulative - below, 1e-12)
+        lower, below = upper, cumulative
+    return lower
+
+
+def _share(part: float | None, whole: float) -> str:
+    if part is None:
+        return "not reported by the workers"
+    return f"{part:,.0f} of {whole:,.0f} ({100 * part / whole if whole else 0:.0f}%)"
+
+
+def _report(results: list[Turn], wall: float, prefill: dict[str, float], decode: dict[str, float],
+            page_bytes: int) -> list[tuple[str, str]]:
+    """The demo's table rows; `page_bytes` is one page of every layer."""
+    ok = [r for r in results if r.ok]
+    first = [r.ttft_s * 1e3 for r in ok if r.turn == 0]
+    later = [r.ttft_s * 1e3 for r in ok if r.turn > 0]
+    itl = [r.inter_token_s * 1e3 for r in ok if r.inter_token_s is not None]
+    tokens = sum(len(r.stamps) for r in ok)
+    prompt_tokens = sum(r.prompt_bytes + 1 for r in results)  # one token per byte, and BOS
+    pushed = prefill.get("kvxfer_prefill_kv_pushed_bytes_total", 0.0)
+    pushes = prefill.get("kvxfer_prefill_kv_transfer_seconds_count", 0.0)
+    pages_pushed = pushed / page_bytes
+    pages_held = prefill.get("kvxfer_prefill_kv_pages_skipped_total")
+    modes: dict[str, int] = {}
+    for r in results:
+        modes[r.serving_mode or "none"] = modes.get(r.serving_mode or "none", 0) + 1
+    span_p50 = _histogram_quantile(prefill, "kvxfer_prefill_kv_transfer_seconds", 0.5) * 1e3
+    span_p99 = _histogram_quantile(prefill, "kvxfer_prefill_kv_transfer_seconds", 0.99) * 1e3
+    return [
+        ("requests ok / sent", f"{len(ok)} / {len(results)}"),
+        ("served as", ", ".join(f"{m} {n}" for m, n in sorted(modes.items()))),
+        ("TTFT p50 / p99, first turns (ms)", f"{_pct(first, .5):.1f} / {_pct(first, .99):.1f}"),
+        ("TTFT p50 / p99, later turns (ms)", f"{_pct(later, .5):.1f} / {_pct(later, .99):.1f}"),
+        ("inter-token p50 / p99 (ms, each request's mean gap)", f"{_pct(itl, .5):.2f} / {_pct(itl, .99):.2f}"),
+        ("tokens generated", f"{tokens} ({tokens / wall:.1f} tok/s)"),
+        ("prompt tokens found in the prefill worker's cache", _share(
+            prefill.get("kvxfer_prefill_prefix_hit_tokens_sum"), prompt_tokens)),
+        ("prompt tokens the decode workers already held", _share(
+            decode.get("kvxfer_decode_prefix_hit_tokens_sum"), prompt_tokens)),
+        ("KV pages pushed / not pushed (decoder held them)",
+         f"{pages_pushed:,.0f} / {pages_held:,.0f}" if pages_held is not None
+         else f"{pages_pushed:,.0f} / not reported by the workers"),
+        ("KV pushed per request (mean)", f"{pushed / pushes / 1024:.1f} KiB in {pushes:.0f} pushes"
+         if pushes else "no push"),
+        ("KV push p50 / p99 (ms, first write posted to last landed)", f"{span_p50:.1f} / {span_p99:.1f}"),
+        ("wall time (s)", f"{wall:.1f}"),
+    ]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the demo; returns 0 when every request succeeded."""
     parser = argparse.ArgumentParser(prog="python -m kvxfer.cluster.demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=24, help="requests to send (default 24)")
-    parser.add_argument("--concurrency", type=int, default=8, help="requests in flight (default 8)")
-    parser.add_argument("--max-tokens", type=int, default=24, help="tokens per request (default 24)")
-    parser.add_argument("--provider", default="auto", help="libfabric provider of the workers")
-    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--users", type=int, default=4, help="users in conversation at once (default 4)")
+    parser.add_argument("--turns", type=int, default=6,
+                        help="turns per conversation; each re-sends the conversation so far (default 6; the tiny "
+                             "model's 1,024-token context holds about 7)")
+    parser.add_argument("--max-tokens", type=int, default=16, help="tokens per answer (default 16)")
+    parser.add_argument("--policy", default="kv_aware",
+                        help="the router's pair policy: kv_aware (default), least_loaded or round_robin")
+    parser.add_argument("--provider", default="auto", help="libfabric provider of the workers (default auto)")
+    parser.add_argument("--seed", type=int, default=7, help="seed of the conversations' text (default 7)")
     args = parser.parse_args(argv)
+    if min(args.users, args.turns, args.max_tokens) < 1:
+        parser.error("--users, --turns and --max-tokens must be at least 1")
 
-    print("starting a local etcd, the router, 1 prefill and 2 decode workers ...", flush=True)
-    with LocalCluster(prefill=1, decode=2, provider=args.provider,
-                      router_env={"KVXFER_ROUTER_DISAGGREGATION_MIN_PROMPT_TOKENS": "0"}) as cluster:
+    print(f"starting a local etcd, the router ({args.policy}), 1 prefill and 2 decode workers ...", flush=True)
+    with LocalCluster(prefill=1, decode=2, provider=args.provider, model=MODEL,
+                      router_env={"KVXFER_ROUTER_DISAGGREGATION_MIN_PROMPT_TOKENS": "0",
+                                  "KVXFER_ROUTER_POLICY": args.policy}) as cluster:
         print(f"router {cluster.router_url}, logs in {cluster.log_dir}", flush=True)
-        rng = random.Random(args.seed)
-        prompts = [_prompt(rng) for _ in range(args.requests)]
         t0 = time.perf_counter()
-        results = asyncio.run(_drive(cluster.router_url, prompts, args.concurrency, args.max_tokens))
+        results = asyncio.run(_converse(cluster.router_url, args.users, args.turns, args.max_tokens, args.seed))
         wall = time.perf_counter() - t0
-        prefill_urls = [w["http_url"] for w in httpx.get(f"{cluster.admin_url}/workers", timeout=5).json().get("workers", [])
-                        if w.get("role") == "prefill"]
-        kv_bytes = 0.0
-        transfer_s = 0.0
-        for url in prefill_urls:
-            m = _scrape(url)
-            kv_bytes += m.get("kvxfer_prefill_kv_pushed_bytes_total", 0.0)
-            transfer_s += m.get("kvxfer_prefill_kv_wire_seconds_total", 0.0)
+        workers = httpx.get(f"{cluster.admin_url}/workers", timeout=METRICS_TIMEOUT_S).json().get("workers", [])
+        prefill = _merged([w["http_url"] for w in workers if w.get("role") == "prefill"])
+        decode = _merged([w["http_url"] for w in workers if w.get("role") == "decode"])
         print("draining and stopping ...", flush=True)
 
-    ok = [r for r in results if r["ok"]]
-    ttft = [r["ttft"] * 1e3 for r in ok]
-    itl = [x * 1e3 for r in ok for x in r["itl"]]
-    tokens = sum(r["tokens"] for r in ok)
-    rows = [
-        ("requests ok / sent", f"{len(ok)} / {len(results)}"),
-        ("TTFT p50 / p99 (ms)", f"{_pct(ttft, .5):.1f} / {_pct(ttft, .99):.1f}"),
-        ("inter-token p50 / p99 (ms)", f"{_pct(itl, .5):.1f} / {_pct(itl, .99):.1f}"),
-        ("tokens generated", f"{tokens} ({tokens / wall:.1f} tok/s)"),
-        ("KV bytes moved", f"{kv_bytes / 1e6:.2f} MB"),
-        ("transfer GB/s (bytes / time writes were in flight)", f"{(kv_bytes / transfer_s / 1e9) if transfer_s else float('nan'):.2f}"),
-        ("wall time (s)", f"{wall:.1f}"),
-    ]
+    config = ModelConfig.preset(MODEL)
+    rows = _report(results, wall, prefill, decode, config.page_bytes * config.num_layers)
     width = max(len(k) for k, _ in rows)
     print()
-    print("kvxfer demo: 1 prefill + 2 decode workers, streaming through the router")
-    print("-" * (width + 24))
+    print(f"kvxfer demo: {args.users} users x {args.turns} turns on one system prompt, 1 prefill + 2 decode "
+          f"workers, router policy {args.policy}")
+    print("-" * (width + 30))
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
-    print("-" * (width + 24))
-    failed = [r for r in results if not r["ok"]]
+    print("-" * (width + 30))
+    failed = [r for r in results if not r.ok]
     for r in failed[:5]:
-        print(f"failed: status {r['status']}: {r['error']}")
-    if ttft:
-        print(f"mean TTFT {statistics.mean(ttft):.1f} ms")
+        print(f"failed: user {r.user} turn {r.turn}: {r.error}")
     return 0 if not failed else 1
 
 
