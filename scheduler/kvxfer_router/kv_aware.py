@@ -13,7 +13,7 @@ serve it alone, without a prefill leg (it computes the rest itself)::
 
 What each worker holds comes from the router's :class:`~kvxfer_router.kv_index.KvIndex`; a
 worker the index knows nothing usable of (no report, or a stale one) counts as holding
-nothing, and when that is true of every candidate the choice is ``least_loaded``'s (outcome
+nothing; when that is true of every candidate the estimates differ by load alone (outcome
 ``fallback``). Equal estimates take turns, as in ``least_loaded``.
 """
 
@@ -31,8 +31,7 @@ from .settings import RouterSettings
 class KvAwarePolicy(PairPolicy):
     """Chooses the pair (or the decode worker alone) with the lowest estimated time to
     first token from where the prompt's KV already is and the load on each worker; see the
-    module docs for the estimate. Without a prompt (or an index that knows nothing of the
-    candidates) it chooses as ``least_loaded`` does."""
+    module docs for the estimate. Without a prompt it chooses as ``least_loaded`` does."""
 
     name = "kv_aware"
 
@@ -56,10 +55,13 @@ class KvAwarePolicy(PairPolicy):
         the index knows nothing of any candidate."""
         index = self.kv_index
         assert index is not None
-        held = {w.worker_id: index.held_units(w, prompt) for w in (*decodes, *prefills)} if prompt else {}
-        if prompt is None or prompt.units == 0 or all(v is None for v in held.values()):
+        if prompt is None:
             chosen = self._by_load.choose_pair(decodes, prefills, load, needs_prefill=needs_prefill, prompt=None)
             return WorkerPair(chosen.decode, chosen.prefill, RoutingEstimate("fallback"))
+        held = {w.worker_id: index.held_units(w, prompt) for w in (*decodes, *prefills)}
+        # Knowing nothing, every worker counts as holding nothing: the estimates then differ
+        # by load alone, which is the fallback.
+        knows_nothing = all(v is None for v in held.values())
         s = self._s
         units_per_token = s.text_bytes_per_token if prompt.is_text else 1.0
         options: list[tuple[tuple[bool, float], WorkerPair]] = []
@@ -87,7 +89,10 @@ class KvAwarePolicy(PairPolicy):
                         + s.load_cost_ms * (d_load + p.queue_depth + load.get(p.worker_id)))
                 options.append(((full, cost), WorkerPair(
                     d, p, RoutingEstimate("pair", d_blocks, p_held // index.block_size(p, prompt)))))
-        return self._ties.pick("pair", options, key=lambda o: o[0], worker_id=_option_ids)[1]
+        chosen = self._ties.pick("pair", options, key=lambda o: o[0], worker_id=_option_ids)[1]
+        if knows_nothing:
+            return WorkerPair(chosen.decode, chosen.prefill, RoutingEstimate("fallback"))
+        return chosen
 
     def served(self, pair: WorkerPair, prompt: PromptBlocks | None) -> None:
         """Record that ``pair``'s workers now hold ``prompt``'s KV (approximate feed)."""
