@@ -64,7 +64,9 @@ class KvAwarePolicy(PairPolicy):
         knows_nothing = all(v is None for v in held.values())
         s = self._s
         units_per_token = s.text_bytes_per_token if prompt.is_text else 1.0
-        options: list[tuple[tuple[bool, float], WorkerPair]] = []
+        # Sort key: a decoder without free pages last, then the estimate, then the decoder
+        # alone before a pair of equal estimate (a leg more is never free).
+        options: list[tuple[tuple[bool, float, bool], WorkerPair]] = []
         for d in decodes:
             d_held = held[d.worker_id] or 0
             d_block = index.block_size(d, prompt)
@@ -75,7 +77,7 @@ class KvAwarePolicy(PairPolicy):
             total_blocks = prompt.units // d_block
             if not needs_prefill or (total_blocks and d_blocks >= s.skip_prefill_fraction * total_blocks):
                 cost = s.prefill_token_cost_ms * missing_tokens + s.load_cost_ms * d_load
-                options.append(((full, cost), WorkerPair(d, None, RoutingEstimate("decoder_only", d_blocks))))
+                options.append(((full, cost, False), WorkerPair(d, None, RoutingEstimate("decoder_only", d_blocks))))
             if not needs_prefill:
                 continue
             tokens_per_page = s.approximate_block_tokens if prompt.is_text else d_block
@@ -87,7 +89,7 @@ class KvAwarePolicy(PairPolicy):
                 cost = (s.prefill_token_cost_ms * (prompt.units - p_held) / units_per_token
                         + s.transfer_page_cost_ms * pages_missing
                         + s.load_cost_ms * (d_load + p.queue_depth + load.get(p.worker_id)))
-                options.append(((full, cost), WorkerPair(
+                options.append(((full, cost, True), WorkerPair(
                     d, p, RoutingEstimate("pair", d_blocks, p_held // index.block_size(p, prompt)))))
         chosen = self._ties.pick("pair", options, key=lambda o: o[0], worker_id=_option_ids)[1]
         if knows_nothing:
@@ -103,7 +105,7 @@ class KvAwarePolicy(PairPolicy):
             self.kv_index.record_routed(pair.prefill, prompt)
 
 
-def _option_ids(option: tuple[tuple[bool, float], WorkerPair]) -> str:
+def _option_ids(option: tuple[tuple[bool, float, bool], WorkerPair]) -> str:
     # Sort key of tied options: decode id, then prefill id ("" for the decoder alone).
     pair = option[1]
     return f"{pair.decode.worker_id}\0{pair.prefill.worker_id if pair.prefill else ''}"

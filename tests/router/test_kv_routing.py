@@ -10,7 +10,7 @@ from urllib.parse import urlparse
 
 import httpx
 import pytest
-from fastapi import HTTPException, Request
+from fastapi import FastAPI, HTTPException, Request
 from kvxfer_router import RouterSettings, StaticWorkerDirectory, create_app
 from kvxfer_router.kv_index import PromptBlocks, relayed_prompt_text
 from kvxfer_router.openai_api import default_prompt_encoder
@@ -243,3 +243,48 @@ def test_metrics_show_decisions_index_size_and_report_age(kv_cluster: KvCluster)
     assert f'kvxfer_router_kv_index_blocks{{worker_id="d1"}} {float(blocks)}' in text
     assert 'kvxfer_router_kv_index_report_age_seconds{worker_id="d2"}' in text
     assert "kvxfer_router_request_kv_moved_bytes_count 1.0" in text
+
+
+class FakeVllmInstance:
+    """The OpenAI surface of a vLLM instance running the connector, reduced to what the
+    router's vLLM legs read: a non-streamed completion; it records each body."""
+
+    def __init__(self, worker_id: str, role: str) -> None:
+        self.worker_id, self.role, self.url = worker_id, role, ""
+        self.bodies: list[dict[str, Any]] = []
+        self.app = FastAPI()
+        self.app.post("/v1/completions")(self._complete)
+
+    async def _complete(self, request: Request) -> dict[str, Any]:
+        self.bodies.append(await request.json())
+        return {"id": "cmpl-vllm", "object": "text_completion", "created": 0, "model": MODEL,
+                "choices": [{"index": 0, "text": "hello", "logprobs": None, "finish_reason": "length"}],
+                "usage": {"prompt_tokens": 10, "completion_tokens": 1, "total_tokens": 11}}
+
+    def record(self) -> dict[str, Any]:
+        return {"worker_id": self.worker_id, "role": self.role, "http_url": self.url, "model": MODEL,
+                "kv_layout": "vllm-layout", "engine": "vllm", "engine_address": self.worker_id.encode().hex(),
+                "total_pages": 64, "free_pages": 64}
+
+
+def test_a_vllm_decoder_that_was_sent_the_prompt_gets_it_again_alone(
+        host: tuple[ServerHost, WorkerMux, str]) -> None:
+    server, mux, mux_url = host
+    instances = [FakeVllmInstance("vd1", "decode"), FakeVllmInstance("vd2", "decode"),
+                 FakeVllmInstance("vp1", "prefill")]
+    directory = StaticWorkerDirectory()
+    for instance in instances:
+        instance.url = mux_url + mux.add(instance.app)
+        directory.put(instance.record())
+    url = server.serve(create_app(RouterSettings(**{**SETTINGS, "kv_index_mode": "approximate"}), directory))
+    prompt = "a long shared document. " * 32  # 768 bytes: whole 64-byte text blocks
+    try:
+        with httpx.Client(timeout=10, trust_env=False) as client:
+            modes = [client.post(url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 4})
+                     .headers["x-kvxfer-serving-mode"] for _ in range(2)]
+    finally:
+        server.stop(url)
+    decoder = next(i for i in instances[:2] if i.bodies)
+    assert modes == ["disaggregated", "prefix_cached"]
+    assert [("kv_transfer_params" in b) for b in decoder.bodies] == [True, False]
+    assert len(instances[2].bodies) == 1  # no prefill leg the second time
