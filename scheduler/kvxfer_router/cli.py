@@ -56,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
         extra: dict[str, Any] = {}
         if name == "policy":
             extra["choices"] = policy_names()
+        elif name == "kv_index_mode":
+            extra["choices"] = ["precise", "approximate", "both"]
         # SUPPRESS: a flag left out must not shadow the environment variable.
         parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=argparse.SUPPRESS,
                             help=help_text, **extra)
