@@ -101,7 +101,7 @@ class PromptBlocks:
         self.namespace = namespace
         self._tokens = tokens
         self._text = text
-        self._hashes: dict[int, list[str]] = {}
+        self._hashes: dict[tuple[int, str], list[str]] = {}
 
     @classmethod
     def for_request(cls, model: str, tokens: Sequence[int], body: dict[str, Any] | None, kind: str) -> PromptBlocks:
@@ -121,15 +121,17 @@ class PromptBlocks:
         """Prompt length in its units (tokens or bytes)."""
         return len(self._tokens) if self._tokens is not None else len(self._text or b"")
 
-    def hashes(self, block_size: int) -> list[str]:
-        """Hex hashes of the prompt's full blocks of ``block_size`` units."""
-        cached = self._hashes.get(block_size)
+    def hashes(self, block_size: int, namespace: str | None = None) -> list[str]:
+        """Hex hashes of the prompt's full blocks of ``block_size`` units, in ``namespace``
+        (a worker's report names its own; by default the request's model)."""
+        namespace = self.namespace if namespace is None else namespace
+        cached = self._hashes.get((block_size, namespace))
         if cached is None:
             if self._tokens is not None:
-                cached = block_hashes_hex(self._tokens, block_size, self.namespace)
+                cached = block_hashes_hex(self._tokens, block_size, namespace)
             else:
-                cached = text_block_hashes(self._text or b"", block_size, self.namespace)
-            self._hashes[block_size] = cached
+                cached = text_block_hashes(self._text or b"", block_size, namespace)
+            self._hashes[(block_size, namespace)] = cached
         return cached
 
 
@@ -139,6 +141,8 @@ class _WorkerBlocks:
 
     block_size: int
     capacity_blocks: int
+    #: The hash namespace of the worker's report (None: the request's model).
+    namespace: str | None = None
     #: From the last report (precise); replaced whole by the next one.
     reported: frozenset[str] = frozenset()
     #: Routed by this router (approximate): hash -> when recorded (monotonic), LRU order.
@@ -178,17 +182,19 @@ class KvIndex:
         worker may have evicted them). Raises ValueError for a malformed report."""
         epoch, version = report.get("epoch"), report.get("version")
         block_size, capacity = report.get("block_size"), report.get("capacity_pages")
-        blocks = report.get("blocks")
+        blocks, namespace = report.get("blocks"), report.get("namespace")
         if not isinstance(epoch, str) or not _is_count(version) or not _is_count(block_size) or block_size < 1 \
                 or not _is_count(capacity):
             raise ValueError(f"malformed prefix index report from {worker_id}: "
                              f"epoch={epoch!r} version={version!r} block_size={block_size!r} capacity={capacity!r}")
+        if not isinstance(namespace, str):
+            raise ValueError(f"malformed prefix index report from {worker_id}: namespace={namespace!r}")
         if blocks is not None and not (isinstance(blocks, list) and all(isinstance(b, str) for b in blocks)):
             raise ValueError(f"malformed prefix index report from {worker_id}: blocks must be a list of hex strings")
         entry = self._workers.get(worker_id)
-        if entry is None or entry.epoch != epoch or entry.block_size != block_size:
-            # A new process (or a new block size) makes everything said before meaningless.
-            entry = self._workers[worker_id] = _WorkerBlocks(block_size, max(1, capacity), epoch=epoch)
+        if entry is None or entry.epoch != epoch or (entry.block_size, entry.namespace) != (block_size, namespace):
+            # A new process (or new block names) makes everything said before meaningless.
+            entry = self._workers[worker_id] = _WorkerBlocks(block_size, max(1, capacity), namespace, epoch=epoch)
             if blocks is None:
                 # "Unchanged" against a version of another process: ask again from scratch.
                 return
@@ -209,7 +215,7 @@ class KvIndex:
         if entry is None:
             entry = self._workers[worker.worker_id] = _WorkerBlocks(self._default_block(prompt), self._approx_capacity)
         now = self._clock()
-        for h in prompt.hashes(entry.block_size):
+        for h in prompt.hashes(entry.block_size, entry.namespace):
             entry.routed[h] = now
             entry.routed.move_to_end(h)
         while len(entry.routed) > entry.capacity_blocks:
@@ -236,7 +242,7 @@ class KvIndex:
         if not use_reported and not (use_routed and entry.routed):
             return None
         matched = 0
-        for h in prompt.hashes(entry.block_size):
+        for h in prompt.hashes(entry.block_size, entry.namespace):
             if not ((use_reported and h in entry.reported) or (use_routed and h in entry.routed)):
                 break
             matched += 1
