@@ -369,6 +369,7 @@ class RequestLifecycle:
         self._events: asyncio.Queue[Event] = asyncio.Queue()
         self._terminal_sent = False
         self._last_token_at: float | None = None
+        self._prompt: PromptBlocks | None = None
         self._task = asyncio.ensure_future(self._run())
 
     @property
@@ -445,7 +446,7 @@ class RequestLifecycle:
     async def _attempts(self) -> None:
         exclude: set[str] = set()
         last: LegFailure | None = None
-        prompt = self._prompt_blocks()
+        prompt = self._prompt = self._prompt_blocks()
         for attempt in range(self._s.max_retries + 1):
             pair = select_pair(
                 self._d.directory, self.job.model, needs_prefill=self.job.needs_prefill,
@@ -494,7 +495,6 @@ class RequestLifecycle:
                     await self._local(pair.decode, worker_rid)
                 else:
                     await self._disaggregated(pair.decode, pair.prefill, worker_rid)
-                self._d.policy.served(pair, prompt)
                 return
             except LegFailure as failure:
                 log.warning("%s", failure)
@@ -683,6 +683,7 @@ class RequestLifecycle:
             self._events.put_nowait(held)
         self._held.clear()
         usage = usage_from(msg.get("usage"), len(self.job.prompt_tokens), self.tokens_sent)
+        self._served()
         self._terminal_sent = True
         self._ticket.release_id()  # answered: the client may reuse the id at once
         rest = msg.get("text")
@@ -697,9 +698,16 @@ class RequestLifecycle:
         self._output_arrived(timed=not last)
         self.tokens_sent += 1
         if last:
+            self._served()
             self._terminal_sent = True
             self._ticket.release_id()  # answered: the client may reuse the id at once
         self._events.put_nowait(event)
+
+    def _served(self) -> None:
+        """The attempt's pair answered: the policy learns where the prompt's KV now is, before
+        the client has the answer (a client's next turn must find it)."""
+        if self.attempts:
+            self._d.policy.served(self.attempts[-1], self._prompt)
 
     def _fail(self, error: RouterError) -> None:
         if self.state is not RequestState.CANCELLED:

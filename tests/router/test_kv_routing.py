@@ -16,12 +16,14 @@ from kvxfer_router.kv_index import PromptBlocks, relayed_prompt_text
 from kvxfer_router.openai_api import default_prompt_encoder
 from support.fake_workers import MODEL, Fabric, FakeDecodeWorker, FakePrefillWorker, ServerHost, WorkerMux
 from support.waiting import wait_until
+from support.worker_procs import WorkerProc, WorkerSet
 
+from kvxfer.cluster.control_client import ControlTokenAuth
 from kvxfer.kv.prefix_hash import block_hashes_hex
 from kvxfer.registry.control_token import TokenRefused, TokenVerifier, WorkerIdentity
 
 BLOCK = 16
-CLUSTER_KEY = bytes(range(32))
+CLUSTER_KEY = b"kv-routing-test-cluster-key-0123456789"
 SETTINGS: dict[str, Any] = dict(
     policy="kv_aware", kv_index_mode="both", disaggregation_min_prompt_tokens=8, max_prompt_tokens=1024,
     max_tokens_limit=100, request_deadline_s=5.0, connect_timeout_s=1.0, control_timeout_s=2.0,
@@ -288,3 +290,57 @@ def test_a_vllm_decoder_that_was_sent_the_prompt_gets_it_again_alone(
     assert modes == ["disaggregated", "prefix_cached"]
     assert [("kv_transfer_params" in b) for b in decoder.bodies] == [True, False]
     assert len(instances[2].bodies) == 1  # no prefill leg the second time
+
+
+# --- real builtin workers ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def real_workers(tmp_path_factory: pytest.TempPathFactory, key_file: Path) -> Iterator[list[WorkerProc]]:
+    """Two decode workers and a prefill worker (real processes, prefix caches on, the
+    cluster key: every control call, /prefix_index included, must be signed)."""
+    workers = WorkerSet(tmp_path_factory.mktemp("kv-routing-workers"), env={"KVXFER_CLUSTER_KEY_FILE": str(key_file)})
+    try:
+        yield workers.start_many([("decode", {"num_pages": 128, "extra": ["--worker-id", "real-d1"]}),
+                                  ("decode", {"num_pages": 128, "extra": ["--worker-id", "real-d2"]}),
+                                  ("prefill", {"num_pages": 128, "extra": ["--worker-id", "real-p1"]})])
+    except BaseException:
+        print(workers.logs())
+        raise
+    finally:
+        workers.close()
+
+
+def test_real_workers_a_repeated_prompt_goes_back_to_its_decoder_and_answers_the_same(
+        host: tuple[ServerHost, WorkerMux, str], key_file: Path, real_workers: list[WorkerProc]) -> None:
+    server = host[0]
+    auth = ControlTokenAuth(key_file)
+    directory = StaticWorkerDirectory(httpx.get(f"{w.url}/info", auth=auth, timeout=5, trust_env=False).json()
+                                      for w in real_workers)
+    app = create_app(RouterSettings(**{**SETTINGS, "kv_index_mode": "precise", "cluster_key_file": key_file,
+                                       "request_deadline_s": 60.0, "prefill_timeout_s": 30.0,
+                                       "kv_wait_timeout_s": 30.0, "first_token_timeout_s": 40.0,
+                                       "token_idle_timeout_s": 20.0}), directory)
+    policy = app.state.router.policy
+    decoders: list[str] = []
+    served = policy.served
+    policy.served = lambda pair, prompt: (decoders.append(pair.decode.worker_id), served(pair, prompt))
+    url = server.serve(app)
+    prompt = in_whole_blocks("user: summarise the shared document about kv caches, please.\nassistant:" * 2)
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 8}
+    try:
+        with httpx.Client(timeout=90, trust_env=False) as client:
+            first = client.post(url + "/v1/completions", json=body)
+            assert first.status_code == 200, first.text
+            holder = decoders[0]
+            view = next(w for w in directory.workers() if w.worker_id == holder)
+            wait_until(lambda: policy.kv_index.held_units(view, PromptBlocks("tiny", tokens=tokens(prompt)))
+                       == len(tokens(prompt)), timeout_s=10, what=f"{holder} reporting the whole prompt")
+            second = client.post(url + "/v1/completions", json=body)
+            assert second.status_code == 200, second.text
+    finally:
+        server.stop(url)
+    assert (first.headers["x-kvxfer-serving-mode"], second.headers["x-kvxfer-serving-mode"]) == \
+        ("disaggregated", "prefix_cached")
+    assert decoders == [holder, holder]
+    assert second.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
