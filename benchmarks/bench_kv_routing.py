@@ -118,12 +118,16 @@ class Outcome:
 
 @dataclass
 class Counters:
-    """Cluster-wide totals read from the workers' metrics (None: not measurable)."""
+    """Cluster-wide totals read from the workers' and the router's metrics."""
 
     kv_bytes: float = 0.0
+    #: Prompt tokens computed on every worker, where the engine counts them (vLLM); None:
+    #: derived from the hits instead (builtin, see summarize).
     computed_tokens: float | None = None
-    prefix_hit_tokens: float = 0.0
-    #: Every reuse-related sample the workers expose, summed by name (for the JSON).
+    #: Prompt tokens found in a prefix cache: on the prefill side, and on the decode side.
+    prefill_hit_tokens: float = 0.0
+    decode_hit_tokens: float = 0.0
+    #: Every reuse-related sample (prefix hits, pages not sent, policy decisions), by name.
     reuse_samples: dict[str, float] = field(default_factory=dict)
 
 
@@ -147,7 +151,7 @@ def total(samples: dict[str, float], name: str, **labels: str) -> float:
 
 def reuse_samples(samples: dict[str, float]) -> dict[str, float]:
     """The counters that say how much was reused (prefix hits, pages not sent, cached tokens)."""
-    words = ("prefix", "skipped", "cached", "not_sent", "kv_index", "policy")
+    words = ("prefix", "skipped", "cached", "not_sent", "pages_moved", "policy_decisions", "by_source")
     return {k: v for k, v in samples.items()
             if any(w in k.split("{")[0] for w in words) and not k.split("{")[0].endswith(("_bucket", "_created"))}
 
@@ -158,6 +162,7 @@ class Engine(Protocol):
     name: str
     sizes: Sizes
     ttft_bound_ms: float
+    rounds: int
 
     def segment(self, rng: random.Random, n: int) -> str: ...
     def prompt_tokens(self, prompt: str) -> int: ...
@@ -181,6 +186,7 @@ class BuiltinEngine:
     sizes = Sizes(system_tokens=512, user_tokens=32, answer_tokens=16, document_tokens=768, question_tokens=48,
                   random_min_tokens=200, random_max_tokens=800)
     ttft_bound_ms = 100.0
+    rounds = 3
 
     def __init__(self, prefill: int, work: Path, provider: str, num_pages: int) -> None:
         self.prefill = prefill
@@ -214,14 +220,13 @@ class BuiltinEngine:
     def counters(self) -> Counters:
         listed = httpx.get(f"{self.cluster.admin_url}/workers", timeout=METRICS_TIMEOUT_S).json().get("workers", [])
         merged: dict[str, float] = {}
-        for w in listed:
-            for k, v in scrape(w["http_url"] + "/metrics").items():
+        for url in [w["http_url"] for w in listed] + [self.cluster.router_url]:
+            for k, v in scrape(url + "/metrics").items():
                 merged[k] = merged.get(k, 0.0) + v
-        reused = reuse_samples(merged)
-        hits = sum(v for k, v in reused.items() if "prefix_hit_tokens" in k and k.split("{")[0].endswith(
-            ("_total", "_sum")))
-        return Counters(kv_bytes=total(merged, "kvxfer_prefill_kv_pushed_bytes_total"), prefix_hit_tokens=hits,
-                        reuse_samples=reused)
+        return Counters(kv_bytes=total(merged, "kvxfer_prefill_kv_pushed_bytes_total"),
+                        prefill_hit_tokens=total(merged, "kvxfer_prefill_prefix_hit_tokens_sum"),
+                        decode_hit_tokens=total(merged, "kvxfer_decode_prefix_hit_tokens_sum"),
+                        reuse_samples=reuse_samples(merged))
 
 
 class VllmEngine:
@@ -232,6 +237,7 @@ class VllmEngine:
     sizes = Sizes(system_tokens=1536, user_tokens=48, answer_tokens=16, document_tokens=3000, question_tokens=64,
                   random_min_tokens=500, random_max_tokens=2000)
     ttft_bound_ms = 500.0
+    rounds = 1
     served_model = "bench"
 
     def __init__(self, prefill: int, work: Path) -> None:
@@ -242,6 +248,7 @@ class VllmEngine:
         self.stack = contextlib.ExitStack()
         self.fleet: Any = None
         self.metrics_ports: dict[str, int] = {}
+        self.router_url = ""
 
     def __enter__(self) -> "VllmEngine":
         from kvxfer.integrations.vllm.checkpoint import make_checkpoint
@@ -296,6 +303,7 @@ class VllmEngine:
                 raise RuntimeError(f"{name}: POST /reset_prefix_cache answered {r.status_code}: {r.text[:200]}")
         env = {"KVXFER_ROUTER_POLICY": policy, "KVXFER_ROUTER_MAX_PROMPT_TOKENS": "4096"}
         with router_process(self.fleet, self.work / f"router-{policy}.log", env=env) as url:
+            self.router_url = url
             yield url
 
     def counters(self) -> Counters:
@@ -303,11 +311,18 @@ class VllmEngine:
         for name, inst in self.fleet.instances.items():
             for url in (inst.url + "/metrics", f"http://127.0.0.1:{self.metrics_ports[name]}/metrics"):
                 for k, v in scrape(url).items():
-                    merged[k] = merged.get(k, 0.0) + v
+                    # vLLM's token counts by source, kept apart per side ("decode:" prefix).
+                    key = "decode:" + k if name.startswith("decode") and "by_source" in k else k
+                    merged[key] = merged.get(key, 0.0) + v
+        for k, v in scrape(self.router_url + "/metrics").items():
+            merged[k] = merged.get(k, 0.0) + v
+        source = "vllm:prompt_tokens_by_source_total"
         return Counters(
             kv_bytes=total(merged, "kvxfer_connector_pushed_bytes_total"),
-            computed_tokens=total(merged, "vllm:prompt_tokens_by_source_total", source="local_compute"),
-            prefix_hit_tokens=total(merged, "vllm:prompt_tokens_by_source_total", source="local_cache_hit"),
+            computed_tokens=total(merged, source, source="local_compute") + total(
+                merged, "decode:" + source, source="local_compute"),
+            prefill_hit_tokens=total(merged, source, source="local_cache_hit"),
+            decode_hit_tokens=total(merged, "decode:" + source, source="local_cache_hit"),
             reuse_samples=reuse_samples(merged))
 
 
@@ -388,50 +403,79 @@ def percentile(values: list[float], q: float) -> float:
 
 def summarize(policy: str, workload: str, outcomes: list[Outcome], wall_s: float, before: Counters,
               after: Counters, bound_ms: float) -> dict[str, Any]:
-    """One row of the table: a policy on a workload."""
-    ok = [o for o in outcomes if o.ok]
-    ttft_ms = [o.ttft_s * 1e3 for o in ok]
-    sent = sum(o.prompt_tokens for o in outcomes)
+    """One round of a policy on a workload."""
+    ttft_ms = [o.ttft_s * 1e3 for o in outcomes if o.ok]
+    prefill_hits = after.prefill_hit_tokens - before.prefill_hit_tokens
     if after.computed_tokens is not None and before.computed_tokens is not None:
         computed = after.computed_tokens - before.computed_tokens
     else:
-        computed = sent - (after.prefix_hit_tokens - before.prefix_hit_tokens)
+        # Builtin workers count hits, not computed tokens: a prefill worker computes its
+        # prompts less its hits. A request served from the decoder's cache alone
+        # (prefix_cached) computes only the few tokens the decoder lacked, which no metric
+        # tells apart from its hits on disaggregated requests: counted as 0 (a lower bound).
+        computed = sum(o.prompt_tokens for o in outcomes if o.serving_mode != "prefix_cached") - prefill_hits
     modes: dict[str, int] = {}
     for o in outcomes:
         modes[o.serving_mode or "none"] = modes.get(o.serving_mode or "none", 0) + 1
     return {
-        "policy": policy, "workload": workload, "requests": len(outcomes), "ok": len(ok),
-        "ttft_p50_ms": percentile(ttft_ms, 0.5), "ttft_p99_ms": percentile(ttft_ms, 0.99),
-        "kv_bytes": after.kv_bytes - before.kv_bytes, "prompt_tokens_sent": sent,
-        "prompt_tokens_computed": computed,
-        "prefix_hit_tokens": after.prefix_hit_tokens - before.prefix_hit_tokens,
-        "goodput_rps": sum(1 for t in ttft_ms if t <= bound_ms) / wall_s if wall_s > 0 else 0.0,
-        "ttft_bound_ms": bound_ms, "wall_s": wall_s, "serving_modes": modes,
+        "policy": policy, "workload": workload, "requests": len(outcomes), "ok": len(ttft_ms), "ttft_ms": ttft_ms,
+        "kv_bytes": after.kv_bytes - before.kv_bytes, "prompt_tokens_sent": sum(o.prompt_tokens for o in outcomes),
+        "prompt_tokens_computed": computed, "prefill_hit_tokens": prefill_hits,
+        "decode_hit_tokens": after.decode_hit_tokens - before.decode_hit_tokens,
+        "within_bound": sum(1 for t in ttft_ms if t <= bound_ms), "wall_s": wall_s, "serving_modes": modes,
         "reuse_samples": {k: after.reuse_samples.get(k, 0.0) - before.reuse_samples.get(k, 0.0)
                           for k in after.reuse_samples},
         "errors": [o.error for o in outcomes if not o.ok][:5],
     }
 
 
+def combine(rounds: list[dict[str, Any]], bound_ms: float) -> dict[str, Any]:
+    """A table row from every round of one policy on one workload: TTFT percentiles over
+    all requests, counts per round (mean), goodput over the rounds' summed wall time."""
+    n = len(rounds)
+    ttft = [t for r in rounds for t in r["ttft_ms"]]
+    modes: dict[str, int] = {}
+    for r in rounds:
+        for m, c in r["serving_modes"].items():
+            modes[m] = modes.get(m, 0) + c
+    wall = sum(r["wall_s"] for r in rounds)
+    return {
+        "policy": rounds[0]["policy"], "workload": rounds[0]["workload"], "rounds": n,
+        "requests": sum(r["requests"] for r in rounds), "ok": sum(r["ok"] for r in rounds),
+        "ttft_p50_ms": percentile(ttft, 0.5), "ttft_p99_ms": percentile(ttft, 0.99),
+        **{k: sum(r[k] for r in rounds) / n for k in ("kv_bytes", "prompt_tokens_sent", "prompt_tokens_computed",
+                                                      "prefill_hit_tokens", "decode_hit_tokens")},
+        "goodput_rps": sum(r["within_bound"] for r in rounds) / wall if wall > 0 else 0.0,
+        "ttft_bound_ms": bound_ms, "wall_s": wall, "serving_modes": modes,
+        "errors": [e for r in rounds for e in r["errors"]][:5],
+    }
+
+
 def run_engine(engine: Engine, policies: list[str], workloads: list[str], shape: Shape, users_in_flight: int,
-               seed: int, bound_ms: float) -> list[dict[str, Any]]:
-    """Every policy on every workload, each policy from cold caches."""
-    rows = []
-    for policy in policies:
-        with engine.policy_run(policy) as url:
-            for workload in workloads:
-                sessions = sessions_of(engine, workload, shape, seed)
-                n = sum(len(s.turns) for s in sessions)
-                before = engine.counters()
-                with tqdm(total=n, desc=f"{engine.name} {policy:>12} {workload:>8}", unit="req", leave=False) as bar:
-                    t0 = time.perf_counter()
-                    outcomes = asyncio.run(run_sessions(url, engine, sessions, users_in_flight, bar))
-                    wall = time.perf_counter() - t0
-                rows.append(summarize(policy, workload, outcomes, wall, before, engine.counters(), bound_ms))
-                r = rows[-1]
-                print(f"  {engine.name} {policy} {workload}: {r['ok']}/{r['requests']} ok, TTFT p50 "
-                      f"{r['ttft_p50_ms']:.1f} ms, KV {r['kv_bytes'] / 1e6:.2f} MB", flush=True)
-    return rows
+               seed: int, bound_ms: float, rounds: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every policy on every workload, each policy from cold caches, `rounds` times with the
+    policies' order rotated each round (so slow spells of a shared machine spread over all
+    of them). Returns the table's rows and every round's."""
+    per_round: list[dict[str, Any]] = []
+    for k in range(rounds):
+        for policy in policies[k % len(policies):] + policies[:k % len(policies)]:
+            with engine.policy_run(policy) as url:
+                for workload in workloads:
+                    sessions = sessions_of(engine, workload, shape, seed)
+                    n = sum(len(s.turns) for s in sessions)
+                    before = engine.counters()
+                    with tqdm(total=n, desc=f"{engine.name} round {k + 1} {policy:>12} {workload:>8}", unit="req",
+                              leave=False) as bar:
+                        t0 = time.perf_counter()
+                        outcomes = asyncio.run(run_sessions(url, engine, sessions, users_in_flight, bar))
+                        wall = time.perf_counter() - t0
+                    r = summarize(policy, workload, outcomes, wall, before, engine.counters(), bound_ms)
+                    per_round.append({**r, "round": k + 1})
+                    print(f"  {engine.name} round {k + 1} {policy} {workload}: {r['ok']}/{r['requests']} ok, TTFT p50 "
+                          f"{percentile(r['ttft_ms'], 0.5):.1f} ms, KV {r['kv_bytes'] / 1e6:.2f} MB", flush=True)
+    rows = [combine([r for r in per_round if r["policy"] == p and r["workload"] == w], bound_ms)
+            for w in workloads for p in policies]
+    return rows, per_round
 
 
 def goal_verdicts(rows: list[dict[str, Any]]) -> list[str]:
@@ -457,13 +501,14 @@ def goal_verdicts(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def print_table(engine: str, rows: list[dict[str, Any]]) -> None:
-    """The table, one line per workload and policy."""
-    print(f"\n{engine}: {'workload':>8} {'policy':>12} {'ok':>7} {'TTFT p50':>9} {'p99 ms':>8} {'KV MB':>8} "
-          f"{'computed':>9} {'of sent':>8} {'goodput/s':>9}")
+    """The table, one line per workload and policy (KV and token counts per round)."""
+    print(f"\n{engine}: {'workload':>8} {'policy':>12} {'ok':>9} {'TTFT p50':>9} {'p99 ms':>8} {'KV MB':>8} "
+          f"{'computed':>9} {'of sent':>8} {'no prefill leg':>14} {'goodput/s':>9}")
     for r in rows:
-        print(f"{'':{len(engine) + 1}} {r['workload']:>8} {r['policy']:>12} {r['ok']:>3}/{r['requests']:<3} "
+        print(f"{'':{len(engine) + 1}} {r['workload']:>8} {r['policy']:>12} {r['ok']:>4}/{r['requests']:<4} "
               f"{r['ttft_p50_ms']:>9.1f} {r['ttft_p99_ms']:>8.1f} {r['kv_bytes'] / 1e6:>8.2f} "
-              f"{r['prompt_tokens_computed']:>9.0f} {r['prompt_tokens_sent']:>8} {r['goodput_rps']:>9.2f}")
+              f"{r['prompt_tokens_computed']:>9.0f} {r['prompt_tokens_sent']:>8.0f} "
+              f"{r['serving_modes'].get('prefix_cached', 0):>14} {r['goodput_rps']:>9.2f}")
 
 
 def plot(engine: str, rows: list[dict[str, Any]], policies: list[str], workloads: list[str], path: Path) -> None:
@@ -504,6 +549,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ttft-bound-ms", type=float, default=None,
                         help="goodput counts requests whose TTFT is at most this (default: builtin "
                              f"{BuiltinEngine.ttft_bound_ms:g} ms, vLLM {VllmEngine.ttft_bound_ms:g} ms)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="times every policy runs every workload, cold each time, the policies' order rotated "
+                             f"per round (default: builtin {BuiltinEngine.rounds}, vLLM {VllmEngine.rounds})")
     parser.add_argument("--num-pages", type=int, default=4096,
                         help="KV pages per builtin worker (default 4096: every conversation fits, no eviction)")
     parser.add_argument("--provider", default="auto", help="libfabric provider of the builtin workers (default auto)")
@@ -516,8 +564,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if not chosen or any(x not in allowed for x in chosen):
             parser.error(f"--{name} takes a comma-separated subset of {','.join(allowed)}, got {getattr(args, name)!r}")
         setattr(args, name, chosen)
-    if args.users_in_flight < 1:
-        parser.error("--users-in-flight must be at least 1")
+    if args.users_in_flight < 1 or (args.rounds is not None and args.rounds < 1):
+        parser.error("--users-in-flight and --rounds must be at least 1")
     return args
 
 
@@ -531,7 +579,9 @@ def measure(engine: Engine, args: argparse.Namespace, shape: Shape) -> None:
     bound = args.ttft_bound_ms if args.ttft_bound_ms is not None else engine.ttft_bound_ms
     load_before = uptime()
     t0 = time.perf_counter()
-    rows = run_engine(engine, args.policies, args.workloads, shape, args.users_in_flight, args.seed, bound)
+    rounds = args.rounds if args.rounds is not None else engine.rounds
+    rows, per_round = run_engine(engine, args.policies, args.workloads, shape, args.users_in_flight, args.seed,
+                                 bound, rounds)
     elapsed = time.perf_counter() - t0
     print_table(engine.name, rows)
     verdicts = goal_verdicts(rows)
@@ -543,7 +593,8 @@ def measure(engine: Engine, args: argparse.Namespace, shape: Shape) -> None:
         "engine": engine.name, "quick": args.quick, "shape": asdict(shape), "sizes": asdict(engine.sizes),
         "prefill_workers": args.prefill, "decode_workers": 2, "users_in_flight": args.users_in_flight,
         "ttft_bound_ms": bound, "seed": args.seed, "uptime_before": load_before, "uptime_after": uptime(),
-        "elapsed_s": elapsed, "verdicts": verdicts, "rows": rows}, indent=1))
+        "elapsed_s": elapsed, "rounds": rounds, "verdicts": verdicts, "rows": rows, "per_round": per_round},
+        indent=1))
     plot(engine.name, rows, args.policies, args.workloads, stem.with_suffix(".png"))
     print(f"wrote {stem.with_suffix('.json')} and .png ({elapsed:.0f} s)")
 
