@@ -24,7 +24,7 @@ from typing import Sequence
 
 from .directory import WorkerView
 from .kv_index import KvIndex, PromptBlocks
-from .policies import FairTies, LeastLoadedPolicy, LocalLoad, PairPolicy, RoutingEstimate, WorkerPair, compatible
+from .policies import FairTies, LeastLoadedPolicy, LocalLoad, PairPolicy, RoutingEstimate, WorkerPair
 from .settings import RouterSettings
 
 
@@ -64,6 +64,16 @@ class KvAwarePolicy(PairPolicy):
         knows_nothing = all(v is None for v in held.values())
         s = self._s
         units_per_token = s.text_bytes_per_token if prompt.is_text else 1.0
+        # A prefill worker's part of the estimate does not depend on the decoder: the best
+        # one of each compatible group is chosen once (decoders x prefillers pairs took
+        # milliseconds of the event loop in a large fleet).
+        groups: dict[tuple[str, str, str], list[tuple[float, WorkerView]]] = {}
+        for p in prefills if needs_prefill else ():
+            cost = (s.prefill_token_cost_ms * (prompt.units - (held[p.worker_id] or 0)) / units_per_token
+                    + s.load_cost_ms * (p.queue_depth + load.get(p.worker_id)))
+            groups.setdefault(_compatibility(p), []).append((cost, p))
+        best_prefill = {key: self._ties.pick("prefill", group, key=lambda o: o[0], worker_id=lambda o: o[1].worker_id)
+                        for key, group in groups.items()}
         # Sort key: a decoder without free pages last, then the estimate, then the decoder
         # alone before a pair of equal estimate (a leg more is never free).
         options: list[tuple[tuple[bool, float, bool], WorkerPair]] = []
@@ -78,19 +88,15 @@ class KvAwarePolicy(PairPolicy):
             if not needs_prefill or (total_blocks and d_blocks >= s.skip_prefill_fraction * total_blocks):
                 cost = s.prefill_token_cost_ms * missing_tokens + s.load_cost_ms * d_load
                 options.append(((full, cost, False), WorkerPair(d, None, RoutingEstimate("decoder_only", d_blocks))))
-            if not needs_prefill:
+            prefill = best_prefill.get(_compatibility(d))
+            if prefill is None:
                 continue
+            p_cost, p = prefill
             tokens_per_page = s.approximate_block_tokens if prompt.is_text else d_block
-            pages_missing = math.ceil(missing_tokens / tokens_per_page)
-            for p in prefills:
-                if not compatible(d, p):
-                    continue
-                p_held = held[p.worker_id] or 0
-                cost = (s.prefill_token_cost_ms * (prompt.units - p_held) / units_per_token
-                        + s.transfer_page_cost_ms * pages_missing
-                        + s.load_cost_ms * (d_load + p.queue_depth + load.get(p.worker_id)))
-                options.append(((full, cost, True), WorkerPair(
-                    d, p, RoutingEstimate("pair", d_blocks, p_held // index.block_size(p, prompt)))))
+            cost = (p_cost + s.transfer_page_cost_ms * math.ceil(missing_tokens / tokens_per_page)
+                    + s.load_cost_ms * d_load)
+            p_blocks = (held[p.worker_id] or 0) // index.block_size(p, prompt)
+            options.append(((full, cost, True), WorkerPair(d, p, RoutingEstimate("pair", d_blocks, p_blocks))))
         chosen = self._ties.pick("pair", options, key=lambda o: o[0], worker_id=_option_ids)[1]
         if knows_nothing:
             return WorkerPair(chosen.decode, chosen.prefill, RoutingEstimate("fallback"))
@@ -103,6 +109,11 @@ class KvAwarePolicy(PairPolicy):
         self.kv_index.record_routed(pair.decode, prompt)
         if pair.prefill is not None:
             self.kv_index.record_routed(pair.prefill, prompt)
+
+
+def _compatibility(worker: WorkerView) -> tuple[str, str, str]:
+    # What policies.compatible compares: a prefill worker may serve a decoder with the same key.
+    return (worker.model, worker.layout_key, worker.engine)
 
 
 def _option_ids(option: tuple[tuple[bool, float, bool], WorkerPair]) -> str:

@@ -11,10 +11,11 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 from fastapi import FastAPI, HTTPException, Request
-from kvxfer_router import RouterSettings, StaticWorkerDirectory, create_app
+from kvxfer_router import RouterSettings, StaticWorkerDirectory, WorkerView, create_app, make_policy
 from kvxfer_router.kv_index import PromptBlocks, relayed_prompt_text
 from kvxfer_router.openai_api import default_prompt_encoder
-from support.fake_workers import MODEL, Fabric, FakeDecodeWorker, FakePrefillWorker, ServerHost, WorkerMux
+from kvxfer_router.policies import LocalLoad, select_pair
+from support.fake_workers import LAYOUT_A, MODEL, Fabric, FakeDecodeWorker, FakePrefillWorker, ServerHost, WorkerMux
 from support.waiting import wait_until
 from support.worker_procs import WorkerProc, WorkerSet
 
@@ -217,6 +218,27 @@ def test_a_holder_that_evicted_went_stale_or_died_does_not_break_the_request(kv_
     kv_cluster.directory.remove("d2")  # its lease ended: the worker is gone
     wait_until(lambda: "d2" not in kv_cluster.index.sizes(), timeout_s=5, what="d2 leaving the index")
     assert kv_cluster.served_by(prompt)[0] == "d1"
+
+
+def test_the_prefill_worker_that_holds_the_prefix_computes_it_and_load_still_counts() -> None:
+    def view(worker_id: str, role: str, **kw: Any) -> WorkerView:
+        return WorkerView(worker_id=worker_id, role=role, http_url=f"http://{worker_id}", model=MODEL,  # type: ignore[arg-type]
+                          kv_layout=LAYOUT_A, total_pages=64, free_pages=64, **kw)
+
+    directory = StaticWorkerDirectory([view("d1", "decode"), view("p1", "prefill"), view("p2", "prefill")])
+    policy = make_policy("kv_aware", RouterSettings(**{**SETTINGS, "kv_index_mode": "approximate"}))
+    shared = PromptBlocks(MODEL, tokens=tokens(system_prompt(3)))
+    policy.kv_index.record_routed(directory.workers("prefill")[1], shared)
+    longer = PromptBlocks(MODEL, tokens=tokens(system_prompt(3) + "user: and now something else entirely"))
+
+    def chosen_prefill() -> str | None:
+        pair = select_pair(directory, MODEL, needs_prefill=True, policy=policy, load=LocalLoad(), prompt=longer)
+        assert pair is not None and pair.prefill is not None
+        return pair.prefill.worker_id
+
+    assert [chosen_prefill() for _ in range(3)] == ["p2"] * 3
+    directory.put(view("p2", "prefill", queue_depth=5))  # 5 x 100 ms of queue outweigh 128 tokens x 1 ms held
+    assert chosen_prefill() == "p1"
 
 
 def test_relayed_chat_renders_prefix_stably_so_a_longer_conversation_shares_its_blocks() -> None:
