@@ -193,7 +193,8 @@ def test_a_holder_that_evicted_went_stale_or_died_does_not_break_the_request(kv_
     # d2 is busier by one request (load_cost_ms 100) but holds the prompt's first 9 blocks
     # (computing and moving them would cost more): held, it wins; otherwise the load decides.
     kv_cluster.directory.put(kv_cluster.decoders["d2"].record(running=1))
-    kv_cluster.start_router(kv_index_mode="precise", prefix_index_max_age_s=0.5, transfer_page_cost_ms=20.0)
+    kv_cluster.start_router(kv_index_mode="precise", prefix_index_max_age_s=1.5,
+                            transfer_page_cost_ms=20.0)
     prompt = system_prompt(9) + "user: hello\nassistant: "
     held = len(tokens(prompt)) // BLOCK * BLOCK
     d2 = kv_cluster.decoders["d2"]
