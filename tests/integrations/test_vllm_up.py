@@ -39,6 +39,7 @@ DASHBOARD = REPO / "k8s" / "grafana" / "kvxfer-dashboard.json"
 READY_TIMEOUT_S = 420.0
 SERVED = "up2k"  # --served-model-name, passed through after --
 MAX_NUM_SEQS = 3  # --decode-args
+LEASE_LOST_WITHIN_S = 12.0  # the registry's lease TTL (5 s), its expiry sweep and the router's watch
 
 
 @dataclass
@@ -49,6 +50,7 @@ class UpProcess:
     out_path: Path
     log_dir: Path
     router: str
+    admin: str
 
     def output(self) -> str:
         return self.out_path.read_text(errors="replace")
@@ -82,18 +84,21 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def up(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
     work = tmp_path_factory.mktemp("vllm-up")
-    port = free_port()
+    port, admin_port = free_port(), free_port()
     out_path = work / "up.out"
     with out_path.open("w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "kvxfer.cli", "up", "--engine", "vllm", "--model", str(model), "--port", str(port),
-             "--admin-port", str(free_port()), "--log-dir", str(work / "logs"),
+             "--admin-port", str(admin_port), "--log-dir", str(work / "logs"),
+             # A restarted vLLM instance takes minutes here: the death test checks the line
+             # that says it stays down (restarts: tests/deploy/test_instance_restarts.py).
+             "--max-restarts", "0",
              "--decode-args", f"--max-num-seqs {MAX_NUM_SEQS}", "--", "--served-model-name", SERVED,
              # Also makes the connector's warm-up (a chunk and a block) short: 288 tokens, not 2,046.
              "--max-num-batched-tokens", "256"],
             stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    up = UpProcess(proc, out_path, work / "logs", f"http://127.0.0.1:{port}")
+    up = UpProcess(proc, out_path, work / "logs", f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}")
     try:
         _wait_for_output(up, "metrics: Prometheus file_sd targets in", READY_TIMEOUT_S)
         yield up
@@ -137,16 +142,24 @@ def test_prometheus_finds_vllm_and_connector_metrics_and_the_dashboards_vllm_pan
         for job in ("vllm", "kvxfer-connector", "kvxfer-router"):
             prom.wait_for(f'count(up{{job="{job}"}} == 1)', lambda v: v == (1 if job == "kvxfer-router" else 2),
                           timeout_s=30)
-        r = httpx.post(f"{up.router}/v1/completions", timeout=120,
-                       json={"model": SERVED, "prompt": "Permission is hereby granted " * 20, "max_tokens": 4})
-        assert r.status_code == 200, r.text
+        # The same prompt twice: the second time the decode instance's prefix cache holds
+        # its full blocks, and fewer pages travel; the router counts both from the answers.
+        for _ in range(2):
+            r = httpx.post(f"{up.router}/v1/completions", timeout=120,
+                           json={"model": SERVED, "prompt": "Permission is hereby granted " * 20, "max_tokens": 4})
+            assert r.status_code == 200, r.text
+            assert r.json()["kv_transfer_params"] is None  # the connector's report is the router's, as plain vLLM
         prom.wait_for('sum(kvxfer_connector_pushed_pages_total{worker="prefill-1"})', lambda v: v > 0, timeout_s=20)
         prom.wait_for('sum(kvxfer_connector_received_pages_total{worker="decode-2"})', lambda v: v > 0, timeout_s=20)
         prom.wait_for('sum(vllm:request_success_total{job="vllm"})', lambda v: v >= 2, timeout_s=20)
-        # The dashboard's vLLM panels, as Grafana sends them (every namespace, a 1 m window).
+        prom.wait_for("sum(kvxfer_router_request_kv_moved_bytes_count)", lambda v: v >= 2, timeout_s=20)
+        prom.wait_for("sum(kvxfer_router_kv_pages_moved_total)", lambda v: v > 0, timeout_s=5)
+        prom.wait_for("sum(kvxfer_router_kv_pages_not_sent_total)", lambda v: v > 0, timeout_s=5)  # the prefix hit
+        # The dashboard's vLLM and KV-moved panels, as Grafana sends them (every namespace, a 1 m window).
         panels = [p for p in json.loads(DASHBOARD.read_text())["panels"]
-                  if any(re.search(r"vllm:|kvxfer_connector_", t.get("expr", "")) for t in p.get("targets", []))]
-        assert len(panels) >= 6
+                  if any(re.search(r"vllm:|kvxfer_connector_|kvxfer_router_(request_kv_moved|kv_pages)", t.get("expr", ""))
+                         for t in p.get("targets", []))]
+        assert len(panels) >= 8
         time.sleep(2.5)  # rate() needs two scrapes after the request
         for panel in panels:
             for target in panel["targets"]:
@@ -154,7 +167,7 @@ def test_prometheus_finds_vllm_and_connector_metrics_and_the_dashboards_vllm_pan
                 assert prom.query(expr), f"{panel['title']}: {expr} returned nothing"
 
 
-def test_an_instance_that_dies_is_reported_with_its_logs_last_lines_and_reaped(up: UpProcess) -> None:
+def test_an_instance_that_dies_is_reported_with_its_logs_last_lines_reaped_and_left_down(up: UpProcess) -> None:
     api, _ = up.instance("decode-2")
     port = api.rsplit(":", 1)[1]
     (pid,) = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _is_api_server(p, port)]
@@ -162,7 +175,22 @@ def test_an_instance_that_dies_is_reported_with_its_logs_last_lines_and_reaped(u
     _wait_for_output(up, "kvxfer up: decode-2 was killed by SIGKILL; the last lines of", 20)
     tail = up.output().split("decode-2 was killed by SIGKILL; the last lines of", 1)[1].splitlines()[1:]
     assert tail and tail[0].startswith("    "), tail  # the log's lines follow, indented
+    _wait_for_output(up, "kvxfer up: decode-2: not restarted (restarts are off: --max-restarts 0); the others "
+                         "keep serving", 5)
     assert not Path(f"/proc/{pid}").exists()  # reaped: no zombie left
+    # The registry loses it within its lease (5 s): the router's worker list, and its
+    # kvxfer_router_workers gauge, no longer count it.
+    deadline = time.monotonic() + LEASE_LOST_WITHIN_S
+    while "decode-2" in {w["worker_id"] for w in _workers(up)}:
+        assert time.monotonic() < deadline, f"the router still lists decode-2 after {LEASE_LOST_WITHIN_S} s"
+        time.sleep(0.3)
+    gauge = httpx.get(f"{up.router}/metrics", timeout=10).text
+    assert re.search(r'kvxfer_router_workers\{role="decode",state="ready"\} 0\.0', gauge), gauge
+
+
+def _workers(up: UpProcess) -> list[dict]:
+    body = httpx.get(f"{up.admin}/workers", timeout=5).json()
+    return body.get("workers", body) if isinstance(body, dict) else body
 
 
 def _is_api_server(proc_dir: Path, port: str) -> bool:
