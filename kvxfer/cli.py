@@ -40,6 +40,10 @@ def _add_worker_flags(p: argparse.ArgumentParser, default_port: int) -> None:
                         "of preference (default cubic,reno: under BBR without fq, TCP paced them to 0.4x); "
                         "\"system\" keeps the system's")
     p.add_argument("--num-pages", type=int, help="KV cache pages (default 4096)")
+    p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep finished prompts' full pages and reuse them for prompts with the same prefix: only "
+                        "the tokens and pages not held are computed and sent (default on; idle cached pages are "
+                        "evicted, least recently used first, when pages run out)")
     p.add_argument("--transfer-timeout-s", type=float, help="a write not complete by then fails (default 10)")
     p.add_argument("--etcd", help="comma-separated etcd endpoints; omitted: no registry")
     p.add_argument("--etcd-prefix", help="registry key prefix (default /kvxfer)")

@@ -315,6 +315,41 @@ class DecodeMetrics:
         self.pages_reserved.set(capacity - free)
 
 
+#: Prompt tokens a request found in a worker's prefix cache: none, a page or a few, up to
+#: a long shared system prompt or document.
+PREFIX_HIT_BUCKETS_TOKENS: tuple[float, ...] = (0, 16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+
+class PrefixCacheMetrics:
+    """Metrics of a builtin worker's prefix cache (kv.prefix_cache), `role` "decode" or
+    "prefill": tokens each request found cached, pages held, evictions; on a prefiller also
+    the pages it did not send because the decoder held them."""
+
+    def __init__(self, registry: CollectorRegistry, role: str) -> None:
+        self.hit_tokens = Histogram(
+            f"kvxfer_{role}_prefix_hit_tokens",
+            "Per request: prompt tokens found in this worker's prefix cache (not computed, not received).",
+            buckets=PREFIX_HIT_BUCKETS_TOKENS, registry=registry)
+        self.cached_pages = Gauge(
+            f"kvxfer_{role}_prefix_cache_pages",
+            "KV pages held by the prefix cache (referenced by running requests or idle).", registry=registry)
+        self.evictions = Counter(
+            f"kvxfer_{role}_prefix_cache_evictions",
+            "Idle prefix-cache pages evicted to make room for new requests.", registry=registry)
+        self.pages_skipped = Counter(
+            f"kvxfer_{role}_kv_pages_skipped",
+            "Prompt blocks not pushed because the decoder already held them (each is one KV page per layer).",
+            registry=registry) if role == "prefill" else None
+        self._evictions_seen = 0
+
+    def update(self, held_pages: int, evictions: int) -> None:
+        """Publishes the cache's pages held now and its evictions since it was made."""
+        self.cached_pages.set(held_pages)
+        if evictions > self._evictions_seen:
+            self.evictions.inc(evictions - self._evictions_seen)
+            self._evictions_seen = evictions
+
+
 class WorkerAuthMetrics:
     """Refusals of a worker's control-plane gate (`kvxfer.workers.control_auth`)."""
 
@@ -519,6 +554,8 @@ def all_metric_names() -> set[str]:
     DecodeMetrics(registry)
     PrefillMetrics(registry)
     WorkerAuthMetrics(registry)
+    PrefixCacheMetrics(registry, "decode")
+    PrefixCacheMetrics(registry, "prefill")
     EngineMetrics(registry, lambda: [{key: 0 for _, key, _ in _ENGINE_COUNTERS}])
     return exported_sample_names(registry)
 

@@ -41,7 +41,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Callable
+from typing import Callable, Sequence
 
 from kvxfer.errors import KvxferError
 from kvxfer.kv.page_allocator import PageAllocator
@@ -110,6 +110,9 @@ class LedgerEntry:
     nonce: int
     pages: list[int]
     state: ReservationState = S.RESERVED
+    #: Leading pages of `pages` reused from the prefix cache: read-only, never written by
+    #: this reservation's prefiller (kv.page_allocator keeps them referenced until FREE).
+    held_pages: int = 0
     #: Monotonic seconds at which the current state times out (None: no deadline).
     deadline: float | None = None
     reason: str = ""
@@ -177,10 +180,12 @@ class ReservationLedger:
             return len(self._free_slots)
 
     # ---- transitions -------------------------------------------------------------------
-    def open(self, request_id: str, num_tokens: int) -> LedgerEntry:
+    def open(self, request_id: str, num_tokens: int, prefix: Sequence[bytes] = ()) -> LedgerEntry:
         """A new RESERVED entry: pages for `num_tokens`, a slot, a fresh generation and nonce.
 
-        Raises `NoSlotError`, or the allocator's `OutOfPagesError` / `DuplicateRequestError`;
+        `prefix`: block hashes of the leading full blocks the request may reuse from the
+        allocator's prefix cache (`LedgerEntry.held_pages` says how many it got). Raises
+        `NoSlotError`, or the allocator's `OutOfPagesError` / `DuplicateRequestError`;
         nothing is taken then.
         """
         with self._lock:
@@ -188,7 +193,8 @@ class ReservationLedger:
                 raise LedgerError(f"reservation {request_id!r} already exists")
             if not self._free_slots:
                 raise NoSlotError(f"reservation {request_id!r}: all {len(self._next_generation)} mailbox slots are taken")
-            pages = self.allocator.reserve(request_id, num_tokens)
+            pages = self.allocator.reserve(request_id, num_tokens, prefix)
+            held = self.allocator.held_pages(request_id) if prefix else 0
             slot = self._free_slots.popleft()
             generation = self._next_generation[slot]
             self._next_generation[slot] = (generation + 1) % self._generations
@@ -196,7 +202,7 @@ class ReservationLedger:
             entry = LedgerEntry(
                 request_id=request_id, slot=slot, generation=generation, imm=encode_imm(slot, generation),
                 nonce=secrets.randbits(63), pages=pages, deadline=now + self.reservation_ttl_s,
-                history=[(S.RESERVED, now)],
+                history=[(S.RESERVED, now)], held_pages=held,
             )
             self._entries[request_id] = entry
             self._by_imm[entry.imm] = entry

@@ -24,8 +24,10 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvxfer.errors import KvxferError
 
-class PrefixCacheError(ValueError):
+
+class PrefixCacheError(KvxferError, ValueError):
     """A call that breaks the cache's bookkeeping (a release without a reference, a page
     published twice): a bug in the caller, never a client error."""
 

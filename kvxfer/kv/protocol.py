@@ -380,7 +380,13 @@ class KVReservation:
     request without the prefiller's word that its writes stopped (a prefiller whose
     transfer deadline is not shorter refuses the reservation). `first_page` counts the
     prompt's leading pages the decoder already holds (a prefix-cache hit): the prefiller
-    pushes prompt pages `first_page...` into `pages` in order. Without a `mailbox` (an
+    pushes prompt pages `first_page...` into `pages` in order, and `expected_count` counts
+    only those. With a mailbox and `first_page > 0` (the builtin decoder's prefix cache),
+    `pages` holds exactly the prompt pages to push, no decode pages: a prefiller written
+    before prefix reuse, which pushes every prompt page from page 0, finds the reservation
+    shorter than its prompt and refuses it (409) instead of writing block 0 into the page of
+    block `first_page`; its `version` stays 1 so every other reservation reads as before.
+    Without a `mailbox` (an
     engine whose decoder recomputes the last prompt token, as vLLM does) the meta fields
     are unused and `expected_count` is exactly layers x pages. `checksums` asks the
     prefiller to append the CRC-32C of every pushed (layer, page) to the mailbox write (an
@@ -445,6 +451,9 @@ class KVReservation:
             expected = _int("expected_count", self.expected_count, 2, num_layers * len(self.pages) + 1)
             if (expected - 1) % max(num_layers, 1):
                 raise ReservationError("expected_count", f"{expected} is not {num_layers} layers x pages + 1 (the mailbox)")
+            if self.first_page and (expected - 1) // num_layers != len(self.pages):
+                raise ReservationError("pages", f"with first_page {self.first_page} the pages are exactly the "
+                                       f"{(expected - 1) // num_layers} prompt pages to push, got {len(self.pages)}")
         fence = self.fence_timeout_s
         if isinstance(fence, bool) or not isinstance(fence, (int, float)) or not (math.isfinite(fence) and fence > 0):
             raise ReservationError("fence_timeout_s", f"must be a positive number of seconds, got {fence!r:.40}")

@@ -112,6 +112,9 @@ class PushSession:
     `table_key` (kv.integrity.checksum_table_key) tags the checksum table where the
     reservation asks for a tag; one that asks while there is no key is refused here.
     `hooks` (kv.push_hooks) are called at each layer: tests and drills inject faults there.
+    Block indices are the prompt's (local block `b` is `local_pages[b]`); blocks below the
+    reservation's `first_page` (the decoder holds them, a prefix-cache hit) are never
+    pushed, and block `b` lands in the reservation's page ``b - first_page``.
     """
 
     def __init__(
@@ -135,10 +138,11 @@ class PushSession:
                 reservation.request_id,
                 f"KV layout mismatch: decoder has {reservation.kv_layout}, prefiller {cache.kv_layout}",
             )
-        if len(local_pages) > len(reservation.pages):
+        if len(local_pages) > reservation.first_page + len(reservation.pages):
             raise TransferError(
                 reservation.request_id,
-                f"decoder reserved {len(reservation.pages)} pages, prompt needs {len(local_pages)}",
+                f"decoder reserved {len(reservation.pages)} pages after the {reservation.first_page} it holds, "
+                f"prompt needs {len(local_pages)}",
             )
         if reservation.checksums and reservation.checksum_tag and table_key is None:
             # Refused before any write: the decoder would refuse the untagged table after all of them.
@@ -180,6 +184,11 @@ class PushSession:
         return self._cache
 
     @property
+    def first_page(self) -> int:
+        """The first prompt block this push writes (the decoder holds the ones before)."""
+        return self.reservation.first_page
+
+    @property
     def cancelled(self) -> bool:
         """True once cancel() was called: no further writes are issued."""
         return self._cancelled.is_set()
@@ -194,7 +203,9 @@ class PushSession:
         self._last_progress = time.monotonic()
 
     def on_layer_done(self, layer: int, first_block: int, end_block: int) -> None:
-        """Pushes blocks [first_block, end_block) of `layer`: they are final now."""
+        """Pushes blocks [first_block, end_block) of `layer` that the decoder lacks: they are
+        final now."""
+        first_block = max(first_block, self.first_page)
         if end_block > first_block and not self._cancelled.is_set():
             # Outside the lock: a hook that holds the push here must not hold up cancel().
             self._hooks.before_layer(self, layer, first_block)
@@ -222,11 +233,12 @@ class PushSession:
         if not self.stats.first_write_at:
             self.stats.first_write_at = start
         local = self._local[first_block:end_block]
-        remote = self._remote[first_block:end_block]
+        first_remote, end_remote = first_block - self.first_page, end_block - self.first_page
+        remote = self._remote[first_remote:end_remote]
         self._hooks.before_checksum(self, layer, local)
         if self.reservation.checksums:
             # Taken before the write is posted: the table says what this side meant to send.
-            self._checksums[layer, first_block:end_block] = layer_checksums(self._cache, layer, local)
+            self._checksums[layer, first_remote:end_remote] = layer_checksums(self._cache, layer, local)
         for write_local, write_remote in self._hooks.layer_writes(self, layer, local, remote):
             self._write_pages(layer, write_local, write_remote)
         self.stats.kv_bytes += (end_block - first_block) * page_bytes

@@ -261,6 +261,7 @@ class Transformer:
         *,
         chunk_size: Optional[int] = DEFAULT_PREFILL_CHUNK_TOKENS,
         on_layer_done: Optional[LayerDoneCallback] = None,
+        start_pos: int = 0,
     ) -> PrefillResult:
         """Run chunked prefill of a prompt into its pages and return the greedy first token.
 
@@ -271,6 +272,13 @@ class Transformer:
         that no page is shared by two chunks (each page is pushed exactly once). The result
         equals one-shot prefill within float tolerance; with the same `chunk_size` it is
         bit-reproducible.
+
+        `start_pos` (a multiple of the block size, below the prompt's length) skips a
+        cached prefix: the pages of tokens ``0 .. start_pos - 1`` must already hold their
+        K/V (a prefix-cache hit); they are read, never written, and only the rest is
+        computed. Chunk boundaries stay at multiples of `chunk_size` counted from token 0, so
+        a hit shortens only the first chunk it computes; the result equals computing
+        everything within float tolerance.
         """
         self._check_cache(kv_cache)
         cfg = self._config
@@ -278,6 +286,11 @@ class Transformer:
         if num_tokens == 0:
             raise ValueError("prefill needs at least one prompt token")
         self._check_positions(0, num_tokens)
+        if not 0 <= start_pos < num_tokens or start_pos % cfg.block_size:
+            raise ValueError(
+                f"start_pos must be a multiple of block_size {cfg.block_size} below the prompt's "
+                f"{num_tokens} tokens, got {start_pos}"
+            )
         if chunk_size is None:
             chunk_size = num_tokens
         elif chunk_size <= 0 or chunk_size % cfg.block_size != 0:
@@ -295,8 +308,8 @@ class Transformer:
 
         hidden_last = None
         num_chunks = math.ceil(num_tokens / chunk_size)
-        for index in range(num_chunks):
-            start, end = index * chunk_size, min((index + 1) * chunk_size, num_tokens)
+        for index in range(start_pos // chunk_size, num_chunks):
+            start, end = max(index * chunk_size, start_pos), min((index + 1) * chunk_size, num_tokens)
             chunk = PrefillChunk(
                 index=index,
                 start_pos=start,

@@ -78,6 +78,12 @@ class WorkerSettings(BaseSettings):
     drain_timeout_s: float = 30.0
     retry_after_s: int = Field(1, ge=0, description="Retry-After (seconds) sent with a 429 (no page, slot or queue room)")
     prefill_chunk_tokens: int = 256
+    prefix_cache: bool = Field(
+        True, description="keep finished requests' full prompt pages, named by their block hashes, and reuse "
+        "them for later prompts with the same prefix (a decoder asks its prefiller only for the pages it lacks; "
+        "a prefiller computes only the tokens it lacks); idle cached pages are evicted, least recently used "
+        "first, when pages run out; reported at POST /prefix_index. false: every prompt is computed and sent whole",
+    )
 
 
 class WorkerCore:
@@ -131,6 +137,8 @@ class WorkerCore:
             "rails": self.engine.rails,
             "max_context": self.config.max_context,
             "draining": self.draining,
+            "prefix_cache": self.settings.prefix_cache,
+            "block_size": self.config.block_size,
         }
 
     def register(self, load: dict[str, Any]) -> None:

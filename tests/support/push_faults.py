@@ -91,7 +91,7 @@ class PushFault(PushHooks):
         rid = push.reservation.request_id
         if self.kind == "abort_after_layer" and layer >= self.value:
             raise InjectedFault(rid, f"fault injection: abort_after_layer:{self.value}")
-        if self.kind == "freeze_after_layer" and layer == self.value and first_block == 0:
+        if self.kind == "freeze_after_layer" and layer == self.value and first_block == push.first_page:
             # Frozen between writes, none in flight: what a SIGSTOP'd process looks like to
             # its decoder. The stop comes from outside (a pod's PID 1 ignores a SIGSTOP it
             # sends itself): this thread holds here until it has been stopped and continued,
@@ -100,7 +100,7 @@ class PushFault(PushHooks):
             log.warning("fault injection: request %s: frozen point before layer %d (pid %d): waiting for "
                         "SIGSTOP and SIGCONT", rid, layer, os.getpid())
             wait_until_stopped_and_continued(FREEZE_WAIT_S)
-        if self.kind == "write_late" and layer == 1 and first_block == 0:
+        if self.kind == "write_late" and layer == 1 and first_block == push.first_page:
             time.sleep(self.value / 1e3)
 
     def _hits(self, push: PushSession, layer: int, pages: int) -> bool:

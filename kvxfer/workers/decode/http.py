@@ -26,6 +26,7 @@ from kvxfer.workers.http_server import (
     serve,
     token_list,
 )
+from kvxfer.workers.prefix_index import PrefixIndexReport, add_prefix_index_route
 from kvxfer.workers.rejection import Rejection, RequestRejected
 
 #: Response header with the transfer receipt (kv.integrity.TransferReceipt.header_value).
@@ -57,6 +58,8 @@ async def _respond(runtime: DecodeRuntime, job: DecodeJob, stream: bool) -> Any:
         "text": runtime.tokenizer.decode(tokens),
         "finish_reason": last["finish_reason"],
         "usage": last["usage"],
+        # Prompt tokens this worker had in its prefix cache: neither received nor computed.
+        "cached_tokens": job.held_pages * job.block_size,
     }
     if job.receipt is not None:
         body["receipt"] = job.receipt.to_json()
@@ -83,7 +86,7 @@ def create_decode_app(runtime: DecodeRuntime) -> FastAPI:
         # In a thread: a reservation's registrations and immediate binding are hand-offs to
         # the engine's progress thread, which must not stall every other request's I/O.
         reservation = await run_in_threadpool(runtime.reserve, request_id, len(tokens), max_tokens,
-                                              caller_of(request), prefill_address=prefill_address)
+                                              caller_of(request), prefill_address=prefill_address, prompt=tokens)
         if await request.is_disconnected():
             # The caller gave up waiting (under load a reservation can queue past its
             # timeout): nobody will use or cancel these pages, and no prefiller has the
@@ -91,7 +94,9 @@ def create_decode_app(runtime: DecodeRuntime) -> FastAPI:
             runtime.cancel(request_id, True, caller_of(request))
             raise RequestRejected(Rejection.CONFLICT, f"request {request_id}: the caller went away before its "
                                   "reservation was made; released", request_id)
-        return reservation.to_json()
+        # Prompt tokens whose KV this worker already holds (prefix cache): not pushed.
+        block_size = runtime.core.config.block_size
+        return {**reservation.to_json(), "cached_tokens": reservation.first_page * block_size}
 
     @app.post("/generate")
     async def generate(request: Request) -> Any:
@@ -112,7 +117,7 @@ def create_decode_app(runtime: DecodeRuntime) -> FastAPI:
         request_id = str(body_field(body, "request_id", str))
         tokens = token_list(body, runtime.core.config.vocab_size)
         max_tokens = body_field(body, "max_tokens", int)
-        runtime.reserve(request_id, len(tokens), max_tokens, caller_of(request))
+        runtime.reserve(request_id, len(tokens), max_tokens, caller_of(request), prompt=tokens)
         job = runtime.job(request_id, caller_of(request))
         await runtime.prefill_locally(job, tokens)
         return await _respond(runtime, job, bool(body.get("stream", False)))
@@ -123,6 +128,7 @@ def create_decode_app(runtime: DecodeRuntime) -> FastAPI:
         prefill_stopped = body_field(body, "prefill_stopped", bool, False)
         return runtime.cancel(str(body_field(body, "request_id", str)), prefill_stopped, caller_of(request))
 
+    add_prefix_index_route(app, PrefixIndexReport(runtime.core, runtime.allocator))
     return app
 
 

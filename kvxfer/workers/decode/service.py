@@ -17,6 +17,15 @@ failed (502 `integrity`, `kvxfer_decode_kv_integrity_failures_total{reason}`) an
 its pages are fenced, since what landed is not what was meant. An admitted request carries a
 `TransferReceipt`, logged and returned with /generate.
 
+With `prefix_cache` on (the default) the decoder keeps finished requests' full prompt
+pages (kv.prefix_cache, owned by the page allocator): /reserve looks the prompt's block
+hashes up, starts the block table with the pages of the longest held prefix (read-only for
+the request, pinned until its reservation is FREE) and asks the prefiller for the rest only
+(the reservation's `first_page`, its `cached_tokens`); /generate_local computes only the
+tokens after that prefix. A request's full prompt pages go to the cache once its KV is
+known complete (admission, or the end of its local prefill), never from a request whose
+pages a write may still reach. `/prefix_index` reports the held hashes to routers.
+
 One reaper thread does all the waiting that has no caller: it receives abort messages,
 marks RECEIVING, fails reservations past `reservation_ttl_s` and frees fenced ones past
 `fence_timeout_s`. No thread or timer per request.
@@ -32,7 +41,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Sequence
 
 import numpy as np
 from pydantic import Field
@@ -42,6 +51,8 @@ from kvxfer.kv.integrity import KVIntegrity, KVIntegrityError, TransferReceipt, 
 from kvxfer.kv.ledger import WAITING, NoSlotError, ReservationLedger
 from kvxfer.kv.ledger import ReservationState as Res
 from kvxfer.kv.page_allocator import OutOfPagesError, PageAllocator
+from kvxfer.kv.prefix_cache import PrefixCache
+from kvxfer.kv.prefix_hash import block_hashes
 from kvxfer.kv.protocol import (
     MAX_SLOTS,
     KVReservation,
@@ -55,7 +66,7 @@ from kvxfer.kv.protocol import (
 )
 from kvxfer.kv.reservation_scope import PrefillAddressError, ReservationScope
 from kvxfer.kv.write_windows import reservation_windows
-from kvxfer.metrics import DecodeMetrics
+from kvxfer.metrics import DecodeMetrics, PrefixCacheMetrics
 from kvxfer.registry.signing import checksum_table_key_of
 from kvxfer.model.tokenizer import ByteTokenizer
 from kvxfer.model.transformer import DecodeRequest, FinishReason, finish_reason_after
@@ -163,6 +174,22 @@ class DecodeJob:
     first_imm_at: float = 0.0
     #: What the decoder saw of the push, once admitted (None for a local prefill).
     receipt: TransferReceipt | None = None
+    #: Leading prompt pages reused from the prefix cache (nobody writes into them).
+    held_pages: int = 0
+    #: Block hashes of the prompt's full pages (empty without a prefix cache).
+    prefix_hashes: list[bytes] = field(default_factory=list)
+    #: Tokens per page (the model's block size).
+    block_size: int = 0
+
+    @property
+    def prompt_pages(self) -> list[int]:
+        """The block table's pages that hold the prompt."""
+        return self.pages[:pages_for_tokens(self.prompt_tokens, self.block_size)]
+
+    @property
+    def pushed_pages(self) -> list[int]:
+        """The prompt pages a prefiller writes: those after the reused prefix."""
+        return self.prompt_pages[self.held_pages:]
 
 
 class DecodeRuntime:
@@ -172,7 +199,8 @@ class DecodeRuntime:
         self.settings = settings
         self.core = WorkerCore(settings, "decode")
         self.tokenizer = ByteTokenizer()
-        self.allocator = PageAllocator(settings.num_pages, self.core.config.block_size)
+        self.allocator = PageAllocator(settings.num_pages, self.core.config.block_size,
+                                       prefix_cache=PrefixCache() if settings.prefix_cache else None)
         self.ledger = ReservationLedger(
             self.allocator,
             settings.max_requests,
@@ -195,6 +223,7 @@ class DecodeRuntime:
         self._table_key = checksum_table_key_of(settings.cluster_key_file)
         self.mailbox_region = self.core.engine.register(self.mailbox)
         self.metrics = DecodeMetrics(self.core.metrics_registry)
+        self.prefix_metrics = PrefixCacheMetrics(self.core.metrics_registry, "decode")
         self.jobs: dict[str, DecodeJob] = {}
         # (caller, request id) -> monotonic expiry of a cancel that found no reservation:
         # the router cancels a /reserve it gave up waiting for, and that reservation may
@@ -213,14 +242,24 @@ class DecodeRuntime:
         self._update_gauges()
 
     # -- reservation ------------------------------------------------------------------
+    def prefix_hashes(self, prompt: Sequence[int]) -> list[bytes]:
+        """Block hashes of the prompt's full pages under this model's namespace (empty when
+        the prefix cache is off)."""
+        if not self.allocator.prefix_cache_enabled:
+            return []
+        return block_hashes(prompt, self.core.config.block_size, self.core.config.name)
+
     def reserve(self, request_id: str, prompt_tokens: int, max_tokens: int, caller: str = "anonymous",
-                prefill_address: bytes | None = None) -> KVReservation:
+                prefill_address: bytes | None = None, prompt: Sequence[int] | None = None) -> KVReservation:
         """Reserves pages for prompt + max_tokens and a mailbox slot/immediate, owned by `caller`.
 
         With `prefill_address` (the engine address of the prefiller the router chose), the
         reservation's immediate is credited only with arrivals from that engine where the
         provider can tell (see `TransferEngine.bind_imm_source`); a malformed address is a
-        `Rejection.BAD_REQUEST` and takes nothing.
+        `Rejection.BAD_REQUEST` and takes nothing. With the `prompt`'s tokens and the prefix
+        cache on, the longest cached prefix of full pages is reused (never the page of the
+        prompt's last token: its logits make the first token) and the reservation asks the
+        prefiller for the other pages only (`first_page`).
         """
         cfg = self.core.config
         if self.core.draining:
@@ -236,6 +275,10 @@ class DecodeRuntime:
                 f"context of {cfg.max_context} tokens",
                 request_id,
             )
+        if prompt is not None and len(prompt) != prompt_tokens:
+            raise RequestRejected(Rejection.BAD_REQUEST, f"prompt has {len(prompt)} tokens, not {prompt_tokens}",
+                                  request_id)
+        hashes = self.prefix_hashes(prompt) if prompt is not None else []
         with self._lock:
             if request_id in self.jobs:
                 raise RequestRejected(Rejection.CONFLICT, f"request {request_id} already exists", request_id)
@@ -251,7 +294,8 @@ class DecodeRuntime:
                     f"(max_reservations_per_caller={self.settings.max_reservations_per_caller})",
                     request_id, retry_after_s=self.settings.retry_after_s)
             try:
-                entry = self.ledger.open(request_id, prompt_tokens + max_tokens)
+                entry = self.ledger.open(request_id, prompt_tokens + max_tokens,
+                                         hashes[:(prompt_tokens - 1) // cfg.block_size])
             except NoSlotError as exc:
                 raise RequestRejected(Rejection.OVERLOADED, f"too many requests on this decode worker: {exc}", request_id) from None
             except OutOfPagesError as exc:
@@ -264,9 +308,14 @@ class DecodeRuntime:
                 nonce=entry.nonce,
                 prompt_tokens=prompt_tokens,
                 max_tokens=max_tokens,
-                expected_count=expected_imm_count(cfg.num_layers, prompt_tokens, cfg.block_size),
+                # One write per pushed page and layer, plus the mailbox: held pages travel not.
+                expected_count=expected_imm_count(cfg.num_layers, prompt_tokens, cfg.block_size)
+                - cfg.num_layers * entry.held_pages,
                 created_at=time.monotonic(),
                 owner=caller,
+                held_pages=entry.held_pages,
+                prefix_hashes=hashes,
+                block_size=cfg.block_size,
             )
             self.jobs[request_id] = job
             # Immediates for this slot and generation that arrived before the reservation
@@ -286,11 +335,14 @@ class DecodeRuntime:
                 if isinstance(exc, PrefillAddressError):
                     raise RequestRejected(Rejection.BAD_REQUEST, f"prefill_engine_address: {exc}", request_id) from None
                 raise
+        self.prefix_metrics.hit_tokens.observe(job.held_pages * cfg.block_size)
         self._update_gauges()
         return KVReservation(
             request_id=request_id,
             descriptor=descriptor,
-            pages=list(job.pages),
+            # With a reused prefix, exactly the pages to push (kv.protocol.KVReservation).
+            pages=job.pushed_pages if job.held_pages else list(job.pages),
+            first_page=job.held_pages,
             num_pages=self.core.cache.num_pages,
             imm=job.imm,
             expected_count=job.expected_count,
@@ -310,10 +362,10 @@ class DecodeRuntime:
         parts: list[tuple[RegisteredMemory, list[tuple[int, int]]]] = []
         if self.settings.kv_registration is not KVRegistration.WHOLE_CACHE:
             cache = self.core.cache
-            prompt_pages = job.pages[:pages_for_tokens(job.prompt_tokens, self.core.config.block_size)]
+            # Only the pages it pushes: a reused (held) page is out of the descriptor's reach.
             parts = [
                 (self.core.cache_region,
-                 reservation_windows(prompt_pages, self.core.config.num_layers, cache.num_pages, cache.page_bytes)),
+                 reservation_windows(job.pushed_pages, self.core.config.num_layers, cache.num_pages, cache.page_bytes)),
                 (self.mailbox_region, [(job.slot * self.mailbox_slot_stride, self.mailbox_slot_stride)]),
             ]
         scope = ReservationScope.open(self.core.engine, f"request {job.request_id}", job.imm, prefill_address, parts)
@@ -405,6 +457,8 @@ class DecodeRuntime:
                 raise RequestRejected(Rejection.CONFLICT, f"request {job.request_id} was {job.state.value}", job.request_id)
             # Every write landed and checked out: none can come any more.
             self.ledger.move(job.request_id, Res.ADMITTED)
+            # The prompt's full pages are final: later tokens go to later pages.
+            self.allocator.publish(job.request_id, job.prefix_hashes)
 
     def _check_landed_kv(self, job: DecodeJob, landed_at: float) -> tuple[int, TransferReceipt]:
         """The first token and the receipt of a request whose count completed; raises
@@ -421,7 +475,7 @@ class DecodeRuntime:
         if nonce != job.nonce or prompt_tokens != job.prompt_tokens:
             raise KVIntegrityError(rid, "mailbox_mismatch", "the count completed but the mailbox holds another "
                                    "record: a write was counted twice or came from elsewhere")
-        prompt_pages = job.pages[: pages_for_tokens(job.prompt_tokens, cfg.block_size)]
+        prompt_pages = job.pushed_pages
         mode = self.settings.kv_integrity
         verify_s, checked, mismatches = 0.0, 0, []
         if mode is not KVIntegrity.OFF:
@@ -465,7 +519,7 @@ class DecodeRuntime:
             pages_checked=checked,
         )
         if self.settings.kv_receipt_digest:
-            receipt.kv_digest = prompt_kv_digest(self.core.cache, prompt_pages, job.prompt_tokens)
+            receipt.kv_digest = prompt_kv_digest(self.core.cache, job.prompt_pages, job.prompt_tokens)
         return first_token, receipt
 
     def _admit(self, job: DecodeJob, first_token: int) -> None:
@@ -497,9 +551,14 @@ class DecodeRuntime:
         result = await loop.run_in_executor(
             None,
             lambda: self.core.model.prefill(
-                prompt, self.core.cache, job.pages, chunk_size=self.settings.prefill_chunk_tokens
+                prompt, self.core.cache, job.pages, chunk_size=self.settings.prefill_chunk_tokens,
+                start_pos=job.held_pages * self.core.config.block_size,
             ),
         )
+        with self._lock:
+            if job.state is RequestState.RESERVED:
+                # Computed and not ended meanwhile: its full prompt pages are final.
+                self.allocator.publish(job.request_id, job.prefix_hashes)
         self._admit(job, result.first_token)
 
     # -- batch loop -------------------------------------------------------------------
@@ -733,6 +792,9 @@ class DecodeRuntime:
         self.metrics.pages_fenced.set(self.allocator.quarantined_pages)
         self.metrics.requests_running.set(load["running"])
         self.metrics.requests_waiting_for_kv.set(load["queue_depth"])
+        counters = self.allocator.prefix_counters()
+        if counters is not None:
+            self.prefix_metrics.update(counters.held_pages, counters.evictions)
         self.core.update_load(**load)
 
     def stop_batch_loop(self) -> None:

@@ -16,6 +16,7 @@ from kvxfer.workers.http_server import (
     token_list,
 )
 from kvxfer.workers.prefill.service import PrefillRuntime, PrefillSettings
+from kvxfer.workers.prefix_index import PrefixIndexReport, add_prefix_index_route
 
 
 def create_prefill_app(runtime: PrefillRuntime) -> FastAPI:
@@ -38,6 +39,7 @@ def create_prefill_app(runtime: PrefillRuntime) -> FastAPI:
         body = await json_body(request)
         return await runtime.cancel(body_field(body, "request_id", str), caller_of(request))
 
+    add_prefix_index_route(app, PrefixIndexReport(runtime.core, runtime.allocator))
     return app
 
 

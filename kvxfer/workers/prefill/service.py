@@ -17,6 +17,13 @@ frees its pages.
 
 Every push gets the runtime's `PushHooks` (kv.push_hooks), given at construction: the
 no-op in production; tests and failure drills name their own with `push_hooks`.
+
+With `prefix_cache` on (the default) the prefiller keeps the full prompt pages it computed
+(kv.prefix_cache): a prompt whose leading blocks it holds is computed from the first block
+it lacks (`Transformer.prefill(start_pos=...)`), and the pages the decoder holds (the
+reservation's `first_page`) are not pushed; pages the decoder lacks but this worker holds
+are pushed from its cache before compute starts. A cached page stays referenced (never
+evicted, never rewritten) until every write that reads it completed.
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ from pydantic import Field
 
 from kvxfer.errors import EngineError, KvxferError, TransferError, TransferTimeout
 from kvxfer.kv.page_allocator import OutOfPagesError, PageAllocator
+from kvxfer.kv.prefix_cache import PrefixCache
+from kvxfer.kv.prefix_hash import block_hashes
 from kvxfer.kv.protocol import (
     CHECKSUM_BYTES,
     MAILBOX_SLOT_BYTES,
@@ -46,7 +55,7 @@ from kvxfer.kv.protocol import (
 from kvxfer.kv.push import PushSession
 from kvxfer.kv.push_hooks import NO_PUSH_HOOKS, PushHooks
 from kvxfer.kv.push_monitor import DestinationDown, PushMonitor, WatchedPush
-from kvxfer.metrics import PrefillMetrics
+from kvxfer.metrics import PrefillMetrics, PrefixCacheMetrics
 from kvxfer.registry.signing import checksum_table_key_of
 from kvxfer.workers.rejection import Rejection, RequestRejected
 from kvxfer.workers.runtime import WorkerCore, WorkerSettings
@@ -110,7 +119,8 @@ class PrefillRuntime:
         self.settings = settings
         self.hooks = hooks
         self.core = WorkerCore(settings, "prefill")
-        self.allocator = PageAllocator(settings.num_pages, self.core.config.block_size)
+        self.allocator = PageAllocator(settings.num_pages, self.core.config.block_size,
+                                       prefix_cache=PrefixCache() if settings.prefix_cache else None)
         cfg = self.core.config
         # Room per slot for the record and one checksum per (layer, page) of the longest prompt.
         max_prompt_pages = min(pages_for_tokens(cfg.max_context, cfg.block_size), settings.num_pages)
@@ -120,6 +130,7 @@ class PrefillRuntime:
         # Tags checksum tables for decoders that ask (a reservation's checksum_tag).
         self._table_key = checksum_table_key_of(settings.cluster_key_file)
         self.metrics = PrefillMetrics(self.core.metrics_registry)
+        self.prefix_metrics = PrefixCacheMetrics(self.core.metrics_registry, "prefill")
         # One compute thread: requests queue here; queue depth is what routers balance on.
         self._compute = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefill")
         self.sessions: dict[str, PushSession] = {}
@@ -185,6 +196,17 @@ class PrefillRuntime:
                 "could land in reused pages",
                 request_id,
             )
+        prompt_pages = pages_for_tokens(len(prompt), cfg.block_size)
+        if reservation.first_page and reservation.first_page + len(reservation.pages) != prompt_pages:
+            raise RequestRejected(
+                Rejection.CONFLICT,
+                f"the decoder holds {reservation.first_page} prompt pages and reserved {len(reservation.pages)} more; "
+                f"the prompt has {prompt_pages}",
+                request_id,
+            )
+        # Never the block of the last prompt token: its hidden state makes the first token.
+        hashes = block_hashes(prompt, cfg.block_size, cfg.name) if self.allocator.prefix_cache_enabled else []
+        reusable = hashes[:(len(prompt) - 1) // cfg.block_size]
         with self._lock:
             self._forget_cancelled()
             if request_id in self._cancelled:
@@ -192,7 +214,8 @@ class PrefillRuntime:
             if request_id in self.sessions:
                 raise RequestRejected(Rejection.CONFLICT, f"request {request_id} is already being prefilled", request_id)
             try:
-                local_pages = self.allocator.reserve(request_id, len(prompt))
+                local_pages = self.allocator.reserve(request_id, len(prompt), reusable)
+                held = self.allocator.held_pages(request_id)
             except OutOfPagesError as exc:
                 raise RequestRejected(Rejection.OVERLOADED, str(exc), request_id,
                                       retry_after_s=self.settings.retry_after_s) from None
@@ -221,7 +244,8 @@ class PrefillRuntime:
         push.outcome.add_done_callback(lambda f: f.cancelled() or f.exception())
         computing = True
         try:
-            result = await loop.run_in_executor(self._compute, self._run, request_id, prompt, session, local_pages, push)
+            result = await loop.run_in_executor(self._compute, self._run, request_id, prompt, session, local_pages,
+                                                push, held, hashes)
             with self._lock:
                 self._queued -= 1
             computing = False
@@ -295,7 +319,7 @@ class PrefillRuntime:
         return reservation
 
     def _run(self, request_id: str, prompt: list[int], session: PushSession, local_pages: list[int],
-             push: WatchedPush) -> dict[str, Any]:
+             push: WatchedPush, held: int, hashes: list[bytes]) -> dict[str, Any]:
         """Compute and post every write (the compute thread); never waits for the decoder.
 
         A push that cannot complete is ended here; the monitor sends the abort once none of
@@ -303,7 +327,7 @@ class PrefillRuntime:
         """
         try:
             self.pushes.check(push.destination)
-            result = self._compute_and_push(request_id, prompt, session, local_pages, push)
+            result = self._compute_and_push(request_id, prompt, session, local_pages, push, held, hashes)
         except BaseException as exc:
             self.pushes.end(push, exc)
             raise
@@ -327,8 +351,12 @@ class PrefillRuntime:
             del self._cancelled[rid]
 
     def _compute_and_push(
-        self, request_id: str, prompt: list[int], session: PushSession, local_pages: list[int], push: WatchedPush
+        self, request_id: str, prompt: list[int], session: PushSession, local_pages: list[int], push: WatchedPush,
+        held: int, hashes: list[bytes],
     ) -> dict[str, Any]:
+        """Pushes the cached pages the decoder lacks, computes from the first block this
+        worker lacks (`held` blocks came from its prefix cache) and pushes each layer's new
+        pages; then caches the prompt's full pages (`hashes`)."""
         if session.cancelled:
             raise RequestRejected(Rejection.CONFLICT, f"request {request_id} was cancelled before compute", request_id)
         t0 = time.perf_counter()
@@ -336,6 +364,11 @@ class PrefillRuntime:
         self._peers.add(peer[:64])
         extra_s = self.settings.emulated_layer_compute_ms / 1e3
         session.mark_progress()
+        block_size = self.core.config.block_size
+        if held > session.first_page:
+            # Final already (this worker's prefix cache), and the decoder lacks them.
+            for layer in range(self.core.config.num_layers):
+                session.on_layer_done(layer, session.first_page, held)
 
         def on_layer_done(layer: int, chunk: Any) -> None:
             if push.error is not None:  # its destination is down: stop computing for it
@@ -350,15 +383,25 @@ class PrefillRuntime:
             local_pages,
             chunk_size=self.settings.prefill_chunk_tokens,
             on_layer_done=on_layer_done,
+            start_pos=held * block_size,
         )
         session.finish(result.first_token, len(prompt))
         compute_s = time.perf_counter() - t0
         if session.cancelled:
             raise RequestRejected(Rejection.CONFLICT, f"request {request_id} was cancelled", request_id)
+        with self._lock:
+            if self.sessions.get(request_id) is session:
+                # Computed: the full prompt pages are final; referenced until the push's
+                # writes that read them completed (_release).
+                self.allocator.publish(request_id, hashes)
         self.metrics.compute.observe(compute_s)
+        self.prefix_metrics.hit_tokens.observe(held * block_size)
+        if self.prefix_metrics.pages_skipped is not None:
+            self.prefix_metrics.pages_skipped.inc(session.first_page)
         # The push is one write per (layer, chunk): per-layer compute is the compute time
         # spread over those steps.
-        chunks = math.ceil(len(prompt) / self.settings.prefill_chunk_tokens)
+        chunk_tokens = self.settings.prefill_chunk_tokens
+        chunks = math.ceil(len(prompt) / chunk_tokens) - (held * block_size) // chunk_tokens
         steps = self.core.config.num_layers * chunks
         return {
             "request_id": request_id,
@@ -366,6 +409,12 @@ class PrefillRuntime:
             "prefill_ms": compute_s * 1e3,
             "chunks": chunks,
             "layer_compute_ms_mean": compute_s * 1e3 / steps,
+            # Prompt tokens this worker had cached (not computed), blocks the decoder held
+            # (not pushed) and blocks pushed (each block is one page per layer).
+            "prefix_hit_tokens": held * block_size,
+            "computed_tokens": len(prompt) - held * block_size,
+            "pages_skipped": session.first_page,
+            "pages_pushed": len(local_pages) - session.first_page,
         }
 
     def _push_result(self, result: dict[str, Any], stats: Any) -> dict[str, Any]:
@@ -405,4 +454,7 @@ class PrefillRuntime:
 
     def _update_gauges(self) -> None:
         self.metrics.queue_depth.set(self._queued)
+        counters = self.allocator.prefix_counters()
+        if counters is not None:
+            self.prefix_metrics.update(counters.held_pages, counters.evictions)
         self.core.update_load(**self.load())
