@@ -65,7 +65,7 @@ def hand_off(pusher: KVPusher, receiver: KVReceiver, src_blocks: list[int], dst_
     the decoder reports the load finished or `deadline_s` passes."""
     request = f"decode-{transfer_id}"
     receiver.start(LoadSpec(request, transfer_id, pusher.engine.address, list(dst_blocks), 0))
-    reason = receiver._loads[request].reason if request in receiver._loads else ""
+    reason = receiver.failure(request)
     pusher.on_step(KvxferStepMetadata(pushes=[PushSpec(f"prefill-{transfer_id}", transfer_id,
                                                         receiver.engine.address, tokens, list(src_blocks), tokens)]))
     end = time.monotonic() + deadline_s
@@ -87,8 +87,7 @@ def hand_off(pusher: KVPusher, receiver: KVReceiver, src_blocks: list[int], dst_
         table = decode_table(bytes(raw)) if raw is not None else None
         if table is not None:  # the prefiller's checksum table (kv_integrity)
             receiver.on_checksum_table(table)
-        load = receiver._loads.get(request)
-        reason = load.reason if load is not None else reason
+        reason = receiver.failure(request) or reason
         finished, failed = receiver.poll(set())
         if request in finished:
             return HandOff(request not in failed, request in failed, reason)

@@ -30,6 +30,7 @@ from kvxfer.transfer.engine import RegisteredMemory, TransferEngine
 
 if TYPE_CHECKING:
     from .kv_region import KVRegion
+    from .sliced_reservation import SliceTarget
 
 #: Rows of pinned staging per prefiller (one row is one run of a block: 16 MiB of 16 KiB
 #: blocks): room for a few layers of a long prompt in flight while the next is copied.
@@ -51,17 +52,29 @@ class InFlight(Protocol):
 
 class _Plans:
     """The decoder's geometry for a reservation's `num_pages` (this cache's shape: the
-    signature check made sure of the rest) and the pieces one block is copied in."""
+    signature check made sure of the rest; with a head slice, the decoder's heads per
+    block) and the pieces one block, or its head slice, is copied in."""
 
     def __init__(self, geometry: CacheGeometry) -> None:
         self.geometry = geometry
-        self._by_num_pages: dict[int, tuple[CacheGeometry, tuple[tuple[int, int, int], ...]]] = {}
+        self._plans: dict[tuple[int, SliceTarget | None], tuple[CacheGeometry, tuple[tuple[int, int, int], ...]]] = {}
 
-    def layer_writes(self, layer: int, num_pages: int) -> list[PagedRun]:
-        cached = self._by_num_pages.get(num_pages)
+    def layer_writes(self, layer: int, num_pages: int, target: SliceTarget | None = None) -> list[PagedRun]:
+        cached = self._plans.get((num_pages, target))
         if cached is None:
-            dst = self.geometry.with_num_blocks(num_pages)
-            cached = self._by_num_pages[num_pages] = (dst, self.geometry.copy_plan(dst))
+            g = self.geometry
+            if target is None:
+                dst = g.with_num_blocks(num_pages)
+                plan = g.copy_plan(dst)
+            else:
+                dst = CacheGeometry.dense(g.layout, g.order, g.num_layers, num_pages, target.dst_num_heads,
+                                          g.block_size, g.content_bytes, latent=g.latent)
+                plan = g.copy_plan(dst, target.slice.src_heads, target.slice.dst_heads)
+                if len(plan) != 1:
+                    # The decoder counts one immediate per (layer, page) from each prefill rank.
+                    raise GeometryError(f"a head slice of layout {g.layout} is {len(plan)} runs per block; "
+                                        "tensor parallel peers of different sizes need LBHNC or BLHNC")
+            cached = self._plans[(num_pages, target)] = (dst, plan)
         return self.geometry.layer_writes(layer, *cached)
 
 
@@ -75,11 +88,12 @@ class DirectWrites:
         self._plans = _Plans(geometry)
 
     def post(self, layer: int, src: list[int], res: KVReservation, dst: list[int], request_id: str,
-             in_flight: list[InFlight]) -> int:
-        """Posts `layer`'s blocks `src` to the reservation's pages `dst`, appending each
-        write to `in_flight` as it is posted; the bytes posted."""
+             in_flight: list[InFlight], target: SliceTarget | None = None) -> int:
+        """Posts `layer`'s blocks `src` (the heads `target` names, where given) to the
+        reservation's pages `dst`, appending each write to `in_flight` as it is posted; the
+        bytes posted."""
         posted = 0
-        for run in self._plans.layer_writes(layer, res.num_pages):
+        for run in self._plans.layer_writes(layer, res.num_pages, target):
             in_flight.append(self.engine.write_paged(
                 self.memory, src, res.descriptor, dst, run.length, src_stride=run.src_stride,
                 dst_stride=run.dst_stride, src_offset=run.src_offset, dst_offset=run.dst_offset,
@@ -135,8 +149,11 @@ class StagedWrites:
                                        chunk_pages=min(staging_rows, 64))
 
     def post(self, layer: int, src: list[int], res: KVReservation, dst: list[int], request_id: str,
-             in_flight: list[InFlight]) -> int:
-        """As `DirectWrites.post`, through the staging rows."""
+             in_flight: list[InFlight], target: SliceTarget | None = None) -> int:
+        """As `DirectWrites.post`, through the staging rows (whole blocks only)."""
+        if target is not None:
+            raise GeometryError("a device cache pushes whole blocks only: its decoder must run the same tensor "
+                                "parallel size")
         posted = 0
         blocks = np.asarray(src, dtype=np.int64)
         for run in self._plans.layer_writes(layer, res.num_pages):

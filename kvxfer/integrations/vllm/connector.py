@@ -27,7 +27,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from .metadata import KvxferStepMetadata, KvxferWorkerReport
 from .scheduler_side import SchedulerSide
-from .settings import ConnectorSettings
+from .settings import ConnectorConfigError, ConnectorSettings
+from .tensor_parallel import TensorParallelPlace
 from .worker_side import WorkerSide
 
 if TYPE_CHECKING:
@@ -59,6 +60,37 @@ def _log_through_vllm() -> None:
 _log_through_vllm()
 
 
+def _tensor_parallel_place(vllm_config: VllmConfig) -> TensorParallelPlace:
+    """This worker's rank in vLLM's tensor parallel group and the model's KV heads."""
+    parallel = vllm_config.parallel_config
+    if parallel.pipeline_parallel_size > 1:
+        raise ConnectorConfigError("KvxferConnector: pipeline parallelism is not supported (tensor parallelism is)")
+    size = int(parallel.tensor_parallel_size)
+    rank = 0
+    if size > 1:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        rank = int(get_tensor_model_parallel_rank())
+    model = vllm_config.model_config
+    heads = 1 if model.use_mla else int(model.get_total_num_kv_heads())
+    return TensorParallelPlace(rank=rank, size=size, total_kv_heads=heads)
+
+
+def _gather_over_tp_group(address: bytes) -> list[bytes]:
+    """Every rank's engine address, in rank order, over vLLM's tensor parallel CPU group
+    (gloo; a collective every rank calls from register_kv_caches)."""
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size, get_tp_group
+
+    size = int(get_tensor_model_parallel_world_size())
+    if size == 1:
+        return [address]
+    import torch.distributed
+
+    out: list[object] = [None] * size
+    torch.distributed.all_gather_object(out, address, group=get_tp_group().cpu_group)
+    return [bytes(a) for a in out]  # type: ignore[arg-type]
+
+
 class KvxferConnector(KVConnectorBase_V1):
     """Pushes prefill KV layer by layer with one-sided writes; admits decode requests on
     kvxfer's ImmCounter. Settings: `ConnectorSettings` (kv_connector_extra_config)."""
@@ -81,7 +113,8 @@ class KvxferConnector(KVConnectorBase_V1):
             name = model.served_model_name
             name = name[0] if isinstance(name, (list, tuple)) else name
             self._worker = WorkerSide(self.settings, self.kv_role, str(name or model.model),
-                                      warmup_prompt_tokens=self._warmup_prompt_tokens(vllm_config, block_size))
+                                      warmup_prompt_tokens=self._warmup_prompt_tokens(vllm_config, block_size),
+                                      place=_tensor_parallel_place(vllm_config), gather=_gather_over_tp_group)
 
     def _warmup_prompt_tokens(self, vllm_config: VllmConfig, block_size: int) -> int:
         if self.settings.warmup_prompt_tokens is not None:

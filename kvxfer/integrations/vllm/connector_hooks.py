@@ -16,10 +16,14 @@ if TYPE_CHECKING:
     from .kv_pusher import PrefillPush
     from .kv_receiver import DecodeLoad
     from .kv_region import KVRegion
+    from .tensor_parallel import HeadSlice, TensorParallelPlace
 
 
 class ConnectorHooks:
     """Called by the pusher (prefill legs) and the receiver (decode legs); does nothing here."""
+
+    def placed(self, place: TensorParallelPlace) -> None:
+        """This worker's tensor parallel rank and the model's KV heads, once, before any transfer."""
 
     def layer_saved(self, transfer_id: str, layer: int) -> None:
         """vLLM computed `layer` of this push's step; its pages are posted after this returns."""
@@ -36,6 +40,12 @@ class ConnectorHooks:
 
     def push_finished(self, region: KVRegion, push: PrefillPush, tail_s: float) -> None:
         """Every write of `push` landed (`tail_s`: its last layer's compute to its last write)."""
+
+    def head_sources(self, transfer_id: str, prefill_tp: int, sources: list[HeadSlice]) -> list[HeadSlice]:
+        """Which rank of the prefiller (of `prefill_tp` ranks) gives which heads to this
+        decode rank (tensor_parallel.py's plan), before the reservations go out; what is
+        returned is asked for."""
+        return sources
 
     def load_reserved(self, region: KVRegion, load: DecodeLoad) -> None:
         """`load`'s reservation is made and about to be sent to the prefiller."""

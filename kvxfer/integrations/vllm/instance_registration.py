@@ -30,7 +30,7 @@ class InstanceRegistration:
     """Publishes this instance once its KV cache is registered; withdrawn at shutdown."""
 
     def __init__(self, settings: ConnectorSettings, kv_role: str, model: str, engine_address_hex: str,
-                 region: KVRegion, warmup_prompt_tokens: int = 0) -> None:
+                 region: KVRegion, warmup_prompt_tokens: int = 0, *, tp_size: int = 1, kv_heads: int = 0) -> None:
         if not settings.advertise_url:
             raise ConnectorConfigError("kv_connector_extra_config: etcd is set but advertise_url (this "
                                        "instance's OpenAI API URL, as the router reaches it) is not")
@@ -51,7 +51,8 @@ class InstanceRegistration:
         self._record = WorkerRecord(
             worker_id=settings.worker_id or f"vllm-{role}-{socket.gethostname()}-{os.getpid()}",
             role=role, http_url=settings.advertise_url, engine_address=engine_address_hex, model=model,
-            kv_layout=region.signature, total_pages=region.num_blocks, free_pages=region.num_blocks, engine="vllm",
+            kv_layout=region.instance_signature(kv_heads or region.geometry.num_heads), total_pages=region.num_blocks,
+            free_pages=region.num_blocks, engine="vllm", tp_size=tp_size, kv_heads=kv_heads,
         )
         self._thread: threading.Thread | None = None
         self._last_running = -1

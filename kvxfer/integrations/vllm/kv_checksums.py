@@ -45,8 +45,11 @@ _TAG_BYTES = 32
 _TAG_DOMAIN = b"kvxfer/vllm-kv-table/v1"
 
 
-def block_checksums(region: KVRegion, layer: int, blocks: Sequence[int]) -> np.ndarray:
-    """CRC-32C (uint32) of each of `blocks` of `layer`, in the order given.
+def block_checksums(region: KVRegion, layer: int, blocks: Sequence[int],
+                    heads: tuple[int, int] | None = None) -> np.ndarray:
+    """CRC-32C (uint32) of each of `blocks` of `layer`, in the order given; of heads
+    `heads` ([first, end), local) of each block only where given (a tensor parallel peer
+    of another size sends or receives that slice).
 
     A block that is one run of exactly its stride (vLLM's CPU layout) is read in place by
     the native page checksum; otherwise each block's runs are chained in address order.
@@ -54,16 +57,17 @@ def block_checksums(region: KVRegion, layer: int, blocks: Sequence[int]) -> np.n
     """
     g = region.geometry
     ids = np.ascontiguousarray(blocks, dtype=np.int64)
-    if region.buffer is not None and g.block_runs() == [(0, g.page_bytes)] and g.block_stride == g.page_bytes:
+    if heads is None and region.buffer is not None and g.block_runs() == [(0, g.page_bytes)] \
+            and g.block_stride == g.page_bytes:
         buf = region.buffer
         return _native.page_crc32c(buf.ctypes.data, buf.nbytes, g.offset(layer, 0), g.page_bytes, ids)
     out = np.empty(len(ids), dtype=np.uint32)
     for i, block in enumerate(ids):
         if region.buffer is None:
-            out[i] = crc32c(region.page_bytes(layer, int(block)))
+            out[i] = crc32c(region.page_bytes(layer, int(block), heads))
             continue
         crc = 0
-        for start, length in g.runs(layer, int(block)):
+        for start, length in g.runs(layer, int(block), heads):
             crc = crc32c(region.buffer[start:start + length], crc)
         out[i] = crc
     return out
@@ -165,9 +169,9 @@ class LoadChecksums:
         return bool(self._have.all())
 
     def verify(self, region: KVRegion, blocks: Sequence[int], first_page: int, mode: KVIntegrity,
-               sample_rate: float, rng: random.Random) -> Verification:
-        """Compares the checksums of the landed `blocks` (prompt pages `first_page...`) with
-        the table; raises KVIntegrityError naming the request, the first mismatching layer,
+               sample_rate: float, rng: random.Random, heads: tuple[int, int] | None = None) -> Verification:
+        """Compares the checksums of the landed `blocks` (prompt pages `first_page...`; heads
+        `heads` of them where given) with the table; raises KVIntegrityError naming the request, the first mismatching layer,
         block and prompt page."""
         if mode is KVIntegrity.OFF or not len(blocks):
             return Verification()
@@ -175,7 +179,7 @@ class LoadChecksums:
             raise KVIntegrityError(self.request_id, "checksums_missing", "the prefiller's checksum table did not "
                                    f"arrive for every layer ({int(self._have.sum())} of {self.num_layers})")
         verification = compare_checksums(self.num_layers, blocks, self.table, mode, sample_rate, rng,
-                                         lambda layer, ids: block_checksums(region, layer, ids))
+                                         lambda layer, ids: block_checksums(region, layer, ids, heads))
         if verification.mismatches:
             layer, index, block = verification.mismatches[0]
             raise KVIntegrityError(

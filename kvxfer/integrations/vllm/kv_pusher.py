@@ -14,6 +14,12 @@ last page): one write per (request, layer) per step, chunked prefill included, a
 late is caught up from the request's blocks, which vLLM keeps for us (`request_finished`
 delays their free until this side reports the push finished, with nothing in flight).
 
+Under tensor parallelism each prefill rank runs its own pusher. A decoder of the same size
+reserves whole blocks at its same-rank peer: one push per request, as above. A decoder of
+another size sends sliced reservations (sliced_reservation.py): this rank holds one push
+per decode rank that draws heads from it (`tensor_parallel.head_targets`), each posting
+its head slice of every block, and reports the request finished once all of them are.
+
 A push that ends early (FAILED, or STOPPING drained) tells the decoder with the protocol's
 abort message, sent only once none of its writes is in flight: from then on the decoder
 may reuse its pages.
@@ -46,8 +52,14 @@ from .kv_checksums import block_checksums, encode_table
 from .kv_region import KVRegion
 from .metadata import KvxferStepMetadata, PushSpec
 from .settings import ConnectorSettings
+from .sliced_reservation import SliceTarget
+from .tensor_parallel import TensorParallelError, TensorParallelPlace, decode_rank_addresses, head_targets
 
 log = logging.getLogger(__name__)
+
+#: The key of the one push of a request whose decoder has this rank's tensor parallel size
+#: (its reservation names no decode rank: whole blocks from the same-rank peer).
+WHOLE_BLOCKS = -1
 
 
 class PushState(enum.Enum):
@@ -62,7 +74,7 @@ class PushState(enum.Enum):
 
 @dataclass
 class PrefillPush:
-    """One request's push to one decoder."""
+    """One request's push to one decoder (one decode rank of it)."""
 
     request_id: str
     transfer_id: str
@@ -70,6 +82,10 @@ class PrefillPush:
     prompt_tokens: int
     block_size: int
     num_layers: int
+    #: the decode rank this push serves; WHOLE_BLOCKS where the decoder's TP size is ours.
+    decode_rank: int = WHOLE_BLOCKS
+    #: the heads of each block it posts, and where they go (None: whole blocks).
+    target: SliceTarget | None = None
     block_ids: list[int] = field(default_factory=list)
     reservation: KVReservation | None = None
     state: PushState = PushState.WAITING_FOR_RESERVATION
@@ -123,8 +139,10 @@ class KVPusher:
 
     def __init__(self, settings: ConnectorSettings, engine: TransferEngine, region: KVRegion,
                  memory: RegisteredMemory | None, metrics: ConnectorMetrics,
-                 hooks: ConnectorHooks = NO_CONNECTOR_HOOKS, writes: DirectWrites | StagedWrites | None = None) -> None:
+                 hooks: ConnectorHooks = NO_CONNECTOR_HOOKS, writes: DirectWrites | StagedWrites | None = None,
+                 place: TensorParallelPlace | None = None) -> None:
         self.settings = settings
+        self.place = place or TensorParallelPlace()
         self.engine = engine
         self.region = region
         self.memory = memory
@@ -136,9 +154,9 @@ class KVPusher:
         #: `memory`), or through pinned staging (a device cache).
         self.writes = writes or (DirectWrites(engine, memory, region.geometry) if memory is not None
                                  else StagedWrites(engine, region))
-        self._by_request: dict[str, PrefillPush] = {}
-        self._by_transfer: dict[str, PrefillPush] = {}
-        self._early: dict[str, tuple[KVReservation, float]] = {}
+        self._by_request: dict[str, list[PrefillPush]] = {}  # one per decode rank served
+        self._by_transfer: dict[tuple[str, int], PrefillPush] = {}  # (transfer id, decode rank)
+        self._early: dict[tuple[str, int], tuple[KVReservation, SliceTarget | None, float]] = {}
         self._this_step: list[PrefillPush] = []
         self._report: set[str] = set()
         self._arrivals: set[str] = set()
@@ -149,54 +167,71 @@ class KVPusher:
         """Adopt this step's pushes, finished and preempted requests."""
         self._this_step = []
         for spec in meta.pushes:
-            push = self._by_request.get(spec.request_id) or self._adopt(spec)
-            push.block_ids = spec.block_ids
-            push.pending_end = spec.computed_end
-            self._this_step.append(push)
+            pushes = self._by_request.get(spec.request_id)
+            for push in pushes if pushes is not None else self._adopt(spec):
+                push.block_ids = spec.block_ids
+                push.pending_end = spec.computed_end
+                self._this_step.append(push)
         for rid in meta.preempted:
-            push = self._by_request.get(rid)
-            if push is not None:
+            for push in self._by_request.get(rid, ()):
                 self._fail(push, "preempted on the prefill instance (its blocks were freed)")
         now = time.monotonic()
         for rid in meta.finished_pushes:
-            push = self._by_request.get(rid)
-            if push is None:
-                self._report.add(rid)  # never got to the worker: nothing to wait for
-            else:
+            pushes = self._by_request.get(rid)
+            if not pushes:
+                self._by_request.pop(rid, None)
+                self._report.add(rid)  # never got to the worker, or no decode rank wants our heads
+            for push in pushes or ():
                 push.vllm_finished_at = now
 
-    def _adopt(self, spec: PushSpec) -> PrefillPush:
-        push = PrefillPush(spec.request_id, spec.transfer_id, spec.decode_engine, spec.prompt_tokens,
-                           self.block_size, self.region.num_layers)
-        self._by_request[spec.request_id] = push
-        self._by_transfer[spec.transfer_id] = push
-        early = self._early.pop(spec.transfer_id, None)
-        if early is not None:
-            self._attach(push, early[0])
-        return push
+    def _adopt(self, spec: PushSpec) -> list[PrefillPush]:
+        try:
+            decode_tp = len(decode_rank_addresses(spec.decode_engine))
+            ranks = ([WHOLE_BLOCKS] if decode_tp == self.place.size else
+                     head_targets(self.place.total_kv_heads, self.place.size, decode_tp, self.place.rank))
+            problem = ""
+        except TensorParallelError as exc:
+            ranks, problem = [WHOLE_BLOCKS], f"the decoder's KV heads cannot be mapped to this prefill rank ({exc})"
+        pushes = [PrefillPush(spec.request_id, spec.transfer_id, spec.decode_engine, spec.prompt_tokens,
+                              self.block_size, self.region.num_layers, decode_rank=rank) for rank in ranks]
+        self._by_request[spec.request_id] = pushes
+        for push in pushes:
+            self._by_transfer[(spec.transfer_id, push.decode_rank)] = push
+            if problem:
+                self._fail(push, problem)
+                continue
+            early = self._early.pop((spec.transfer_id, push.decode_rank), None)
+            if early is not None:
+                self._attach(push, early[0], early[1])
+        return pushes
+
+    def _pushes(self) -> list[PrefillPush]:
+        return [push for pushes in self._by_request.values() for push in pushes]
 
     # ---- from the decoder ---------------------------------------------------------------
 
-    def on_reservation(self, reservation: KVReservation) -> None:
-        """A decoder's reservation arrived (it may come before its request reaches us)."""
-        push = self._by_transfer.get(reservation.request_id)
+    def on_reservation(self, reservation: KVReservation, target: SliceTarget | None = None) -> None:
+        """A decoder's reservation arrived (it may come before its request reaches us);
+        `target`: the head slice a decode rank of another TP size asks for."""
+        key = (reservation.request_id, target.decode_rank if target is not None else WHOLE_BLOCKS)
+        push = self._by_transfer.get(key)
         if push is None:
             if len(self._early) >= self.settings.max_early_reservations:
                 self.metrics.dropped_messages.labels(reason="early_reservations_full").inc()
                 return
-            self._early[reservation.request_id] = (reservation, time.monotonic())
+            self._early[key] = (reservation, target, time.monotonic())
             self._arrivals.add(reservation.request_id)
             return
         if push.reservation is not None:
             self.metrics.dropped_messages.labels(reason="duplicate_reservation").inc()
             return
-        self._attach(push, reservation)
+        self._attach(push, reservation, target)
         self._catch_up(push)
 
     @property
     def awaiting_reservation(self) -> bool:
         """Some push waits for its decoder's reservation (the worker may block on its inbox)."""
-        return any(p.state is PushState.WAITING_FOR_RESERVATION for p in self._by_request.values())
+        return any(p.state is PushState.WAITING_FOR_RESERVATION for p in self._pushes())
 
     def take_arrivals(self) -> set[str]:
         """Transfer ids whose reservation arrived before their request (since the last call)."""
@@ -205,7 +240,7 @@ class KVPusher:
 
     def on_cancel(self, imm: int, nonce: int, reason: str) -> None:
         """The decoder gave up on a reservation: stop posting, confirm once drained."""
-        for push in self._by_request.values():
+        for push in self._pushes():
             res = push.reservation
             if res is not None and res.imm == imm and res.nonce == nonce:
                 if push.state in (PushState.PUSHING, PushState.WAITING_FOR_RESERVATION):
@@ -219,16 +254,17 @@ class KVPusher:
                     push.abort_sent = True
                     self._send_stopped(res, f"cancelled by the decoder after every write landed: {reason}")
                 return
-        for tid, (res, _) in list(self._early.items()):
+        for key, (res, _, _) in list(self._early.items()):
             if res.imm == imm and res.nonce == nonce:
                 # Its request never reached us: nothing was posted, confirm at once.
-                del self._early[tid]
+                del self._early[key]
                 self._send_stopped(res, f"cancelled by the decoder before the request arrived: {reason}")
                 return
         self.metrics.dropped_messages.labels(reason="unknown_cancel").inc()
 
-    def _attach(self, push: PrefillPush, res: KVReservation) -> None:
+    def _attach(self, push: PrefillPush, res: KVReservation, target: SliceTarget | None = None) -> None:
         push.reservation = res
+        push.target = target
         problem = self._check(push, res)
         if problem:
             self._fail(push, problem)
@@ -239,10 +275,17 @@ class KVPusher:
         push.state = PushState.PUSHING
 
     def _check(self, push: PrefillPush, res: KVReservation) -> str:
-        if res.kv_layout != self.region.signature:
+        target = push.target
+        # A decode rank of another TP size holds another number of heads per block; every
+        # other property of the blocks must be ours.
+        ours = self.region.signature if target is None else self.region.signature_with_heads(target.dst_num_heads)
+        if res.kv_layout != ours:
             self.metrics.failures.labels(side="prefill", reason="layout_mismatch").inc()
             return (f"KV layout mismatch: the decoder's cache is {res.kv_layout!r}, this prefiller's is "
-                    f"{self.region.signature!r}; raw blocks cannot be copied between them")
+                    f"{ours!r}; raw blocks cannot be copied between them")
+        if target is not None and target.slice.src_heads[1] > self.region.geometry.num_heads:
+            return (f"the decoder asks for heads {target.slice.src_heads[0]}..{target.slice.src_heads[1]} of this "
+                    f"rank's {self.region.geometry.num_heads} (tensor parallel sizes disagree)")
         if res.first_page + len(res.pages) != push.total_pages:
             return (f"the reservation covers prompt pages {res.first_page}..{res.first_page + len(res.pages)}, "
                     f"but this prompt has {push.total_pages} pages (prompts differ between the legs?)")
@@ -293,10 +336,10 @@ class KVPusher:
         if push.checksums is not None:
             # Taken before the write is posted: the table says what this side meant to send.
             push.checksums[layer, start - res.first_page:end - res.first_page] = \
-                block_checksums(self.region, layer, src)
+                block_checksums(self.region, layer, src, push.target.slice.src_heads if push.target else None)
         self._hooks.layer_checksummed(self.region, push.transfer_id, layer, src)
         try:
-            posted = self.writes.post(layer, src, res, dst, push.transfer_id, push.in_flight)
+            posted = self.writes.post(layer, src, res, dst, push.transfer_id, push.in_flight, push.target)
         except Exception as exc:  # a dead peer, a descriptor the engine refuses, a bad num_pages
             self._fail(push, f"posting layer {layer} failed: {exc}")
             return
@@ -325,14 +368,14 @@ class KVPusher:
         """Reap completions and deadlines; the requests whose blocks vLLM may free now."""
         now = time.monotonic()
         for rid in finished_req_ids:
-            push = self._by_request.get(rid)
-            if push is not None and push.vllm_finished_at is None:
-                push.vllm_finished_at = now
-        for tid, (_, at) in list(self._early.items()):
+            for push in self._by_request.get(rid, ()):
+                if push.vllm_finished_at is None:
+                    push.vllm_finished_at = now
+        for key, (_, _, at) in list(self._early.items()):
             if now - at > self.settings.reservation_wait_s:
-                del self._early[tid]  # its request never came: nothing was pushed
+                del self._early[key]  # its request never came: nothing was pushed
                 self.metrics.dropped_messages.labels(reason="orphan_reservation").inc()
-        for push in list(self._by_request.values()):
+        for push in self._pushes():
             self._reap(push)
             if push.state is PushState.WAITING_FOR_RESERVATION and push.vllm_finished_at is not None \
                     and now - push.vllm_finished_at > self.settings.reservation_wait_s:
@@ -399,6 +442,9 @@ class KVPusher:
             log.info("transfer %s: could not tell the decoder the push stopped: %s", res.request_id, exc)
 
     def _forget(self, push: PrefillPush) -> None:
-        self._by_request.pop(push.request_id, None)
-        self._by_transfer.pop(push.transfer_id, None)
-        self._report.add(push.request_id)
+        self._by_transfer.pop((push.transfer_id, push.decode_rank), None)
+        pushes = self._by_request.get(push.request_id, [])
+        pushes[:] = [p for p in pushes if p is not push]
+        if not pushes:  # every decode rank this rank serves is done: vLLM may free the blocks
+            self._by_request.pop(push.request_id, None)
+            self._report.add(push.request_id)

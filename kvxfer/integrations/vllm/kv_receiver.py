@@ -21,6 +21,13 @@ with `sampled`); otherwise it fails (FENCING, then FAILED) with an error naming 
 layer and block, and vLLM fails or recomputes it (`kv_load_failure_policy`). Tests read what
 a load reserved and admitted through the `ConnectorHooks` given at construction.
 
+Under tensor parallelism each decode rank runs its own receiver. A rank whose heads come
+from one prefill rank of the same size reserves there as above. Otherwise its load has one
+part per prefill rank it draws heads from (`tensor_parallel.head_sources`), each a
+reservation of its own (slot, immediate, nonce, scope, checksum table over its head slice)
+sent as a sliced reservation (sliced_reservation.py); the request is admitted once every
+part is, and fails (the other parts fenced) when one part fails.
+
 The immediate of a reservation is a slot and a generation (`kvxfer.kv.protocol`): a slot
 comes back only with a new generation, so a late write of an earlier holder never counts.
 
@@ -38,7 +45,7 @@ import logging
 import random
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvxfer.errors import TransferError
 from kvxfer.kv.integrity import KVIntegrity, KVIntegrityError
@@ -60,6 +67,7 @@ from .kv_checksums import LoadChecksums, TablePart
 from .kv_region import KVRegion
 from .metadata import LoadSpec
 from .settings import ConnectorSettings
+from .sliced_reservation import SliceTarget, encode_sliced_reservation
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +99,12 @@ class DecodeLoad:
     scope: ReservationScope | None = None  # its registration and immediate binding, until revoked
     pages: list[int] = field(default_factory=list)  # what the prefiller writes: its blocks, or landing blocks
     checksums: LoadChecksums | None = None  # the prefiller's table as it arrives (kv_integrity on)
+    target: SliceTarget | None = None  # the heads this part takes from its prefill rank (None: whole blocks)
+
+    @property
+    def heads(self) -> tuple[int, int] | None:
+        """This part's heads of the landed blocks ([first, end), local); None: every head."""
+        return self.target.slice.dst_heads if self.target is not None else None
 
 
 class KVReceiver:
@@ -116,33 +130,48 @@ class KVReceiver:
         self._generations = generations_per_slot(slots)
         self._generation = [0] * slots
         self._free_slots = list(range(slots - 1, -1, -1))
-        self._loads: dict[str, DecodeLoad] = {}
+        self._loads: dict[str, list[DecodeLoad]] = {}  # request id -> its parts (one per prefill rank)
         self._by_imm: dict[int, DecodeLoad] = {}
         metrics.foreign_immediates.set_function(lambda: float(engine.engine_stats().get("imm_foreign_dropped", 0)))
 
     # ---- starting and cancelling ----------------------------------------------------------
 
-    def start(self, spec: LoadSpec) -> None:
-        """Reserve `spec.block_ids` and send the reservation to the prefiller."""
+    def refuse(self, spec: LoadSpec, reason_label: str, why: str) -> None:
+        """Fail `spec` before anything is reserved or sent (reported failed at the next poll)."""
         now = time.monotonic()
-        if not self._free_slots:
-            load = DecodeLoad(spec, None, -1, now, now)
-            self._loads[spec.request_id] = load
-            self._to_failed(load, "no_slot", f"{self.settings.max_concurrent_loads} loads already in flight "
-                            "(max_concurrent_loads)")
+        load = DecodeLoad(spec, None, -1, now, now)
+        self._loads[spec.request_id] = [load]
+        self._to_failed(load, reason_label, why)
+
+    def start(self, spec: LoadSpec, parts: list[tuple[bytes, SliceTarget | None]] | None = None) -> None:
+        """Reserve `spec.block_ids` and send the reservation to the prefiller; under
+        tensor parallelism, one reservation to each (prefill rank address, head slice) of
+        `parts` (None: whole blocks from `spec.prefill_engine`)."""
+        parts = parts or [(spec.prefill_engine, None)]
+        if len(self._free_slots) < len(parts):
+            self.refuse(spec, "no_slot", f"{self.settings.max_concurrent_loads} loads already in flight "
+                        "(max_concurrent_loads)")
+            return
+        if len(parts) > 1 and not isinstance(self.landing, DirectLanding):
+            self.refuse(spec, "tp_mismatch", "a device cache takes a request's KV from one prefill rank only; this "
+                        f"decode rank's heads are on {len(parts)} (use equal tensor parallel sizes)")
             return
         pages = self.landing.reserve(list(spec.block_ids))
         if pages is None:
-            load = DecodeLoad(spec, None, -1, now, now)
-            self._loads[spec.request_id] = load
-            self._to_failed(load, "no_landing_room", f"no room for {len(spec.block_ids)} blocks in the landing "
-                            "cache (device caches land in pinned host blocks first)")
+            self.refuse(spec, "no_landing_room", f"no room for {len(spec.block_ids)} blocks in the landing "
+                        "cache (device caches land in pinned host blocks first)")
             return
+        self._loads[spec.request_id] = []
+        for address, target in parts:
+            self._start_part(replace(spec, prefill_engine=address), pages, target)
+
+    def _start_part(self, spec: LoadSpec, pages: list[int], target: SliceTarget | None) -> None:
+        now = time.monotonic()
         slot = self._free_slots.pop()
         imm = encode_imm(slot, self._generation[slot])
         load = DecodeLoad(spec, None, slot, now, now + self.settings.load_timeout_s,
-                          stall_deadline=now + self.settings.load_stall_timeout_s, pages=pages)
-        self._loads[spec.request_id] = load
+                          stall_deadline=now + self.settings.load_stall_timeout_s, pages=pages, target=target)
+        self._loads[spec.request_id].append(load)
         try:
             descriptor = self._open_scope(load, imm)
         except Exception as exc:  # a malformed prefiller address, a registration the provider refused
@@ -164,8 +193,10 @@ class KVReceiver:
         self._by_imm[imm] = load
         self.metrics.loads_in_flight.inc()  # _release decrements it, whatever happens next
         self._hooks.load_reserved(self.region, load)
+        message = (encode_reservation_message(reservation) if target is None
+                   else encode_sliced_reservation(target, reservation))
         try:
-            self.engine.send(spec.prefill_engine, encode_reservation_message(reservation))
+            self.engine.send(spec.prefill_engine, message)
         except Exception as exc:
             # Nothing reached the prefiller, so no write can land: fail at once.
             self._to_failed(load, "reservation_send_failed", f"sending the reservation to the prefiller failed: {exc}")
@@ -196,12 +227,10 @@ class KVReceiver:
 
     def cancel(self, request_id: str, why: str) -> None:
         """vLLM finished the request (aborted) while its load is pending: fence, then free."""
-        load = self._loads.get(request_id)
-        if load is None:
-            return
-        load.vllm_aborted = True
-        if load.state is LoadState.RESERVED:
-            self._to_fencing(load, "cancelled", why)
+        for load in self._loads.get(request_id, ()):
+            load.vllm_aborted = True
+            if load.state is LoadState.RESERVED:
+                self._to_fencing(load, "cancelled", why)
 
     def _to_fencing(self, load: DecodeLoad, reason_label: str, why: str) -> None:
         res = load.reservation
@@ -256,8 +285,8 @@ class KVReceiver:
     def wait_briefly(self) -> None:
         """On an idle step, block up to idle_wait_ms until any pending load is complete,
         instead of running vLLM's empty steps back to back."""
-        wanted = [(ld.reservation.imm, ld.reservation.expected_count) for ld in self._loads.values()
-                  if ld.state is LoadState.RESERVED and ld.reservation is not None]
+        wanted = [(ld.reservation.imm, ld.reservation.expected_count) for parts in self._loads.values()
+                  for ld in parts if ld.state is LoadState.RESERVED and ld.reservation is not None]
         if not wanted or self.settings.idle_wait_ms <= 0:
             return
         try:
@@ -273,39 +302,55 @@ class KVReceiver:
         now = time.monotonic()
         finished: set[str] = set()
         failed: set[str] = set()
-        for rid, load in list(self._loads.items()):
-            res = load.reservation
-            if load.state is LoadState.RESERVED and res is not None:
-                landed = self.engine.imm_count(res.imm)
-                if landed > load.landed:  # progress: the prefiller is alive and pushing
-                    load.landed = landed
-                    load.stall_deadline = now + self.settings.load_stall_timeout_s
-                table_missing = load.checksums is not None and not load.checksums.complete
-                if landed >= res.expected_count and not table_missing:
-                    self._revoke(load)  # every write landed: none may come any more
-                    try:
-                        self.landing.land(load.pages, list(load.spec.block_ids))
-                    except Exception as exc:  # a device copy that failed: vLLM must not read the blocks
-                        self._to_failed(load, "landing_failed", f"copying the landed blocks to the cache failed: {exc}")
-                    else:
-                        self._admit(load, landed, now)
-                elif now > load.deadline:
-                    self._to_fencing(load, "load_timeout", f"not every write landed within load_timeout_s="
-                                     f"{self.settings.load_timeout_s} ({landed} of {res.expected_count} pages"
-                                     f"{', no checksum table' if table_missing else ''})")
-                elif now > load.stall_deadline:
-                    self._to_fencing(load, "load_stalled", f"no write landed for load_stall_timeout_s="
-                                     f"{self.settings.load_stall_timeout_s} ({landed} of {res.expected_count} pages"
-                                     f"{', no checksum table' if table_missing else ''})")
-            if load.state is LoadState.FENCING and now > load.fence_deadline:
-                self._to_failed(load, "fence_timeout", f"{load.reason}; the prefiller never confirmed, "
-                                f"fence_timeout_s={self.settings.fence_timeout_s} passed")
-            if load.state in (LoadState.ADMITTED, LoadState.FAILED):
+        for rid, parts in list(self._loads.items()):
+            for load in parts:
+                self._poll_part(load, now)
+            broken = next((ld for ld in parts if ld.state is LoadState.FAILED), None)
+            if broken is not None:
+                # One prefill rank's part failed: the request cannot be admitted; fence the rest.
+                for load in parts:
+                    if load.state is LoadState.RESERVED:
+                        self._to_fencing(load, "part_failed", f"another prefill rank's part failed: {broken.reason}")
+            if all(ld.state in (LoadState.ADMITTED, LoadState.FAILED) for ld in parts):
                 finished.add(rid)
-                if load.state is LoadState.FAILED and not load.vllm_aborted:
+                if broken is None:
+                    self._hooks.load_admitted(self.region, parts[0])
+                elif not broken.vllm_aborted:
                     failed.add(rid)
-                self._release(load)
+                for load in parts:
+                    self._release(load)
+                del self._loads[rid]
+                self.landing.release(parts[0].pages)  # no write for them can land any more
         return finished, failed
+
+    def _poll_part(self, load: DecodeLoad, now: float) -> None:
+        """One part's writes, table and deadlines."""
+        res = load.reservation
+        if load.state is LoadState.RESERVED and res is not None:
+            landed = self.engine.imm_count(res.imm)
+            if landed > load.landed:  # progress: the prefiller is alive and pushing
+                load.landed = landed
+                load.stall_deadline = now + self.settings.load_stall_timeout_s
+            table_missing = load.checksums is not None and not load.checksums.complete
+            if landed >= res.expected_count and not table_missing:
+                self._revoke(load)  # every write landed: none may come any more
+                try:
+                    self.landing.land(load.pages, list(load.spec.block_ids))
+                except Exception as exc:  # a device copy that failed: vLLM must not read the blocks
+                    self._to_failed(load, "landing_failed", f"copying the landed blocks to the cache failed: {exc}")
+                else:
+                    self._admit(load, landed, now)
+            elif now > load.deadline:
+                self._to_fencing(load, "load_timeout", f"not every write landed within load_timeout_s="
+                                 f"{self.settings.load_timeout_s} ({landed} of {res.expected_count} pages"
+                                 f"{', no checksum table' if table_missing else ''})")
+            elif now > load.stall_deadline:
+                self._to_fencing(load, "load_stalled", f"no write landed for load_stall_timeout_s="
+                                 f"{self.settings.load_stall_timeout_s} ({landed} of {res.expected_count} pages"
+                                 f"{', no checksum table' if table_missing else ''})")
+        if load.state is LoadState.FENCING and now > load.fence_deadline:
+            self._to_failed(load, "fence_timeout", f"{load.reason}; the prefiller never confirmed, "
+                            f"fence_timeout_s={self.settings.fence_timeout_s} passed")
 
     def _admit(self, load: DecodeLoad, landed: int, now: float) -> None:
         """Every write landed (in the request's blocks): check them per `kv_integrity`,
@@ -321,7 +366,8 @@ class KVReceiver:
                 assert load.checksums is not None
                 t0 = time.perf_counter()
                 verification = load.checksums.verify(self.region, list(load.spec.block_ids), res.first_page, mode,
-                                                     self.settings.kv_integrity_sample_rate, self._sample_rng)
+                                                     self.settings.kv_integrity_sample_rate, self._sample_rng,
+                                                     load.heads)
                 self.metrics.pages_verified.inc(verification.checked)
                 self.metrics.verify_seconds.observe(time.perf_counter() - t0)
         except KVIntegrityError as exc:
@@ -331,21 +377,22 @@ class KVReceiver:
         load.state = LoadState.ADMITTED
         self.metrics.admission_wait.observe(now - load.sent_at)
         self.metrics.pages_received.inc(res.expected_count)
-        self._hooks.load_admitted(self.region, load)
 
     def _release(self, load: DecodeLoad) -> None:
         self._revoke(load)
-        del self._loads[load.spec.request_id]
         if load.reservation is not None:
             self._by_imm.pop(load.reservation.imm, None)
             # No write for this immediate can land any more: forget its count, and give the
             # slot a new generation so the value is not reused soon.
             self.engine.reset_imm(load.reservation.imm)
             self.metrics.loads_in_flight.dec()
-        self.landing.release(load.pages)  # no write for them can land any more
         if load.slot >= 0:
             self._generation[load.slot] = (self._generation[load.slot] + 1) % self._generations
             self._free_slots.append(load.slot)
+
+    def failure(self, request_id: str) -> str:
+        """Why `request_id`'s load failed or is being fenced ("" while it is fine, or unknown)."""
+        return next((ld.reason for ld in self._loads.get(request_id, ()) if ld.reason), "")
 
     @property
     def pending(self) -> int:

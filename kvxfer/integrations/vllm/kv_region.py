@@ -82,13 +82,24 @@ class KVRegion:
     def signature(self) -> str:
         """The `kv_layout` string peers compare: raw blocks are only portable where the
         shape, dtype, block size, layout and ISA all match. Derived, never parsed."""
+        return self.signature_with_heads(self.geometry.num_heads)
+
+    def instance_signature(self, total_kv_heads: int) -> str:
+        """The `kv_layout` of the whole instance in the registry: this rank's signature with
+        every rank's KV heads (`total_kv_heads`), so that instances of one model with
+        different tensor parallel sizes compare equal (the router checks the sizes apart)."""
+        return self.signature_with_heads(1 if self.geometry.latent else total_kv_heads)
+
+    def signature_with_heads(self, num_heads: int) -> str:
+        """The signature of a cache like this one with `num_heads` KV heads per block (a
+        tensor parallel peer of another size)."""
         g = self.geometry
         elements = g.content_bytes // self.element_bytes
         # Attention content is K then V of one head: D is the head size. MLA's is one latent vector.
         head = f"D{elements}-{self.dtype}" if g.latent else f"D{elements // 2}-{self.dtype}"
         kind = "-mla" if g.latent else ""
         isa = re.sub(r"[^a-z0-9_]", "", self.isa)
-        return f"L{g.num_layers}-H{g.num_heads}-{head}-bs{g.block_size}-vllm-{g.layout.lower()}{kind}-{isa}"
+        return f"L{g.num_layers}-H{num_heads}-{head}-bs{g.block_size}-vllm-{g.layout.lower()}{kind}-{isa}"
 
     def layer_index(self, layer_name: str) -> int:
         """Index of `layer_name` in allocation order; KVRegionError if unknown."""
@@ -97,9 +108,10 @@ class KVRegion:
         except KeyError:
             raise KVRegionError(f"layer {layer_name!r} has no registered KV cache") from None
 
-    def page_bytes(self, layer: int, block: int) -> bytes:
-        """A copy of one block of one layer, its runs in address order (digest checks)."""
-        runs = self.geometry.runs(layer, block)
+    def page_bytes(self, layer: int, block: int, heads: tuple[int, int] | None = None) -> bytes:
+        """A copy of one block of one layer (of heads `heads` of it where given), its runs in
+        address order (digest checks)."""
+        runs = self.geometry.runs(layer, block, heads)
         if self.buffer is not None:
             return b"".join(bytes(self.buffer[start:start + length]) for start, length in runs)
         flat = self.device_bytes

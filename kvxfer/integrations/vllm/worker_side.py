@@ -9,9 +9,17 @@ no locks; the engine's own progress thread moves the bytes meanwhile.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from kvxfer.kv.protocol import ReservationError, decode_abort, decode_cancel, decode_reservation_message
+from kvxfer.kv.protocol import (
+    KVReservation,
+    ReservationError,
+    decode_abort,
+    decode_cancel,
+    decode_reservation_message,
+)
 from kvxfer.kv.push_hooks import load_hooks
 from kvxfer.transfer.engine import TransferEngine
 
@@ -22,8 +30,16 @@ from .kv_checksums import decode_table
 from .kv_pusher import KVPusher
 from .kv_receiver import KVReceiver
 from .kv_region import KVRegion, region_from_kv_caches
-from .metadata import KvxferStepMetadata, KvxferWorkerReport
+from .metadata import KvxferStepMetadata, KvxferWorkerReport, LoadSpec
 from .settings import ConnectorSettings
+from .sliced_reservation import SliceTarget, decode_sliced_reservation
+from .tensor_parallel import (
+    TensorParallelError,
+    TensorParallelPlace,
+    decode_rank_addresses,
+    encode_rank_addresses,
+    head_sources,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_layout import KVCacheLayout
@@ -34,12 +50,30 @@ log = logging.getLogger(__name__)
 _MAX_MESSAGES_PER_POLL = 256
 
 
+#: Every rank's engine address, gathered from each rank's own (rank order), across the
+#: instance's tensor parallel group.
+GatherAddresses = Callable[[bytes], list[bytes]]
+
+
+def _alone(address: bytes) -> list[bytes]:
+    return [address]
+
+
 class WorkerSide:
-    """Engine, pusher and receiver of one vLLM worker."""
+    """Engine, pusher and receiver of one vLLM worker: one tensor parallel rank.
+
+    Each rank has its own engine and registers its own part of the KV cache (its heads);
+    rank 0 publishes the instance's registry record, listing every rank's engine address
+    (`gather`). A decode rank reserves its blocks at the prefill rank that holds its heads;
+    vLLM reports a load finished only once every rank did (its `KVOutputAggregator`)."""
 
     def __init__(self, settings: ConnectorSettings, kv_role: str, model_name: str,
-                 warmup_prompt_tokens: int = 0) -> None:
+                 warmup_prompt_tokens: int = 0, place: TensorParallelPlace | None = None,
+                 gather: GatherAddresses = _alone) -> None:
         self.settings = settings
+        self.place = place or TensorParallelPlace()
+        self._gather = gather
+        self.rank_addresses: list[bytes] = []
         self.warmup_prompt_tokens = warmup_prompt_tokens
         self.kv_role = kv_role
         self.model_name = model_name
@@ -60,6 +94,7 @@ class WorkerSide:
         `layout` is vLLM's resolved KV cache layout (None: read from the strides);
         `latent` marks MLA content."""
         self._request_amx_permission()
+        self.hooks.placed(self.place)
         self.region = region_from_kv_caches(kv_caches, layout, latent=latent)
         s = self.settings
         self.engine = TransferEngine(s.provider, s.rails, bind_host=s.bind_host, transfer_timeout_s=s.transfer_timeout_s,
@@ -71,16 +106,21 @@ class WorkerSide:
         # A device cache is not registered: it moves through pinned staging (cache_paths.py).
         memory = self.engine.register(self.region.buffer) if self.region.on_host else None
         if self.kv_role in ("kv_producer", "kv_both"):
-            self.pusher = KVPusher(s, self.engine, self.region, memory, self.metrics, self.hooks)
+            self.pusher = KVPusher(s, self.engine, self.region, memory, self.metrics, self.hooks, place=self.place)
         if self.kv_role in ("kv_consumer", "kv_both"):
             self.receiver = KVReceiver(s, self.engine, self.region, memory, self.metrics, hooks=self.hooks)
-        log.info("kvxfer connector: %s, %d layers x %d blocks of %d bytes registered, layout %s, engine %s (%s)",
-                 self.kv_role, self.region.num_layers, self.region.num_blocks, self.region.block_bytes,
-                 self.region.signature, self.engine.address.hex(), self.engine.provider)
-        self.metrics.serve(s.metrics_port)
-        if s.etcd:
-            self.registration = InstanceRegistration(s, self.kv_role, self.model_name, self.engine.address.hex(),
-                                                     self.region, self.warmup_prompt_tokens)
+        log.info("kvxfer connector: %s rank %d of %d, %d layers x %d blocks of %d bytes registered, layout %s, "
+                 "engine %s (%s)", self.kv_role, self.place.rank, self.place.size, self.region.num_layers,
+                 self.region.num_blocks, self.region.block_bytes, self.region.signature, self.engine.address.hex(),
+                 self.engine.provider)
+        # Every rank calls this at once (vLLM initializes the KV caches collectively).
+        self.rank_addresses = self._gather(self.engine.address)
+        # One /metrics per rank: rank r serves on metrics_port + r.
+        self.metrics.serve(s.metrics_port + self.place.rank if s.metrics_port else 0)
+        if s.etcd and self.place.rank == 0:
+            self.registration = InstanceRegistration(
+                s, self.kv_role, self.model_name, encode_rank_addresses(self.rank_addresses).hex(), self.region,
+                self.warmup_prompt_tokens, tp_size=self.place.size, kv_heads=self.place.total_kv_heads)
             self.registration.start()
 
     @staticmethod
@@ -114,7 +154,29 @@ class WorkerSide:
         if self._meta is None or self.receiver is None:
             return
         for spec in self._meta.loads:
-            self.receiver.start(spec)
+            self._start_load(spec)
+
+    def _start_load(self, spec: LoadSpec) -> None:
+        """Reserve at the prefill rank that holds this rank's heads."""
+        assert self.receiver is not None
+        place = self.place
+        try:
+            prefill_ranks = decode_rank_addresses(spec.prefill_engine)
+            sources = head_sources(place.total_kv_heads, len(prefill_ranks), place.size, place.rank)
+        except TensorParallelError as exc:
+            self.receiver.refuse(spec, "tp_mismatch", f"the prefiller's KV heads cannot be mapped to this decode "
+                                 f"rank ({exc})")
+            return
+        sources = self.hooks.head_sources(spec.transfer_id, len(prefill_ranks), sources)
+        if len(prefill_ranks) == place.size:
+            # Equal sizes: this rank's blocks are one prefill rank's, head for head.
+            (source,) = sources
+            self.receiver.start(replace(spec, prefill_engine=prefill_ranks[source.src_rank]))
+            return
+        assert self.region is not None
+        heads = self.region.geometry.num_heads
+        self.receiver.start(spec, [(prefill_ranks[s.src_rank], SliceTarget(place.rank, place.size, s, heads))
+                                   for s in sources])
 
     def save_kv_layer(self, layer_name: str) -> None:
         """Layer `layer_name` is computed for this step: push what became final."""
@@ -163,16 +225,17 @@ class WorkerSide:
 
     def _dispatch(self, raw: bytes) -> None:
         try:
+            sliced = decode_sliced_reservation(raw, self.place.rank)
+            if sliced is not None:
+                self._on_reservation(*reversed(sliced))
+                return
             reservation = decode_reservation_message(raw)
         except ReservationError as exc:
             log.warning("dropped a malformed reservation message: %s", exc)
             self.metrics.dropped_messages.labels(reason="malformed_reservation").inc()
             return
         if reservation is not None:
-            if self.pusher is None:
-                self.metrics.dropped_messages.labels(reason="not_a_prefiller").inc()
-            else:
-                self.pusher.on_reservation(reservation)
+            self._on_reservation(reservation, None)
             return
         cancel = decode_cancel(raw)
         if cancel is not None:
@@ -192,6 +255,12 @@ class WorkerSide:
                 self.receiver.on_prefill_stopped(*stopped)
             return
         self.metrics.dropped_messages.labels(reason="unknown_message").inc()
+
+    def _on_reservation(self, reservation: KVReservation, target: SliceTarget | None) -> None:
+        if self.pusher is None:
+            self.metrics.dropped_messages.labels(reason="not_a_prefiller").inc()
+        else:
+            self.pusher.on_reservation(reservation, target)
 
     def shutdown(self) -> None:
         """Withdraw the registration and close the engine."""

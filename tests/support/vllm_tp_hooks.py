@@ -1,0 +1,80 @@
+"""The connector's test hooks for tensor parallel instances (tests/integrations/test_vllm_tp.py),
+plugged in from outside (kvxfer/integrations/vllm/connector_hooks.py).
+
+Each rank writes a digest of every KV head of every block it pushed (prefill) or admitted
+(decode) to `digest_dir`, as `{role}-{transfer}-r{rank}.json`, keyed by the head's global
+index: the oracle then compares heads across ranks of different TP sizes. The decoder makes
+a fault for transfers whose id starts with `fault-wrong_rank`: each decode rank asks for
+the heads of the next rank (`head_sources` of rank + 1), so a head slice lands on the wrong
+rank (the oracle must fail).
+
+Loaded by path (the vLLM process has no tests/ on its path): it imports kvxfer only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvxfer.integrations.vllm.connector_hooks import ConnectorHooks
+from kvxfer.integrations.vllm.tensor_parallel import HeadSlice, TensorParallelPlace, head_sources
+
+if TYPE_CHECKING:
+    from kvxfer.integrations.vllm.kv_pusher import PrefillPush
+    from kvxfer.integrations.vllm.kv_receiver import DecodeLoad
+    from kvxfer.integrations.vllm.kv_region import KVRegion
+
+#: The `hooks` setting that loads these hooks.
+HOOKS_SPEC = f"{Path(__file__).resolve()}:TensorParallelDigests"
+
+
+class TensorParallelDigests(ConnectorHooks):
+    """Per-head digest files in `digest_dir`; the `wrong_rank` fault."""
+
+    def __init__(self, digest_dir: str) -> None:
+        self.digest_dir = Path(digest_dir)
+        self.place = TensorParallelPlace()
+
+    def placed(self, place: TensorParallelPlace) -> None:
+        self.place = place
+
+    def head_sources(self, transfer_id: str, prefill_tp: int, sources: list[HeadSlice]) -> list[HeadSlice]:
+        if not transfer_id.startswith("fault-wrong_rank") or self.place.size == 1:
+            return sources
+        wrong = (self.place.rank + 1) % self.place.size
+        return head_sources(self.place.total_kv_heads, prefill_tp, self.place.size, wrong)
+
+    def push_finished(self, region: KVRegion, push: PrefillPush, tail_s: float) -> None:
+        res = push.reservation
+        if res is not None:
+            blocks = {p: push.block_ids[p] for p in range(res.first_page, push.total_pages)}
+            self._write("prefill", push.transfer_id, self._heads(region, blocks))
+
+    def load_admitted(self, region: KVRegion, load: DecodeLoad) -> None:
+        res = load.reservation
+        if res is not None:
+            blocks = {res.first_page + i: block for i, block in enumerate(load.spec.block_ids)}
+            self._write("decode", load.spec.transfer_id, self._heads(region, blocks))
+
+    def _heads(self, region: KVRegion, blocks: dict[int, int]) -> dict[str, str]:
+        """{"layer/page/global head": digest} of every head of `blocks` (prompt page -> block)."""
+        assert region.buffer is not None, "host caches only"
+        g = region.geometry
+        first = self.place.heads[0]
+        out: dict[str, str] = {}
+        for layer in range(g.num_layers):
+            for page, block in blocks.items():
+                for h in range(g.num_heads):
+                    raw = b"".join(bytes(region.buffer[s:s + n]) for s, n in g.runs(layer, block, (h, h + 1)))
+                    out[f"{layer}/{page}/{first + h}"] = hashlib.blake2b(raw, digest_size=16).hexdigest()
+        return out
+
+    def _write(self, role: str, transfer_id: str, heads: dict[str, Any]) -> None:
+        # Written whole, then renamed: a test polling for the file never reads half of it.
+        name = f"{role}-{transfer_id}-r{self.place.rank}.json"
+        tmp = self.digest_dir / f".{name}.tmp"
+        tmp.write_text(json.dumps({"rank": self.place.rank, "size": self.place.size, "heads": heads}))
+        tmp.replace(self.digest_dir / name)
+
