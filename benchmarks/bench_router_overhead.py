@@ -11,16 +11,28 @@ from two threads, each with `kv_transfer_params` naming the other instance's eng
 
     .venv/bin/python benchmarks/bench_router_overhead.py                # 64..1024 tokens, 20 each
     .venv/bin/python benchmarks/bench_router_overhead.py --quick        # 64 and 256 tokens, 8 each
+    .venv/bin/python benchmarks/bench_router_overhead.py --stub-instances   # where the router's time goes
+
+`--stub-instances` answers for vLLM from stub instances that reply at once (an answer for
+the prefill leg, two events and [DONE] for the decode leg), so that only the router's own
+work separates the two paths, and stamps each step of every routed request inside the
+router (benchmarks/router_overhead_stamps.py, wrapped around the router from outside):
+the table gives each step's median and the router's CPU per request.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import concurrent.futures
 import json
+import os
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -119,17 +131,171 @@ def summary(rows: list[dict[str, Any]], lengths: list[int]) -> list[dict[str, An
     return out
 
 
+# ---- --stub-instances: the router's own cost, step by step --------------------------------
+
+STUB_EVENTS = [json.dumps({"id": "cmpl-stub", "object": "text_completion", "created": 1, "model": MODEL, "choices": [
+    {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None, "token_ids": [tok]}],
+    "usage": None}, separators=(",", ":")).encode() for text, finish, tok in (("a", None, 5), ("b", "length", 6))]
+STUB_ANSWER = json.dumps({"id": "cmpl-stub", "object": "text_completion", "created": 1, "model": MODEL, "choices": [
+    {"index": 0, "text": "a", "logprobs": None, "finish_reason": "length"}], "usage": {
+    "prompt_tokens": 64, "total_tokens": 65, "completion_tokens": 1}, "kv_transfer_params": None}).encode()
+
+
+async def _stub_connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """One keep-alive connection of a stub vLLM instance: answers every POST at once."""
+    try:
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), 0)
+            body = json.loads(await reader.readexactly(length)) if length else {}
+            if body.get("stream"):
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+                for event in [b"data: " + e + b"\n\n" for e in STUB_EVENTS] + [b"data: [DONE]\n\n"]:
+                    writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+                    await writer.drain()
+                writer.write(b"0\r\n\r\n")
+            else:
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                             % (len(STUB_ANSWER), STUB_ANSWER))
+            await writer.drain()
+    except (asyncio.IncompleteReadError, ConnectionError):
+        pass
+    finally:
+        writer.close()
+
+
+def start_stub_instance() -> int:
+    """A stub vLLM instance in a thread of this process; its port."""
+    ready: concurrent.futures.Future[int] = concurrent.futures.Future()
+
+    async def serve() -> None:
+        server = await asyncio.start_server(_stub_connection, "127.0.0.1", 0)
+        ready.set_result(server.sockets[0].getsockname()[1])
+        async with server:
+            await server.serve_forever()
+
+    threading.Thread(target=asyncio.run, args=(serve(),), daemon=True).start()
+    return ready.result(timeout=30)
+
+
+_STUB_ROUTER = """
+import os, sys
+sys.path.insert(0, os.environ["KVXFER_BENCH_DIR"])
+import router_overhead_stamps  # wraps the router's steps before the app is built
+from kvxfer_router import StaticWorkerDirectory, RouterSettings, app
+from kvxfer_router.cli import serve
+stub = os.environ["KVXFER_STUB_URL"]
+workers = [dict(worker_id=f"{role}-stub", role=role, http_url=stub, model="bench", kv_layout="stub",
+                engine_address="00" * 8, engine="vllm", total_pages=1000, free_pages=1000)
+           for role in ("prefill", "decode")]
+settings = RouterSettings(host="127.0.0.1", port=int(os.environ["KVXFER_ROUTER_PORT"]), log_level="warning")
+serve(app.create_app(settings, StaticWorkerDirectory(workers)), None, settings)
+"""
+
+
+def _process_cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_stub(requests: int, tokens: int, work: Path) -> dict[str, Any]:
+    """Direct and routed TTFT against a stub instance, the router's steps and its CPU."""
+    from support.vllm_instances import free_port
+
+    stub_url = f"http://127.0.0.1:{start_stub_instance()}"
+    port, stamps = free_port(), work / "stamps.json"
+    env = {**os.environ, "KVXFER_BENCH_DIR": str(Path(__file__).resolve().parent), "KVXFER_STUB_URL": stub_url,
+           "KVXFER_ROUTER_PORT": str(port), "KVXFER_ROUTER_STAMPS": str(stamps)}
+    env.pop("KVXFER_ROUTER_CLUSTER_KEY_FILE", None)  # vLLM legs carry only an API key; none here
+    with (work / "router.log").open("w") as log:
+        router = subprocess.Popen([sys.executable, "-c", _STUB_ROUTER], env=env, stdout=log, stderr=subprocess.STDOUT)
+    router_url = f"http://127.0.0.1:{port}"
+    body = {"model": MODEL, "prompt": prompt_of(tokens, 0), "max_tokens": 2, "temperature": 0, "stream": True}
+    direct_s, client_stamps = [], []
+    warmup = 20
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(router_url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline or router.poll() is not None:
+                raise RuntimeError(f"the router did not start; see {work / 'router.log'}")
+            time.sleep(0.1)
+        pool = concurrent.futures.ThreadPoolExecutor(1)
+        with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client, httpx.Client(timeout=REQUEST_TIMEOUT_S) as prefill, \
+                httpx.Client(timeout=REQUEST_TIMEOUT_S) as decode:
+            for i in range(warmup + requests):
+                if i == warmup:
+                    cpu_before = _process_cpu_s(router.pid)
+                start = time.perf_counter()
+                leg = pool.submit(prefill.post, stub_url + "/v1/completions", json={**body, "stream": False,
+                                                                                    "max_tokens": 1})
+                direct = first_token_s(decode, stub_url, body, {}, start)
+                leg.result().raise_for_status()
+                start = time.perf_counter()
+                routed = first_token_s(client, router_url, body, {}, start)
+                if i >= warmup:
+                    direct_s.append(direct)
+                    client_stamps.append((start, start + routed))
+            cpu_ms = (_process_cpu_s(router.pid) - cpu_before) / requests * 1e3
+        pool.shutdown()
+    finally:
+        router.send_signal(signal.SIGINT)  # uvicorn stops; the stamps are written at exit
+        router.wait(30)
+    records = json.loads(stamps.read_text())[-requests:]
+    steps: dict[str, list[float]] = {}
+    for (sent, first), record in zip(client_stamps, records):
+        previous, at = "client sends", sent
+        for step, stamp in sorted(record.items(), key=lambda item: item[1]):  # the order this request took
+            steps.setdefault(f"{previous} -> {step}", []).append((stamp - at) * 1e3)
+            previous, at = step, stamp
+        steps.setdefault(f"{previous} -> client has the first token", []).append((first - at) * 1e3)
+    routed_ms = [(first - sent) * 1e3 for sent, first in client_stamps]
+    return {"requests": requests, "prompt_tokens": tokens, "direct_p50_ms": statistics.median(direct_s) * 1e3,
+            "router_p50_ms": statistics.median(routed_ms), "router_cpu_ms_per_request": cpu_ms,
+            "steps_p50_ms": {name: statistics.median(v) for name, v in steps.items()},
+            "load_average": os.getloadavg()}
+
+
+def main_stub(args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory(prefix="kvxfer-router-overhead-") as tmp:
+        result = run_stub(args.stub_requests, 64, Path(tmp))
+    print(f"\nstub instances, {result['requests']} requests of {result['prompt_tokens']} tokens, load average "
+          f"{result['load_average'][0]:.1f}")
+    print(f"direct p50 {result['direct_p50_ms']:.2f} ms, through the router p50 {result['router_p50_ms']:.2f} ms "
+          f"({result['router_p50_ms'] - result['direct_p50_ms']:+.2f} ms); router CPU per request "
+          f"{result['router_cpu_ms_per_request']:.2f} ms")
+    print(f"{'step (routed request)':58} {'p50 ms':>8}")
+    for name, ms in result["steps_p50_ms"].items():
+        print(f"{name:58} {ms:8.3f}")
+    out = args.out.with_name(args.out.name + "_stub").with_suffix(".json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", default="64,256,1024", help="prompt lengths in tokens, comma-separated")
     parser.add_argument("--repeats", type=int, default=20, help="requests per length and path (default 20)")
     parser.add_argument("--max-tokens", type=int, default=4, help="tokens generated per request (default 4)")
     parser.add_argument("--quick", action="store_true", help="64 and 256 tokens, 8 requests each")
+    parser.add_argument("--stub-instances", action="store_true",
+                        help="no vLLM: stub instances that answer at once, the router's steps timed (writes OUT_stub.json)")
+    parser.add_argument("--stub-requests", type=int, default=300,
+                        help="with --stub-instances: requests per path (default 300)")
     parser.add_argument("--model-dir", type=Path, default=None,
                         help="a seeded checkpoint to use (made with kvxfer make-llama); default: a fresh tiny one")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "router_overhead",
                         help="output stem: writes OUT.json and OUT.png (default benchmarks/results/router_overhead)")
     args = parser.parse_args()
+    if args.stub_instances:
+        main_stub(args)
+        return
     lengths = [64, 256] if args.quick else [int(x) for x in args.lengths.split(",")]
     repeats = 8 if args.quick else args.repeats
     with tempfile.TemporaryDirectory(prefix="kvxfer-router-overhead-") as tmp:
