@@ -188,9 +188,10 @@ class BuiltinEngine:
     ttft_bound_ms = 100.0
     rounds = 3
 
-    def __init__(self, prefill: int, work: Path, provider: str, num_pages: int) -> None:
+    def __init__(self, prefill: int, work: Path, provider: str, num_pages: int, router_env: dict[str, str]) -> None:
         self.prefill = prefill
         self.work = work
+        self.router_env = router_env
         self.provider = provider
         self.num_pages = num_pages
         self.cluster: Any = None
@@ -210,7 +211,7 @@ class BuiltinEngine:
 
         log_dir = self.work / f"builtin-{policy}"
         with LocalCluster(prefill=self.prefill, decode=2, provider=self.provider, num_pages=self.num_pages,
-                          log_dir=str(log_dir), router_env={"KVXFER_ROUTER_POLICY": policy}) as cluster:
+                          log_dir=str(log_dir), router_env={**self.router_env, "KVXFER_ROUTER_POLICY": policy}) as cluster:
             self.cluster = cluster
             try:
                 yield cluster.router_url
@@ -240,9 +241,10 @@ class VllmEngine:
     rounds = 1
     served_model = "bench"
 
-    def __init__(self, prefill: int, work: Path) -> None:
+    def __init__(self, prefill: int, work: Path, router_env: dict[str, str]) -> None:
         self.prefill = prefill
         self.work = work
+        self.router_env = router_env
         self.tokenizer: Any = None
         self.word_tokens: dict[str, int] = {}
         self.stack = contextlib.ExitStack()
@@ -301,7 +303,7 @@ class VllmEngine:
             r = httpx.post(inst.url + "/reset_prefix_cache", headers=self.fleet.headers, timeout=60)
             if r.status_code != 200:
                 raise RuntimeError(f"{name}: POST /reset_prefix_cache answered {r.status_code}: {r.text[:200]}")
-        env = {"KVXFER_ROUTER_POLICY": policy, "KVXFER_ROUTER_MAX_PROMPT_TOKENS": "4096"}
+        env = {"KVXFER_ROUTER_MAX_PROMPT_TOKENS": "4096", **self.router_env, "KVXFER_ROUTER_POLICY": policy}
         with router_process(self.fleet, self.work / f"router-{policy}.log", env=env) as url:
             self.router_url = url
             yield url
@@ -555,6 +557,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-pages", type=int, default=4096,
                         help="KV pages per builtin worker (default 4096: every conversation fits, no eviction)")
     parser.add_argument("--provider", default="auto", help="libfabric provider of the builtin workers (default auto)")
+    parser.add_argument("--router-env", action="append", default=[], metavar="KVXFER_ROUTER_NAME=VALUE",
+                        help="a router setting for every policy's router, e.g. KVXFER_ROUTER_LOAD_COST_MS=5 to try "
+                             "kv_aware's weights (repeatable; default: the router's own settings)")
     parser.add_argument("--seed", type=int, default=1, help="seed of every prompt (default 1)")
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results",
                         help="where kv_routing_ENGINE.json and .png go (default benchmarks/results)")
@@ -564,6 +569,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if not chosen or any(x not in allowed for x in chosen):
             parser.error(f"--{name} takes a comma-separated subset of {','.join(allowed)}, got {getattr(args, name)!r}")
         setattr(args, name, chosen)
+    bad = [e for e in args.router_env if "=" not in e or not e.startswith("KVXFER_ROUTER_")]
+    if bad:
+        parser.error(f"--router-env takes KVXFER_ROUTER_NAME=VALUE, got {bad[0]!r}")
+    args.router_env = dict(e.split("=", 1) for e in args.router_env)
     if args.users_in_flight < 1 or (args.rounds is not None and args.rounds < 1):
         parser.error("--users-in-flight and --rounds must be at least 1")
     return args
@@ -592,7 +601,7 @@ def measure(engine: Engine, args: argparse.Namespace, shape: Shape) -> None:
     stem.with_suffix(".json").write_text(json.dumps({
         "engine": engine.name, "quick": args.quick, "shape": asdict(shape), "sizes": asdict(engine.sizes),
         "prefill_workers": args.prefill, "decode_workers": 2, "users_in_flight": args.users_in_flight,
-        "ttft_bound_ms": bound, "seed": args.seed, "uptime_before": load_before, "uptime_after": uptime(),
+        "ttft_bound_ms": bound, "seed": args.seed, "router_env": args.router_env, "uptime_before": load_before, "uptime_after": uptime(),
         "elapsed_s": elapsed, "rounds": rounds, "verdicts": verdicts, "rows": rows, "per_round": per_round},
         indent=1))
     plot(engine.name, rows, args.policies, args.workloads, stem.with_suffix(".png"))
@@ -605,9 +614,10 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="kvxfer-kv-routing-") as tmp:
         work = Path(tmp)
         if args.engine in ("builtin", "both"):
-            measure(BuiltinEngine(args.prefill, work / "builtin", args.provider, args.num_pages), args, shape)
+            measure(BuiltinEngine(args.prefill, work / "builtin", args.provider, args.num_pages, args.router_env),
+                    args, shape)
         if args.engine in ("vllm", "both"):
-            with VllmEngine(args.prefill, work / "vllm") as engine:
+            with VllmEngine(args.prefill, work / "vllm", args.router_env) as engine:
                 measure(engine, args, shape)
 
 
