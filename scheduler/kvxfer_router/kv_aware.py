@@ -65,8 +65,8 @@ class KvAwarePolicy(PairPolicy):
         s = self._s
         units_per_token = s.text_bytes_per_token if prompt.is_text else 1.0
         # A prefill worker's part of the estimate does not depend on the decoder: the best
-        # one of each compatible group is chosen once (decoders x prefillers pairs took
-        # milliseconds of the event loop in a large fleet).
+        # one of each compatible group is chosen once, so the options grow with decoders +
+        # prefillers rather than their product (this runs on the event loop per request).
         groups: dict[tuple[str, str, str], list[tuple[float, WorkerView]]] = {}
         for p in prefills if needs_prefill else ():
             cost = (s.prefill_token_cost_ms * (prompt.units - (held[p.worker_id] or 0)) / units_per_token
