@@ -288,9 +288,13 @@ class PrefixIndexPoller:
         self._on_tick = on_tick
 
     async def run(self) -> None:
-        """Poll until cancelled."""
+        """Poll until cancelled. A round that fails unexpectedly is logged and the next one
+        runs: a dead poller would leave every report to go stale."""
         while True:
-            await self.poll_once()
+            try:
+                await self.poll_once()
+            except Exception:
+                log.exception("prefix index poll round failed")
             await asyncio.sleep(self._settings.prefix_index_poll_interval_s)
 
     async def poll_once(self) -> None:
