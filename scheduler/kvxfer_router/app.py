@@ -66,6 +66,8 @@ from .worker_auth import WorkerCallSigner
 log = logging.getLogger(__name__)
 
 _REQUEST_ID_RE = re.compile(REQUEST_ID_PATTERN)
+#: A JSON escape of a UTF-16 surrogate (\ud800 to \udfff), the way a lone one gets into ASCII JSON.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 async def read_body_limited(request: Request, limit_bytes: int, timeout_s: float, rid: str | None) -> bytes:
@@ -105,6 +107,10 @@ def parse_json_body(raw: bytes, rid: str | None) -> Any:
         raise RouterError(400, "request body is nested too deeply", request_id=rid, code="invalid_json") from None
     except ValueError as exc:
         raise RouterError(400, f"request body is not valid JSON: {exc}", request_id=rid, code="invalid_json") from None
+    if raw.isascii() and not _SURROGATE_ESCAPE.search(raw):
+        # An ASCII body gets a lone surrogate only from a \ud800-\udfff escape: without one,
+        # the check below, which took 0.4 ms for a 1,024-token-id prompt, is not needed.
+        return obj
     try:
         json.dumps(obj, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError as exc:
