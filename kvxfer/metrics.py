@@ -239,6 +239,48 @@ class RouterMetrics:
                 self.workers.labels(role, state).set(counts.get((role, state), 0))
 
 
+class PrefixCacheMetrics:
+    """Metrics of a builtin worker's prefix cache (kv.prefix_cache), `role` "decode" or
+    "prefill": prompt tokens looked up and found cached (their ratio is the hit rate, the
+    found ones over the requests the tokens per request), pages held, evictions; on a
+    prefiller also the blocks it did not send because the decoder held them."""
+
+    def __init__(self, registry: CollectorRegistry, role: str) -> None:
+        self.prompt_tokens = Counter(
+            f"kvxfer_{role}_prefix_lookup_tokens",
+            "Prompt tokens of the requests looked up in this worker's prefix cache.", registry=registry)
+        self.hit_tokens = Counter(
+            f"kvxfer_{role}_prefix_hit_tokens",
+            "Prompt tokens found in this worker's prefix cache (not computed, not received).", registry=registry)
+        self.lookups = Counter(
+            f"kvxfer_{role}_prefix_lookups",
+            "Requests looked up in this worker's prefix cache.", registry=registry)
+        self.cached_pages = Gauge(
+            f"kvxfer_{role}_prefix_cache_pages",
+            "KV pages held by the prefix cache (referenced by running requests or idle).", registry=registry)
+        self.evictions = Counter(
+            f"kvxfer_{role}_prefix_cache_evictions",
+            "Idle prefix-cache pages evicted to make room for new requests.", registry=registry)
+        self.pages_skipped = Counter(
+            f"kvxfer_{role}_kv_pages_skipped",
+            "Prompt blocks not pushed because the decoder already held them (each is one KV page per layer).",
+            registry=registry) if role == "prefill" else None
+        self._evictions_seen = 0
+
+    def observe(self, prompt_tokens: int, hit_tokens: int) -> None:
+        """One request's lookup: its prompt length and the tokens found cached."""
+        self.lookups.inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.hit_tokens.inc(hit_tokens)
+
+    def update(self, held_pages: int, evictions: int) -> None:
+        """Publishes the cache's pages held now and its evictions since it was made."""
+        self.cached_pages.set(held_pages)
+        if evictions > self._evictions_seen:
+            self.evictions.inc(evictions - self._evictions_seen)
+            self._evictions_seen = evictions
+
+
 class DecodeMetrics:
     """Metrics of a decode worker: KV page pool, admission and the wait for pushed KV."""
 
@@ -307,47 +349,13 @@ class DecodeMetrics:
             "kvxfer_decode_kv_verify_seconds",
             "Time to check one request's landed KV against the prefiller's checksums.",
             buckets=KV_VERIFY_BUCKETS_SECONDS, registry=registry)
+        self.prefix = PrefixCacheMetrics(registry, "decode")
 
     def set_pages(self, capacity: int, free: int) -> None:
         """Publish the page pool; reserved is derived so the three never disagree."""
         self.pages_capacity.set(capacity)
         self.pages_free.set(free)
         self.pages_reserved.set(capacity - free)
-
-
-#: Prompt tokens a request found in a worker's prefix cache: none, a page or a few, up to
-#: a long shared system prompt or document.
-PREFIX_HIT_BUCKETS_TOKENS: tuple[float, ...] = (0, 16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
-
-
-class PrefixCacheMetrics:
-    """Metrics of a builtin worker's prefix cache (kv.prefix_cache), `role` "decode" or
-    "prefill": tokens each request found cached, pages held, evictions; on a prefiller also
-    the pages it did not send because the decoder held them."""
-
-    def __init__(self, registry: CollectorRegistry, role: str) -> None:
-        self.hit_tokens = Histogram(
-            f"kvxfer_{role}_prefix_hit_tokens",
-            "Per request: prompt tokens found in this worker's prefix cache (not computed, not received).",
-            buckets=PREFIX_HIT_BUCKETS_TOKENS, registry=registry)
-        self.cached_pages = Gauge(
-            f"kvxfer_{role}_prefix_cache_pages",
-            "KV pages held by the prefix cache (referenced by running requests or idle).", registry=registry)
-        self.evictions = Counter(
-            f"kvxfer_{role}_prefix_cache_evictions",
-            "Idle prefix-cache pages evicted to make room for new requests.", registry=registry)
-        self.pages_skipped = Counter(
-            f"kvxfer_{role}_kv_pages_skipped",
-            "Prompt blocks not pushed because the decoder already held them (each is one KV page per layer).",
-            registry=registry) if role == "prefill" else None
-        self._evictions_seen = 0
-
-    def update(self, held_pages: int, evictions: int) -> None:
-        """Publishes the cache's pages held now and its evictions since it was made."""
-        self.cached_pages.set(held_pages)
-        if evictions > self._evictions_seen:
-            self.evictions.inc(evictions - self._evictions_seen)
-            self._evictions_seen = evictions
 
 
 class WorkerAuthMetrics:
@@ -393,6 +401,7 @@ class PrefillMetrics:
         self.peers_connected = Gauge(
             "kvxfer_prefill_peers_connected",
             "Decode engines this worker has an open fabric address for.", registry=registry)
+        self.prefix = PrefixCacheMetrics(registry, "prefill")
 
     def count_transfer_failure(self, reason: str) -> None:
         """One failed push; `reason` must be one of TRANSFER_FAILURE_REASONS, so that the
@@ -554,8 +563,6 @@ def all_metric_names() -> set[str]:
     DecodeMetrics(registry)
     PrefillMetrics(registry)
     WorkerAuthMetrics(registry)
-    PrefixCacheMetrics(registry, "decode")
-    PrefixCacheMetrics(registry, "prefill")
     EngineMetrics(registry, lambda: [{key: 0 for _, key, _ in _ENGINE_COUNTERS}])
     return exported_sample_names(registry)
 

@@ -167,6 +167,10 @@ def worker_env(env: dict[str, str] | None = None) -> dict[str, str]:
     full_env.setdefault("OMP_NUM_THREADS", "1")
     full_env.setdefault("MKL_NUM_THREADS", "1")
     full_env["PYTHONUNBUFFERED"] = "1"
+    # The worker tests count pushed pages and writes of whole prompts and reuse prompts
+    # across tests on shared workers: their workers run without a prefix cache; the tests
+    # of the cache (tests/workers/test_prefix_reuse.py) turn it on.
+    full_env["KVXFER_PREFIX_CACHE"] = "false"
     full_env.update(env or {})
     return full_env
 

@@ -69,7 +69,7 @@ pytestmark = pytest.mark.timeout(120)
 def prefix_workers(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[dict[str, WorkerProc]]:
     """A decode worker (48 pages, receipt digests), a prefill worker and one that stands
     still LATE_MS before every push's layer-1 write."""
-    workers = WorkerSet(tmp_path_factory.mktemp("prefix_reuse_workers"))
+    workers = WorkerSet(tmp_path_factory.mktemp("prefix_reuse_workers"), env={"KVXFER_PREFIX_CACHE": "true"})
     failed_before = request.session.testsfailed
     try:
         decode, prefill, late = workers.start_many([

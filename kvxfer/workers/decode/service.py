@@ -66,7 +66,7 @@ from kvxfer.kv.protocol import (
 )
 from kvxfer.kv.reservation_scope import PrefillAddressError, ReservationScope
 from kvxfer.kv.write_windows import reservation_windows
-from kvxfer.metrics import DecodeMetrics, PrefixCacheMetrics
+from kvxfer.metrics import DecodeMetrics
 from kvxfer.registry.signing import checksum_table_key_of
 from kvxfer.model.tokenizer import ByteTokenizer
 from kvxfer.model.transformer import DecodeRequest, FinishReason, finish_reason_after
@@ -223,7 +223,6 @@ class DecodeRuntime:
         self._table_key = checksum_table_key_of(settings.cluster_key_file)
         self.mailbox_region = self.core.engine.register(self.mailbox)
         self.metrics = DecodeMetrics(self.core.metrics_registry)
-        self.prefix_metrics = PrefixCacheMetrics(self.core.metrics_registry, "decode")
         self.jobs: dict[str, DecodeJob] = {}
         # (caller, request id) -> monotonic expiry of a cancel that found no reservation:
         # the router cancels a /reserve it gave up waiting for, and that reservation may
@@ -335,7 +334,8 @@ class DecodeRuntime:
                 if isinstance(exc, PrefillAddressError):
                     raise RequestRejected(Rejection.BAD_REQUEST, f"prefill_engine_address: {exc}", request_id) from None
                 raise
-        self.prefix_metrics.hit_tokens.observe(job.held_pages * cfg.block_size)
+        if hashes:
+            self.metrics.prefix.observe(prompt_tokens, job.held_pages * cfg.block_size)
         self._update_gauges()
         return KVReservation(
             request_id=request_id,
@@ -794,7 +794,7 @@ class DecodeRuntime:
         self.metrics.requests_waiting_for_kv.set(load["queue_depth"])
         counters = self.allocator.prefix_counters()
         if counters is not None:
-            self.prefix_metrics.update(counters.held_pages, counters.evictions)
+            self.metrics.prefix.update(counters.held_pages, counters.evictions)
         self.core.update_load(**load)
 
     def stop_batch_loop(self) -> None:

@@ -55,7 +55,7 @@ from kvxfer.kv.protocol import (
 from kvxfer.kv.push import PushSession
 from kvxfer.kv.push_hooks import NO_PUSH_HOOKS, PushHooks
 from kvxfer.kv.push_monitor import DestinationDown, PushMonitor, WatchedPush
-from kvxfer.metrics import PrefillMetrics, PrefixCacheMetrics
+from kvxfer.metrics import PrefillMetrics
 from kvxfer.registry.signing import checksum_table_key_of
 from kvxfer.workers.rejection import Rejection, RequestRejected
 from kvxfer.workers.runtime import WorkerCore, WorkerSettings
@@ -130,7 +130,6 @@ class PrefillRuntime:
         # Tags checksum tables for decoders that ask (a reservation's checksum_tag).
         self._table_key = checksum_table_key_of(settings.cluster_key_file)
         self.metrics = PrefillMetrics(self.core.metrics_registry)
-        self.prefix_metrics = PrefixCacheMetrics(self.core.metrics_registry, "prefill")
         # One compute thread: requests queue here; queue depth is what routers balance on.
         self._compute = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefill")
         self.sessions: dict[str, PushSession] = {}
@@ -395,9 +394,10 @@ class PrefillRuntime:
                 # writes that read them completed (_release).
                 self.allocator.publish(request_id, hashes)
         self.metrics.compute.observe(compute_s)
-        self.prefix_metrics.hit_tokens.observe(held * block_size)
-        if self.prefix_metrics.pages_skipped is not None:
-            self.prefix_metrics.pages_skipped.inc(session.first_page)
+        if hashes:
+            self.metrics.prefix.observe(len(prompt), held * block_size)
+        if self.metrics.prefix.pages_skipped is not None:
+            self.metrics.prefix.pages_skipped.inc(session.first_page)
         # The push is one write per (layer, chunk): per-layer compute is the compute time
         # spread over those steps.
         chunk_tokens = self.settings.prefill_chunk_tokens
@@ -456,5 +456,5 @@ class PrefillRuntime:
         self.metrics.queue_depth.set(self._queued)
         counters = self.allocator.prefix_counters()
         if counters is not None:
-            self.prefix_metrics.update(counters.held_pages, counters.evictions)
+            self.metrics.prefix.update(counters.held_pages, counters.evictions)
         self.core.update_load(**self.load())
