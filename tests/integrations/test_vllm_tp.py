@@ -28,7 +28,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed")
 
-from support.vllm_instances import CONNECTOR_TIMEOUTS, VllmFleet  # noqa: E402
+from support.vllm_instances import VllmFleet  # noqa: E402
 from support.vllm_tp_hooks import HOOKS_SPEC  # noqa: E402
 from support.waiting import wait_until  # noqa: E402
 
@@ -42,6 +42,10 @@ pytestmark = [
 # One bf16 step at these magnitudes (|logprob| < 16): 2**-8 relative, 0.0625 absolute at most.
 LOGPROB_TOLERANCE = 0.0625
 LAYERS, BLOCK, KV_HEADS = 4, 32, 2
+#: Five ranks share 2 cores here: under load a rank's step can wait seconds for a core,
+#: so the deadlines are the defaults' order, not the shared pair's short fault-test ones.
+TP_TIMEOUTS = {"transfer_timeout_s": 10.0, "load_stall_timeout_s": 60.0, "load_timeout_s": 300.0,
+               "fence_timeout_s": 15.0, "reservation_wait_s": 60.0}
 #: GiB the machine must have available before the instances start (about 3 GiB per rank set).
 MIN_AVAILABLE_GIB = 7.0
 
@@ -65,7 +69,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmFleet]:
     digests = work / "digests"
     digests.mkdir()
     common = {"same_host": False, "bind_host": "127.0.0.1", "hooks": HOOKS_SPEC,
-              "hooks_config": {"digest_dir": str(digests)}, **CONNECTOR_TIMEOUTS}
+              "hooks_config": {"digest_dir": str(digests)}, **TP_TIMEOUTS}
     with VllmFleet(model, work, common_extra=common) as f:
         f.start("prefill-tp2", "kv_producer", "0|1", tensor_parallel_size=2)
         f.start("decode-tp2", "kv_consumer", "0|1", tensor_parallel_size=2)

@@ -58,7 +58,7 @@ from kvxfer.kv.protocol import (
 )
 from kvxfer.kv.reservation_scope import ReservationScope
 from kvxfer.registry.signing import checksum_table_key_of
-from kvxfer.transfer.engine import RegisteredMemory, TransferEngine
+from kvxfer.transfer.engine import RegisteredMemory, Transfer, TransferEngine
 
 from .cache_paths import DirectLanding, StagedLanding
 from .connector_hooks import NO_CONNECTOR_HOOKS, ConnectorHooks
@@ -100,6 +100,7 @@ class DecodeLoad:
     pages: list[int] = field(default_factory=list)  # what the prefiller writes: its blocks, or landing blocks
     checksums: LoadChecksums | None = None  # the prefiller's table as it arrives (kv_integrity on)
     target: SliceTarget | None = None  # the heads this part takes from its prefill rank (None: whole blocks)
+    sent: Transfer | None = None  # the reservation message, until it is known to have left
 
     @property
     def heads(self) -> tuple[int, int] | None:
@@ -196,7 +197,7 @@ class KVReceiver:
         message = (encode_reservation_message(reservation) if target is None
                    else encode_sliced_reservation(target, reservation))
         try:
-            self.engine.send(spec.prefill_engine, message)
+            load.sent = self.engine.send(spec.prefill_engine, message)
         except Exception as exc:
             # Nothing reached the prefiller, so no write can land: fail at once.
             self._to_failed(load, "reservation_send_failed", f"sending the reservation to the prefiller failed: {exc}")
@@ -326,6 +327,14 @@ class KVReceiver:
     def _poll_part(self, load: DecodeLoad, now: float) -> None:
         """One part's writes, table and deadlines."""
         res = load.reservation
+        if load.state is LoadState.RESERVED and load.sent is not None and load.sent.done():
+            sent, load.sent = load.sent, None
+            try:
+                sent.wait(0)
+            except TransferError as exc:
+                # It never reached the prefiller, so none of its writes can come: fail now,
+                # not at load_stall_timeout_s.
+                self._to_failed(load, "reservation_send_failed", f"the reservation did not reach the prefiller: {exc}")
         if load.state is LoadState.RESERVED and res is not None:
             landed = self.engine.imm_count(res.imm)
             if landed > load.landed:  # progress: the prefiller is alive and pushing
