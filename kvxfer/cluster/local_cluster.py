@@ -107,6 +107,7 @@ class LocalCluster:
         self._next_listing_at = 0.0
         self._left_down: set[str] = set()  # died with no restart left
         self._gone: set[str] = set()  # died, and the router stopped listing them since
+        self._dead_urls: dict[str, str] = {}  # the URL a worker that died had, from the router's list
         #: name -> ("role", API port, connector metrics port) of each vLLM instance: what Prometheus scrapes.
         self.vllm_ports: dict[str, tuple[str, int, int]] = {}
         self.etcd_url = etcd
@@ -280,6 +281,11 @@ class LocalCluster:
         for name, message in self._reap():
             self.progress(message)
             self._registered.discard(name)
+            if self.router is not None:
+                # The dead process's record stays listed until its lease expires; a restarted
+                # worker listens elsewhere (a new free port): its record is told apart by that.
+                self._dead_urls[name] = next((str(w.get("http_url")) for w in self._workers_listed()
+                                              if w.get("worker_id") == name), "")
             decision = self.restart_book.died(name)
             if decision.delay_s is None:
                 self._left_down.add(name)
@@ -292,11 +298,19 @@ class LocalCluster:
             self._next_listing_at = time.monotonic() + 1.0
             listed = self._workers_listed()
             ids = {str(w.get("worker_id", "")) for w in listed}
-            # The dead process's record stays until its lease expires: a worker counts as
-            # back only once the router stopped listing it and lists it again.
+            # A worker counts as back once the router lists a record of its new process:
+            # after the dead one's expired, or one with another URL.
             self._gone.update(name for name in waiting if name not in ids)
-            self._note_registered([w for w in listed if w.get("worker_id") in self._gone - self._reported_dead])
+            self._note_registered([w for w in listed if self._new_process_listed(w)])
             self._gone -= self._registered
+
+    def _new_process_listed(self, record: dict[str, Any]) -> bool:
+        """Whether a listed record is that of a restarted worker's new process."""
+        name = str(record.get("worker_id", ""))
+        if name in self._reported_dead:
+            return False  # not restarted (yet)
+        dead_url = self._dead_urls.get(name)
+        return name in self._gone or (bool(dead_url) and str(record.get("http_url")) != dead_url)
 
     def _reap(self) -> list[tuple[str, str]]:
         """(name, message) of each worker that exited since the last call (`poll()` also
