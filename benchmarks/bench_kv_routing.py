@@ -24,7 +24,8 @@ tokens); the seeded vLLM Llama has 4,096 positions and takes the issue's 1.5K-to
 system prompt. KV bytes: the prefill workers' kvxfer_prefill_kv_pushed_bytes_total
 (builtin) and the connector's kvxfer_connector_pushed_bytes_total (vLLM). Prompt tokens
 computed: vLLM's vllm:prompt_tokens_by_source_total{source="local_compute"} over every
-instance; builtin: the prompt tokens sent less the prefix-cache hits the workers count.
+instance; builtin: the prefill workers' looked-up prompt tokens less their prefix-cache hits (a
+lower bound: what a decoder computes itself for a request without a prefill leg is not counted).
 
     .venv/bin/python benchmarks/bench_kv_routing.py --engine builtin          # about 10 min
     .venv/bin/python benchmarks/bench_kv_routing.py --engine vllm --quick     # about 2 min
@@ -127,6 +128,8 @@ class Counters:
     #: Prompt tokens found in a prefix cache: on the prefill side, and on the decode side.
     prefill_hit_tokens: float = 0.0
     decode_hit_tokens: float = 0.0
+    #: Prompt tokens the prefill workers looked up in their caches: every prompt they computed.
+    prefill_lookup_tokens: float = 0.0
     #: Every reuse-related sample (prefix hits, pages not sent, policy decisions), by name.
     reuse_samples: dict[str, float] = field(default_factory=dict)
 
@@ -225,8 +228,9 @@ class BuiltinEngine:
             for k, v in scrape(url + "/metrics").items():
                 merged[k] = merged.get(k, 0.0) + v
         return Counters(kv_bytes=total(merged, "kvxfer_prefill_kv_pushed_bytes_total"),
-                        prefill_hit_tokens=total(merged, "kvxfer_prefill_prefix_hit_tokens_sum"),
-                        decode_hit_tokens=total(merged, "kvxfer_decode_prefix_hit_tokens_sum"),
+                        prefill_lookup_tokens=total(merged, "kvxfer_prefill_prefix_lookup_tokens_total"),
+                        prefill_hit_tokens=total(merged, "kvxfer_prefill_prefix_hit_tokens_total"),
+                        decode_hit_tokens=total(merged, "kvxfer_decode_prefix_hit_tokens_total"),
                         reuse_samples=reuse_samples(merged))
 
 
@@ -411,11 +415,11 @@ def summarize(policy: str, workload: str, outcomes: list[Outcome], wall_s: float
     if after.computed_tokens is not None and before.computed_tokens is not None:
         computed = after.computed_tokens - before.computed_tokens
     else:
-        # Builtin workers count hits, not computed tokens: a prefill worker computes its
-        # prompts less its hits. A request served from the decoder's cache alone
-        # (prefix_cached) computes only the few tokens the decoder lacked, which no metric
-        # tells apart from its hits on disaggregated requests: counted as 0 (a lower bound).
-        computed = sum(o.prompt_tokens for o in outcomes if o.serving_mode != "prefix_cached") - prefill_hits
+        # Builtin workers count lookups and hits, not computed tokens: a prefill worker
+        # computes what it looked up less its hits. A request served from the decoder's cache
+        # alone (prefix_cached) computes only the few tokens the decoder lacked, which no
+        # metric tells apart from its hits on disaggregated requests: not counted (a lower bound).
+        computed = after.prefill_lookup_tokens - before.prefill_lookup_tokens - prefill_hits
     modes: dict[str, int] = {}
     for o in outcomes:
         modes[o.serving_mode or "none"] = modes.get(o.serving_mode or "none", 0) + 1

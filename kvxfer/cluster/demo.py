@@ -163,8 +163,9 @@ def _histogram_quantile(metrics: dict[str, float], name: str, q: float) -> float
     return lower
 
 
-def _share(part: float | None, whole: float) -> str:
-    if part is None:
+def _share(part: float | None, whole: float | None) -> str:
+    """"hits of looked up (rate)"; the workers without a prefix cache report neither."""
+    if part is None or whole is None:
         return "not reported by the workers"
     return f"{part:,.0f} of {whole:,.0f} ({100 * part / whole if whole else 0:.0f}%)"
 
@@ -177,7 +178,6 @@ def _report(results: list[Turn], wall: float, prefill: dict[str, float], decode:
     later = [r.ttft_s * 1e3 for r in ok if r.turn > 0]
     itl = [r.inter_token_s * 1e3 for r in ok if r.inter_token_s is not None]
     tokens = sum(len(r.stamps) for r in ok)
-    prompt_tokens = sum(r.prompt_bytes + 1 for r in results)  # one token per byte, and BOS
     pushed = prefill.get("kvxfer_prefill_kv_pushed_bytes_total", 0.0)
     pushes = prefill.get("kvxfer_prefill_kv_transfer_seconds_count", 0.0)
     pages_pushed = pushed / page_bytes
@@ -195,9 +195,9 @@ def _report(results: list[Turn], wall: float, prefill: dict[str, float], decode:
         ("inter-token p50 / p99 (ms, each request's mean gap)", f"{_pct(itl, .5):.2f} / {_pct(itl, .99):.2f}"),
         ("tokens generated", f"{tokens} ({tokens / wall:.1f} tok/s)"),
         ("prompt tokens found in the prefill worker's cache", _share(
-            prefill.get("kvxfer_prefill_prefix_hit_tokens_sum"), prompt_tokens)),
+            prefill.get("kvxfer_prefill_prefix_hit_tokens_total"), prefill.get("kvxfer_prefill_prefix_lookup_tokens_total"))),
         ("prompt tokens the decode workers already held", _share(
-            decode.get("kvxfer_decode_prefix_hit_tokens_sum"), prompt_tokens)),
+            decode.get("kvxfer_decode_prefix_hit_tokens_total"), decode.get("kvxfer_decode_prefix_lookup_tokens_total"))),
         ("KV pages pushed / not pushed (decoder held them)",
          f"{pages_pushed:,.0f} / {pages_held:,.0f}" if pages_held is not None
          else f"{pages_pushed:,.0f} / not reported by the workers"),

@@ -33,19 +33,18 @@ def test_histogram_quantile_interpolates_inside_the_bucket() -> None:
 
 def test_table_shows_hits_on_each_side_pages_not_pushed_and_kv_per_request() -> None:
     results = [_turn(0, [0.2, 0.21, 0.22]), _turn(1, [0.05, 0.06, 0.07])]
-    prefill = {"kvxfer_prefill_prefix_hit_tokens_sum": 50.0, "kvxfer_prefill_kv_pages_skipped_total": 6.0,
+    prefill = {"kvxfer_prefill_prefix_hit_tokens_total": 50.0, "kvxfer_prefill_prefix_lookup_tokens_total": 200.0, "kvxfer_prefill_kv_pages_skipped_total": 6.0,
                "kvxfer_prefill_kv_pushed_bytes_total": 4.0 * PAGE_BYTES,
                "kvxfer_prefill_kv_transfer_seconds_count": 2.0,
                "kvxfer_prefill_kv_transfer_seconds_bucket|0.005": 1.0,
                "kvxfer_prefill_kv_transfer_seconds_bucket|0.01": 2.0,
                "kvxfer_prefill_kv_transfer_seconds_bucket|inf": 2.0}
-    decode = {"kvxfer_decode_prefix_hit_tokens_sum": 100.0}
+    decode = {"kvxfer_decode_prefix_hit_tokens_total": 100.0, "kvxfer_decode_prefix_lookup_tokens_total": 200.0}
     rows = dict(_report(results, 1.0, prefill, decode, PAGE_BYTES))
     assert rows["requests ok / sent"] == "2 / 2"
     assert rows["TTFT p50 / p99, first turns (ms)"] == "200.0 / 200.0"
     assert rows["TTFT p50 / p99, later turns (ms)"] == "50.0 / 50.0"
     assert rows["inter-token p50 / p99 (ms, each request's mean gap)"] == "10.00 / 10.00"
-    # 2 prompts of 99 bytes: 200 tokens with BOS.
     assert rows["prompt tokens found in the prefill worker's cache"] == "50 of 200 (25%)"
     assert rows["prompt tokens the decode workers already held"] == "100 of 200 (50%)"
     assert rows["KV pages pushed / not pushed (decoder held them)"] == "4 / 6"
