@@ -45,7 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_vllm_connector import prompt_of  # noqa: E402
 from paired_overhead import goodput_rps, paired_overhead_s, ratio_to_best_peer  # noqa: E402
 from vllm_connector_flows import (CONFIGS, Config, Pair, PeerUnavailable, StreamResult, ensure_peer_env,  # noqa: E402
-                                  instance_tree_cpu_s, kv_cache_usage, last_error_line, prom_sum, start_pair)
+                                  CONNECTOR_COUNTERS, instance_tree_cpu_s, kv_cache_usage, last_error_line, metrics_text,
+                                  prom_value, start_pair)
 
 from kvxfer.integrations.vllm.checkpoint import CheckpointShape, make_checkpoint  # noqa: E402
 from support.vllm_instances import VllmFleet  # noqa: E402
@@ -58,7 +59,8 @@ KV_BYTES_PER_TOKEN = SHAPE.layers * SHAPE.kv_heads * (SHAPE.hidden // SHAPE.head
 BLOCK_TOKENS = 32  # the instances' --block-size (VllmInstanceSpec's default)
 #: How often a drill polls the decoder's /metrics for its blocks.
 USAGE_POLL_S = 0.05
-KVXFER_TAIL_WAIT_S = 5.0
+#: How long a request's transfer counters may take to appear on /metrics after its answer.
+COUNTERS_WAIT_S = 3.0
 
 
 def body_of(tokens: list[int], max_tokens: int, salt: str) -> dict[str, Any]:
@@ -67,12 +69,15 @@ def body_of(tokens: list[int], max_tokens: int, salt: str) -> dict[str, Any]:
             "ignore_eos": True}
 
 
-def push_tail(pair: Pair) -> tuple[float, float]:
-    """(sum, count) of kvxfer's push tail histogram; zeros for other connectors."""
-    if not pair.kvxfer_metrics_url:
-        return 0.0, 0.0
-    return (prom_sum(pair.kvxfer_metrics_url, "kvxfer_connector_push_tail_seconds_sum"),
-            prom_sum(pair.kvxfer_metrics_url, "kvxfer_connector_push_tail_seconds_count"))
+def transfer_time(before: dict[str, float], after: dict[str, float]) -> tuple[str, float] | None:
+    """(what, seconds per transfer) between two counter snapshots: kvxfer's push tail after
+    the last layer's compute, or NIXL's transfer time (its whole read or write, which starts
+    after prefill); None where the connector counted none."""
+    for what, base in (("push tail", "kvxfer_connector_push_tail_seconds"), ("NIXL xfer", "vllm:nixl_xfer_time_seconds")):
+        n = after[base + "_count"] - before[base + "_count"]
+        if n > 0:
+            return what, (after[base + "_sum"] - before[base + "_sum"]) / n
+    return None
 
 
 def cpu_s(pair: Pair) -> float:
@@ -91,35 +96,36 @@ def run_single(pair: Pair, args: argparse.Namespace, progress: Any) -> dict[str,
     """Phase part 1: single requests over every length; CPU and KV bytes over the whole sweep."""
     rows: list[dict[str, Any]] = []
     cpu0 = cpu_s(pair)
-    pushed0 = prom_sum(pair.kvxfer_metrics_url, "kvxfer_connector_pushed_bytes_total") if pair.kvxfer_metrics_url else 0
+    counted0 = pair.counters()
     kv_bytes = 0
     for n in args.lengths:
         for rep in range(args.repeats):
-            before = push_tail(pair)
+            before = pair.counters() if pair.config.kind != "colocated" else {}
             try:
                 res, err = pair.serve(body_of(prompt_of(n, rep), args.max_tokens, uuid.uuid4().hex)), None
             except (httpx.HTTPError, RuntimeError) as e:
                 res, err = None, f"{type(e).__name__}: {str(e)[:200]}"
             row = result_row(res, err, tokens=n, rep=rep)
-            if pair.kvxfer_metrics_url and res is not None:
-                after = before
-                deadline = time.monotonic() + KVXFER_TAIL_WAIT_S
-                while after[1] <= before[1] and time.monotonic() < deadline:
-                    time.sleep(0.05)  # the push's metrics land once its last write completed
-                    after = push_tail(pair)
-                if after[1] > before[1]:
-                    row["push_tail_s"] = (after[0] - before[0]) / (after[1] - before[1])
+            if before and res is not None:
+                deadline = time.monotonic() + COUNTERS_WAIT_S
+                while (measured := transfer_time(before, pair.counters())) is None and time.monotonic() < deadline:
+                    time.sleep(0.05)  # a transfer's metrics land once its last write completed
+                if measured:
+                    row["transfer_what"], row["transfer_s"] = measured
             if pair.config.kind != "colocated":
                 kv_bytes += math.ceil(n / BLOCK_TOKENS) * BLOCK_TOKENS * KV_BYTES_PER_TOKEN
             rows.append(row)
             progress.update(1)
     out: dict[str, Any] = {"rows": rows, "cpu_s": cpu_s(pair) - cpu0}
-    if pair.kvxfer_metrics_url:
-        out["kv_bytes"] = prom_sum(pair.kvxfer_metrics_url, "kvxfer_connector_pushed_bytes_total") - pushed0
-        out["kv_bytes_source"] = "kvxfer_connector_pushed_bytes"
+    counted = pair.counters()
+    moved = sum(counted[k] - counted0[k] for k in ("kvxfer_connector_pushed_bytes_total",
+                                                   "vllm:nixl_bytes_transferred_sum"))
+    if moved > 0:
+        out["kv_bytes"] = moved
+        out["kv_bytes_source"] = "the connector's counter"
     elif pair.config.kind != "colocated":
         out["kv_bytes"] = kv_bytes
-        out["kv_bytes_source"] = "computed: the prompt's whole blocks x 32 KiB per token"
+        out["kv_bytes_source"] = "computed: the prompts' whole blocks x 32 KiB per token"
     return out
 
 
@@ -184,6 +190,8 @@ def run_faults(pair: Pair, args: argparse.Namespace, prefill_s: float) -> dict[s
     d_url = pair.url(pair.decode)
     p_url = pair.url(pair.prefill)
     out: dict[str, Any] = {"fault_tokens": args.fault_tokens, "deadline_s": args.fault_deadline_s}
+    d_text = metrics_text(d_url)
+    d_counters0 = {k: prom_value(d_text, k) for k in CONNECTOR_COUNTERS}
     pulls = pair.config.kind == "nixl-pull"
     # Concurrent legs: the hand-off runs while the prefiller computes, so halfway through
     # its prefill is mid-transfer. Pull: the decoder reads after the prefill leg returned,
@@ -239,6 +247,15 @@ def run_faults(pair: Pair, args: argparse.Namespace, prefill_s: float) -> dict[s
     if "token_ids" in result:
         kill_row["token_ids"] = result["token_ids"]
     out["kill_prefill"] = kill_row
+    # Leaks: requests still held and what the decoder's connector counted (expired
+    # requests, failed transfers) over both drills.
+    d_text = metrics_text(d_url)
+    out["decoder_after"] = {
+        "kv_cache_usage": kv_cache_usage(d_url),
+        "requests_running_or_waiting": prom_value(d_text, "vllm:num_requests_running")
+        + prom_value(d_text, "vllm:num_requests_waiting"),
+        **{k: prom_value(d_text, k) - d_counters0[k] for k in CONNECTOR_COUNTERS
+           if "_count" not in k and "_sum" not in k and prom_value(d_text, k) - d_counters0[k]}}
     # Still serving after it all? (a decoder the fault broke would fail here)
     try:
         httpx.get(d_url + "/v1/models", headers=pair.fleet.headers, timeout=5).raise_for_status()
@@ -320,7 +337,7 @@ def summarize(phases: list[dict[str, Any]], args: argparse.Namespace) -> dict[st
         for n in args.lengths:
             mine = [r for r in rows if r["tokens"] == n and "ttft_s" in r]
             gaps = [g for r in mine for g in r["itl_s"]]
-            tails = [r["push_tail_s"] for r in mine if "push_tail_s" in r]
+            tails = [r["transfer_s"] for r in mine if "transfer_s" in r]
             over = paired_overhead_s(ttft_by_prompt(mine, ("tokens", "rep")), colo_ttft) if p is not colo else None
             out["per_length"].append({
                 "config": p["config"], "tokens": n, "ok": len(mine),
@@ -328,7 +345,8 @@ def summarize(phases: list[dict[str, Any]], args: argparse.Namespace) -> dict[st
                 "ttft_ms": statistics.median(r["ttft_s"] for r in mine) * 1e3 if mine else None,
                 "overhead_ms": over * 1e3 if over is not None else None,
                 "itl_ms": statistics.median(gaps) * 1e3 if gaps else None,
-                "push_tail_ms": statistics.median(tails) * 1e3 if tails else None})
+                "transfer_ms": statistics.median(tails) * 1e3 if tails else None,
+                "transfer_what": next((r["transfer_what"] for r in mine if "transfer_what" in r), None)})
         eq, cmp_ = outputs_equal(rows, colo_rows, ("tokens", "rep"))
         eq_t, cmp_t = outputs_equal(p["multi_turn"], colo_turns, ("conversation", "turn"))
         later = [r for r in p["multi_turn"] if r["turn"] > 0 and "ttft_s" in r]
@@ -353,6 +371,7 @@ def summarize(phases: list[dict[str, Any]], args: argparse.Namespace) -> dict[st
             cfg["abort"] = f["abort"]
             cfg["kill"] = {k: v for k, v in f["kill_prefill"].items() if k != "token_ids"}
             cfg["decoder_alive_after"] = f["decoder_alive_after"]
+            cfg["decoder_after"] = f.get("decoder_after")
         elif f:
             cfg["fault_error"] = f["error"]
         out["per_config"].append(cfg)
@@ -403,11 +422,12 @@ def fmt(v: float | None, spec: str = ".0f") -> str:
 
 def print_tables(summary: dict[str, Any], args: argparse.Namespace) -> str:
     """The tables as text (markdown), printed and returned for the JSON."""
-    lines = ["| configuration | tokens | TTFT ms | overhead ms (paired) | ITL ms | push tail ms | ok/failed |",
+    lines = ["| configuration | tokens | TTFT ms | overhead ms (paired) | ITL ms | transfer ms (what) | ok/failed |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for r in summary["per_length"]:
         lines.append(f"| {r['config']} | {r['tokens']} | {fmt(r['ttft_ms'])} | {fmt(r['overhead_ms'], '+.0f')} | "
-                     f"{fmt(r['itl_ms'], '.1f')} | {fmt(r['push_tail_ms'], '.1f')} | {r['ok']}/{r['failed']} |")
+                     f"{fmt(r['itl_ms'], '.1f')} | {fmt(r['transfer_ms'], '.1f')} {('(' + r['transfer_what'] + ')') if r['transfer_what'] else ''} | "
+                     f"{r['ok']}/{r['failed']} |")
     conc = "".join(f" goodput c={c} req/s |" for c in args.concurrency)
     lines += ["", f"| configuration | outputs equal | KV GB | CPU s/GB (extra over colocated) |{conc} "
               "multi-turn TTFT ms (overhead) | abort: decoder free s | kill: request end s, decoder free s |",

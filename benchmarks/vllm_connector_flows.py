@@ -46,6 +46,19 @@ PEER_PACKAGES = ["nixl==1.5.1", "nixl-cu12==1.5.1", "mooncake-transfer-engine-no
 PIP_TIMEOUT_S = 900.0
 PROBE_TIMEOUT_S = 120.0
 PREFILL_ENGINE_ID = "bench-prefill"
+#: Set in a NIXL instance's environment: the peer environment's startup hook (below) then
+#: keeps NixlConnector from moving the worker's compute thread.
+KEEP_PINNING_ENV = "KVXFER_BENCH_NIXL_KEEP_PINNING"
+#: vLLM 0.32's NIXL worker on CPU calls os.sched_setaffinity(0, <last core of each NUMA
+#: node>) on its compute thread (base_worker.py, "reserve different cores for
+#: start_load_kv()"): on 2 cores both instances then compute on core 1, whatever
+#: VLLM_CPU_OMP_THREADS_BIND says. Without a reserved core the call is skipped, so every
+#: configuration keeps prefill on core 0 and decode on core 1.
+KEEP_PINNING_MODULE = """\
+from vllm.platforms.cpu import CpuPlatform
+
+CpuPlatform.discover_numa_topology = classmethod(lambda cls: [])
+"""
 
 
 class PeerUnavailable(Exception):
@@ -71,12 +84,17 @@ def ensure_peer_env(install: bool) -> Path:
         ours = _site_packages(Path(sys.executable))
         # addsitedir (not a bare path line) so that .venv's own .pth files (the editable
         # kvxfer install) are processed too.
-        Path(_site_packages(python), "zz_project_venv.pth").write_text(f"import site; site.addsitedir({ours!r})\n")
+        peer_site = Path(_site_packages(python))
+        (peer_site / "zz_project_venv.pth").write_text(f"import site; site.addsitedir({ours!r})\n")
         pip = subprocess.run([str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q", "--no-deps",
                               *PEER_PACKAGES], capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
         if pip.returncode:
             raise PeerUnavailable(f"pip install of the peers failed: {pip.stderr.strip()[-300:]}")
         marker.write_text(" ".join(PEER_PACKAGES))
+    peer_site = Path(_site_packages(python))
+    (peer_site / "kvxfer_bench_keep_pinning.py").write_text(KEEP_PINNING_MODULE)
+    (peer_site / "zzz_kvxfer_bench_keep_pinning.pth").write_text(
+        f"import os; os.environ.get({KEEP_PINNING_ENV!r}) and __import__('kvxfer_bench_keep_pinning')\n")
     torch_version = subprocess.run([str(python), "-c", "import torch; print(torch.__version__)"],
                                    capture_output=True, text=True, timeout=PROBE_TIMEOUT_S).stdout.strip()
     if not torch_version.endswith("+cpu"):
@@ -181,13 +199,31 @@ def kv_cache_usage(url: str) -> float | None:
     return float(m.group(1)) if m else None
 
 
+def metrics_text(url: str) -> str:
+    """The Prometheus text at `url`/metrics ('' if unreachable)."""
+    try:
+        return httpx.get(url + "/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return ""
+
+
+def prom_value(text: str, name: str) -> float:
+    """Sum of every sample of the metric `name` in a Prometheus text (0 where absent)."""
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)", text, re.M))
+
+
 def prom_sum(url: str, name: str) -> float:
     """Sum of every sample of the Prometheus metric `name` at `url`/metrics (0 where absent)."""
-    try:
-        text = httpx.get(url + "/metrics", timeout=5).text
-    except httpx.HTTPError:
-        return 0.0
-    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)", text, re.M))
+    return prom_value(metrics_text(url), name)
+
+
+#: What the connectors count on vLLM's /metrics (NIXL only: vLLM 0.32's MooncakeConnector
+#: keeps its statistics to a log line, "TODO(mooncake-stats): add MooncakePromMetrics").
+CONNECTOR_COUNTERS = ["vllm:nixl_xfer_time_seconds_sum", "vllm:nixl_xfer_time_seconds_count",
+                      "vllm:nixl_bytes_transferred_sum", "vllm:nixl_num_kv_expired_reqs_total",
+                      "vllm:nixl_num_failed_transfers_total", "vllm:nixl_num_failed_notifications_total",
+                      "kvxfer_connector_push_tail_seconds_sum", "kvxfer_connector_push_tail_seconds_count",
+                      "kvxfer_connector_pushed_bytes_total", "kvxfer_connector_failures_total"]
 
 
 @dataclass
@@ -203,6 +239,12 @@ class Pair:
     prefill_side_port: int = 0
     bootstrap_port: int = 0
     engine_addresses: tuple[str, str] = ("", "")
+
+    def counters(self) -> dict[str, float]:
+        """CONNECTOR_COUNTERS summed over both instances (and kvxfer's own metrics port)."""
+        urls = [i.url for i in self.instances()] + ([self.kvxfer_metrics_url] if self.kvxfer_metrics_url else [])
+        texts = [metrics_text(u) for u in urls]
+        return {name: sum(prom_value(t, name) for t in texts) for name in CONNECTOR_COUNTERS}
 
     def url(self, name: str | None) -> str:
         """Base URL of a named instance (the prefill one for None)."""
@@ -268,6 +310,9 @@ class Pair:
             # finished request by request id: both legs carry the same X-Request-Id.
             return ({"do_remote_decode": True, "do_remote_prefill": False},
                     {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": PREFILL_ENGINE_ID,
+                     # vLLM names a completion cmpl-<X-Request-Id>-<index>-<random suffix>; NIXL
+                     # compares request ids without the suffix.
+                     "remote_request_id": f"cmpl-{rid}-0",
                      "remote_host": "127.0.0.1", "remote_port": self.prefill_side_port, "tp_size": 1},
                     {"X-Request-Id": rid})
         if kind == "mooncake":
@@ -318,7 +363,7 @@ def start_pair(config: Config, fleet: VllmFleet, peer_python: Path | None, spec_
         return pair
     if peer_python is None:
         raise PeerUnavailable("no peer environment")
-    common_env = {"VLLM_HOST_IP": "127.0.0.1", **config.env}
+    common_env = {"VLLM_HOST_IP": "127.0.0.1", KEEP_PINNING_ENV: "1", **config.env}
     pair = Pair(config, fleet, p_name, d_name, request_timeout_s)
     if kind in ("nixl-pull", "nixl-push"):
         probe_import(peer_python, "import nixl._api")
@@ -352,9 +397,15 @@ def start_pair(config: Config, fleet: VllmFleet, peer_python: Path | None, spec_
 
 
 def last_error_line(log: str) -> str:
-    """The most telling line of a failed instance's log: the last exception line, else the last line."""
+    """The most telling line of a failed instance's log: the last exception that is a root
+    cause (not vLLM's EngineDeadError that follows one), else the last line."""
     lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
     for ln in reversed(lines):
-        if re.search(r"(Error|Exception|error:)", ln) and "Traceback" not in ln:
-            return re.sub(r"^.*?\] ", "", ln)[:240]
+        m = re.search(r"\b(\w*(?:Error|Exception)): .*", ln)
+        if m and m.group(1) not in ("EngineDeadError", "RuntimeError") and "ulimit" not in ln:
+            return m.group(0)[:240]
+    for ln in reversed(lines):
+        m = re.search(r"\b(\w*(?:Error|Exception)): .*", ln)
+        if m and "ulimit" not in ln:
+            return m.group(0)[:240]
     return (lines[-1] if lines else "no log")[:240]
