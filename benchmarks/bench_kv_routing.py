@@ -565,6 +565,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="a router setting for every policy's router, e.g. KVXFER_ROUTER_LOAD_COST_MS=5 to try "
                              "kv_aware's weights (repeatable; default: the router's own settings)")
     parser.add_argument("--seed", type=int, default=1, help="seed of every prompt (default 1)")
+    parser.add_argument("--work-dir", type=Path, default=None,
+                        help="where the processes' logs (and the vLLM checkpoint) go, kept after the run "
+                             "(default: a temporary folder, removed at the end)")
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results",
                         help="where kv_routing_ENGINE.json and .png go (default benchmarks/results)")
     args = parser.parse_args(argv)
@@ -615,8 +618,9 @@ def measure(engine: Engine, args: argparse.Namespace, shape: Shape) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     shape = QUICK_SHAPE if args.quick else FULL_SHAPE
-    with tempfile.TemporaryDirectory(prefix="kvxfer-kv-routing-") as tmp:
-        work = Path(tmp)
+    with contextlib.ExitStack() as stack:
+        work = args.work_dir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvxfer-kv-routing-")))
+        print(f"logs in {work}", flush=True)
         if args.engine in ("builtin", "both"):
             measure(BuiltinEngine(args.prefill, work / "builtin", args.provider, args.num_pages, args.router_env),
                     args, shape)
