@@ -28,7 +28,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed")
 
-from support.vllm_instances import VllmFleet  # noqa: E402
+from support.vllm_instances import VllmFleet, free_port  # noqa: E402
 from support.vllm_tp_hooks import HOOKS_SPEC  # noqa: E402
 from support.waiting import wait_until  # noqa: E402
 
@@ -71,9 +71,10 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmFleet]:
     common = {"same_host": False, "bind_host": "127.0.0.1", "hooks": HOOKS_SPEC,
               "hooks_config": {"digest_dir": str(digests)}, **TP_TIMEOUTS}
     with VllmFleet(model, work, common_extra=common) as f:
-        f.start("prefill-tp2", "kv_producer", "0|1", tensor_parallel_size=2)
-        f.start("decode-tp2", "kv_consumer", "0|1", tensor_parallel_size=2)
-        f.start("both-tp1", "kv_both", "1")
+        # Each rank serves its connector metrics on metrics_port + rank (read when a leg fails).
+        f.start("prefill-tp2", "kv_producer", "0|1", tensor_parallel_size=2, extra={"metrics_port": free_port()})
+        f.start("decode-tp2", "kv_consumer", "0|1", tensor_parallel_size=2, extra={"metrics_port": free_port()})
+        f.start("both-tp1", "kv_both", "1", extra={"metrics_port": free_port()})
         f.wait_ready(*f.instances)
         f.digests = digests  # type: ignore[attr-defined]
         yield f
@@ -99,7 +100,28 @@ def _legs(fleet: VllmFleet, prefill: str, decode: str, prompt: list[int],
         on_p = pool.submit(httpx.post, fleet.instances[prefill].url + "/v1/completions", headers=fleet.headers,
                            json={**body, "max_tokens": 1, "kv_transfer_params": params("prefill", d.engine_address)},
                            timeout=180)
-        return on_p.result(), on_d.result()
+        on_p_reply, on_d_reply = on_p.result(), on_d.result()
+    if on_p_reply.status_code != 200 or on_d_reply.status_code != 200:
+        # What every rank of both instances dropped or counted, for the failure message.
+        print(_connector_counters(fleet, prefill), _connector_counters(fleet, decode))
+    return on_p_reply, on_d_reply
+
+
+def _connector_counters(fleet: VllmFleet, name: str) -> dict[int, list[str]]:
+    """The connector's failure and drop counters of each rank of instance `name`."""
+    inst = fleet.instances[name]
+    port = int(inst.spec.extra_config["metrics_port"])
+    out: dict[int, list[str]] = {}
+    for rank in range(inst.spec.tensor_parallel_size):
+        try:
+            text = httpx.get(f"http://127.0.0.1:{port + rank}/metrics", timeout=5).text
+        except httpx.HTTPError as exc:
+            out[rank] = [f"unreachable: {exc}"]
+            continue
+        out[rank] = [line for line in text.splitlines() if line.startswith(("kvxfer_connector_dropped",
+                     "kvxfer_connector_failures", "kvxfer_connector_foreign", "kvxfer_connector_loads_in_flight"))
+                     and not line.endswith(" 0.0")]
+    return out
 
 
 def _colocated(fleet: VllmFleet, name: str, prompt: list[int]) -> dict[str, Any]:
