@@ -35,6 +35,7 @@ from kvxfer.integrations.vllm.tensor_parallel import (  # noqa: E402
     head_sources,
     rank_heads,
 )
+from kvxfer.integrations.vllm.worker_side import WorkerSide  # noqa: E402
 from kvxfer.kv.protocol import decode_abort  # noqa: E402
 from kvxfer.transfer.engine import TransferEngine, available_providers  # noqa: E402
 
@@ -156,3 +157,24 @@ def test_each_decode_rank_receives_exactly_its_heads_from_the_prefill_ranks_that
     assert _hand_off(prefill, decode, f"tp{prefill_tp}{decode_tp}") == set()
     _assert_heads_landed(prefill, decode, before)
     assert [rank_heads(KV_HEADS, decode_tp, r) for r in range(decode_tp)] == [d.place.heads for d in decode]
+
+
+def test_a_decode_rank_fails_a_load_whose_prefill_heads_cannot_be_mapped_with_the_reason(
+        engines: list[TransferEngine]) -> None:
+    # The router never pairs these (compatible()); a connector handed one anyway fails the
+    # request, with the sizes in the reason, and reserves nothing.
+    cache = vllm_cache(KVCacheLayout.LBHNC, attention_spec(heads=1), DST_BLOCKS, seed=51)
+    worker = WorkerSide(ConnectorSettings(provider=PROVIDER, same_host=False, bind_host="127.0.0.1"),
+                        "kv_consumer", "m", place=TensorParallelPlace(1, 2, 2))
+    try:
+        worker.register_kv_caches({f"layers.{i}.attn": view for i, view in enumerate(cache.views)})
+        three_ranks = encode_rank_addresses([engines[0].address, engines[1].address, engines[2].address])
+        worker.bind(KvxferStepMetadata(loads=[LoadSpec("r1", "tp-3-into-2", three_ranks, list(DST), 0)]))
+        assert worker.receiver is not None
+        worker.start_load_kv()
+        reason = worker.receiver.failure("r1")
+        _, finished, failed = worker.get_finished(set())
+    finally:
+        worker.shutdown()
+    assert finished == failed == {"r1"}
+    assert "cannot be mapped" in reason and "tensor parallel size 3" in reason, reason
