@@ -102,7 +102,7 @@ def body_of(path: str, rid: str) -> dict[str, Any]:
 
 
 TARGETS = [("decode", "/reserve"), ("decode", "/cancel"), ("decode", "/generate"), ("prefill", "/prefill"),
-           ("prefill", "/cancel")]
+           ("prefill", "/cancel"), ("decode", "/prefix_index"), ("prefill", "/prefix_index")]
 
 
 def test_calls_without_a_valid_token_are_refused_counted_and_change_nothing(cluster: Cluster) -> None:
