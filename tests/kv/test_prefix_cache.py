@@ -123,3 +123,50 @@ def test_a_failed_reservation_drops_the_references_it_took() -> None:
     with pytest.raises(OutOfPagesError):
         alloc.reserve("b", 5 * BS, hashes)
     assert alloc.prefix_counters().referenced_pages == 0 and alloc.free_pages == 3
+
+
+# ---- what reuse relies on outside the cache: the reservation's held pages, start_pos ----
+
+def held_reservation(pages: list[int], first_page: int, pushed: int) -> dict:
+    from kvxfer.kv.protocol import KVReservation, encode_imm
+
+    return KVReservation(
+        request_id="r1", descriptor=b"\x01", pages=pages, num_pages=16, imm=encode_imm(1, 0),
+        expected_count=2 * pushed + 1, kv_layout="L2-H2-D16-float32-bs16", meta_descriptor=b"\x0a",
+        meta_offset=0, nonce=1, fence_timeout_s=15.0, first_page=first_page,
+    ).to_json()
+
+
+def test_a_reservation_with_held_pages_lists_exactly_the_pages_to_push() -> None:
+    from kvxfer.kv.protocol import KVReservation, ReservationError
+
+    data = held_reservation([7, 8], first_page=3, pushed=2)
+    assert KVReservation.from_json(data).prompt_pages == 2
+    # Decode pages after the pushed ones would let a prefiller that ignores first_page
+    # (one from before prefix reuse) find room for its whole prompt: refused.
+    with pytest.raises(ReservationError, match="pages"):
+        KVReservation.from_json({**data, "pages": [7, 8, 9, 10]})
+
+
+def test_prefill_from_a_cached_prefix_equals_the_whole_computation() -> None:
+    import torch
+
+    from kvxfer.kv.cache import PagedKVCache
+    from kvxfer.model.config import ModelConfig
+    from kvxfer.model.transformer import Transformer
+
+    config = ModelConfig.preset("tiny")
+    model = Transformer(config)
+    prompt = [(i * 7 + 3) % 256 for i in range(100)]
+    pages = list(range(-(-len(prompt) // config.block_size)))
+    whole = PagedKVCache.from_config(config, len(pages))
+    want = model.prefill(prompt, whole, pages, chunk_size=32)
+    cached = PagedKVCache.from_config(config, len(pages))
+    model.prefill(prompt[:48], cached, pages, chunk_size=32)  # the prefix a cache would hold
+    got = model.prefill(prompt, cached, pages, chunk_size=32, start_pos=48)
+    assert got.first_token == want.first_token
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(cached.tensor, whole.tensor, rtol=1e-4, atol=1e-4)
+    for bad in (8, 100, -16):  # not block-aligned, past the prompt, negative
+        with pytest.raises(ValueError, match="start_pos"):
+            model.prefill(prompt, cached, pages, start_pos=bad)
