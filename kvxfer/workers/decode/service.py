@@ -307,7 +307,7 @@ class DecodeRuntime:
                 nonce=entry.nonce,
                 prompt_tokens=prompt_tokens,
                 max_tokens=max_tokens,
-                # One write per pushed page and layer, plus the mailbox: held pages travel not.
+                # One write per pushed page and layer, plus the mailbox; held pages are not sent.
                 expected_count=expected_imm_count(cfg.num_layers, prompt_tokens, cfg.block_size)
                 - cfg.num_layers * entry.held_pages,
                 created_at=time.monotonic(),
