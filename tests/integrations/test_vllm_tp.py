@@ -42,10 +42,12 @@ pytestmark = [
 # One bf16 step at these magnitudes (|logprob| < 16): 2**-8 relative, 0.0625 absolute at most.
 LOGPROB_TOLERANCE = 0.0625
 LAYERS, BLOCK, KV_HEADS = 4, 32, 2
-#: Five ranks share 2 cores here: under load a rank's step can wait seconds for a core,
-#: so the deadlines are the defaults' order, not the shared pair's short fault-test ones.
-TP_TIMEOUTS = {"transfer_timeout_s": 10.0, "load_stall_timeout_s": 60.0, "load_timeout_s": 300.0,
-               "fence_timeout_s": 15.0, "reservation_wait_s": 60.0}
+#: Five ranks share 2 cores here, beside other sessions' instances: under that load a first
+#: control message to a peer (its connection set up on the way) took over 10 s and failed
+#: at transfer_timeout_s (etcd itself went unanswered for 48 s in that run), so every
+#: deadline is generous; none is what the test checks.
+TP_TIMEOUTS = {"transfer_timeout_s": 30.0, "load_stall_timeout_s": 90.0, "load_timeout_s": 300.0,
+               "fence_timeout_s": 45.0, "reservation_wait_s": 90.0}
 #: GiB the machine must have available before the instances start (about 3 GiB per rank set).
 MIN_AVAILABLE_GIB = 7.0
 
@@ -118,9 +120,9 @@ def _connector_counters(fleet: VllmFleet, name: str) -> dict[int, list[str]]:
         except httpx.HTTPError as exc:
             out[rank] = [f"unreachable: {exc}"]
             continue
-        out[rank] = [line for line in text.splitlines() if line.startswith(("kvxfer_connector_dropped",
-                     "kvxfer_connector_failures", "kvxfer_connector_foreign", "kvxfer_connector_loads_in_flight"))
-                     and not line.endswith(" 0.0")]
+        out[rank] = [line for line in text.splitlines() if line.startswith((
+                     "kvxfer_connector_dropped_messages_total", "kvxfer_connector_failures_total",
+                     "kvxfer_connector_foreign", "kvxfer_connector_loads_in_flight")) and not line.endswith(" 0.0")]
     return out
 
 
