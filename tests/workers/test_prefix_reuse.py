@@ -12,7 +12,8 @@ colocated reference `generate`.
    layer; the decoder's whole prompt KV has the expected bytes; tokens equal.
 2. a prompt sharing a prefix with an earlier one: only the tail pages travel; pages only
    the prefiller holds are pushed from its cache.
-3. /generate_local of a cached prompt computes only the tail and answers the same tokens.
+3. /generate_local of a cached prompt computes only the tail and answers the same tokens;
+   a chat's next turn reuses the pages of the answer the decoder generated.
 4. /prefix_index reports the held blocks and answers null blocks when nothing changed.
 5. fault: a reservation whose pages include cached ones, its push standing still between
    two layers (`write_late`) while a flood of other prompts forces evictions on a small
@@ -214,6 +215,28 @@ def test_generate_local_computes_only_what_the_cache_lacks(prefix_workers: dict[
     for answer in asyncio.run(run()):
         assert answer["cached_tokens"] == (len(prompt) - 1) // BS * BS, answer
         assert answer["tokens"] == ref.tokens and answer["finish_reason"] == ref.finish_reason.value, answer
+
+
+def test_a_next_turn_reuses_the_pages_of_the_generated_answer(prefix_workers: dict[str, WorkerProc]) -> None:
+    decode, prefill = prefix_workers["decode"], prefix_workers["prefill"]
+    turn1 = tokens_of(text_prompt(2908, 57))
+
+    async def run() -> tuple[dict, dict, dict]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            _, _, first = await pair(client, decode, prefill, "turn-1", turn1)
+            assert len(first["tokens"]) == MAX_TOKENS, first  # ended by length: all but the last were fed back
+            turn2 = turn1 + first["tokens"] + tokens_of(text_prompt(2909, 30))[1:]
+            return turn2, *(await pair(client, decode, prefill, "turn-2", turn2))
+
+    turn2, reservation, pre, body = asyncio.run(run())
+    # K/V was written for the prompt and every generated token but the last.
+    written = len(turn1) + MAX_TOKENS - 1
+    assert reservation["cached_tokens"] == written // BS * BS > len(turn1) // BS * BS, reservation
+    assert pre["pages_skipped"] == written // BS, pre
+    # Decode steps computed those K/V one token at a time: equal within float tolerance to
+    # a prefill, so the tokens (not the bytes) are compared with the colocated reference.
+    ref = reference(turn2)
+    assert body["tokens"] == ref.tokens and body["finish_reason"] == ref.finish_reason.value, (body, ref)
 
 
 def test_prefix_index_reports_the_held_blocks(prefix_workers: dict[str, WorkerProc]) -> None:

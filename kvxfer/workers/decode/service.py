@@ -24,7 +24,8 @@ the request, pinned until its reservation is FREE) and asks the prefiller for th
 (the reservation's `first_page`, its `cached_tokens`); /generate_local computes only the
 tokens after that prefix. A request's full prompt pages go to the cache once its KV is
 known complete (admission, or the end of its local prefill), never from a request whose
-pages a write may still reach. `/prefix_index` reports the held hashes to routers.
+pages a write may still reach; when it finishes, so do the full pages of its generated
+tokens (a chat's next turn repeats them). `/prefix_index` reports the held hashes to routers.
 
 One reaper thread does all the waiting that has no caller: it receives abort messages,
 marks RECEIVING, fails reservations past `reservation_ttl_s` and frees fenced ones past
@@ -180,6 +181,8 @@ class DecodeJob:
     prefix_hashes: list[bytes] = field(default_factory=list)
     #: Tokens per page (the model's block size).
     block_size: int = 0
+    #: The prompt's tokens (kept only with a prefix cache: generated pages are named by them).
+    prompt: Sequence[int] | None = None
 
     @property
     def prompt_pages(self) -> list[int]:
@@ -315,6 +318,7 @@ class DecodeRuntime:
                 held_pages=entry.held_pages,
                 prefix_hashes=hashes,
                 block_size=cfg.block_size,
+                prompt=prompt if self.allocator.prefix_cache_enabled else None,
             )
             self.jobs[request_id] = job
             # Immediates for this slot and generation that arrived before the reservation
@@ -641,6 +645,8 @@ class DecodeRuntime:
             if defer:
                 self._deferred_release.append(job)
             else:
+                if state is RequestState.DONE:
+                    self._cache_generated(job)
                 outcome = Res.CANCELLED if state is RequestState.CANCELLED else Res.FAILED
                 entry = self.ledger.end(job.request_id, outcome, writer_stopped=writer_stopped, reason=error or "")
                 if entry.state is Res.FREE:
@@ -650,6 +656,18 @@ class DecodeRuntime:
             job.loop.call_soon_threadsafe(lambda: ended.done() or ended.set_result(None))
         self._emit(job, ("end", state))
         self._update_gauges()
+
+    def _cache_generated(self, job: DecodeJob) -> None:
+        """Hands the full pages of a finished request's prompt and generated tokens to the
+        prefix cache (held under `_lock`): a next chat turn repeats them. Only positions
+        whose K/V a step wrote count: the last token was emitted, never fed back."""
+        entry = self.ledger.get(job.request_id)
+        if job.prompt is None or entry is None or entry.state is not Res.ADMITTED:
+            return
+        fed = job.kept[: max(0, job.position - job.prompt_tokens)]
+        if (job.prompt_tokens + len(fed)) // job.block_size > len(job.prefix_hashes):
+            written = list(job.prompt) + fed
+            self.allocator.publish(job.request_id, block_hashes(written, job.block_size, self.core.config.name))
 
     def _release(self, job: DecodeJob) -> None:
         """Frees an admitted job's pages (the batch thread, after its step)."""
