@@ -61,6 +61,11 @@ BLOCK_TOKENS = 32  # the instances' --block-size (VllmInstanceSpec's default)
 USAGE_POLL_S = 0.05
 #: How long a request's transfer counters may take to appear on /metrics after its answer.
 COUNTERS_WAIT_S = 3.0
+#: Before a phase starts its instances (about 3 GiB each): wait while the machine has less
+#: than this much memory available, for at most MEMORY_WAIT_S, polling every MEMORY_POLL_S.
+MEMORY_NEEDED_GIB = 7.0
+MEMORY_WAIT_S = 300.0
+MEMORY_POLL_S = 10.0
 
 
 def body_of(tokens: list[int], max_tokens: int, salt: str) -> dict[str, Any]:
@@ -268,9 +273,25 @@ def run_faults(pair: Pair, args: argparse.Namespace, prefill_s: float) -> dict[s
 def run_phase(config: Config, model: Path, work: Path, args: argparse.Namespace, peer_python: Path | None,
               spec_fields: dict[str, Any], colocated_ttft_at: dict[int, float]) -> dict[str, Any]:
     """One configuration: start its instances, run every part, stop them."""
-    from tqdm import tqdm
+    import psutil
 
     phase: dict[str, Any] = {"config": config.name, "kind": config.kind, "note": config.note}
+    waited = time.monotonic()
+    while psutil.virtual_memory().available < MEMORY_NEEDED_GIB * 2**30 and time.monotonic() - waited < MEMORY_WAIT_S:
+        time.sleep(MEMORY_POLL_S)  # the machine is shared: other users' instances come and go
+    try:
+        _run_phase_on_fleet(phase, config, model, work, args, peer_python, spec_fields, colocated_ttft_at)
+    except subprocess.TimeoutExpired as e:  # an instance outlived its stop: keep the figures, say so
+        phase["stop_warning"] = f"an instance did not exit in time: {str(e)[:200]}"
+    return phase
+
+
+def _run_phase_on_fleet(phase: dict[str, Any], config: Config, model: Path, work: Path, args: argparse.Namespace,
+                        peer_python: Path | None, spec_fields: dict[str, Any],
+                        colocated_ttft_at: dict[int, float]) -> None:
+    """run_phase's body: fills `phase` as it goes, so that a failure to stop keeps it."""
+    from tqdm import tqdm
+
     kvxfer_extra = {"bind_host": "127.0.0.1", **args.kvxfer_extra}
     t0 = time.perf_counter()
     with VllmFleet(model, work / config.name.replace(" ", "-"), served_model_name="bench") as fleet:
@@ -279,14 +300,14 @@ def run_phase(config: Config, model: Path, work: Path, args: argparse.Namespace,
                               args.ready_timeout_s)
         except (PeerUnavailable, RuntimeError) as e:
             phase["unavailable"] = str(e) if isinstance(e, PeerUnavailable) else last_error_line(str(e))
-            return phase
+            return
         phase["ready_s"] = time.perf_counter() - t0
         try:
             pair.serve(body_of(prompt_of(64, 99), 2, "warm-up"))  # first-request costs stay out of the figures
         except (httpx.HTTPError, RuntimeError) as e:
             logs = " | ".join(last_error_line(i.log_text()) for i in pair.instances())
             phase["unavailable"] = f"warm-up request failed ({str(e)[:160]}); logs: {logs}"
-            return phase
+            return
         total = (len(args.lengths) * args.repeats + len(args.concurrency) * args.conc_requests
                  + args.conversations * args.turns)
         with tqdm(total=total, desc=config.name, unit="req", file=sys.stderr) as progress:
@@ -299,7 +320,6 @@ def run_phase(config: Config, model: Path, work: Path, args: argparse.Namespace,
             except Exception as e:  # a drill that breaks must not lose the phase's figures
                 phase["faults"] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-1500:]}
         phase["wall_s"] = time.perf_counter() - t0
-    return phase
 
 
 # ---- summary ---------------------------------------------------------------------------------
@@ -504,9 +524,9 @@ def parse_args() -> argparse.Namespace:
                    help="tokens generated per request (greedy, ignore_eos); ITL comes from their gaps (default 8)")
     p.add_argument("--concurrency", type=ints, default=[1, 4, 8], help="client concurrencies (default 1,4,8)")
     p.add_argument("--conc-requests", type=int, help="requests per concurrency level (default 16)")
-    p.add_argument("--conc-tokens", type=int, default=1024, help="prompt length of the concurrency runs (default 1024)")
-    p.add_argument("--ttft-bound-s", type=float, default=2.0,
-                   help="a request counts for goodput if its TTFT is within this many seconds (default 2.0)")
+    p.add_argument("--conc-tokens", type=int, default=512, help="prompt length of the concurrency runs (default 512)")
+    p.add_argument("--ttft-bound-s", type=float, default=5.0,
+                   help="a request counts for goodput if its TTFT is within this many seconds (default 5.0)")
     p.add_argument("--conversations", type=int, help="multi-turn conversations (default 3)")
     p.add_argument("--turns", type=int, help="turns per conversation (default 4)")
     p.add_argument("--turn-tokens", type=int, default=256, help="new prompt tokens per turn (default 256)")
@@ -548,7 +568,7 @@ def main() -> None:
     longest = max(max(args.lengths), args.conversations and args.turns * (args.turn_tokens + args.max_tokens))
     max_model_len = longest + args.max_tokens + 64
     # One chunk per prompt: every configuration computes a prompt the same way.
-    spec_fields = {"max_model_len": max_model_len, "max_num_batched_tokens": max_model_len, "kv_cache_gib": 2.0}
+    spec_fields = {"max_model_len": max_model_len, "max_num_batched_tokens": max_model_len, "kv_cache_gib": 1.0}
     os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "3600")
     peer_python: Path | None = None
     peer_error = ""

@@ -399,6 +399,9 @@ def start_pair(config: Config, fleet: VllmFleet, peer_python: Path | None, spec_
 def last_error_line(log: str) -> str:
     """The most telling line of a failed instance's log: the last exception that is a root
     cause (not vLLM's EngineDeadError that follows one), else the last line."""
+    worker = re.search(r"Worker failed with error '([^']+)'", log)
+    if worker:  # vLLM's own summary of a worker's root cause
+        return f"worker: {worker.group(1)}"[:240]
     lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
     for ln in reversed(lines):
         m = re.search(r"\b(\w*(?:Error|Exception)): .*", ln)
