@@ -214,7 +214,8 @@ class BuiltinEngine:
 
         log_dir = self.work / f"builtin-{policy}"
         with LocalCluster(prefill=self.prefill, decode=2, provider=self.provider, num_pages=self.num_pages,
-                          log_dir=str(log_dir), router_env={**self.router_env, "KVXFER_ROUTER_POLICY": policy}) as cluster:
+                          log_dir=str(log_dir),
+                          router_env={**self.router_env, "KVXFER_ROUTER_POLICY": policy}) as cluster:
             self.cluster = cluster
             try:
                 yield cluster.router_url
@@ -364,12 +365,12 @@ async def one_request(client: httpx.AsyncClient, url: str, engine: Engine, promp
                 if not line.startswith("data: {"):
                     continue
                 for choice in json.loads(line[6:]).get("choices") or ():
-                    if choice.get("text") is None:
-                        continue
+                    answer += choice.get("text") or ""
+                    if choice.get("text") is None or choice.get("finish_reason") is not None:
+                        continue  # one event per token; the finish event carries no token of its own
                     if outcome.completion_tokens == 0:
                         outcome.ttft_s = time.perf_counter() - start
                     outcome.completion_tokens += 1
-                    answer += choice["text"]
     except httpx.HTTPError as exc:
         outcome.error = f"{type(exc).__name__}: {exc}"
         return outcome, answer
@@ -548,7 +549,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="which engine's cluster to measure (default both, one after the other)")
     parser.add_argument("--quick", action="store_true",
                         help=f"a smoke run of about 2 minutes per engine: {asdict(QUICK_SHAPE)} instead of "
-                             f"{asdict(FULL_SHAPE)}")
+                             f"{asdict(FULL_SHAPE)}, one round")
     parser.add_argument("--policies", default=",".join(POLICIES),
                         help="router policies to compare, comma-separated (default all three)")
     parser.add_argument("--workloads", default=",".join(WORKLOADS),
@@ -561,7 +562,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              f"{BuiltinEngine.ttft_bound_ms:g} ms, vLLM {VllmEngine.ttft_bound_ms:g} ms)")
     parser.add_argument("--rounds", type=int, default=None,
                         help="times every policy runs every workload, cold each time, the policies' order rotated "
-                             f"per round (default: builtin {BuiltinEngine.rounds}, vLLM {VllmEngine.rounds})")
+                             f"per round (default: builtin {BuiltinEngine.rounds}, vLLM {VllmEngine.rounds}; "
+                             "--quick 1)")
     parser.add_argument("--num-pages", type=int, default=4096,
                         help="KV pages per builtin worker (default 4096: every conversation fits, no eviction)")
     parser.add_argument("--provider", default="auto", help="libfabric provider of the builtin workers (default auto)")
@@ -599,7 +601,7 @@ def measure(engine: Engine, args: argparse.Namespace, shape: Shape) -> None:
     bound = args.ttft_bound_ms if args.ttft_bound_ms is not None else engine.ttft_bound_ms
     load_before = uptime()
     t0 = time.perf_counter()
-    rounds = args.rounds if args.rounds is not None else engine.rounds
+    rounds = args.rounds if args.rounds is not None else 1 if args.quick else engine.rounds
     rows, per_round = run_engine(engine, args.policies, args.workloads, shape, args.users_in_flight, args.seed,
                                  bound, rounds)
     elapsed = time.perf_counter() - t0
@@ -612,7 +614,8 @@ def measure(engine: Engine, args: argparse.Namespace, shape: Shape) -> None:
     stem.with_suffix(".json").write_text(json.dumps({
         "engine": engine.name, "quick": args.quick, "shape": asdict(shape), "sizes": asdict(engine.sizes),
         "prefill_workers": args.prefill, "decode_workers": 2, "users_in_flight": args.users_in_flight,
-        "ttft_bound_ms": bound, "seed": args.seed, "router_env": args.router_env, "uptime_before": load_before, "uptime_after": uptime(),
+        "ttft_bound_ms": bound, "seed": args.seed, "router_env": args.router_env, "uptime_before": load_before,
+        "uptime_after": uptime(),
         "elapsed_s": elapsed, "rounds": rounds, "verdicts": verdicts, "rows": rows, "per_round": per_round},
         indent=1))
     plot(engine.name, rows, args.policies, args.workloads, stem.with_suffix(".png"))

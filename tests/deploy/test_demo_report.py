@@ -10,10 +10,9 @@ from kvxfer.cluster.demo import Turn, _histogram_quantile, _report
 PAGE_BYTES = 8192
 
 
-def _turn(turn: int, stamps: list[float], prompt_bytes: int = 99) -> Turn:
-    t = Turn(user=0, turn=turn, prompt_bytes=prompt_bytes, ok=True, ttft_s=stamps[0], stamps=stamps,
-             serving_mode="disaggregated")
-    return t
+def _turn(turn: int, stamps: list[float]) -> Turn:
+    return Turn(user=0, turn=turn, ok=True, ttft_s=stamps[0], stamps=stamps,
+                serving_mode="disaggregated")
 
 
 def test_inter_token_latency_is_each_requests_mean_gap_when_tokens_arrive_together() -> None:
@@ -33,7 +32,8 @@ def test_histogram_quantile_interpolates_inside_the_bucket() -> None:
 
 def test_table_shows_hits_on_each_side_pages_not_pushed_and_kv_per_request() -> None:
     results = [_turn(0, [0.2, 0.21, 0.22]), _turn(1, [0.05, 0.06, 0.07])]
-    prefill = {"kvxfer_prefill_prefix_hit_tokens_total": 50.0, "kvxfer_prefill_prefix_lookup_tokens_total": 200.0, "kvxfer_prefill_kv_pages_skipped_total": 6.0,
+    prefill = {"kvxfer_prefill_prefix_hit_tokens_total": 50.0, "kvxfer_prefill_prefix_lookup_tokens_total": 200.0,
+               "kvxfer_prefill_kv_pages_skipped_total": 6.0,
                "kvxfer_prefill_kv_pushed_bytes_total": 4.0 * PAGE_BYTES,
                "kvxfer_prefill_kv_transfer_seconds_count": 2.0,
                "kvxfer_prefill_kv_transfer_seconds_bucket|0.005": 1.0,
