@@ -425,7 +425,9 @@ def test_sigkill_prefill_under_load() -> None:
     # retries: page exhaustion is not what this test is about.
     cluster = pod_cluster(
         prefill=2, decode=1, num_pages=2048, startup_timeout_s=STARTUP_S,
-        worker_env={"KVXFER_FENCE_TIMEOUT_S": "3", "KVXFER_TRANSFER_TIMEOUT_S": "2"},
+        # No prefix cache: the load repeats six prompts, and with their blocks cached a
+        # prefill computes a few tokens, too briefly for the kill to find one in flight.
+        worker_env={"KVXFER_FENCE_TIMEOUT_S": "3", "KVXFER_TRANSFER_TIMEOUT_S": "2", "KVXFER_PREFIX_CACHE": "false"},
         router_env={"KVXFER_ROUTER_DISAGGREGATION_MIN_PROMPT_TOKENS": "0",
                     "KVXFER_ROUTER_REQUEST_DEADLINE_S": str(CRASH_DEADLINE_S), **ROUTER_TIMEOUTS},
     )
