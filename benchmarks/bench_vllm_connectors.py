@@ -44,7 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_vllm_connector import prompt_of  # noqa: E402
 from paired_overhead import goodput_rps, paired_overhead_s, ratio_to_best_peer  # noqa: E402
-from vllm_connector_flows import (CONFIGS, Config, Pair, PeerUnavailable, StreamResult, ensure_peer_env,  # noqa: E402
+from vllm_connector_flows import (CONFIGS, Config, Pair, PeerUnavailable, StreamResult, ensure_peer_env,
+                                  stream_completion,  # noqa: E402
                                   CONNECTOR_COUNTERS, instance_tree_cpu_s, kv_cache_usage, last_error_line, metrics_text,
                                   prom_value, start_pair)
 
@@ -105,12 +106,26 @@ def run_single(pair: Pair, args: argparse.Namespace, progress: Any) -> dict[str,
     kv_bytes = 0
     for n in args.lengths:
         for rep in range(args.repeats):
+            salt = uuid.uuid4().hex
+            colo_ttft = None
+            if pair.config.kind != "colocated":
+                # The same prompt colocated on this pair's prefill instance right before: the
+                # overhead is paired within the phase, so other users' load, which drifts
+                # between phases on a shared machine, hits both sides of a pair alike.
+                try:
+                    colo_ttft = stream_completion(pair.url(pair.prefill), body_of(prompt_of(n, rep), args.max_tokens,
+                                                                                  "colo-" + salt),
+                                                  pair.fleet.headers, args.request_timeout_s).ttft_s
+                except (httpx.HTTPError, RuntimeError):
+                    pass
             before = pair.counters() if pair.config.kind != "colocated" else {}
             try:
-                res, err = pair.serve(body_of(prompt_of(n, rep), args.max_tokens, uuid.uuid4().hex)), None
+                res, err = pair.serve(body_of(prompt_of(n, rep), args.max_tokens, salt)), None
             except (httpx.HTTPError, RuntimeError) as e:
                 res, err = None, f"{type(e).__name__}: {str(e)[:200]}"
             row = result_row(res, err, tokens=n, rep=rep)
+            if colo_ttft is not None:
+                row["colo_ttft_s"] = colo_ttft
             if before and res is not None:
                 deadline = time.monotonic() + COUNTERS_WAIT_S
                 while (measured := transfer_time(before, pair.counters())) is None and time.monotonic() < deadline:
@@ -358,11 +373,16 @@ def summarize(phases: list[dict[str, Any]], args: argparse.Namespace) -> dict[st
             mine = [r for r in rows if r["tokens"] == n and "ttft_s" in r]
             gaps = [g for r in mine for g in r["itl_s"]]
             tails = [r["transfer_s"] for r in mine if "transfer_s" in r]
-            over = paired_overhead_s(ttft_by_prompt(mine, ("tokens", "rep")), colo_ttft) if p is not colo else None
+            in_phase = {(r["tokens"], r["rep"]): r["colo_ttft_s"] for r in mine if "colo_ttft_s" in r}
+            # Paired with the same prompt colocated on the pair's own prefill instance (same
+            # phase); the colocated phase only where the pair measured none.
+            over = (paired_overhead_s(ttft_by_prompt(mine, ("tokens", "rep")), in_phase or colo_ttft)
+                    if p is not colo else None)
             out["per_length"].append({
                 "config": p["config"], "tokens": n, "ok": len(mine),
                 "failed": sum(1 for r in rows if r["tokens"] == n and "error" in r),
                 "ttft_ms": statistics.median(r["ttft_s"] for r in mine) * 1e3 if mine else None,
+                "colo_ttft_ms": statistics.median(in_phase.values()) * 1e3 if p is not colo and in_phase else None,
                 "overhead_ms": over * 1e3 if over is not None else None,
                 "itl_ms": statistics.median(gaps) * 1e3 if gaps else None,
                 "transfer_ms": statistics.median(tails) * 1e3 if tails else None,
@@ -442,10 +462,12 @@ def fmt(v: float | None, spec: str = ".0f") -> str:
 
 def print_tables(summary: dict[str, Any], args: argparse.Namespace) -> str:
     """The tables as text (markdown), printed and returned for the JSON."""
-    lines = ["| configuration | tokens | TTFT ms | overhead ms (paired) | ITL ms | transfer ms (what) | ok/failed |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| configuration | tokens | TTFT ms | same prompts colocated on its prefill instance, TTFT ms | "
+             "overhead ms (paired median) | ITL ms | transfer ms (what) | ok/failed |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in summary["per_length"]:
-        lines.append(f"| {r['config']} | {r['tokens']} | {fmt(r['ttft_ms'])} | {fmt(r['overhead_ms'], '+.0f')} | "
+        lines.append(f"| {r['config']} | {r['tokens']} | {fmt(r['ttft_ms'])} | {fmt(r['colo_ttft_ms'])} | "
+                     f"{fmt(r['overhead_ms'], '+.0f')} | "
                      f"{fmt(r['itl_ms'], '.1f')} | {fmt(r['transfer_ms'], '.1f')} {('(' + r['transfer_what'] + ')') if r['transfer_what'] else ''} | "
                      f"{r['ok']}/{r['failed']} |")
     conc = "".join(f" goodput c={c} req/s |" for c in args.concurrency)

@@ -391,8 +391,9 @@ def start_pair(config: Config, fleet: VllmFleet, peer_python: Path | None, spec_
         raise ValueError(kind)
     try:
         fleet.wait_ready(p_name, d_name, timeout_s=ready_timeout_s)
-    except RuntimeError as e:
-        raise PeerUnavailable(last_error_line(str(e))) from None
+    except RuntimeError:
+        reasons = {last_error_line(fleet.instances[n].log_text()) for n in (p_name, d_name)}
+        raise PeerUnavailable(" | ".join(sorted(reasons))) from None
     return pair
 
 
