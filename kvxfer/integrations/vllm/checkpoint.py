@@ -16,6 +16,7 @@ import json
 import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -59,27 +60,16 @@ def _corpus() -> list[str]:
     return texts or [_FALLBACK_CORPUS]
 
 
-def make_checkpoint(out_dir: Path, shape: CheckpointShape = CheckpointShape()) -> Path:
-    """Writes the checkpoint to `out_dir` (created) and returns it.
-
-    Idempotent: a directory already holding a checkpoint of the same shape is kept as it
-    is, so fixtures can call this on every run.
-    """
-    out_dir = Path(out_dir)
-    stamp = out_dir / _STAMP
-    if stamp.is_file() and json.loads(stamp.read_text()) == asdict(shape):
-        return out_dir
-    # Imported here: transformers and tokenizers come with the vllm extra only.
-    import torch
+def _save_tokenizer(out_dir: Path, vocab: int) -> Any:
+    """Trains the byte-level BPE on the local corpus and saves it (with a chat template) to `out_dir`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
-    out_dir.mkdir(parents=True, exist_ok=True)
     specials = ["<s>", "</s>", "<unk>"]
     bpe = Tokenizer(models.BPE(unk_token="<unk>"))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=shape.vocab, special_tokens=specials, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=specials, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     bpe.train_from_iterator(_corpus(), trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
@@ -89,7 +79,29 @@ def make_checkpoint(out_dir: Path, shape: CheckpointShape = CheckpointShape()) -
         "{% if add_generation_prompt %}assistant: {% endif %}"
     )
     tokenizer.save_pretrained(out_dir)
+    return tokenizer
 
+
+def _is_current(stamp: Path, wanted: dict[str, object]) -> bool:
+    return stamp.is_file() and json.loads(stamp.read_text()) == wanted
+
+
+def make_checkpoint(out_dir: Path, shape: CheckpointShape = CheckpointShape()) -> Path:
+    """Writes the checkpoint to `out_dir` (created) and returns it.
+
+    Idempotent: a directory already holding a checkpoint of the same shape is kept as it
+    is, so fixtures can call this on every run.
+    """
+    out_dir = Path(out_dir)
+    stamp = out_dir / _STAMP
+    if _is_current(stamp, asdict(shape)):
+        return out_dir
+    # Imported here: transformers and tokenizers come with the vllm extra only.
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = _save_tokenizer(out_dir, shape.vocab)
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=shape.hidden, intermediate_size=shape.intermediate,
         num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
@@ -101,4 +113,43 @@ def make_checkpoint(out_dir: Path, shape: CheckpointShape = CheckpointShape()) -
     model.save_pretrained(out_dir, safe_serialization=True)
     stamp.write_text(json.dumps(asdict(shape)))
     log.info("wrote a %d-layer seeded Llama checkpoint to %s", shape.layers, out_dir)
+    return out_dir
+
+
+#: Tokens a sliding-window layer of the hybrid checkpoint attends to: one 32-token block,
+#: so that a prompt of a few blocks already reaches past the window.
+SLIDING_WINDOW_TOKENS = 32
+
+
+def make_sliding_window_checkpoint(out_dir: Path, shape: CheckpointShape = CheckpointShape(),
+                                   sliding_window: int = SLIDING_WINDOW_TOKENS) -> Path:
+    """Writes a seeded Gemma-2 checkpoint (a hybrid model: its layers alternate between
+    sliding-window and full attention) to `out_dir` and returns it; idempotent as
+    `make_checkpoint` is. vLLM's CPU attention serves Gemma-2 (sliding window, logit
+    soft-capping); the head size is hidden / heads, which must be one the CPU backend takes."""
+    out_dir = Path(out_dir)
+    stamp = out_dir / _STAMP
+    wanted = {**asdict(shape), "architecture": "Gemma2ForCausalLM", "sliding_window": sliding_window}
+    if _is_current(stamp, wanted):
+        return out_dir
+    import torch
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = _save_tokenizer(out_dir, shape.vocab)
+    config = Gemma2Config(
+        vocab_size=len(tokenizer), hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+        head_dim=shape.hidden // shape.heads, max_position_embeddings=shape.max_positions,
+        sliding_window=sliding_window,
+        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(shape.layers)],
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.unk_token_id, torch_dtype=shape.dtype,
+    )
+    torch.manual_seed(shape.seed)
+    model = Gemma2ForCausalLM(config).to(getattr(torch, shape.dtype))
+    model.save_pretrained(out_dir, safe_serialization=True)
+    stamp.write_text(json.dumps(wanted))
+    log.info("wrote a %d-layer seeded Gemma-2 checkpoint (sliding window %d) to %s", shape.layers,
+             sliding_window, out_dir)
     return out_dir
