@@ -127,6 +127,8 @@ def run_single(pair: Pair, args: argparse.Namespace, progress: Any) -> dict[str,
             row = result_row(res, err, tokens=n, rep=rep)
             if colo_ttft is not None:
                 row["colo_ttft_s"] = colo_ttft
+            if res is not None and res.prefill_leg_s is not None:
+                row["prefill_leg_s"] = res.prefill_leg_s
             if before and res is not None:
                 deadline = time.monotonic() + COUNTERS_WAIT_S
                 while (measured := transfer_time(before, pair.counters())) is None and time.monotonic() < deadline:
@@ -386,6 +388,12 @@ def summarize(phases: list[dict[str, Any]], args: argparse.Namespace) -> dict[st
                 "failed": sum(1 for r in rows if r["tokens"] == n and "error" in r),
                 "ttft_ms": statistics.median(r["ttft_s"] for r in mine) * 1e3 if mine else None,
                 "colo_ttft_ms": statistics.median(in_phase.values()) * 1e3 if p is not colo and in_phase else None,
+                # The overhead's two parts: the prefill leg's answer later than the same prompt
+                # colocated (prefill slowed, or a pull's hand-over), and the first token after it.
+                "prefill_leg_over_ms": _median_ms([r["prefill_leg_s"] - r["colo_ttft_s"] for r in mine
+                                                   if "prefill_leg_s" in r and "colo_ttft_s" in r]),
+                "after_prefill_leg_ms": _median_ms([r["ttft_s"] - r["prefill_leg_s"] for r in mine
+                                                    if "prefill_leg_s" in r]),
                 "overhead_ms": over * 1e3 if over is not None else None,
                 "itl_ms": statistics.median(gaps) * 1e3 if gaps else None,
                 "transfer_ms": statistics.median(tails) * 1e3 if tails else None,
@@ -415,11 +423,16 @@ def summarize(phases: list[dict[str, Any]], args: argparse.Namespace) -> dict[st
             cfg["kill"] = {k: v for k, v in f["kill_prefill"].items() if k != "token_ids"}
             cfg["decoder_alive_after"] = f["decoder_alive_after"]
             cfg["decoder_after"] = f.get("decoder_after")
+            cfg["fault_deadline_s"] = f["deadline_s"]
         elif f:
             cfg["fault_error"] = f["error"]
         out["per_config"].append(cfg)
     out["goals"] = goal_verdicts(out, args)
     return out
+
+
+def _median_ms(values: list[float]) -> float | None:
+    return statistics.median(values) * 1e3 if values else None
 
 
 def goal_verdicts(summary: dict[str, Any], args: argparse.Namespace) -> list[str]:
@@ -466,11 +479,13 @@ def fmt(v: float | None, spec: str = ".0f") -> str:
 def print_tables(summary: dict[str, Any], args: argparse.Namespace) -> str:
     """The tables as text (markdown), printed and returned for the JSON."""
     lines = ["| configuration | tokens | TTFT ms | same prompts colocated on its prefill instance, TTFT ms | "
-             "overhead ms (paired median) | ITL ms | transfer ms (what) | ok/failed |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "overhead ms (paired median) | of which: prefill leg later ms, first token after it ms | ITL ms | "
+             "transfer ms (what) | ok/failed |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in summary["per_length"]:
         lines.append(f"| {r['config']} | {r['tokens']} | {fmt(r['ttft_ms'])} | {fmt(r['colo_ttft_ms'])} | "
-                     f"{fmt(r['overhead_ms'], '+.0f')} | "
+                     f"{fmt(r['overhead_ms'], '+.0f')} | {fmt(r.get('prefill_leg_over_ms'), '+.0f')}, "
+                     f"{fmt(r.get('after_prefill_leg_ms'))} | "
                      f"{fmt(r['itl_ms'], '.1f')} | {fmt(r['transfer_ms'], '.1f')} {('(' + r['transfer_what'] + ')') if r['transfer_what'] else ''} | "
                      f"{r['ok']}/{r['failed']} |")
     conc = "".join(f" goodput c={c} req/s |" for c in args.concurrency)
@@ -483,11 +498,12 @@ def print_tables(summary: dict[str, Any], args: argparse.Namespace) -> str:
             continue
         gp = "".join(f" {c['goodput_rps'].get(k, 0):.2f} |" for k in args.concurrency)
         ab, kl = c.get("abort") or {}, c.get("kill") or {}
+        deadline = c.get("fault_deadline_s", args.fault_deadline_s)
         abort = fmt(ab.get("decoder_free_s"), ".2f") if ab.get("outcome") == "dropped" else (ab.get("outcome") or "-")
         if ab.get("outcome") == "dropped" and ab.get("decoder_free_s") is None:
-            abort = f"> {args.fault_deadline_s:g}"
+            abort = f"> {deadline:g}"
         kill = (f"{fmt(kl.get('request_end_s'), '.2f')} ({kl.get('outcome', '-')}), "
-                f"{fmt(kl.get('decoder_free_s'), '.2f') if kl.get('decoder_free_s') is not None else '> %g' % args.fault_deadline_s}"
+                f"{fmt(kl.get('decoder_free_s'), '.2f') if kl.get('decoder_free_s') is not None else '> %g' % deadline}"
                 if kl else c.get("fault_error", "-")[:80])
         lines.append(f"| {c['config']} | {c['outputs_equal']} | {fmt(c['kv_gb'], '.3f')} | "
                      f"{fmt(c['cpu_s_per_gb'], '.1f')} ({fmt(c['extra_cpu_s_per_gb'], '+.1f')}) |{gp} "

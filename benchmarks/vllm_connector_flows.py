@@ -119,6 +119,9 @@ class StreamResult:
     gaps_s: list[float]
     text: str
     token_ids: list[int]
+    #: Seconds from the first leg sent until the prefill leg's answer (its prefill done and,
+    #: for a pull, its blocks handed over); None where there is no prefill leg.
+    prefill_leg_s: float | None = None
 
 
 def stream_completion(url: str, body: dict[str, Any], headers: dict[str, str], timeout_s: float | httpx.Timeout,
@@ -278,23 +281,28 @@ class Pair:
             params = r.json().get("kv_transfer_params")
             if not params:
                 raise RuntimeError(f"the NIXL prefiller returned no kv_transfer_params: {r.text[:300]}")
+            prefill_leg_s = time.perf_counter() - start
             if on_sent:
                 on_sent()
-            return stream_completion(d_url, {**body, "kv_transfer_params": params}, h, d_t, start)
+            res = stream_completion(d_url, {**body, "kv_transfer_params": params}, h, d_t, start)
+            res.prefill_leg_s = prefill_leg_s
+            return res
         p_params, d_params, p_headers = self._concurrent_params()
+        def prefill_leg() -> float:
+            httpx.post(p_url + "/v1/completions", headers={**h, **p_headers}, timeout=t,
+                       json={**body, "max_tokens": 1, "stream": False, "kv_transfer_params": p_params})
+            return time.perf_counter() - start
+
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            leg_p = pool.submit(httpx.post, p_url + "/v1/completions", headers={**h, **p_headers}, timeout=t,
-                                json={**body, "max_tokens": 1, "stream": False, "kv_transfer_params": p_params})
+            leg_p = pool.submit(prefill_leg)
             if on_sent:
                 on_sent()
+            res = stream_completion(d_url, {**body, "kv_transfer_params": d_params}, {**h, **p_headers}, d_t, start)
             try:
-                return stream_completion(d_url, {**body, "kv_transfer_params": d_params}, {**h, **p_headers}, d_t,
-                                         start)
-            finally:
-                try:
-                    leg_p.result(timeout=t)
-                except (httpx.HTTPError, concurrent.futures.TimeoutError):
-                    pass  # a killed or aborted prefiller: the decode leg says what happened
+                res.prefill_leg_s = leg_p.result(timeout=t)
+            except (httpx.HTTPError, concurrent.futures.TimeoutError):
+                pass  # a killed or aborted prefiller: the decode leg says what happened
+            return res
 
     def _concurrent_params(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, str]]:
         """(prefill params, decode params, headers of both legs) of a request whose legs run at once."""
