@@ -88,15 +88,15 @@ def _wrap_steps() -> None:
             yield resp
 
     vllm_legs._post = stamped_post  # type: ignore[assignment]
-    timed_lines = dispatch.timed_lines
+    event_lines = vllm_legs._event_lines
 
-    async def stamped_lines(*args: Any, **kwargs: Any) -> AsyncIterator[str]:
-        async for line in timed_lines(*args, **kwargs):
-            if line.startswith("data: {"):
+    async def stamped_lines(*args: Any, **kwargs: Any) -> AsyncIterator[bytes]:
+        async for line in event_lines(*args, **kwargs):
+            if line.startswith(b"data: {"):
                 _stamp("first_line")
             yield line
 
-    dispatch.timed_lines = stamped_lines  # type: ignore[assignment]
+    vllm_legs._event_lines = stamped_lines  # type: ignore[assignment]
     relay = dispatch.RequestLifecycle.relay
 
     def stamped_relay(self: Any, event: Any, *, last: bool) -> None:

@@ -36,13 +36,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import httpx
+import aiohttp
 
 from .openai_api import RouterError, response_id
 
 if TYPE_CHECKING:
     from .directory import WorkerView
     from .dispatch import RequestLifecycle
+    from .settings import RouterSettings
 
 #: Body fields a client may not set: the router fills them for each leg.
 RESERVED_FIELDS = ("kv_transfer_params",)
@@ -226,14 +227,14 @@ def _client_error(lc: RequestLifecycle, status: int, raw: bytes) -> RouterError:
     return RouterError(status, str(_error_info(raw).get("message")), request_id=lc.request_id, raw_body=raw)
 
 
-async def _read_error(resp: httpx.Response, timeout_s: float) -> bytes:
+async def _read_error(resp: aiohttp.ClientResponse, timeout_s: float) -> bytes:
     """An error answer's body, bounded in size and time."""
     chunks: list[bytes] = []
     size = 0
 
     async def read() -> None:
         nonlocal size
-        async for chunk in resp.aiter_bytes():
+        async for chunk in resp.content.iter_any():
             chunks.append(chunk)
             size += len(chunk)
             if size >= MAX_ERROR_BODY_BYTES:
@@ -246,37 +247,41 @@ async def _read_error(resp: httpx.Response, timeout_s: float) -> bytes:
 
 @contextlib.asynccontextmanager
 async def _post(lc: RequestLifecycle, worker: WorkerView, path: str, body: dict[str, Any], stage: str,
-                attempt_id: str, read_timeout_s: float) -> AsyncIterator[httpx.Response]:
-    """A POST to a vLLM instance, its response open for reading; transport failures are LegFailure."""
+                attempt_id: str, read_timeout_s: float) -> AsyncIterator[aiohttp.ClientResponse]:
+    """A POST to a vLLM instance, its response open for reading; transport failures are LegFailure.
+
+    ``read_timeout_s`` bounds each read from the instance (its answer's headers included);
+    the connect timeout is the session's (``connect_timeout_s``)."""
     from .dispatch import LegFailure
 
     d = lc._d
-    s = d.settings
-    timeout = httpx.Timeout(read_timeout_s, connect=s.connect_timeout_s, write=s.control_timeout_s)
+    call = d.signer.request(worker, path, body)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=d.settings.connect_timeout_s, sock_read=read_timeout_s)
     try:
-        async with d.client.stream("POST", timeout=timeout, **d.signer.request(worker, path, body)) as resp:
+        async with d.vllm_http.session().post(call["url"], data=call["content"], headers=call["headers"],
+                                              timeout=timeout) as resp:
             yield resp
-    except httpx.ConnectError as exc:
+    except aiohttp.ClientConnectorError as exc:
         raise LegFailure(attempt_id, worker, stage, f"POST {path}: {type(exc).__name__}: {exc}",
                          never_sent=True) from exc
-    except httpx.TimeoutException as exc:
+    except asyncio.TimeoutError as exc:  # aiohttp's ServerTimeoutError is one
         raise LegFailure(attempt_id, worker, stage, f"POST {path} timed out: {type(exc).__name__}",
                          timed_out=True) from exc
-    except httpx.HTTPError as exc:
+    except aiohttp.ClientError as exc:
         raise LegFailure(attempt_id, worker, stage, f"POST {path}: {type(exc).__name__}: {exc}") from exc
 
 
 async def _refusal(lc: RequestLifecycle, worker: WorkerView, path: str, stage: str, attempt_id: str,
-                   resp: httpx.Response) -> Exception:
+                   resp: aiohttp.ClientResponse) -> Exception:
     """What an answer with an error status stands for: the client's refusal or a LegFailure."""
     from .dispatch import LegFailure
 
     raw = await _read_error(resp, lc._d.settings.control_timeout_s)
-    if resp.status_code in CLIENT_ERROR_STATUSES:
+    if resp.status in CLIENT_ERROR_STATUSES:
         if stage == "prefill":
-            return _PrefillRefused(worker, resp.status_code, _error_info(raw))
-        return _client_error(lc, resp.status_code, raw)
-    return LegFailure.from_answer(attempt_id, worker, stage, path, resp.status_code, raw.decode(errors="replace"),
+            return _PrefillRefused(worker, resp.status, _error_info(raw))
+        return _client_error(lc, resp.status, raw)
+    return LegFailure.from_answer(attempt_id, worker, stage, path, resp.status, raw.decode(errors="replace"),
                                   resp.headers, rejected=False)
 
 
@@ -287,9 +292,9 @@ async def _prefill(lc: RequestLifecycle, prefill: WorkerView, path: str, body: d
 
     async def call() -> None:
         async with _post(lc, prefill, path, body, "prefill", attempt_id, s.prefill_timeout_s) as resp:
-            if resp.status_code >= 400:
+            if resp.status >= 400:
                 raise await _refusal(lc, prefill, path, "prefill", attempt_id, resp)
-            await resp.aread()
+            await resp.read()
 
     try:
         await asyncio.wait_for(call(), s.prefill_timeout_s)
@@ -300,10 +305,10 @@ async def _prefill(lc: RequestLifecycle, prefill: WorkerView, path: str, body: d
                          timed_out=True) from None
 
 
-def _with_client_id(data: str, client_id: str) -> tuple[dict[str, Any] | None, str]:
+def _with_client_id(data: bytes, client_id: str) -> tuple[dict[str, Any] | None, bytes]:
     """(the parsed object or None, ``data`` with vLLM's id replaced by the client-facing one).
 
-    The id is replaced in the text, not by serializing the object again, so every other
+    The id is replaced in the bytes, not by serializing the object again, so every other
     byte (float formatting included) is exactly what vLLM sent."""
     try:
         obj = json.loads(data)
@@ -313,7 +318,7 @@ def _with_client_id(data: str, client_id: str) -> tuple[dict[str, Any] | None, s
         return None, data
     vllm_id = obj.get("id")
     if isinstance(vllm_id, str) and vllm_id:
-        data = data.replace(json.dumps(vllm_id), json.dumps(client_id), 1)
+        data = data.replace(json.dumps(vllm_id).encode(), json.dumps(client_id).encode(), 1)
     return obj, data
 
 
@@ -361,57 +366,108 @@ async def _relay_answer(lc: RequestLifecycle, decode: WorkerView, path: str, bod
     # The answer comes only once the whole generation is done: the request's own deadline
     # (the lifecycle's) bounds it, not the idle time between stream lines.
     async with _post(lc, decode, path, body, stage, attempt_id, lc._d.settings.request_deadline_s) as resp:
-        if resp.status_code >= 400:
+        if resp.status >= 400:
             raise await _refusal(lc, decode, path, stage, attempt_id, resp)
-        raw = (await resp.aread()).decode(errors="replace")
-    obj, text = _with_client_id(raw, response_id(lc.job.kind, lc.request_id))
+        status = resp.status
+        raw = await resp.read()
+    obj, answer = _with_client_id(raw, response_id(lc.job.kind, lc.request_id))
     if obj is None:
-        raise LegFailure(attempt_id, decode, stage, f"unreadable answer {raw[:300]!r}")
+        raise LegFailure(attempt_id, decode, stage, f"unreadable answer {raw[:300].decode(errors='replace')!r}")
     failed = _failed_finish(obj)
     if failed is not None:
         raise LegFailure(attempt_id, decode, stage, f"a choice finished with {failed!r} (the KV load failed, or the "
                          "instance drains)")
-    report, text = _take_load_report(obj, text)
+    report, text = _take_load_report(obj, answer.decode(errors="replace"))
     if report is not None:
         lc._d.telemetry.decode_load_report(report)
-    lc.relay(RelayedAnswer(resp.status_code, text.encode()), last=True)
+        answer = text.encode()
+    lc.relay(RelayedAnswer(status, answer), last=True)
 
 
-def _is_done(line: str) -> bool:
-    """Whether `line` is the end of an OpenAI event stream (`data: [DONE]`)."""
-    return line.startswith("data:") and line[5:].strip() == "[DONE]"
+#: The most bytes of one event line held while its end has not come (vLLM's events, even
+#: with top logprobs for several choices, are far below this).
+MAX_EVENT_LINE_BYTES = 16 * 1024 * 1024
+#: After ``data: [DONE]``: how long the end of the body may take to come, so that the
+#: connection is kept alive for the next request (otherwise it is closed, not reused).
+_REST_OF_STREAM_WAIT_S = 0.5
+
+
+async def _event_lines(resp: aiohttp.ClientResponse, s: RouterSettings, attempt_id: str, decode: WorkerView,
+                       stage: str) -> AsyncIterator[bytes]:
+    """The lines of the decode instance's event stream (without their line ends), each
+    within its deadline (the first ``first_token_timeout_s``, later ones
+    ``token_idle_timeout_s``), or LegFailure; so is a stream that ends before ``data:
+    [DONE]``. Lines are cut from whatever the socket delivered, as bytes: no per-line
+    decoding or copying beyond the cut."""
+    from .dispatch import LegFailure
+
+    loop = asyncio.get_running_loop()
+    buffer = bytearray()
+    wait_s = s.first_token_timeout_s
+    deadline = loop.time() + wait_s
+    while True:
+        end = buffer.find(b"\n")
+        if end >= 0:
+            line = bytes(buffer[:end]).rstrip(b"\r")
+            del buffer[:end + 1]
+            wait_s = s.token_idle_timeout_s
+            deadline = loop.time() + wait_s
+            yield line
+            continue
+        if len(buffer) > MAX_EVENT_LINE_BYTES:
+            raise LegFailure(attempt_id, decode, stage, f"an event line over {MAX_EVENT_LINE_BYTES} bytes")
+        try:
+            chunk = await asyncio.wait_for(resp.content.readany(), max(deadline - loop.time(), 0.0))
+        except asyncio.TimeoutError:
+            raise LegFailure(attempt_id, decode, stage, f"no stream line within {wait_s}s", timed_out=True) from None
+        if not chunk:
+            raise LegFailure(attempt_id, decode, stage, "stream ended before [DONE]")
+        buffer += chunk
+
+
+async def _read_rest(resp: aiohttp.ClientResponse) -> None:
+    """Reads what follows ``data: [DONE]`` (normally nothing but the end of the body), so
+    the connection goes back to the pool; gives up silently after ``_REST_OF_STREAM_WAIT_S``
+    (the connection is then closed rather than reused)."""
+    with contextlib.suppress(asyncio.TimeoutError, aiohttp.ClientError):
+        for _ in range(8):
+            if resp.content.at_eof() or not await asyncio.wait_for(resp.content.readany(), _REST_OF_STREAM_WAIT_S):
+                return
 
 
 async def _relay_stream(lc: RequestLifecycle, decode: WorkerView, path: str, body: dict[str, Any],
                         attempt_id: str) -> None:
     """A streamed request: each of the decode instance's events as it comes, each within
-    its deadline (the first ``first_token_timeout_s``, later ones ``token_idle_timeout_s``)."""
-    from .dispatch import LegFailure, timed_lines
+    its deadline (the first ``first_token_timeout_s``, later ones ``token_idle_timeout_s``).
+    An event's bytes go to the client as vLLM wrote them, its id replaced."""
+    from .dispatch import LegFailure
 
     stage = "generate"
     s = lc._d.settings
     client_id = response_id(lc.job.kind, lc.request_id)
     relayed = 0
     async with _post(lc, decode, path, body, stage, attempt_id, s.first_token_timeout_s) as resp:
-        if resp.status_code >= 400:
+        if resp.status >= 400:
             raise await _refusal(lc, decode, path, stage, attempt_id, resp)
-        async with contextlib.aclosing(timed_lines(resp, s, attempt_id, decode, stage, "[DONE]", _is_done)) as lines:
+        async with contextlib.aclosing(_event_lines(resp, s, attempt_id, decode, stage)) as lines:
             async for line in lines:
-                if not line.startswith("data:"):
+                if not line.startswith(b"data:"):
                     continue
                 data = line[5:].strip()
-                if data == "[DONE]":
+                if data == b"[DONE]":
+                    await _read_rest(resp)
                     lc.relay(RelayedEnd(), last=True)
                     return
-                obj, text = _with_client_id(data, client_id)
+                obj, event = _with_client_id(data, client_id)
                 if obj is None:
-                    raise LegFailure(attempt_id, decode, stage, f"unreadable event {data[:300]!r}")
+                    raise LegFailure(attempt_id, decode, stage,
+                                     f"unreadable event {data[:300].decode(errors='replace')!r}")
                 if relayed == 0 and ("error" in obj or _failed_finish(obj) is not None):
                     # Nothing reached the client yet: another pair may serve it.
                     raise LegFailure(attempt_id, decode, stage, f"the instance ended the request before its first "
-                                     f"token: {data[:300]}")
+                                     f"token: {data[:300].decode(errors='replace')}")
                 relayed += 1
-                lc.relay(RelayedChunk(f"data: {text}\n\n".encode()), last=False)
+                lc.relay(RelayedChunk(b"data: " + event + b"\n\n"), last=False)
 
 
 __all__ = ["CLIENT_ERROR_STATUSES", "PREFILL_LEG_DROPPED", "RESERVED_FIELDS", "RelayedAnswer", "RelayedChunk",
