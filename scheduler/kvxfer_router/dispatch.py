@@ -47,6 +47,7 @@ from .openai_api import RouterError, Usage, usage_from
 from .policies import LocalLoad, PairPolicy, WorkerPair, select_pair
 from .settings import RouterSettings
 from .telemetry import RouterTelemetry
+from .vllm_http import VllmLegClient
 from .vllm_legs import run_vllm_legs
 from .worker_auth import WorkerCallSigner, mint_worker_request_id
 
@@ -184,6 +185,8 @@ class Dispatcher:
         self.directory = directory
         self.policy = policy
         self.client = client
+        #: The vLLM legs' own client (aiohttp): on the way to a vLLM user's first token.
+        self.vllm_http = VllmLegClient(settings.http_max_connections, settings.connect_timeout_s)
         self.telemetry = telemetry
         self.load = LocalLoad()
         self._live: set[RequestLifecycle] = set()
@@ -217,6 +220,7 @@ class Dispatcher:
         pending = [lc._task for lc in self._live] + list(self._background)
         if pending:
             await asyncio.wait(pending, timeout=self.settings.shutdown_timeout_s)
+        await self.vllm_http.aclose()
 
     # --- worker calls, shared by all lifecycles -------------------------------------------
 
