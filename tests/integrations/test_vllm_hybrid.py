@@ -123,3 +123,23 @@ def test_hybrid_disaggregated_equals_colocated_in_tokens_logprobs_and_kv_bytes(f
     assert sorted({layer for layer, _, _ in d_pages}) == list(range(SHAPE.layers))
     assert len(d_pages) == SHAPE.layers * -(-length // BLOCK)
     assert p_pages == d_pages
+
+
+def test_a_kv_cache_of_several_groups_is_refused_naming_them() -> None:
+    # vLLM builds this for the hybrid model when its hybrid manager is forced on.
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+
+    from kvxfer.integrations.vllm.connector import check_one_kv_cache_group
+    from kvxfer.integrations.vllm.settings import ConnectorConfigError
+
+    shape = dict(block_size=BLOCK, num_kv_heads=SHAPE.kv_heads, head_size=SHAPE.hidden // SHAPE.heads,
+                 dtype=torch.bfloat16)
+    full = KVCacheGroupSpec(["model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn"],
+                            FullAttentionSpec(**shape))
+    window = KVCacheGroupSpec(["model.layers.0.self_attn.attn", "model.layers.2.self_attn.attn"],
+                              SlidingWindowSpec(**shape, sliding_window=32))
+    check_one_kv_cache_group(KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[full]))
+    with pytest.raises(ConnectorConfigError, match=r"2 groups \(FullAttentionSpec \(2 layers\), "
+                                                   r"SlidingWindowSpec \(2 layers\)\).*hybrid-kv-cache-manager"):
+        check_one_kv_cache_group(KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[full, window]))

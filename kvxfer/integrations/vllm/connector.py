@@ -91,6 +91,22 @@ def _gather_over_tp_group(address: bytes) -> list[bytes]:
     return [bytes(a) for a in out]  # type: ignore[arg-type]
 
 
+def check_one_kv_cache_group(kv_cache_config: KVCacheConfig | None) -> None:
+    """Refuses a KV cache of several groups (ConnectorConfigError naming them and the flag).
+
+    The connector pushes one block table that names a page in every layer. vLLM gives it
+    that for hybrid models too (sliding-window layers unified into full attention) because
+    it does not declare `SupportsHMA`; only `--no-disable-hybrid-kv-cache-manager` forces
+    the hybrid manager on, and vLLM would then fail the first finished request on an
+    assertion instead of at start-up."""
+    groups = [] if kv_cache_config is None else list(kv_cache_config.kv_cache_groups)
+    if len(groups) > 1:
+        kinds = ", ".join(f"{type(g.kv_cache_spec).__name__} ({len(g.layer_names)} layers)" for g in groups)
+        raise ConnectorConfigError(
+            f"KvxferConnector: the KV cache has {len(groups)} groups ({kinds}); the connector serves one "
+            "(a hybrid model with vLLM's hybrid KV cache manager off): drop --no-disable-hybrid-kv-cache-manager")
+
+
 class KvxferConnector(KVConnectorBase_V1):
     """Pushes prefill KV layer by layer with one-sided writes; admits decode requests on
     kvxfer's ImmCounter. Settings: `ConnectorSettings` (kv_connector_extra_config)."""
@@ -98,6 +114,7 @@ class KvxferConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        check_one_kv_cache_group(kv_cache_config)
         config = vllm_config.kv_transfer_config
         self.settings = ConnectorSettings.from_extra_config(config.kv_connector_extra_config)
         self.kv_role = str(config.kv_role)
