@@ -74,8 +74,12 @@ def test_aborted_push_fails_decode_at_once(pod_workers: WorkerSet) -> None:
 
 def test_unclaimed_reservation_is_freed_after_its_ttl_and_shutdown_is_prompt(own_workers: WorkerSet) -> None:
     ttl_s, fence_s = 1.0, 2.0
-    decode = own_workers.start("decode", env={"KVXFER_RESERVATION_TTL_S": str(ttl_s),
-                                          "KVXFER_FENCE_TIMEOUT_S": str(fence_s)})
+    # The second decoder (for the shutdown check below) starts beside the first: their
+    # start-ups overlap instead of running one after the other.
+    decode, slow_fence = own_workers.start_many([
+        ("decode", {"env": {"KVXFER_RESERVATION_TTL_S": str(ttl_s), "KVXFER_FENCE_TIMEOUT_S": str(fence_s)}}),
+        ("decode", {"env": {"KVXFER_FENCE_TIMEOUT_S": "120"}}),
+    ])
     prompt = tokens_of(text_prompt(901, 300))
     with httpx.Client(timeout=10) as c:
         res = c.post(f"{decode.url}/reserve", json={"request_id": "orphan", "prompt_tokens": prompt, "max_tokens": 8})
@@ -95,7 +99,6 @@ def test_unclaimed_reservation_is_freed_after_its_ttl_and_shutdown_is_prompt(own
         assert freed_after >= ttl_s + fence_s - 0.3, f"freed after {freed_after:.2f} s: before TTL + fence"
 
         # A fenced reservation (cancelled, prefiller never answered) must not delay shutdown.
-        slow_fence = own_workers.start("decode", env={"KVXFER_FENCE_TIMEOUT_S": "120"})
         res = c.post(f"{slow_fence.url}/reserve", json={"request_id": "f", "prompt_tokens": prompt, "max_tokens": 8})
         assert res.status_code == 200, res.text
         assert c.post(f"{slow_fence.url}/cancel", json={"request_id": "f"}).json()["state"] == "fenced"
