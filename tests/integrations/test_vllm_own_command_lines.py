@@ -232,7 +232,11 @@ def test_kvxfer_join_adds_a_decoder_that_then_gets_traffic_under_load(own: OwnCl
         assert statuses and set(statuses) == {200}, f"{len(statuses)} requests: {sorted(set(statuses))}"
     finally:
         if joined.poll() is None:
-            joined.send_signal(signal.SIGTERM)  # the API server itself (exec'd): it drains
+            # The whole group (the exec'd API server, its engine core and worker), as the
+            # fixture stops the README's processes: the load has stopped, nothing is left to
+            # drain, and a worker signalled only through its parent waited out vLLM's 5 s
+            # grace and then took seconds more to exit.
+            os.killpg(joined.pid, signal.SIGTERM)
             try:
                 joined.wait(40)
             except subprocess.TimeoutExpired:
