@@ -125,6 +125,22 @@ def test_hybrid_disaggregated_equals_colocated_in_tokens_logprobs_and_kv_bytes(f
     assert p_pages == d_pages
 
 
+
+def test_a_misplaced_block_of_a_sliding_window_layer_fails_the_byte_oracle_not_the_output(fleet: VllmFleet) -> None:
+    # The fault swaps blocks 0 and 1 of layer 0, a sliding-window layer (checksummed
+    # swapped, so the decoder admits them). Tokens 0-63 lie outside the window of every
+    # position the decoder computes (from 100 on), so the output cannot tell; the page
+    # comparison must.
+    prompt = _prompt(100, seed=7)
+    tid = f"fault-misplace_page-{uuid.uuid4().hex[:8]}"
+    on_p, on_d = disaggregated(fleet, prompt, tid)
+    assert on_p.status_code == 200 and on_d.status_code == 200, (on_p.text, on_d.text)
+    assert_same_as_colocated(on_d.json()["choices"][0], colocated(fleet, prompt))
+    p_pages, d_pages = digests(fleet, "prefill", tid), digests(fleet, "decode", tid)
+    differing = sorted((layer, page) for (layer, page, a), (_, _, b) in zip(p_pages, d_pages) if a != b)
+    assert differing == [(0, 0), (0, 1)]
+
+
 def test_a_kv_cache_of_several_groups_is_refused_naming_them() -> None:
     # vLLM builds this for the hybrid model when its hybrid manager is forced on.
     import torch

@@ -96,9 +96,10 @@ def check_one_kv_cache_group(kv_cache_config: KVCacheConfig | None) -> None:
 
     The connector pushes one block table that names a page in every layer. vLLM gives it
     that for hybrid models too (sliding-window layers unified into full attention) because
-    it does not declare `SupportsHMA`; only `--no-disable-hybrid-kv-cache-manager` forces
-    the hybrid manager on, and vLLM would then fail the first finished request on an
-    assertion instead of at start-up."""
+    it does not declare `SupportsHMA`. vLLM 0.32 itself refuses a non-HMA connector when
+    `--no-disable-hybrid-kv-cache-manager` forces the hybrid manager on (its connector
+    factory, before this class is built); this check states the assumption here, for a
+    vLLM that builds the connector with several groups anyway."""
     groups = [] if kv_cache_config is None else list(kv_cache_config.kv_cache_groups)
     if len(groups) > 1:
         kinds = ", ".join(f"{type(g.kv_cache_spec).__name__} ({len(g.layer_names)} layers)" for g in groups)
