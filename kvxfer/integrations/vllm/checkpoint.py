@@ -1,8 +1,10 @@
-"""A seeded Llama-architecture checkpoint in Hugging Face format, made here without downloads.
+"""Seeded checkpoints in Hugging Face format, made here without downloads: a Llama, and a
+Gemma-2 whose layers alternate between sliding-window and full attention (a hybrid model).
 
 Tests and benchmarks need a model vLLM can load, and nothing may be downloaded: this module
-trains a byte-level BPE tokenizer on local text and saves a `LlamaForCausalLM` with seeded
-random weights next to it (safetensors, config.json, tokenizer files). The directory it
+trains a byte-level BPE tokenizer on local text and saves a `LlamaForCausalLM` (or
+`Gemma2ForCausalLM`) with seeded random weights next to it (safetensors, config.json,
+tokenizer files). The directory it
 writes is an ordinary checkpoint: vLLM and the kvxfer tools load it through the same code
 path as a real checkpoint a user gives.
 
