@@ -87,7 +87,10 @@ async def read_body_limited(request: Request, limit_bytes: int, timeout_s: float
             chunks.append(chunk)
 
     try:
-        await asyncio.wait_for(read(), timeout_s)
+        # A deadline on this task, not wait_for's task per call: the body is nearly always
+        # in the first message already, on the way to the first token.
+        async with asyncio.timeout(timeout_s):
+            await read()
     except asyncio.TimeoutError:
         raise RouterError(408, f"request body not received within {timeout_s} s", request_id=rid,
                           code="request_timeout") from None
