@@ -261,6 +261,11 @@ def run_stub(requests: int, tokens: int, work: Path) -> dict[str, Any]:
             "load_average": os.getloadavg()}
 
 
+def _command() -> str:
+    """This run's command line, for the JSON: which options made the figures."""
+    return " ".join([".venv/bin/python", "benchmarks/bench_router_overhead.py", *sys.argv[1:]])
+
+
 def main_stub(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="kvxfer-router-overhead-") as tmp:
         result = run_stub(args.stub_requests, 64, Path(tmp))
@@ -274,7 +279,7 @@ def main_stub(args: argparse.Namespace) -> None:
         print(f"{name:58} {ms:8.3f}")
     out = args.out.with_name(args.out.name + "_stub").with_suffix(".json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    out.write_text(json.dumps({"command": _command(), **result}, indent=1))
     print(f"wrote {out}")
 
 
@@ -298,6 +303,7 @@ def main() -> None:
         return
     lengths = [64, 256] if args.quick else [int(x) for x in args.lengths.split(",")]
     repeats = 8 if args.quick else args.repeats
+    load_at_start = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="kvxfer-router-overhead-") as tmp:
         work = Path(tmp)
         model = make_checkpoint(args.model_dir or work / "model")
@@ -316,7 +322,11 @@ def main() -> None:
         print(f"{t['tokens']:>7} {t['direct_p50_ms']:>14.1f} {t['router_p50_ms']:>14.1f} "
               f"{t['router_minus_direct_ms']:>+15.1f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps({"summary": table, "rows": rows}, indent=1))
+    load_at_end = os.getloadavg()
+    print(f"load average (1, 5, 15 min) at start {load_at_start}, at end {load_at_end}")
+    args.out.with_suffix(".json").write_text(json.dumps({
+        "command": _command(), "load_average_at_start": load_at_start, "load_average_at_end": load_at_end,
+        "summary": table, "rows": rows}, indent=1))
     try:
         import matplotlib
 
