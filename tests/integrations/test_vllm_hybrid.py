@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import uuid
 from pathlib import Path
 from typing import Any, Iterator
@@ -41,7 +42,9 @@ LOGPROB_TOLERANCE = 0.0625
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmFleet]:
     work = tmp_path_factory.mktemp("vllm-hybrid")
-    model = make_sliding_window_checkpoint(work / "model", SHAPE)
+    # A directory kept between runs (as KVXFER_TEST_MODEL_DIR for the Llama) saves making it.
+    model_dir = Path(os.environ.get("KVXFER_TEST_HYBRID_MODEL_DIR", work / "model"))
+    model = make_sliding_window_checkpoint(model_dir, SHAPE)
     digests = work / "digests"
     digests.mkdir()
     common = {"same_host": False, "bind_host": "127.0.0.1", "hooks": HOOKS_SPEC,
@@ -52,6 +55,10 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmFleet]:
         fleet.wait_ready("prefill-h", "decode-h")
         fleet.digests = digests  # type: ignore[attr-defined]
         yield fleet
+        # Nothing to drain: SIGKILL now rather than wait out vLLM's SIGTERM shutdown.
+        for inst in fleet.instances.values():
+            inst.kill()
+            inst.process.wait(30)
 
 
 def _prompt(n: int, seed: int) -> list[int]:
