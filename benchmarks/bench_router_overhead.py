@@ -189,7 +189,10 @@ stub = os.environ["KVXFER_STUB_URL"]
 workers = [dict(worker_id=f"{role}-stub", role=role, http_url=stub, model="bench", kv_layout="stub",
                 engine_address="00" * 8, engine="vllm", total_pages=1000, free_pages=1000)
            for role in ("prefill", "decode")]
-settings = RouterSettings(host="127.0.0.1", port=int(os.environ["KVXFER_ROUTER_PORT"]), log_level="warning")
+# Every request has the same prompt: kv_aware would find it cached on the decoder and send
+# no prefill leg; both legs are what is measured.
+settings = RouterSettings(host="127.0.0.1", port=int(os.environ["KVXFER_ROUTER_PORT"]), log_level="warning",
+                          policy="least_loaded")
 serve(app.create_app(settings, StaticWorkerDirectory(workers)), None, settings)
 """
 
