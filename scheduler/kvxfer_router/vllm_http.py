@@ -2,8 +2,8 @@
 
 The two legs of every request through vLLM instances are on the way to the client's first
 token, so the client's own cost counts: with stub instances that answer at once, httpx
-(httpcore, h11, anyio) took about 0.8 ms from the decode leg's POST to its answer's
-headers, most of the router's cost per request. aiohttp (installed with vLLM) parses HTTP
+(httpcore, h11, anyio) was most of the router's cost per request (benchmarks/README.md,
+"The router's cost to a vLLM user"). aiohttp (installed with vLLM) parses HTTP
 in C (llhttp) and keeps one connection pool for all instances; its connections stay open
 between requests (keep-alive), so a leg pays no TCP connect. The kvxfer workers' control
 calls keep their httpx client (`Dispatcher.client`): they are not on a vLLM user's path.
