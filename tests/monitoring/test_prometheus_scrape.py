@@ -50,6 +50,7 @@ from kvxfer.metrics import (DecodeMetrics, EngineMetrics, PrefillMetrics, Router
 spec = json.loads(sys.argv[1])
 registry = CollectorRegistry()
 router = RouterMetrics(registry)
+router.set_kv_index({"decode-0": (12, 0.5)})  # per-worker series need a worker
 prefill = PrefillMetrics(registry)
 decode = DecodeMetrics(registry)
 EngineMetrics(registry, lambda: spec["engine_rails"])

@@ -322,7 +322,8 @@ def test_a_vllm_decoder_that_was_sent_the_prompt_gets_it_again_alone(
 def real_workers(tmp_path_factory: pytest.TempPathFactory, key_file: Path) -> Iterator[list[WorkerProc]]:
     """Two decode workers and a prefill worker (real processes, prefix caches on, the
     cluster key: every control call, /prefix_index included, must be signed)."""
-    workers = WorkerSet(tmp_path_factory.mktemp("kv-routing-workers"), env={"KVXFER_CLUSTER_KEY_FILE": str(key_file)})
+    workers = WorkerSet(tmp_path_factory.mktemp("kv-routing-workers"),
+                        env={"KVXFER_CLUSTER_KEY_FILE": str(key_file), "KVXFER_PREFIX_CACHE": "true"})
     try:
         yield workers.start_many([("decode", {"num_pages": 128, "extra": ["--worker-id", "real-d1"]}),
                                   ("decode", {"num_pages": 128, "extra": ["--worker-id", "real-d2"]}),
