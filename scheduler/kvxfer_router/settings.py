@@ -64,10 +64,11 @@ class RouterSettings(BaseSettings):
 
     # --- scheduling ----------------------------------------------------------------------
     policy: str = Field(
-        "least_loaded",
-        description="Pair-selection policy: least_loaded (decode by running batch and free pages, "
-        "prefill by queue depth; ties take turns), round_robin, or kv_aware (lowest estimated time to first "
-        "token from where the prompt's KV already is, and the load; see the kv_index_* and *_cost_ms settings).",
+        "kv_aware",
+        description="Pair-selection policy: kv_aware (the default: lowest estimated time to first token from where "
+        "the prompt's KV already is, and the load; see the kv_index_* and *_cost_ms settings), least_loaded (decode "
+        "by running batch and free pages, "
+        "prefill by queue depth; ties take turns) or round_robin.",
     )
     disaggregation_min_prompt_tokens: int = Field(
         32,

@@ -56,7 +56,11 @@ STARTUP_S = 120.0
 #: The machine is 2 shared cores: during a 200-request burst the router's event loop lags
 #: by seconds, and its 2 s default connect timeout then fires on healthy loopback workers.
 #: The tests check correctness and recovery, not latency under starvation: wider timeouts.
+#: They also count prefill legs and kill prefillers mid-push, so every request that needs a
+#: prefill leg must get one: `least_loaded`, not the default `kv_aware`, which serves a
+#: repeated prompt on the decoder that holds it (tests/router/test_kv_routing.py tests that).
 ROUTER_TIMEOUTS = {
+    "KVXFER_ROUTER_POLICY": "least_loaded",
     "KVXFER_ROUTER_CONNECT_TIMEOUT_S": "15",
     "KVXFER_ROUTER_CONTROL_TIMEOUT_S": "30",
     "KVXFER_ROUTER_CANCEL_TIMEOUT_S": "15",

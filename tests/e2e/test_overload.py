@@ -70,6 +70,8 @@ def small_pools() -> Iterator[LocalCluster]:
         prefill=1, decode=2, num_pages=NUM_PAGES, startup_timeout_s=STARTUP_S,
         router_env={
             "KVXFER_ROUTER_DISAGGREGATION_MIN_PROMPT_TOKENS": str(MIN_DISAGG_TOKENS),
+            # Every long prompt takes a prefill leg (kv_aware would serve repeats on the decoder).
+            "KVXFER_ROUTER_POLICY": "least_loaded",
             # The default admission limit (256): the 512-stream burst meets the router's own
             # 429s as well as the workers'. The small page pools run out in both bursts.
             "KVXFER_ROUTER_REQUEST_DEADLINE_S": "120",
