@@ -636,6 +636,10 @@ def main() -> None:
         if "unavailable" in phase:
             print(f"  not run: {phase['unavailable']}", flush=True)
         phases.append(phase)
+        # What is measured so far, after every phase: a run cut short keeps it.
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.with_suffix(".partial.json").write_text(json.dumps({
+            "command": " ".join(sys.argv), "phases": phases, "load_average": os.getloadavg()}, indent=1))
     summary = summarize(phases, args)
     table = print_tables(summary, args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
