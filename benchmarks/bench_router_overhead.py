@@ -265,8 +265,10 @@ def run_stub(requests: int, tokens: int, work: Path) -> dict[str, Any]:
 
 
 def _command() -> str:
-    """This run's command line, for the JSON: which options made the figures."""
-    return " ".join([".venv/bin/python", "benchmarks/bench_router_overhead.py", *sys.argv[1:]])
+    """This run's command line, for the JSON: which options (and router settings from the
+    environment, which the router process inherits) made the figures."""
+    settings = [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("KVXFER_ROUTER_")]
+    return " ".join([*settings, ".venv/bin/python", "benchmarks/bench_router_overhead.py", *sys.argv[1:]])
 
 
 def main_stub(args: argparse.Namespace) -> None:
