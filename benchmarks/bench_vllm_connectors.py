@@ -497,6 +497,8 @@ def print_tables(summary: dict[str, Any], args: argparse.Namespace) -> str:
             lines.append(f"| {c['config']} | not run: {c['unavailable']} |" + " |" * (6 + len(args.concurrency)))
             continue
         gp = "".join(f" {c['goodput_rps'].get(k, 0):.2f} |" for k in args.concurrency)
+        if c.get("conc_failed"):
+            gp = gp[:-1] + f"({c['conc_failed']} failed) |"
         ab, kl = c.get("abort") or {}, c.get("kill") or {}
         deadline = c.get("fault_deadline_s", args.fault_deadline_s)
         abort = fmt(ab.get("decoder_free_s"), ".2f") if ab.get("outcome") == "dropped" else (ab.get("outcome") or "-")
@@ -606,7 +608,8 @@ def main() -> None:
     configs = [c for c in CONFIGS if c.kind == "colocated" or not args.configs or c.name in args.configs]
     model = make_checkpoint(Path(tempfile.gettempdir()) / "kvxfer-bench-llama-8l-8kv-128d", SHAPE)
     work = Path(tempfile.mkdtemp(prefix="kvxfer-bench-connectors-"))
-    longest = max(max(args.lengths), args.conversations and args.turns * (args.turn_tokens + args.max_tokens))
+    longest = max(max(args.lengths), args.conc_tokens,
+                  args.conversations and args.turns * (args.turn_tokens + args.max_tokens))
     max_model_len = longest + args.max_tokens + 64
     # One chunk per prompt: every configuration computes a prompt the same way.
     spec_fields = {"max_model_len": max_model_len, "max_num_batched_tokens": max_model_len, "kv_cache_gib": 1.0}
