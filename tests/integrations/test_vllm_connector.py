@@ -27,6 +27,7 @@ from support.descriptor_forge import parse as parse_descriptor  # noqa: E402
 from support.descriptor_forge import whole_region_with_window_key  # noqa: E402
 from support.vllm_instances import BLOCK, CONNECTOR_TIMEOUTS, SLOW_LAYER_MS  # noqa: E402
 from support.vllm_instances import SharedConnectorFleet, VllmFleet  # noqa: E402
+from support.vllm_oracle import assert_same_as_colocated  # noqa: E402
 from support.waiting import wait_until  # noqa: E402
 
 from kvxfer.errors import BoundsError, TransferError  # noqa: E402
@@ -35,8 +36,6 @@ from kvxfer.transfer.engine import TransferEngine  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 
-# One bf16 step at these magnitudes (|logprob| < 16): 2**-8 relative, 0.0625 absolute at most.
-LOGPROB_TOLERANCE = 0.0625
 TIMEOUTS = CONNECTOR_TIMEOUTS
 
 
@@ -84,16 +83,6 @@ def digests(fleet: VllmFleet, role: str, tid: str) -> dict[str, Any]:
     path = fleet.digests / f"{role}-{tid}.json"  # type: ignore[attr-defined]
     wait_until(path.exists, timeout_s=30, interval_s=0.1, what=f"{role} digests of {tid}")
     return json.loads(path.read_text())
-
-
-def assert_same_as_colocated(choice: dict[str, Any], ref: dict[str, Any]) -> None:
-    assert choice["text"] == ref["text"]
-    got, want = choice["logprobs"], ref["logprobs"]
-    assert got["tokens"] == want["tokens"]
-    for mine, theirs in zip(got["top_logprobs"], want["top_logprobs"]):
-        assert set(mine) == set(theirs), (mine, theirs)
-        for tok, lp in theirs.items():
-            assert abs(mine[tok] - lp) <= LOGPROB_TOLERANCE, (tok, mine[tok], lp)
 
 
 def kv_pages_equal(fleet: VllmFleet, tid: str) -> bool:

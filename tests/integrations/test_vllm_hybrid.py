@@ -31,6 +31,7 @@ pytest.importorskip("vllm", reason="the vllm extra is not installed")
 
 from support.vllm_faults import HOOKS_SPEC  # noqa: E402
 from support.vllm_instances import BLOCK, CONNECTOR_TIMEOUTS, VllmFleet  # noqa: E402
+from support.vllm_oracle import assert_same_as_colocated  # noqa: E402
 from support.waiting import wait_until  # noqa: E402
 
 from kvxfer.integrations.vllm.checkpoint import CheckpointShape, make_sliding_window_checkpoint  # noqa: E402
@@ -42,8 +43,6 @@ with_instances = pytest.mark.skipif(os.environ.get("KVXFER_VLLM_HYBRID_TEST") !=
     "set KVXFER_VLLM_HYBRID_TEST=1 to run them"))
 
 SHAPE = CheckpointShape()
-# One bf16 step at these magnitudes (|logprob| < 16): 2**-8 relative, 0.0625 absolute at most.
-LOGPROB_TOLERANCE = 0.0625
 
 
 @pytest.fixture(scope="module")
@@ -105,15 +104,6 @@ def digests(fleet: VllmFleet, role: str, tid: str) -> list[list[Any]]:
     wait_until(path.exists, timeout_s=30, interval_s=0.1, what=f"{role} digests of {tid}")
     return list(json.loads(path.read_text())["pages"])
 
-
-def assert_same_as_colocated(choice: dict[str, Any], ref: dict[str, Any]) -> None:
-    assert choice["text"] == ref["text"]
-    got, want = choice["logprobs"], ref["logprobs"]
-    assert got["tokens"] == want["tokens"]
-    for mine, theirs in zip(got["top_logprobs"], want["top_logprobs"]):
-        assert set(mine) == set(theirs), (mine, theirs)
-        for tok, lp in theirs.items():
-            assert abs(mine[tok] - lp) <= LOGPROB_TOLERANCE, (tok, mine[tok], lp)
 
 
 @with_instances

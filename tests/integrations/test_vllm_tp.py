@@ -30,6 +30,7 @@ pytest.importorskip("vllm", reason="the vllm extra is not installed")
 
 from support.vllm_instances import VllmFleet, free_port  # noqa: E402
 from support.vllm_tp_hooks import HOOKS_SPEC  # noqa: E402
+from support.vllm_oracle import assert_same_as_colocated  # noqa: E402
 from support.waiting import wait_until  # noqa: E402
 
 pytestmark = [
@@ -39,8 +40,6 @@ pytestmark = [
         "set KVXFER_VLLM_TP_TEST=1 to run them")),
 ]
 
-# One bf16 step at these magnitudes (|logprob| < 16): 2**-8 relative, 0.0625 absolute at most.
-LOGPROB_TOLERANCE = 0.0625
 LAYERS, BLOCK, KV_HEADS = 4, 32, 2
 #: Five ranks share 2 cores here, beside other sessions' instances: under that load a first
 #: control message to a peer (its connection set up on the way) took over 10 s and failed
@@ -134,16 +133,6 @@ def _colocated(fleet: VllmFleet, name: str, prompt: list[int]) -> dict[str, Any]
     return r.json()["choices"][0]
 
 
-def _assert_same_as_colocated(choice: dict[str, Any], ref: dict[str, Any]) -> None:
-    assert choice["text"] == ref["text"]
-    got, want = choice["logprobs"], ref["logprobs"]
-    assert got["tokens"] == want["tokens"]
-    for mine, theirs in zip(got["top_logprobs"], want["top_logprobs"]):
-        assert set(mine) == set(theirs), (mine, theirs)
-        for tok, lp in theirs.items():
-            assert abs(mine[tok] - lp) <= LOGPROB_TOLERANCE, (tok, mine[tok], lp)
-
-
 def _rank_heads(fleet: VllmFleet, role: str, tid: str, ranks: int) -> list[dict[str, str]]:
     """Each rank's {"layer/page/global head": digest} of the transfer."""
     files = [fleet.digests / f"{role}-{tid}-r{r}.json" for r in range(ranks)]  # type: ignore[attr-defined]
@@ -160,7 +149,7 @@ def test_tp2_into_tp2_equals_colocated_tp2_and_each_decode_rank_holds_its_heads_
     tid = f"tp22-{uuid.uuid4().hex[:8]}"
     on_p, on_d = _legs(fleet, "prefill-tp2", "decode-tp2", prompt, tid)
     assert on_p.status_code == 200 and on_d.status_code == 200, (on_p.text, on_d.text)
-    _assert_same_as_colocated(on_d.json()["choices"][0], _colocated(fleet, "prefill-tp2", prompt))
+    assert_same_as_colocated(on_d.json()["choices"][0], _colocated(fleet, "prefill-tp2", prompt))
     pushed = _rank_heads(fleet, "prefill", tid, 2)
     landed = _rank_heads(fleet, "decode", tid, 2)
     pages = -(-len(prompt) // BLOCK)
@@ -189,7 +178,7 @@ def test_tp1_into_tp2_equals_colocated_tp2_and_each_decode_rank_holds_its_head_s
     tid = f"tp12-{uuid.uuid4().hex[:8]}"
     on_p, on_d = _legs(fleet, "both-tp1", "decode-tp2", prompt, tid)
     assert on_p.status_code == 200 and on_d.status_code == 200, (on_p.text, on_d.text)
-    _assert_same_as_colocated(on_d.json()["choices"][0], _colocated(fleet, "prefill-tp2", prompt))
+    assert_same_as_colocated(on_d.json()["choices"][0], _colocated(fleet, "prefill-tp2", prompt))
     (pushed,) = _rank_heads(fleet, "prefill", tid, 1)
     landed = _rank_heads(fleet, "decode", tid, 2)
     pages = -(-len(prompt) // BLOCK)
@@ -204,7 +193,7 @@ def test_tp2_into_tp1_equals_colocated_tp1_and_the_decoder_holds_both_ranks_head
     tid = f"tp21-{uuid.uuid4().hex[:8]}"
     on_p, on_d = _legs(fleet, "prefill-tp2", "both-tp1", prompt, tid)
     assert on_p.status_code == 200 and on_d.status_code == 200, (on_p.text, on_d.text)
-    _assert_same_as_colocated(on_d.json()["choices"][0], _colocated(fleet, "both-tp1", prompt))
+    assert_same_as_colocated(on_d.json()["choices"][0], _colocated(fleet, "both-tp1", prompt))
     pushed = _rank_heads(fleet, "prefill", tid, 2)
     (landed,) = _rank_heads(fleet, "decode", tid, 1)
     assert set(landed) == _expected_keys(-(-len(prompt) // BLOCK), range(KV_HEADS))
