@@ -51,9 +51,11 @@ __all__ = [
     "encode_cancel",
     "encode_imm",
     "encode_mailbox",
+    "encode_probe",
     "encode_reservation_message",
     "expected_imm_count",
     "generations_per_slot",
+    "is_probe",
     "layer_dst_offset",
     "mailbox_checksums",
     "mailbox_slot_bytes",
@@ -269,6 +271,27 @@ def encode_cancel(imm: int, nonce: int, reason: str) -> bytes:
 def decode_cancel(raw: bytes) -> tuple[int, int, str] | None:
     """(imm, nonce, reason) of a cancel message; None for any other message."""
     return _decode_signal(raw, _CANCEL_MAGIC)
+
+
+# ---- probe ------------------------------------------------------------------------------
+#
+# Decoder to prefiller, about no reservation in particular: "are you there?". A decoder
+# whose loads see no write for a while sends one to learn whether the prefiller process is
+# gone (the send is not delivered) or only slow (it is); the prefiller reads and drops it.
+
+_PROBE_MAGIC = 0x4B565052  # "KVPR"
+_PROBE_FORMAT = "<IH"  # magic, protocol version
+
+
+def encode_probe() -> bytes:
+    """The probe message (decoder to prefiller); it carries nothing else."""
+    return struct.pack(_PROBE_FORMAT, _PROBE_MAGIC, PROTOCOL_VERSION)
+
+
+def is_probe(raw: bytes) -> bool:
+    """Whether `raw` is a probe message (of this protocol version)."""
+    return len(raw) == struct.calcsize(_PROBE_FORMAT) and struct.unpack(_PROBE_FORMAT, raw) == (
+        _PROBE_MAGIC, PROTOCOL_VERSION)
 
 
 # ---- reservation message ----------------------------------------------------------------

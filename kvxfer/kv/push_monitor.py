@@ -57,6 +57,10 @@ def _peer_unreachable(failure: BaseException) -> bool:
     return reason.lower().startswith(_PEER_UNREACHABLE)
 
 
+#: The same test for other callers: a decoder's probe of its prefiller (kv_receiver.py).
+peer_unreachable = _peer_unreachable
+
+
 class DestinationDown(TransferError):
     """The push's decoder stopped taking writes (none completed within the stall timeout,
     or the fabric reported it gone); the push failed without waiting for its deadline."""

@@ -36,6 +36,19 @@ registration of its own blocks only, with fresh random keys, and credits its imm
 from the prefiller it names (where the provider can tell a sender). Both are revoked the
 moment the load leaves RESERVED: a stolen descriptor writes nothing outside the load's
 blocks, and nothing at all once the load was admitted, cancelled or timed out.
+
+A prefiller that died is noticed in about a second, not at load_stall_timeout_s plus
+fence_timeout_s: a load with no new write for `prefiller_probe_after_s` gets its prefiller
+probed (one probe message in flight per prefiller address, however many loads wait on it).
+A probe, or a cancel, that fails as unreachable or is not delivered within
+`prefiller_probe_timeout_s` means the process is gone (a live one, even a frozen one, has
+its kernel take the bytes at once): every load on it goes to FENCING, and with
+per_reservation registration it is freed after `dead_prefiller_fence_s`, not
+fence_timeout_s. That is safe because no write for it can land any more: the process that
+could post one is gone, and the load's registration was revoked when it left RESERVED, so
+even a write some other holder of the descriptor posts fails at the writer; the short grace
+only lets this decoder's progress thread finish bytes it already received. With the
+whole_cache registration nothing is revoked, so such a load keeps the full fence.
 """
 
 from __future__ import annotations
@@ -49,10 +62,12 @@ from dataclasses import dataclass, field, replace
 
 from kvxfer.errors import TransferError
 from kvxfer.kv.integrity import KVIntegrity, KVIntegrityError
+from kvxfer.kv.push_monitor import peer_unreachable
 from kvxfer.kv.protocol import (
     KVReservation,
     encode_cancel,
     encode_imm,
+    encode_probe,
     encode_reservation_message,
     generations_per_slot,
 )
@@ -101,6 +116,8 @@ class DecodeLoad:
     checksums: LoadChecksums | None = None  # the prefiller's table as it arrives (kv_integrity on)
     target: SliceTarget | None = None  # the heads this part takes from its prefill rank (None: whole blocks)
     sent: Transfer | None = None  # the reservation message, until it is known to have left
+    cancel_sent: Transfer | None = None  # the cancel message (FENCING), until it is known to have left
+    cancel_sent_at: float = 0.0
 
     @property
     def heads(self) -> tuple[int, int] | None:
@@ -133,6 +150,8 @@ class KVReceiver:
         self._free_slots = list(range(slots - 1, -1, -1))
         self._loads: dict[str, list[DecodeLoad]] = {}  # request id -> its parts (one per prefill rank)
         self._by_imm: dict[int, DecodeLoad] = {}
+        #: prefill engine address -> (its probe in flight or last sent, when it was sent)
+        self._probes: dict[bytes, tuple[Transfer | None, float]] = {}
         metrics.foreign_immediates.set_function(lambda: float(engine.engine_stats().get("imm_foreign_dropped", 0)))
 
     # ---- starting and cancelling ----------------------------------------------------------
@@ -233,7 +252,7 @@ class KVReceiver:
             if load.state is LoadState.RESERVED:
                 self._to_fencing(load, "cancelled", why)
 
-    def _to_fencing(self, load: DecodeLoad, reason_label: str, why: str) -> None:
+    def _to_fencing(self, load: DecodeLoad, reason_label: str, why: str, send_cancel: bool = True) -> None:
         res = load.reservation
         assert res is not None
         self._revoke(load)
@@ -243,10 +262,70 @@ class KVReceiver:
         self.metrics.failures.labels(side="decode", reason=reason_label).inc()
         log.warning("transfer %s (request %s): %s; waiting for the prefiller to confirm no write is in flight",
                     load.spec.transfer_id, load.spec.request_id, why)
+        if not send_cancel:
+            return
         try:
-            self.engine.send(load.spec.prefill_engine, encode_cancel(res.imm, res.nonce, why))
+            load.cancel_sent = self.engine.send(load.spec.prefill_engine, encode_cancel(res.imm, res.nonce, why))
+            load.cancel_sent_at = time.monotonic()
         except Exception as exc:  # a dead prefiller: the fence deadline covers it
             log.info("transfer %s: cancel not delivered: %s", load.spec.transfer_id, exc)
+
+    # ---- a prefiller that is gone ---------------------------------------------------------
+
+    def _probe(self, address: bytes, now: float) -> None:
+        """Sends `address` a probe unless one is in flight or was sent under
+        prefiller_probe_after_s ago (many loads share one prefiller)."""
+        probe, sent_at = self._probes.get(address, (None, float("-inf")))
+        if probe is not None or now - sent_at < self.settings.prefiller_probe_after_s:
+            return
+        try:
+            self._probes[address] = (self.engine.send(address, encode_probe()), now)
+        except Exception as exc:  # a malformed address: the load's own deadlines cover it
+            log.info("probing a prefiller failed: %s", exc)
+            self._probes[address] = (None, now)
+
+    def _gone(self, sent: Transfer, sent_at: float, now: float) -> str:
+        """Why the peer `sent` went to is gone ("" while it may be alive): the message
+        failed as unreachable, or is not delivered within prefiller_probe_timeout_s."""
+        if not sent.done():
+            if now - sent_at > self.settings.prefiller_probe_timeout_s:
+                return f"a message to it was not delivered within prefiller_probe_timeout_s=" \
+                       f"{self.settings.prefiller_probe_timeout_s}"
+            return ""
+        try:
+            sent.wait(0)
+        except TransferError as exc:
+            if peer_unreachable(exc):  # a TransferTimeout is not: a slow peer times out too
+                return f"it is unreachable ({exc.reason})"
+        return ""
+
+    def _check_probes(self, now: float) -> None:
+        """Ends the probes whose outcome is known; a gone prefiller fails its loads."""
+        for address, (probe, sent_at) in list(self._probes.items()):
+            if probe is None:
+                continue
+            gone = self._gone(probe, sent_at, now)
+            if gone:
+                del self._probes[address]
+                self._prefiller_gone(address, f"the prefiller process is gone: {gone}", now)
+            elif probe.done():
+                self._probes[address] = (None, sent_at)
+
+    def _prefiller_gone(self, address: bytes, why: str, now: float) -> None:
+        """Every load waiting on the prefiller at `address` fails, freed after the short
+        dead_prefiller_fence_s where its registration was its own (see the module docstring)."""
+        for parts in self._loads.values():
+            for load in parts:
+                if load.spec.prefill_engine != address:
+                    continue
+                if load.state is LoadState.RESERVED and load.reservation is not None:
+                    self._to_fencing(load, "prefiller_gone", why, send_cancel=False)
+                if load.state is LoadState.FENCING:
+                    self._shorten_fence(load, now)
+
+    def _shorten_fence(self, load: DecodeLoad, now: float) -> None:
+        if self.settings.kv_registration == "per_reservation":
+            load.fence_deadline = min(load.fence_deadline, now + self.settings.dead_prefiller_fence_s)
 
     def _to_failed(self, load: DecodeLoad, reason_label: str | None, why: str) -> None:
         if reason_label is not None:
@@ -301,6 +380,7 @@ class KVReceiver:
             if rid in self._loads:
                 self.cancel(rid, "the request was aborted on the decode instance")
         now = time.monotonic()
+        self._check_probes(now)
         finished: set[str] = set()
         failed: set[str] = set()
         for rid, parts in list(self._loads.items()):
@@ -357,6 +437,17 @@ class KVReceiver:
                 self._to_fencing(load, "load_stalled", f"no write landed for load_stall_timeout_s="
                                  f"{self.settings.load_stall_timeout_s} ({landed} of {res.expected_count} pages"
                                  f"{', no checksum table' if table_missing else ''})")
+            elif load.sent is None and now - (load.stall_deadline - self.settings.load_stall_timeout_s) \
+                    >= self.settings.prefiller_probe_after_s:
+                self._probe(load.spec.prefill_engine, now)  # silent for a while: is the prefiller still there?
+        if load.state is LoadState.FENCING and load.cancel_sent is not None:
+            gone = self._gone(load.cancel_sent, load.cancel_sent_at, now)
+            if gone:
+                load.cancel_sent = None
+                log.info("transfer %s: the prefiller process is gone: %s", load.spec.transfer_id, gone)
+                self._shorten_fence(load, now)
+            elif load.cancel_sent.done():
+                load.cancel_sent = None
         if load.state is LoadState.FENCING and now > load.fence_deadline:
             self._to_failed(load, "fence_timeout", f"{load.reason}; the prefiller never confirmed, "
                             f"fence_timeout_s={self.settings.fence_timeout_s} passed")

@@ -58,6 +58,18 @@ class ConnectorSettings(BaseModel):
         15.0, gt=0, description="after a failure, how long the decoder keeps the blocks without the "
         "prefiller's word that none of its writes can still land; must exceed transfer_timeout_s")
     max_concurrent_loads: int = Field(256, ge=1, le=4096, description="reservations in flight at once")
+    prefiller_probe_after_s: float = Field(
+        0.5, gt=0, description="a reservation that sees no new write for this long gets its prefiller probed (one "
+        "small message per prefiller in flight, again every this long while its loads stay silent): a probe not "
+        "delivered means the prefiller process is gone, and its loads fail without waiting for load_stall_timeout_s")
+    prefiller_probe_timeout_s: float = Field(
+        1.0, gt=0, description="a probe (or a cancel) not delivered by then, or failed as unreachable, means the "
+        "prefiller process is gone; a live process, even a frozen one, has its kernel take the bytes in well under "
+        "a millisecond on loopback")
+    dead_prefiller_fence_s: float = Field(
+        0.2, ge=0, description="with kv_registration per_reservation, how long a load of a gone prefiller keeps its "
+        "blocks (instead of fence_timeout_s): its registration is revoked and its writer cannot post any more, so "
+        "this only lets the decoder's own progress thread finish bytes already received")
     kv_registration: Literal["per_reservation", "whole_cache"] = Field(
         "per_reservation", description="'per_reservation': each load hands its prefiller a registration of "
         "its own blocks with fresh random keys, revoked (with the immediate's binding to that prefiller) when "

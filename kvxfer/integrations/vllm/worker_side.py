@@ -19,6 +19,7 @@ from kvxfer.kv.protocol import (
     decode_abort,
     decode_cancel,
     decode_reservation_message,
+    is_probe,
 )
 from kvxfer.kv.push_hooks import load_hooks
 from kvxfer.transfer.engine import TransferEngine
@@ -254,6 +255,8 @@ class WorkerSide:
             if self.receiver is not None:
                 self.receiver.on_prefill_stopped(*stopped)
             return
+        if is_probe(raw):
+            return  # a decoder asking whether this process is alive: its delivery is the answer
         self.metrics.dropped_messages.labels(reason="unknown_message").inc()
 
     def _on_reservation(self, reservation: KVReservation, target: SliceTarget | None) -> None:
@@ -264,7 +267,11 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         """Withdraw the registration and close the engine."""
+        import time as _t; _t0 = _t.monotonic()  # HXTMP
+        log.warning("HXTMP shutdown start")  # HXTMP
         if self.registration is not None:
             self.registration.stop()
+        log.warning("HXTMP revoked %.2f", _t.monotonic() - _t0)  # HXTMP
         if self.engine is not None:
             self.engine.close()
+        log.warning("HXTMP closed %.2f", _t.monotonic() - _t0)  # HXTMP

@@ -1,0 +1,120 @@
+"""A decode worker half whose prefiller process dies frees the load's blocks in seconds, not
+at load_stall_timeout_s plus fence_timeout_s; one whose prefiller is only frozen keeps the
+full fence. The prefiller is a real process holding a real engine (it takes the reservation
+and pushes nothing), SIGKILLed or SIGSTOPped once the reservation reached it; the decoder is
+the connector's `KVReceiver` over a vLLM-laid-out cache, polled as vLLM's worker would."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vllm extra is not installed")
+
+from support.connector_halves import decode_half, halves_engine  # noqa: E402
+from support.vllm_kv_caches import attention_spec, vllm_cache  # noqa: E402
+from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+
+from kvxfer.integrations.vllm.kv_receiver import KVReceiver  # noqa: E402
+from kvxfer.integrations.vllm.metadata import LoadSpec  # noqa: E402
+from kvxfer.integrations.vllm.settings import ConnectorSettings  # noqa: E402
+from kvxfer.transfer.engine import TransferEngine, available_providers  # noqa: E402
+
+PROVIDER = "net" if "net" in available_providers() else "tcp"
+#: The old code needed load_stall_timeout_s (30 s) plus fence_timeout_s (15 s); the new one
+#: prefiller_probe_after_s + prefiller_probe_timeout_s + dead_prefiller_fence_s (under 2 s).
+FREED_WITHIN_S = 5.0
+#: How long the frozen prefiller's load is watched: longer than the dead one's whole path.
+FROZEN_WATCH_S = 4.0
+STARTUP_DEADLINE_S = 30.0
+
+#: A prefiller process that takes messages and never pushes (its address on stdout).
+_SILENT_PREFILLER = f"""
+import os
+from kvxfer.transfer.engine import TransferEngine
+engine = TransferEngine({PROVIDER!r}, same_host=False, bind_host="127.0.0.1", imm_admission="claimed")
+print(engine.address.hex(), flush=True)
+parent = os.getppid()
+while os.getppid() == parent:  # never outlives the test process
+    engine.recv(0.2)
+"""
+
+
+@pytest.fixture(scope="module")
+def decoder_engine() -> Iterator[TransferEngine]:
+    engine = halves_engine(PROVIDER)
+    try:
+        yield engine
+    finally:
+        engine.close()
+
+
+@pytest.fixture
+def prefiller() -> Iterator[tuple[subprocess.Popen[str], bytes]]:
+    proc = subprocess.Popen([sys.executable, "-c", _SILENT_PREFILLER], stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # bounded: the process prints or dies (then EOF)
+        assert line, "the prefiller process died before printing its address"
+        yield proc, bytes.fromhex(line.strip())
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)
+            proc.kill()
+        proc.wait(timeout=STARTUP_DEADLINE_S)
+
+
+def _reserve(engine: TransferEngine, address: bytes, settings: ConnectorSettings, tid: str) -> KVReceiver:
+    """A receiver with one load reserved at `address`, once the reservation was delivered."""
+    cache = vllm_cache(KVCacheLayout.LBHNC, attention_spec(), 8, seed=7)
+    receiver = decode_half(engine, cache.region, settings, staged=False)
+    receiver.start(LoadSpec(f"d-{tid}", tid, address, [1, 2, 3], 0))
+    end = time.monotonic() + STARTUP_DEADLINE_S
+    load = receiver._loads[f"d-{tid}"][0]
+    while load.sent is not None and time.monotonic() < end:
+        receiver.poll(set())
+        time.sleep(0.01)
+    assert load.sent is None and not receiver.failure(f"d-{tid}"), "the reservation was not delivered"
+    return receiver
+
+
+def _poll_until_finished(receiver: KVReceiver, request: str, within_s: float) -> tuple[set[str], float]:
+    """Polls as vLLM's worker does until `request` is reported or `within_s` passes:
+    (the failed set it was reported with, empty if it was not; seconds taken)."""
+    start = time.monotonic()
+    while time.monotonic() - start < within_s:
+        finished, failed = receiver.poll(set())
+        if request in finished:
+            return failed | {"finished"}, time.monotonic() - start
+        time.sleep(0.01)
+    return set(), time.monotonic() - start
+
+
+def test_a_killed_prefillers_load_fails_and_frees_its_blocks_within_seconds(
+        decoder_engine: TransferEngine, prefiller: tuple[subprocess.Popen[str], bytes]) -> None:
+    proc, address = prefiller
+    receiver = _reserve(decoder_engine, address, ConnectorSettings(provider=PROVIDER), "killed")
+    proc.kill()
+    proc.wait(timeout=STARTUP_DEADLINE_S)
+    reported, took = _poll_until_finished(receiver, "d-killed", FREED_WITHIN_S)
+    assert reported == {"finished", "d-killed"}, f"not reported failed within {FREED_WITHIN_S} s"
+    assert receiver.pending == 0  # reported, so vLLM frees its blocks
+
+
+def test_a_frozen_prefillers_load_keeps_the_full_fence(
+        decoder_engine: TransferEngine, prefiller: tuple[subprocess.Popen[str], bytes]) -> None:
+    proc, address = prefiller
+    # A short stall timeout sends the load to FENCING soon; the fence (15 s) must then hold.
+    settings = ConnectorSettings(provider=PROVIDER, load_stall_timeout_s=1.0)
+    receiver = _reserve(decoder_engine, address, settings, "frozen")
+    proc.send_signal(signal.SIGSTOP)
+    reported, _ = _poll_until_finished(receiver, "d-frozen", FROZEN_WATCH_S)
+    assert not reported, "a frozen (live) prefiller's load was freed before fence_timeout_s"
+    assert "load_stall_timeout_s" in receiver.failure("d-frozen")  # fencing, not waiting
+    assert receiver.pending == 1
