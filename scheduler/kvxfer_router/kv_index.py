@@ -106,9 +106,13 @@ class PromptBlocks:
     @classmethod
     def for_request(cls, model: str, tokens: Sequence[int], body: dict[str, Any] | None, kind: str) -> PromptBlocks:
         """A request's prompt: its token ids for kvxfer's workers, or, for a body relayed to
-        vLLM instances (``body`` set), its canonical text (:func:`relayed_prompt_text`)."""
+        vLLM instances (``body`` set), its canonical text (:func:`relayed_prompt_text`).
+        vLLM's ``cache_salt`` goes into the namespace: vLLM folds it into the first block's
+        hash, so prompts with different salts never share a cached block there either."""
         if body is not None:
-            return cls(model, text=relayed_prompt_text(body, kind))
+            salt = body.get("cache_salt")
+            namespace = f"{model}\x00cache_salt:{salt}" if isinstance(salt, str) and salt else model
+            return cls(namespace, text=relayed_prompt_text(body, kind))
         return cls(model, tokens=tokens)
 
     @property

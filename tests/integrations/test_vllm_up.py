@@ -142,11 +142,14 @@ def test_prometheus_finds_vllm_and_connector_metrics_and_the_dashboards_vllm_pan
         for job in ("vllm", "kvxfer-connector", "kvxfer-router"):
             prom.wait_for(f'count(up{{job="{job}"}} == 1)', lambda v: v == (1 if job == "kvxfer-router" else 2),
                           timeout_s=30)
-        # The same prompt twice: the second time the decode instance's prefix cache holds
-        # its full blocks, and fewer pages travel; the router counts both from the answers.
-        for _ in range(2):
+        # A prompt, then the same prompt with as much again after it: the second time the
+        # decode instance's prefix cache holds the first half's full blocks, and fewer pages
+        # travel; the router counts both from the answers. (Half new, so the default policy,
+        # kv_aware, still gives it a prefill leg rather than serving it on the decoder alone.)
+        for prompt in ("Permission is hereby granted " * 20,
+                       "Permission is hereby granted " * 20 + "free of charge to any person " * 20):
             r = httpx.post(f"{up.router}/v1/completions", timeout=120,
-                           json={"model": SERVED, "prompt": "Permission is hereby granted " * 20, "max_tokens": 4})
+                           json={"model": SERVED, "prompt": prompt, "max_tokens": 4})
             assert r.status_code == 200, r.text
             assert r.json()["kv_transfer_params"] is None  # the connector's report is the router's, as plain vLLM
         prom.wait_for('sum(kvxfer_connector_pushed_pages_total{worker="prefill-1"})', lambda v: v > 0, timeout_s=20)

@@ -368,3 +368,15 @@ def test_real_workers_a_repeated_prompt_goes_back_to_its_decoder_and_answers_the
         ("disaggregated", "prefix_cached")
     assert decoders == [holder, holder]
     assert second.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+
+
+def test_a_vllm_cache_salt_separates_prompts_as_vllm_separates_them() -> None:
+    # vLLM folds cache_salt into a prompt's first block hash: the same text under two salts
+    # shares no cached block there, so the router's index must not count one as a hit.
+    body = {"prompt": "the same long text " * 40}
+    plain = PromptBlocks.for_request(MODEL, [], dict(body), "completions")
+    salted = [PromptBlocks.for_request(MODEL, [], {**body, "cache_salt": salt}, "completions") for salt in "ab"]
+    a, b, none = salted[0].hashes(64), salted[1].hashes(64), plain.hashes(64)
+    assert len(a) == len(b) == len(none) > 1
+    assert not set(a) & set(b) and not set(a) & set(none)
+    assert PromptBlocks.for_request(MODEL, [], {**body, "cache_salt": "a"}, "completions").hashes(64) == a
