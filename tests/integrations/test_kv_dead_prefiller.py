@@ -107,6 +107,19 @@ def test_a_killed_prefillers_load_fails_and_frees_its_blocks_within_seconds(
     assert receiver.pending == 0  # reported, so vLLM frees its blocks
 
 
+def test_a_load_reserved_at_an_already_killed_prefiller_fails_within_seconds(
+        decoder_engine: TransferEngine, prefiller: tuple[subprocess.Popen[str], bytes]) -> None:
+    proc, address = prefiller
+    decoder_engine.send(address, b"hello").wait(STARTUP_DEADLINE_S)  # connected, as after an earlier hand-off
+    proc.kill()
+    proc.wait(timeout=STARTUP_DEADLINE_S)
+    cache = vllm_cache(KVCacheLayout.LBHNC, attention_spec(), 8, seed=7)
+    receiver = decode_half(decoder_engine, cache.region, ConnectorSettings(provider=PROVIDER), staged=False)
+    receiver.start(LoadSpec("d-dead", "dead", address, [1, 2, 3], 0))
+    reported, _ = _poll_until_finished(receiver, "d-dead", FREED_WITHIN_S)
+    assert reported == {"finished", "d-dead"}, f"not reported failed within {FREED_WITHIN_S} s"
+
+
 def test_a_frozen_prefillers_load_keeps_the_full_fence(
         decoder_engine: TransferEngine, prefiller: tuple[subprocess.Popen[str], bytes]) -> None:
     proc, address = prefiller

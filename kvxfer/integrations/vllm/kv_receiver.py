@@ -118,6 +118,7 @@ class DecodeLoad:
     sent: Transfer | None = None  # the reservation message, until it is known to have left
     cancel_sent: Transfer | None = None  # the cancel message (FENCING), until it is known to have left
     cancel_sent_at: float = 0.0
+    prefiller_gone: bool = False  # its fence was cut to dead_prefiller_fence_s
 
     @property
     def heads(self) -> tuple[int, int] | None:
@@ -326,6 +327,7 @@ class KVReceiver:
     def _shorten_fence(self, load: DecodeLoad, now: float) -> None:
         if self.settings.kv_registration == "per_reservation":
             load.fence_deadline = min(load.fence_deadline, now + self.settings.dead_prefiller_fence_s)
+            load.prefiller_gone = True
 
     def _to_failed(self, load: DecodeLoad, reason_label: str | None, why: str) -> None:
         if reason_label is not None:
@@ -415,6 +417,11 @@ class KVReceiver:
                 # It never reached the prefiller, so none of its writes can come: fail now,
                 # not at load_stall_timeout_s.
                 self._to_failed(load, "reservation_send_failed", f"the reservation did not reach the prefiller: {exc}")
+        if load.state is LoadState.RESERVED and load.sent is not None:
+            gone = self._gone(load.sent, load.sent_at, now)  # not delivered yet: is the prefiller there?
+            if gone:
+                load.sent = None
+                self._prefiller_gone(load.spec.prefill_engine, f"the prefiller process is gone: {gone}", now)
         if load.state is LoadState.RESERVED and res is not None:
             landed = self.engine.imm_count(res.imm)
             if landed > load.landed:  # progress: the prefiller is alive and pushing
@@ -448,7 +455,10 @@ class KVReceiver:
                 self._shorten_fence(load, now)
             elif load.cancel_sent.done():
                 load.cancel_sent = None
-        if load.state is LoadState.FENCING and now > load.fence_deadline:
+        if load.state is LoadState.FENCING and now > load.fence_deadline and load.prefiller_gone:
+            self._to_failed(load, None, f"{load.reason}; the prefiller process is gone, "
+                            f"dead_prefiller_fence_s={self.settings.dead_prefiller_fence_s} passed")
+        elif load.state is LoadState.FENCING and now > load.fence_deadline:
             self._to_failed(load, "fence_timeout", f"{load.reason}; the prefiller never confirmed, "
                             f"fence_timeout_s={self.settings.fence_timeout_s} passed")
 
