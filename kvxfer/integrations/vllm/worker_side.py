@@ -267,11 +267,7 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         """Withdraw the registration and close the engine."""
-        import time as _t; _t0 = _t.monotonic()  # HXTMP
-        log.warning("HXTMP shutdown start")  # HXTMP
         if self.registration is not None:
             self.registration.stop()
-        log.warning("HXTMP revoked %.2f", _t.monotonic() - _t0)  # HXTMP
         if self.engine is not None:
             self.engine.close()
-        log.warning("HXTMP closed %.2f", _t.monotonic() - _t0)  # HXTMP
