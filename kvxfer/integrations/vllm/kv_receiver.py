@@ -304,6 +304,8 @@ class KVReceiver:
         """Ends the probes whose outcome is known; a gone prefiller fails its loads."""
         for address, (probe, sent_at) in list(self._probes.items()):
             if probe is None:
+                if now - sent_at >= self.settings.prefiller_probe_after_s:
+                    del self._probes[address]  # no longer paces anything: forget the prefiller
                 continue
             gone = self._gone(probe, sent_at, now)
             if gone:
