@@ -28,7 +28,7 @@ from kvxfer.transfer.engine import TransferEngine, available_providers  # noqa: 
 
 PROVIDER = "net" if "net" in available_providers() else "tcp"
 #: The old code needed load_stall_timeout_s (30 s) plus fence_timeout_s (15 s); the new one
-#: prefiller_probe_after_s + prefiller_probe_timeout_s + dead_prefiller_fence_s (under 2 s).
+#: prefiller_probe_after_s + prefiller_probe_timeout_s + dead_prefiller_fence_s (under 3 s).
 FREED_WITHIN_S = 5.0
 #: How long the frozen prefiller's load is watched: longer than the dead one's whole path.
 FROZEN_WATCH_S = 4.0

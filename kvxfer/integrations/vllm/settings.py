@@ -63,9 +63,9 @@ class ConnectorSettings(BaseModel):
         "small message per prefiller in flight, again every this long while its loads stay silent): a probe not "
         "delivered means the prefiller process is gone, and its loads fail without waiting for load_stall_timeout_s")
     prefiller_probe_timeout_s: float = Field(
-        1.0, gt=0, description="a probe (or a cancel) not delivered by then, or failed as unreachable, means the "
+        2.0, gt=0, description="a probe (or a cancel) not delivered by then, or failed as unreachable, means the "
         "prefiller process is gone; a live process, even a frozen one, has its kernel take the bytes in well under "
-        "a millisecond on loopback")
+        "a millisecond on loopback (the margin is for the decoder's own progress thread on a starved host)")
     dead_prefiller_fence_s: float = Field(
         0.2, ge=0, description="with kv_registration per_reservation, how long a load of a gone prefiller keeps its "
         "blocks (instead of fence_timeout_s): its registration is revoked and its writer cannot post any more, so "
