@@ -101,29 +101,24 @@ class RouterTelemetry:
     def prefill_reply(self, reply: dict[str, Any]) -> None:
         """A prefill worker's ``/prefill`` answer: the KV it pushed and the pages it did not
         push because the decoder held them, for the figures its answer carries."""
-        if self.metrics is None or not hasattr(self.metrics, "request_kv_moved"):
-            return
-        kv_bytes, skipped, pushed = reply.get("kv_bytes"), reply.get("pages_skipped"), reply.get("pages_pushed")
-        if _is_count(kv_bytes):
-            self.metrics.request_kv_moved.observe(kv_bytes)
-        if _is_count(skipped):
-            self.metrics.kv_pages_not_sent.inc(skipped)
-        if _is_count(pushed):
-            self.metrics.kv_pages_moved.inc(pushed)
+        self._kv_moved(reply.get("kv_bytes"), reply.get("pages_pushed"), reply.get("pages_skipped"))
 
     def decode_load_report(self, report: dict[str, Any]) -> None:
         """A vLLM decode instance's answer said what its load moved (the connector's
         ``kv_transfer_params["kvxfer"]``: ``bytes_loaded``, ``pages_loaded``, ``pages_held``),
         the same figures a builtin prefill worker's ``/prefill`` answer carries."""
+        self._kv_moved(report.get("bytes_loaded"), report.get("pages_loaded"), report.get("pages_held"))
+
+    def _kv_moved(self, kv_bytes: Any, pages_moved: Any, pages_not_sent: Any) -> None:
+        """One request's KV moved and pages not sent, each counted where it is a count."""
         if self.metrics is None or not hasattr(self.metrics, "request_kv_moved"):
             return
-        kv_bytes, pages, held = report.get("bytes_loaded"), report.get("pages_loaded"), report.get("pages_held")
         if _is_count(kv_bytes):
             self.metrics.request_kv_moved.observe(kv_bytes)
-        if _is_count(pages):
-            self.metrics.kv_pages_moved.inc(pages)
-        if _is_count(held):
-            self.metrics.kv_pages_not_sent.inc(held)
+        if _is_count(pages_moved):
+            self.metrics.kv_pages_moved.inc(pages_moved)
+        if _is_count(pages_not_sent):
+            self.metrics.kv_pages_not_sent.inc(pages_not_sent)
 
     def kv_index(self, sizes: dict[str, tuple[int, float | None]]) -> None:
         """Publish the KV index's blocks and report age per worker."""
