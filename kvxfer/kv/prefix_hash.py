@@ -49,6 +49,13 @@ def block_hashes_hex(tokens: Sequence[int], block_size: int, namespace: str = ""
     return [h.hex() for h in block_hashes(tokens, block_size, namespace)]
 
 
+def reusable_blocks(num_tokens: int, block_size: int) -> int:
+    """How many leading full blocks of a `num_tokens`-token prompt a cache may serve: every
+    full block but the one holding the prompt's last token, whose hidden state makes the
+    first generated token and so must be computed by the request itself."""
+    return max(num_tokens - 1, 0) // block_size
+
+
 def matched_blocks(hashes: Sequence[bytes] | Sequence[str], held: "set[bytes] | set[str]") -> int:
     """How many leading blocks of `hashes` are in `held` (a prefix match stops at the first miss)."""
     count = 0

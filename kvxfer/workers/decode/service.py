@@ -53,7 +53,7 @@ from kvxfer.kv.ledger import WAITING, NoSlotError, ReservationLedger
 from kvxfer.kv.ledger import ReservationState as Res
 from kvxfer.kv.page_allocator import OutOfPagesError, PageAllocator
 from kvxfer.kv.prefix_cache import PrefixCache
-from kvxfer.kv.prefix_hash import block_hashes
+from kvxfer.kv.prefix_hash import block_hashes, reusable_blocks
 from kvxfer.kv.protocol import (
     MAX_SLOTS,
     KVReservation,
@@ -297,7 +297,7 @@ class DecodeRuntime:
                     request_id, retry_after_s=self.settings.retry_after_s)
             try:
                 entry = self.ledger.open(request_id, prompt_tokens + max_tokens,
-                                         hashes[:(prompt_tokens - 1) // cfg.block_size])
+                                         hashes[:reusable_blocks(prompt_tokens, cfg.block_size)])
             except NoSlotError as exc:
                 raise RequestRejected(Rejection.OVERLOADED, f"too many requests on this decode worker: {exc}", request_id) from None
             except OutOfPagesError as exc:

@@ -42,7 +42,7 @@ from pydantic import Field
 from kvxfer.errors import EngineError, KvxferError, TransferError, TransferTimeout
 from kvxfer.kv.page_allocator import OutOfPagesError, PageAllocator
 from kvxfer.kv.prefix_cache import PrefixCache
-from kvxfer.kv.prefix_hash import block_hashes
+from kvxfer.kv.prefix_hash import block_hashes, reusable_blocks
 from kvxfer.kv.protocol import (
     CHECKSUM_BYTES,
     MAILBOX_SLOT_BYTES,
@@ -203,9 +203,8 @@ class PrefillRuntime:
                 f"the prompt has {prompt_pages}",
                 request_id,
             )
-        # Never the block of the last prompt token: its hidden state makes the first token.
         hashes = block_hashes(prompt, cfg.block_size, cfg.name) if self.allocator.prefix_cache_enabled else []
-        reusable = hashes[:(len(prompt) - 1) // cfg.block_size]
+        reusable = hashes[:reusable_blocks(len(prompt), cfg.block_size)]
         with self._lock:
             self._forget_cancelled()
             if request_id in self._cancelled:
