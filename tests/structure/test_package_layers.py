@@ -2,13 +2,14 @@
 
 Read statically (every import statement, function-level ones too), so a lazy import
 cannot hide an upward edge. The layers, bottom up (docs/architecture.md, "Layout"):
-base (errors, metrics) -> transfer -> kv -> model -> workers; registry sits on base
+base (errors, metrics) -> transfer -> kv -> handoff (the prefill/decode hand-off both
+engines share) and model -> workers; registry sits on base
 alone; integrations (kvxfer inside other engines: the vLLM connector) sit on transfer, kv
 and registry, beside workers, and only cluster and cli may import them; cluster (developer
 tooling) and cli may use everything; the router uses only registry, the model's
 tokenizer, the hand-off protocol, the prefix block hashes, metrics and errors.
 
-Faults are injected from outside (kv.push_hooks): no production module imports a test
+Faults are injected from outside (handoff.push_hooks): no production module imports a test
 helper or a fault module, or names a fault the drills make.
 """
 
@@ -32,12 +33,13 @@ ALLOWED: dict[str, set[str]] = {
     "metrics": set(),
     "transfer": {"errors", "_native"},
     "kv": BASE | {"transfer"},
+    "handoff": BASE | {"transfer", "kv"},
     "model": BASE | {"kv"},
     "registry": BASE,
-    "workers": BASE | {"transfer", "kv", "model", "registry"},
-    "integrations": BASE | {"transfer", "kv", "registry"},
-    "cluster": BASE | {"transfer", "kv", "model", "registry", "workers", "integrations"},
-    "cli": BASE | {"transfer", "kv", "model", "registry", "workers", "cluster", "integrations"},
+    "workers": BASE | {"transfer", "kv", "handoff", "model", "registry"},
+    "integrations": BASE | {"transfer", "kv", "handoff", "registry"},
+    "cluster": BASE | {"transfer", "kv", "handoff", "model", "registry", "workers", "integrations"},
+    "cli": BASE | {"transfer", "kv", "handoff", "model", "registry", "workers", "cluster", "integrations"},
     "__init__": BASE | {"transfer"},
 }
 ROUTER_ALLOWED = {"registry", "model.tokenizer", "kv.protocol", "kv.prefix_hash", "metrics", "errors"}

@@ -31,8 +31,8 @@ from pathlib import Path
 import numpy as np
 
 from kvxfer.errors import TransferError
-from kvxfer.kv.push import PushSession
-from kvxfer.kv.push_hooks import PageWrite, PushHooks
+from kvxfer.handoff.push_session import PushSession
+from kvxfer.handoff.push_hooks import PageWrite, PushHooks
 
 log = logging.getLogger("kvxfer.drill")
 

@@ -1,4 +1,4 @@
-"""The P/D hand-off's failure paths with real worker processes (kv.protocol, kv.ledger).
+"""The P/D hand-off's failure paths with real worker processes (kv.protocol, handoff.decode_ledger).
 
 1. abort (workers as pods, over the fabric): a prefiller that cannot complete a push
    (fault injection abort_after_layer:1) tells the decoder, which fails /generate in well under a second although its KV wait

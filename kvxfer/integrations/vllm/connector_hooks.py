@@ -1,9 +1,9 @@
-"""Injection points of the connector's worker half, given from outside (as kv.push_hooks is
+"""Injection points of the connector's worker half, given from outside (as handoff.push_hooks is
 for the builtin workers): how tests and drills slow, stop or corrupt a push, or read what
 a push sent and a load admitted, with no branch for them in the pusher or the receiver.
 
 `WorkerSide` loads the hooks the `hooks` setting names ("module:callable" or
-"file.py:callable", called with `hooks_config`; kv.push_hooks.load_hooks) and hands them
+"file.py:callable", called with `hooks_config`; handoff.push_hooks.load_hooks) and hands them
 to the pusher and the receiver at construction; without the setting they get this base
 class, which does nothing. Every method is called on vLLM's worker thread.
 """

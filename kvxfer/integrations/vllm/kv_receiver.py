@@ -62,7 +62,7 @@ from dataclasses import dataclass, field, replace
 
 from kvxfer.errors import TransferError
 from kvxfer.kv.integrity import KVIntegrity, KVIntegrityError
-from kvxfer.kv.push_monitor import peer_unreachable
+from kvxfer.handoff.push_monitor import peer_unreachable
 from kvxfer.kv.protocol import (
     KVReservation,
     encode_cancel,
@@ -71,7 +71,7 @@ from kvxfer.kv.protocol import (
     encode_reservation_message,
     generations_per_slot,
 )
-from kvxfer.kv.reservation_scope import ReservationScope
+from kvxfer.handoff.reservation_scope import ReservationScope
 from kvxfer.registry.signing import checksum_table_key_of
 from kvxfer.transfer.engine import RegisteredMemory, Transfer, TransferEngine
 

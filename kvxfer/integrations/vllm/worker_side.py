@@ -21,7 +21,7 @@ from kvxfer.kv.protocol import (
     decode_reservation_message,
     is_probe,
 )
-from kvxfer.kv.push_hooks import load_hooks
+from kvxfer.handoff.push_hooks import load_hooks
 from kvxfer.transfer.engine import TransferEngine
 
 from .connector_hooks import NO_CONNECTOR_HOOKS, ConnectorHooks

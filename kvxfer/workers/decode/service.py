@@ -3,7 +3,7 @@ pushed write landed, and decodes with continuous batching.
 
 Two state machines, kept apart on purpose. The request's (`RequestState`): RESERVED (KV
 not yet complete) -> RUNNING (in the decode batch) -> DONE; or FAILED/CANCELLED: what the
-client is told. The reservation's (`kv.ledger.ReservationState`: RESERVED, RECEIVING,
+client is told. The reservation's (`handoff.decode_ledger.ReservationState`: RESERVED, RECEIVING,
 ADMITTED, FAILED, CANCELLED, FENCED, FREE): what may happen to its pages, slot and
 immediate. Pages of a request that ended while a prefiller may still write into them go
 FENCED and come back only once the prefiller confirmed it stopped (its abort message, or
@@ -49,8 +49,8 @@ from pydantic import Field
 
 from kvxfer.errors import TransferTimeout
 from kvxfer.kv.integrity import KVIntegrity, KVIntegrityError, TransferReceipt, prompt_kv_digest, verify_pages
-from kvxfer.kv.ledger import WAITING, NoSlotError, ReservationLedger
-from kvxfer.kv.ledger import ReservationState as Res
+from kvxfer.handoff.decode_ledger import WAITING, NoSlotError, ReservationLedger
+from kvxfer.handoff.decode_ledger import ReservationState as Res
 from kvxfer.kv.page_allocator import OutOfPagesError, PageAllocator
 from kvxfer.kv.prefix_cache import PrefixCache
 from kvxfer.kv.prefix_hash import block_hashes, reusable_blocks
@@ -65,7 +65,7 @@ from kvxfer.kv.protocol import (
     mailbox_tag_verifies,
     pages_for_tokens,
 )
-from kvxfer.kv.reservation_scope import PrefillAddressError, ReservationScope
+from kvxfer.handoff.reservation_scope import PrefillAddressError, ReservationScope
 from kvxfer.kv.write_windows import reservation_windows
 from kvxfer.metrics import DecodeMetrics
 from kvxfer.registry.signing import checksum_table_key_of

@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
-from kvxfer.kv.push_hooks import NO_PUSH_HOOKS, PushHooks, load_hooks
+from kvxfer.handoff.push_hooks import NO_PUSH_HOOKS, PushHooks, load_hooks
 from kvxfer.workers.control_auth import caller_of
 from kvxfer.workers.http_server import (
     body_field,

@@ -3,7 +3,7 @@ into a decode worker's reserved pages as soon as they are final.
 
 Compute runs on one thread (the model is CPU-bound and each request uses every core);
 callers (the HTTP handlers of `http.py`) queue requests for it. That thread only computes
-and posts writes: it never waits for a decoder. The `PushMonitor` (kv/push_monitor.py)
+and posts writes: it never waits for a decoder. The `PushMonitor` (handoff/push_monitor.py)
 watches the writes of every push per destination and resolves each push's outcome, so a
 frozen or dead decoder fails its own pushes within `destination_stall_timeout_s` and slows
 no other destination, and a slow one delays only its own requests. A push's local pages are
@@ -15,7 +15,7 @@ may have reused the pages on the strength of that answer). A push that cannot co
 sent once none of its writes is in flight, so the decoder fails the request at once and
 frees its pages.
 
-Every push gets the runtime's `PushHooks` (kv.push_hooks), given at construction: the
+Every push gets the runtime's `PushHooks` (handoff.push_hooks), given at construction: the
 no-op in production; tests and failure drills name their own with `push_hooks`.
 
 With `prefix_cache` on (the default) the prefiller keeps the full prompt pages it computed
@@ -52,9 +52,9 @@ from kvxfer.kv.protocol import (
     mailbox_slot_bytes,
     pages_for_tokens,
 )
-from kvxfer.kv.push import PushSession
-from kvxfer.kv.push_hooks import NO_PUSH_HOOKS, PushHooks
-from kvxfer.kv.push_monitor import DestinationDown, PushMonitor, WatchedPush
+from kvxfer.handoff.push_session import PushSession
+from kvxfer.handoff.push_hooks import NO_PUSH_HOOKS, PushHooks
+from kvxfer.handoff.push_monitor import DestinationDown, PushMonitor, WatchedPush
 from kvxfer.metrics import PrefillMetrics
 from kvxfer.registry.signing import checksum_table_key_of
 from kvxfer.workers.rejection import Rejection, RequestRejected
@@ -88,7 +88,7 @@ class PrefillSettings(WorkerSettings):
         "bytes at this rate before it counts as down: a big layer write to a slow but healthy decoder is not a stall",
     )
     push_hooks: str = Field(
-        "", description="'module:callable' making the kv.push_hooks.PushHooks every push of this worker calls "
+        "", description="'module:callable' making the handoff.push_hooks.PushHooks every push of this worker calls "
         "(tests and failure drills plug in here, docs/architecture.md); empty: none"
     )
 
@@ -113,7 +113,7 @@ def transfer_failure_reason(exc: Exception, cancelled: bool) -> str:
 
 class PrefillRuntime:
     """State and logic of a prefill worker, independent of HTTP. `hooks` go to every push
-    (kv.push_hooks): tests and drills give their own, production none."""
+    (handoff.push_hooks): tests and drills give their own, production none."""
 
     def __init__(self, settings: PrefillSettings, hooks: PushHooks = NO_PUSH_HOOKS) -> None:
         self.settings = settings

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvxfer.kv.push import _covered_seconds
+from kvxfer.handoff.push_session import _covered_seconds
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""The push monitor's rules (kvxfer.kv.push_monitor), on sessions whose writes the test
+"""The push monitor's rules (kvxfer.handoff.push_monitor), on sessions whose writes the test
 completes by hand: when a destination is down, what fails with it, and what is released.
 The transfer path itself is covered with real processes in tests/workers/test_peer_isolation.py."""
 
@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from kvxfer.errors import TransferError
-from kvxfer.kv import push_monitor
-from kvxfer.kv.push import PushStats
-from kvxfer.kv.push_monitor import DestinationDown, PushMonitor
+from kvxfer.handoff import push_monitor
+from kvxfer.handoff.push_session import PushStats
+from kvxfer.handoff.push_monitor import DestinationDown, PushMonitor
 
 STALL_S = 0.2
 RATE = 1e6  # bytes/s: 100 KB in flight buys 0.1 s more

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvxfer.errors import TransferError, TransferTimeout
-from kvxfer.kv.push import PushSession, PushStats
+from kvxfer.handoff.push_session import PushSession, PushStats
 
 log = logging.getLogger("kvxfer.push")
 

@@ -13,7 +13,7 @@ before their write is posted, and the table rides in the mailbox write (kv.integ
 tagged under the cluster's table key where the reservation asks (`checksum_tag`).
 A push that stalled longer than `max_stall_s` between two of its writes (a frozen or
 starved process) may have missed its decoder's fence: it raises instead of writing.
-Tests and failure drills make a push go wrong through its `PushHooks` (kv.push_hooks),
+Tests and failure drills make a push go wrong through its `PushHooks` (handoff.push_hooks),
 given at construction; production gives none.
 """
 
@@ -29,7 +29,7 @@ from kvxfer.errors import TransferError
 from kvxfer.kv.cache import PagedKVCache
 from kvxfer.kv.integrity import layer_checksums
 from kvxfer.kv.protocol import KVReservation, encode_mailbox, layer_dst_offset
-from kvxfer.kv.push_hooks import NO_PUSH_HOOKS, PushHooks
+from kvxfer.handoff.push_hooks import NO_PUSH_HOOKS, PushHooks
 from kvxfer.transfer.engine import RegisteredMemory, Transfer, TransferEngine
 
 
@@ -111,7 +111,7 @@ class PushSession:
     nothing of this request is in flight, so the decoder may then reuse the pages.
     `table_key` (kv.integrity.checksum_table_key) tags the checksum table where the
     reservation asks for a tag; one that asks while there is no key is refused here.
-    `hooks` (kv.push_hooks) are called at each layer: tests and drills inject faults there.
+    `hooks` (handoff.push_hooks) are called at each layer: tests and drills inject faults there.
     Block indices are the prompt's (local block `b` is `local_pages[b]`); blocks below the
     reservation's `first_page` (the decoder holds them, a prefix-cache hit) are never
     pushed, and block `b` lands in the reservation's page ``b - first_page``.

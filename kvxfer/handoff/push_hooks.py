@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 if TYPE_CHECKING:
-    from kvxfer.kv.push import PushSession
+    from kvxfer.handoff.push_session import PushSession
 
 log = logging.getLogger("kvxfer.hooks")
 

@@ -1,4 +1,4 @@
-"""A reservation's scope opens all or nothing and revokes once (kv.reservation_scope).
+"""A reservation's scope opens all or nothing and revokes once (handoff.reservation_scope).
 
 One real engine (net on loopback); no bytes move here. That a revoked scope's descriptor
 writes nothing across processes is tested with the decoders that use it:
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kvxfer.errors import BoundsError
-from kvxfer.kv.reservation_scope import PrefillAddressError, ReservationScope
+from kvxfer.handoff.reservation_scope import PrefillAddressError, ReservationScope
 from kvxfer.transfer.engine import RegisteredMemory, TransferEngine
 
 REGION_BYTES = 64 * 1024

@@ -1,4 +1,4 @@
-"""The decoder's reservation state machine (kvxfer.kv.ledger): every transition, the
+"""The decoder's reservation state machine (kvxfer.handoff.decode_ledger): every transition, the
 illegal ones, deadlines, slots and epochs."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvxfer.kv.ledger import TRANSITIONS, IllegalTransition, NoSlotError, ReservationLedger
-from kvxfer.kv.ledger import ReservationState as S
+from kvxfer.handoff.decode_ledger import TRANSITIONS, IllegalTransition, NoSlotError, ReservationLedger
+from kvxfer.handoff.decode_ledger import ReservationState as S
 from kvxfer.kv.page_allocator import PageAllocator
 from kvxfer.kv.protocol import decode_imm
 
