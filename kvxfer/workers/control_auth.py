@@ -29,7 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kvxfer.metrics import WorkerAuthMetrics
 from kvxfer.registry.control_token import TokenRefused, TokenVerifier, WorkerIdentity
 from kvxfer.registry.signing import load_cluster_key
-from kvxfer.workers.runtime import WorkerSettings
+from kvxfer.workers.worker_core import WorkerSettings
 
 log = logging.getLogger("kvxfer.worker.auth")
 

@@ -24,7 +24,7 @@ from kvxfer.kv.page_allocator import PageAllocationError
 from kvxfer.registry.control_token import WorkerIdentity
 from kvxfer.workers.control_auth import install_control_auth
 from kvxfer.workers.rejection import Rejection, RequestRejected
-from kvxfer.workers.runtime import WorkerCore
+from kvxfer.workers.worker_core import WorkerCore
 
 log = logging.getLogger("kvxfer.worker")
 

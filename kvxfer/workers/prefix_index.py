@@ -19,7 +19,7 @@ from fastapi import FastAPI, HTTPException, Request
 
 from kvxfer.kv.page_allocator import PageAllocator
 from kvxfer.workers.http_server import json_body
-from kvxfer.workers.runtime import WorkerCore
+from kvxfer.workers.worker_core import WorkerCore
 
 
 class PrefixIndexReport:

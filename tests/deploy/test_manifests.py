@@ -282,7 +282,7 @@ def _settings_fields(path: Path, class_names: set[str]) -> set[str]:
 
 
 def _variables_the_code_reads() -> set[str]:
-    worker = (_settings_fields(REPO / "kvxfer" / "workers" / "runtime.py", {"WorkerSettings"})
+    worker = (_settings_fields(REPO / "kvxfer" / "workers" / "worker_core.py", {"WorkerSettings"})
               | _settings_fields(REPO / "kvxfer" / "workers" / "prefill" / "service.py", {"PrefillSettings"})
               | _settings_fields(REPO / "kvxfer" / "workers" / "decode" / "service.py", {"DecodeSettings"}))
     router = _settings_fields(REPO / "scheduler" / "kvxfer_router" / "settings.py",

@@ -44,7 +44,7 @@ ALLOWED: dict[str, set[str]] = {
 }
 ROUTER_ALLOWED = {"registry", "model.tokenizer", "kv.protocol", "kv.prefix_hash", "metrics", "errors"}
 #: Modules that are HTTP-free by contract: services raise typed errors instead.
-HTTP_FREE = ["workers/runtime.py", "workers/prefill/service.py", "workers/decode/service.py",
+HTTP_FREE = ["workers/worker_core.py", "workers/prefill/service.py", "workers/decode/service.py",
              "workers/rejection.py"]
 HTTP_PACKAGES = ("fastapi", "starlette", "uvicorn")
 PRODUCTION = sorted([*PACKAGE.rglob("*.py"), *ROUTER.rglob("*.py")])

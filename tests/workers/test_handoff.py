@@ -113,7 +113,7 @@ def test_late_write_never_lands_in_reused_pages(own_workers: WorkerSet) -> None:
     can only get the victim's pages; a real slow prefiller is still pushing the victim when
     the decoder cancels it. The next request's pages must hold exactly its own KV."""
     from kvxfer.kv.cache import PagedKVCache
-    from kvxfer.workers.decode.service import DecodeRuntime, DecodeSettings
+    from kvxfer.workers.decode.service import DecodeService, DecodeSettings
 
     slow, fast = own_workers.start_many([
         ("prefill", {"env": {**PREFILL_ENV, "KVXFER_PREFILL_CHUNK_TOKENS": "16",
@@ -122,7 +122,7 @@ def test_late_write_never_lands_in_reused_pages(own_workers: WorkerSet) -> None:
     ])
     victim, nxt = tokens_of(text_prompt(902, 1000)), tokens_of(text_prompt(903, 1000))
     pages_each = -(-(1000 + 8) // CONFIG.block_size)
-    decode = DecodeRuntime(DecodeSettings(model="tiny", provider="net", bind_host="127.0.0.1", num_pages=pages_each + 4,
+    decode = DecodeService(DecodeSettings(model="tiny", provider="net", bind_host="127.0.0.1", num_pages=pages_each + 4,
                                           max_requests=4, fence_timeout_s=4.0))
     decode_address = decode.core.engine.address.hex()
     try:
@@ -173,9 +173,9 @@ def test_late_write_never_lands_in_reused_pages(own_workers: WorkerSet) -> None:
 
 def test_late_immediate_of_an_earlier_reservation_is_not_counted(own_workers: WorkerSet) -> None:
     from kvxfer.transfer.engine import TransferEngine
-    from kvxfer.workers.decode.service import DecodeRuntime, DecodeSettings
+    from kvxfer.workers.decode.service import DecodeService, DecodeSettings
 
-    decode = DecodeRuntime(DecodeSettings(model="tiny", provider="net", bind_host="127.0.0.1", num_pages=64,
+    decode = DecodeService(DecodeSettings(model="tiny", provider="net", bind_host="127.0.0.1", num_pages=64,
                                           max_requests=1))
     try:
         first = decode.reserve("first", 20, 4)

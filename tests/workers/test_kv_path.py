@@ -173,13 +173,13 @@ def test_decode_pages_hold_prefilled_bytes(single_torch_thread: None) -> None:
 
     from kvxfer.kv.cache import PagedKVCache
     from kvxfer.kv.protocol import MAILBOX_SLOT_BYTES, KVReservation, decode_mailbox
-    from kvxfer.workers.decode.service import DecodeRuntime, DecodeSettings
-    from kvxfer.workers.prefill.service import PrefillRuntime, PrefillSettings
+    from kvxfer.workers.decode.service import DecodeService, DecodeSettings
+    from kvxfer.workers.prefill.service import PrefillService, PrefillSettings
 
     # Same-host path off: one process, so only that keeps the KV on the fabric.
     common = dict(model="tiny", provider="net", bind_host="127.0.0.1", prefill_chunk_tokens=CHUNK, same_host=False)
-    decode = DecodeRuntime(DecodeSettings(num_pages=256, max_requests=16, **common))
-    prefill = PrefillRuntime(PrefillSettings(num_pages=256, **common))
+    decode = DecodeService(DecodeSettings(num_pages=256, max_requests=16, **common))
+    prefill = PrefillService(PrefillSettings(num_pages=256, **common))
     lengths = [1, 15, 16, 17, 255, 256, 257, 600, LONG]
     prompts = {f"bytes-{n}": tokens_of(text_prompt(100 + n, n)) for n in lengths}
     try:

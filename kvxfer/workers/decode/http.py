@@ -1,4 +1,4 @@
-"""The decode worker's HTTP API (docs/architecture.md): parses bodies, calls `DecodeRuntime`,
+"""The decode worker's HTTP API (docs/architecture.md): parses bodies, calls `DecodeService`,
 and streams tokens as NDJSON."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from kvxfer.errors import TransferTimeout
 from kvxfer.workers.control_auth import caller_of
 from kvxfer.workers.decode.service import (
     DecodeJob,
-    DecodeRuntime,
+    DecodeService,
     DecodeSettings,
     RequestState,
     token_events,
@@ -33,7 +33,7 @@ from kvxfer.workers.rejection import Rejection, RequestRejected
 RECEIPT_HEADER = "X-Kvxfer-Transfer-Receipt"
 
 
-async def _respond(runtime: DecodeRuntime, job: DecodeJob, stream: bool) -> Any:
+async def _respond(runtime: DecodeService, job: DecodeJob, stream: bool) -> Any:
     headers = {RECEIPT_HEADER: job.receipt.header_value()} if job.receipt is not None else {}
     if stream:
 
@@ -66,7 +66,7 @@ async def _respond(runtime: DecodeRuntime, job: DecodeJob, stream: bool) -> Any:
     return JSONResponse(body, headers=headers)
 
 
-def create_decode_app(runtime: DecodeRuntime) -> FastAPI:
+def create_decode_app(runtime: DecodeService) -> FastAPI:
     """The decode worker's HTTP API (docs/architecture.md)."""
     app = create_worker_app(
         "kvxfer decode worker", runtime.core, lambda: {**runtime.core.base_info(), **runtime.load()}
@@ -134,7 +134,7 @@ def create_decode_app(runtime: DecodeRuntime) -> FastAPI:
 
 def run_decode_worker(settings: DecodeSettings) -> None:
     """Starts a decode worker process: engine, model, HTTP API, etcd registration."""
-    runtime = DecodeRuntime(settings)
+    runtime = DecodeService(settings)
     app = create_decode_app(runtime)
     try:
         serve(app, runtime.core, runtime.load, runtime.in_flight)

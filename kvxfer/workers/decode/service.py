@@ -73,7 +73,7 @@ from kvxfer.model.tokenizer import ByteTokenizer
 from kvxfer.model.transformer import DecodeRequest, FinishReason, finish_reason_after
 from kvxfer.transfer.engine import RegisteredMemory
 from kvxfer.workers.rejection import Rejection, RequestRejected
-from kvxfer.workers.runtime import WorkerCore, WorkerSettings
+from kvxfer.workers.worker_core import WorkerCore, WorkerSettings
 
 log = logging.getLogger("kvxfer.decode")
 
@@ -195,7 +195,7 @@ class DecodeJob:
         return self.prompt_pages[self.held_pages:]
 
 
-class DecodeRuntime:
+class DecodeService:
     """State and logic of a decode worker, independent of HTTP (tests drive it directly)."""
 
     def __init__(self, settings: DecodeSettings) -> None:

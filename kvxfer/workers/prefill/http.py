@@ -1,4 +1,4 @@
-"""The prefill worker's HTTP API (docs/architecture.md): parses bodies, calls `PrefillRuntime`."""
+"""The prefill worker's HTTP API (docs/architecture.md): parses bodies, calls `PrefillService`."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from kvxfer.workers.http_server import (
     serve,
     token_list,
 )
-from kvxfer.workers.prefill.service import PrefillRuntime, PrefillSettings
+from kvxfer.workers.prefill.service import PrefillService, PrefillSettings
 from kvxfer.workers.prefix_index import PrefixIndexReport, add_prefix_index_route
 
 
-def create_prefill_app(runtime: PrefillRuntime) -> FastAPI:
+def create_prefill_app(runtime: PrefillService) -> FastAPI:
     """The prefill worker's HTTP API (docs/architecture.md)."""
     app = create_worker_app(
         "kvxfer prefill worker", runtime.core, lambda: {**runtime.core.base_info(), **runtime.load()}
@@ -47,5 +47,5 @@ def run_prefill_worker(settings: PrefillSettings) -> None:
     """Starts a prefill worker process: engine, model, HTTP API, etcd registration; its
     pushes call the hooks `settings.push_hooks` names (none when empty)."""
     hooks = load_hooks(settings.push_hooks, PushHooks) if settings.push_hooks else NO_PUSH_HOOKS
-    runtime = PrefillRuntime(settings, hooks)
+    runtime = PrefillService(settings, hooks)
     serve(create_prefill_app(runtime), runtime.core, runtime.load, runtime.in_flight)

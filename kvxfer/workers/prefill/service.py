@@ -58,7 +58,7 @@ from kvxfer.handoff.push_monitor import DestinationDown, PushMonitor, WatchedPus
 from kvxfer.metrics import PrefillMetrics
 from kvxfer.registry.signing import checksum_table_key_of
 from kvxfer.workers.rejection import Rejection, RequestRejected
-from kvxfer.workers.runtime import WorkerCore, WorkerSettings
+from kvxfer.workers.worker_core import WorkerCore, WorkerSettings
 
 log = logging.getLogger("kvxfer.prefill")
 
@@ -111,7 +111,7 @@ def transfer_failure_reason(exc: Exception, cancelled: bool) -> str:
     return "completion_error"
 
 
-class PrefillRuntime:
+class PrefillService:
     """State and logic of a prefill worker, independent of HTTP. `hooks` go to every push
     (handoff.push_hooks): tests and drills give their own, production none."""
 
