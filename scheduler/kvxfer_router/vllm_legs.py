@@ -17,7 +17,7 @@ the connector's report of the KV the decode instance loaded out of `kv_transfer_
 computes the same prompt and nothing else (`max_tokens` 1, `n` 1, not streamed, no
 sampling constraints that only make sense for the whole generation). With `n` > 1 vLLM
 forks one child per choice; the connector loads the prompt's KV once for all of them
-(`kvxfer.integrations.vllm.scheduler_side`).
+(`kvxfer.integrations.vllm.engine_core_side`).
 
 A failure before any byte reached the client (a non-streamed answer counts only once it
 is whole) is retried on another pair, as for kvxfer's own workers; a vLLM refusal of the
@@ -329,7 +329,7 @@ def _take_load_report(obj: dict[str, Any], text: str) -> tuple[dict[str, Any] | 
     """(the decode instance's load report or None, ``text`` with it replaced by null).
 
     The connector puts what a decode request's load moved in its answer's
-    ``kv_transfer_params`` (``kvxfer.integrations.vllm.scheduler_side``); the client gets
+    ``kv_transfer_params`` (``kvxfer.integrations.vllm.engine_core_side``); the client gets
     null there, as from plain vLLM. Only that value's characters change: the answer's other
     bytes stay vLLM's own."""
     params = obj.get("kv_transfer_params")

@@ -7,7 +7,7 @@ Load it with::
                            "kv_role": "kv_producer" | "kv_consumer" | "kv_both",
                            "kv_connector_extra_config": {...ConnectorSettings...}}'
 
-vLLM makes one instance per role: SCHEDULER in its EngineCore process (`SchedulerSide`)
+vLLM makes one instance per role: SCHEDULER in its EngineCore process (`EngineCoreSide`)
 and WORKER in each worker process (`WorkerSide`). This class only routes vLLM's hooks to
 the half that runs in this process; the hand-off itself is in those modules, and the
 contract between the two legs is `kvxfer.kv.protocol`.
@@ -26,7 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from .metadata import KvxferStepMetadata, KvxferWorkerReport
-from .scheduler_side import SchedulerSide
+from .engine_core_side import EngineCoreSide
 from .settings import ConnectorConfigError, ConnectorSettings
 from .tensor_parallel import TensorParallelPlace
 from .worker_side import WorkerSide
@@ -120,12 +120,12 @@ class KvxferConnector(KVConnectorBase_V1):
         self.settings = ConnectorSettings.from_extra_config(config.kv_connector_extra_config)
         self.kv_role = str(config.kv_role)
         block_size = int(vllm_config.cache_config.block_size)
-        self._scheduler: SchedulerSide | None = None
+        self._engine_core: EngineCoreSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(block_size, self.settings.reservation_wait_s,
-                                            wait_for_reservation=self.settings.wait_for_reservation)
-            self._scheduler.watch_sigterm()
+            self._engine_core = EngineCoreSide(block_size, self.settings.reservation_wait_s,
+                                               wait_for_reservation=self.settings.wait_for_reservation)
+            self._engine_core.watch_sigterm()
         else:
             model = vllm_config.model_config
             name = model.served_model_name
@@ -194,35 +194,35 @@ class KvxferConnector(KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.shutdown()
 
-    # ---- scheduler side --------------------------------------------------------------------
+    # ---- EngineCore side (vLLM's SCHEDULER role) -------------------------------------------
 
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
-        if self._scheduler is not None:
-            self._scheduler.bind_kv_cache_manager(kv_cache_manager)
+        if self._engine_core is not None:
+            self._engine_core.bind_kv_cache_manager(kv_cache_manager)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        assert self._scheduler is not None
-        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        assert self._engine_core is not None
+        return self._engine_core.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        assert self._scheduler is not None
-        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        assert self._engine_core is not None
+        self._engine_core.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        assert self._scheduler is not None
-        return self._scheduler.build_connector_meta(scheduler_output)
+        assert self._engine_core is not None
+        return self._engine_core.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        if self._scheduler is not None:
-            self._scheduler.update_connector_output(connector_output)
+        if self._engine_core is not None:
+            self._engine_core.update_connector_output(connector_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        assert self._scheduler is not None
-        return self._scheduler.request_finished(request, block_ids)
+        assert self._engine_core is not None
+        return self._engine_core.request_finished(request, block_ids)
 
     def has_pending_push_work(self) -> bool:
-        return self._scheduler is not None and self._scheduler.has_pending_push_work()
+        return self._engine_core is not None and self._engine_core.has_pending_push_work()
 
     @property
     def requires_kv_delivery(self) -> bool:

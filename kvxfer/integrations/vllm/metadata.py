@@ -1,4 +1,4 @@
-"""What the connector's scheduler half tells its worker half each step, and the transfer
+"""What the connector's EngineCore half tells its worker half each step, and the transfer
 parameters a request carries.
 
 vLLM ships the step's `KvxferStepMetadata` from the scheduler process to the worker
@@ -102,7 +102,7 @@ class KvxferStepMetadata(KVConnectorMetadata):
 
 @dataclass
 class KvxferWorkerReport(KVConnectorWorkerMetadata):
-    """Worker half to scheduler half, each step: the transfers whose reservation arrived,
+    """Worker half to EngineCore half, each step: the transfers whose reservation arrived,
     so prefill requests are scheduled only once their destination is known (every layer's
     pages then go out as the layer is computed)."""
 

@@ -1,4 +1,4 @@
-"""The connector's scheduler half, driven with stand-ins for vLLM's request objects (no
+"""The connector's EngineCore half, driven with stand-ins for vLLM's request objects (no
 engine: what it answers vLLM, step by step). The hand-off itself is tested with real vLLM
 processes in test_vllm_connector.py."""
 
@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed")
 
-from kvxfer.integrations.vllm.scheduler_side import SchedulerSide  # noqa: E402
+from kvxfer.integrations.vllm.engine_core_side import EngineCoreSide  # noqa: E402
 
 
 def leg_request(rid: str, tokens: int, role: str) -> Any:  # stands in for vllm.v1.request.Request
@@ -37,7 +37,7 @@ def test_a_failed_load_is_computed_locally_when_vllm_asks_again() -> None:
     # kv_load_failure_policy=recompute: vLLM resets the request and asks the connector again.
     # Answering "load it" again would reserve, time out and fail forever (seen with real
     # instances: a new failed load every 9 s); the request must be computed here instead.
-    side = SchedulerSide(block_size=32, reservation_wait_s=5.0)
+    side = EngineCoreSide(block_size=32, reservation_wait_s=5.0)
     req = decode_request("r1", 100)
     assert side.get_num_new_matched_tokens(req, 0) == (100, True)
     side.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4],)), 100)
@@ -60,7 +60,7 @@ def arrivals(*transfer_ids: str) -> Any:  # a KVConnectorOutput with only arriva
 def test_a_prefill_leg_computes_at_once_by_default() -> None:
     # The decoder's reservation round trip is not on the TTFT path: the layers computed
     # before it comes are pushed from the kept blocks when it does (kv_pusher's catch-up).
-    side = SchedulerSide(block_size=32, reservation_wait_s=5.0)
+    side = EngineCoreSide(block_size=32, reservation_wait_s=5.0)
     assert side.get_num_new_matched_tokens(prefill_request("p1", 100), 0) == (0, False)
     assert not side.build_connector_meta(idle_step()).awaiting_reservations
     # Arrivals are not kept when nothing gates on them (they would never be discarded).
@@ -69,7 +69,7 @@ def test_a_prefill_leg_computes_at_once_by_default() -> None:
 
 
 def test_wait_for_reservation_holds_a_prefill_leg_until_its_reservation_arrived() -> None:
-    side = SchedulerSide(block_size=32, reservation_wait_s=5.0, wait_for_reservation=True)
+    side = EngineCoreSide(block_size=32, reservation_wait_s=5.0, wait_for_reservation=True)
     req = prefill_request("p1", 100)
     assert side.get_num_new_matched_tokens(req, 0) == (None, False)  # not schedulable yet
     assert side.build_connector_meta(idle_step()).awaiting_reservations  # the worker may block on its inbox

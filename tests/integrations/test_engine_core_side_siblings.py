@@ -1,4 +1,4 @@
-"""The connector's scheduler half with vLLM's `n` > 1 children: vLLM forks one child request
+"""The connector's EngineCore half with vLLM's `n` > 1 children: vLLM forks one child request
 per choice, all carrying the same kv_transfer_params. One transfer of the prompt's KV serves
 them all: the first child loads, its siblings wait for that load and then compute here (the
 loaded blocks are prefix-cache hits). Before, every child reserved for the same transfer and
@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed")
 
-from kvxfer.integrations.vllm.scheduler_side import SchedulerSide  # noqa: E402
+from kvxfer.integrations.vllm.engine_core_side import EngineCoreSide  # noqa: E402
 
 
 def child(index: int, tokens: int, transfer_id: str = "t-parent") -> Any:  # vLLM's child of an n > 1 request
@@ -34,7 +34,7 @@ def loads_ended(*rids: str, failed: bool = False) -> Any:
 
 
 def test_siblings_wait_for_the_first_childs_load_then_compute_on_its_cached_blocks() -> None:
-    side = SchedulerSide(block_size=32, reservation_wait_s=5.0)
+    side = EngineCoreSide(block_size=32, reservation_wait_s=5.0)
     first, second, third = child(0, 100), child(1, 100), child(2, 100)
     assert side.get_num_new_matched_tokens(first, 0) == (100, True)
     assert side.get_num_new_matched_tokens(second, 0) == (None, False)  # asked again next step
@@ -50,7 +50,7 @@ def test_siblings_wait_for_the_first_childs_load_then_compute_on_its_cached_bloc
 
 
 def test_a_sibling_asked_only_after_the_first_child_finished_does_not_reserve_again() -> None:
-    side = SchedulerSide(block_size=32, reservation_wait_s=5.0)
+    side = EngineCoreSide(block_size=32, reservation_wait_s=5.0)
     first = child(0, 70)
     assert side.get_num_new_matched_tokens(first, 0) == (70, True)
     side.update_state_after_alloc(first, SimpleNamespace(get_block_ids=lambda: ([5, 6, 7],)), 70)
@@ -63,7 +63,7 @@ def test_a_sibling_asked_only_after_the_first_child_finished_does_not_reserve_ag
 
 
 def test_siblings_of_a_failed_load_compute_locally_rather_than_wait() -> None:
-    side = SchedulerSide(block_size=32, reservation_wait_s=5.0)
+    side = EngineCoreSide(block_size=32, reservation_wait_s=5.0)
     first = child(0, 50)
     assert side.get_num_new_matched_tokens(first, 0) == (50, True)
     side.update_state_after_alloc(first, SimpleNamespace(get_block_ids=lambda: ([1, 2],)), 50)
@@ -75,7 +75,7 @@ def test_siblings_of_a_failed_load_compute_locally_rather_than_wait() -> None:
 def test_a_request_with_another_prompt_under_the_same_transfer_never_shares_its_load() -> None:
     # A batch of prompts sent with one kv_transfer_params: each prompt is its own request.
     # Only one reservation exists, for one prompt's KV: the others compute here, at once.
-    side = SchedulerSide(block_size=32, reservation_wait_s=5.0)
+    side = EngineCoreSide(block_size=32, reservation_wait_s=5.0)
     first, other = child(0, 100), child(1, 60)
     first.prompt_token_ids, other.prompt_token_ids = list(range(100)), list(range(60))
     assert side.get_num_new_matched_tokens(first, 0) == (100, True)
@@ -83,7 +83,7 @@ def test_a_request_with_another_prompt_under_the_same_transfer_never_shares_its_
 
 
 def test_a_prefill_instance_pushes_one_request_per_transfer() -> None:
-    side = SchedulerSide(block_size=32, reservation_wait_s=5.0)
+    side = EngineCoreSide(block_size=32, reservation_wait_s=5.0)
     one, two = child(0, 100), child(1, 60)
     for req in (one, two):
         req.kv_transfer_params["kvxfer"]["role"] = "prefill"

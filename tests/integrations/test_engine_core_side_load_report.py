@@ -1,4 +1,4 @@
-"""The connector's scheduler half tells the router what a decode request's load moved: a
+"""The connector's EngineCore half tells the router what a decode request's load moved: a
 non-streamed answer's `kv_transfer_params` carries the KV pages and bytes that came from
 the prefill instance and the pages the decode instance held already (a prefix-cache hit:
 fewer pages travel). The router reads them there (tests/router: the vLLM legs' metrics)."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from kvxfer.integrations.vllm.scheduler_side import SchedulerSide
+from kvxfer.integrations.vllm.engine_core_side import EngineCoreSide
 
 LAYERS, PAGE_BYTES = 4, 16384
 
@@ -32,7 +32,7 @@ def idle_step() -> Any:
                            preempted_req_ids=None)
 
 
-def load(side: SchedulerSide, request: Any, held_tokens: int, block_ids: list[int], *, failed: bool = False) -> None:
+def load(side: EngineCoreSide, request: Any, held_tokens: int, block_ids: list[int], *, failed: bool = False) -> None:
     tokens = request.num_tokens
     assert side.get_num_new_matched_tokens(request, held_tokens) == (tokens - held_tokens, True)
     side.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: (block_ids,)), tokens - held_tokens)
@@ -43,7 +43,7 @@ def load(side: SchedulerSide, request: Any, held_tokens: int, block_ids: list[in
 
 
 def test_a_finished_decode_request_reports_the_pages_and_bytes_it_loaded() -> None:
-    side = SchedulerSide(block_size=32, reservation_wait_s=5.0)
+    side = EngineCoreSide(block_size=32, reservation_wait_s=5.0)
     side.bind_kv_cache_manager(block_manager())
     request = decode_request(100)  # 4 blocks of 32 tokens
     load(side, request, 0, [1, 2, 3, 4])
@@ -52,7 +52,7 @@ def test_a_finished_decode_request_reports_the_pages_and_bytes_it_loaded() -> No
 
 
 def test_a_prefix_hit_on_the_decode_instance_shows_as_fewer_pages_loaded() -> None:
-    side = SchedulerSide(block_size=32, reservation_wait_s=5.0)
+    side = EngineCoreSide(block_size=32, reservation_wait_s=5.0)
     side.bind_kv_cache_manager(block_manager())
     request = decode_request(100)
     load(side, request, 64, [7, 8, 9, 10])  # vLLM's prefix cache held the first 2 blocks
@@ -62,7 +62,7 @@ def test_a_prefix_hit_on_the_decode_instance_shows_as_fewer_pages_loaded() -> No
 
 
 def test_a_failed_load_reports_nothing() -> None:
-    side = SchedulerSide(block_size=32, reservation_wait_s=5.0)
+    side = EngineCoreSide(block_size=32, reservation_wait_s=5.0)
     side.bind_kv_cache_manager(block_manager())
     request = decode_request(100)
     load(side, request, 0, [1, 2, 3, 4], failed=True)

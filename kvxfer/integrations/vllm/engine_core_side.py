@@ -1,4 +1,4 @@
-"""The connector's scheduler half (vLLM's EngineCore process).
+"""The connector's EngineCore half (vLLM's SCHEDULER role, in its EngineCore process).
 
 Decode instance: a request whose `kv_transfer_params` name a kvxfer decode leg is parked
 by vLLM in WAITING_FOR_REMOTE_KVS with blocks for the part of the prompt this instance
@@ -71,8 +71,8 @@ def _prompt_key(request: Request) -> int:
     return hash((request.num_prompt_tokens, tuple(ids) if ids is not None else ()))
 
 
-class SchedulerSide:
-    """Bookkeeping of kvxfer legs in the scheduler; builds each step's metadata."""
+class EngineCoreSide:
+    """Bookkeeping of kvxfer legs in vLLM's scheduler; builds each step's metadata."""
 
     def __init__(self, block_size: int, reservation_wait_s: float, *, wait_for_reservation: bool = False) -> None:
         self.block_size = block_size
