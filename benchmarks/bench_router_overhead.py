@@ -49,6 +49,43 @@ REQUEST_TIMEOUT_S = 300.0
 MODEL = "bench"
 
 
+def _process_tree(root: int) -> list[int]:
+    """`root` and every process below it (vLLM's API server starts its EngineCore as a child)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, []))
+    return tree
+
+
+def renice_instances(fleet: VllmFleet, niceness: int) -> int:
+    """Lowers the CPU priority of every thread of the fleet's vLLM processes (Linux keeps
+    a niceness per thread, so each task of each process is set). Returns the threads set.
+
+    On a machine with as many cores as instances, each instance keeps its core busy while a
+    request is in flight, and the router (or the direct client) waits for a core at each
+    wake-up; a lower priority for the instances models a router with a core of its own, as
+    in a deployment where it runs in its own pod. Both paths get the same instances."""
+    done = 0
+    for inst in fleet.instances.values():
+        for pid in _process_tree(inst.process.pid):
+            for task in Path(f"/proc/{pid}/task").glob("*"):
+                try:
+                    os.setpriority(os.PRIO_PROCESS, int(task.name), niceness)
+                    done += 1
+                except (ProcessLookupError, PermissionError):
+                    pass
+    return done
+
+
 def prompt_of(n: int, seed: int) -> list[int]:
     """`n` token ids (above the specials), different per seed."""
     return [3 + (seed * 7919 + i * 104729) % 1900 for i in range(n)]
@@ -298,6 +335,10 @@ def main() -> None:
                         help="no vLLM: stub instances that answer at once, the router's steps timed (writes OUT_stub.json)")
     parser.add_argument("--stub-requests", type=int, default=300,
                         help="with --stub-instances: requests per path (default 300)")
+    parser.add_argument("--instances-nice", type=int, default=0,
+                        help="niceness (0-19) for every thread of both vLLM instances once they are ready "
+                        "(default 0: unchanged). A router in a pod of its own has a core; on a machine whose cores "
+                        "the instances keep busy, a positive value gives the router and the client the core first")
     parser.add_argument("--model-dir", type=Path, default=None,
                         help="a seeded checkpoint to use (made with kvxfer make-llama); default: a fresh tiny one")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "router_overhead",
@@ -317,6 +358,8 @@ def main() -> None:
             fleet.start("prefill", "kv_producer", "0")
             fleet.start("decode", "kv_consumer", "1")
             fleet.wait_ready("prefill", "decode")
+            if args.instances_nice:
+                print(f"instances reniced to {args.instances_nice}: {renice_instances(fleet, args.instances_nice)} threads")
             with router_process(fleet, work / "router.log") as router:
                 # One of each first: the first requests pay for warm-up, not the router.
                 run(fleet, router, [lengths[0]], 2, args.max_tokens)
@@ -330,7 +373,8 @@ def main() -> None:
     load_at_end = os.getloadavg()
     print(f"load average (1, 5, 15 min) at start {load_at_start}, at end {load_at_end}")
     args.out.with_suffix(".json").write_text(json.dumps({
-        "command": _command(), "load_average_at_start": load_at_start, "load_average_at_end": load_at_end,
+        "command": _command(), "instances_nice": args.instances_nice,
+        "load_average_at_start": load_at_start, "load_average_at_end": load_at_end,
         "summary": table, "rows": rows}, indent=1))
     try:
         import matplotlib
