@@ -106,7 +106,8 @@ class Worker:
     """One `kvxfer prefill|decode` process in its own process group, logging to a file."""
 
     def __init__(self, role: str, num_pages: int, provider: str, threads: int, log_dir: Path,
-                 same_host: bool, env_extra: dict[str, str] | None = None, name: str | None = None) -> None:
+                 same_host: bool, env_extra: dict[str, str] | None = None, name: str | None = None,
+                 kvxfer_command: str = KVXFER) -> None:
         self.role = role
         self.name = name or role
         self.log_path = log_dir / f"{self.name}.log"
@@ -119,7 +120,7 @@ class Worker:
             **(env_extra or {}),
         }
         args = [
-            KVXFER, role, "--port", "0", "--model", MODEL, "--provider", provider,
+            kvxfer_command, role, "--port", "0", "--model", MODEL, "--provider", provider,
             "--bind-host", "127.0.0.1", "--num-pages", str(num_pages),
             "--worker-id", f"bench-{self.name}-{os.getpid()}",
             "--same-host" if same_host else "--no-same-host",
@@ -652,6 +653,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-integrity", type=parse_modes, default=["full"],
                         help="the decode worker's kv_integrity: off, sampled, full, or several comma-separated "
                              "(one decode worker each, compared in one run; default full)")
+    parser.add_argument("--kvxfer-command", default=KVXFER,
+                        help="the `kvxfer` command that starts both workers (default: this environment's); "
+                             "benchmarks/kvxfer_at_commit.sh COMMIT DIR makes DIR/kvxfer-before, an earlier "
+                             "commit's build, for old-against-new runs taking turns with --name")
     parser.add_argument("--out", type=Path, default=HERE / "results", help="output directory (default benchmarks/results)")
     parser.add_argument("--name", default="bench_disagg_prefill", help="output file stem (default bench_disagg_prefill)")
     args = parser.parse_args(argv)
@@ -692,14 +697,16 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (e.g. `timeout`) must still reach the finally below that kills the workers.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
-        prefill = Worker("prefill", num_pages, args.provider, args.threads, log_dir, args.same_host)
+        prefill = Worker("prefill", num_pages, args.provider, args.threads, log_dir, args.same_host,
+                         kvxfer_command=args.kvxfer_command)
         workers.append(prefill)
         decoders: dict[str, Worker] = {}
         for mode in args.kv_integrity:
             name = "decode" if len(args.kv_integrity) == 1 else f"decode-{mode}"
             decoders[mode] = Worker("decode", num_pages, args.provider, args.threads, log_dir, args.same_host,
                                     env_extra={"KVXFER_KV_INTEGRITY": mode,
-                                                "KVXFER_KV_REGISTRATION": args.kv_registration}, name=name)
+                                                "KVXFER_KV_REGISTRATION": args.kv_registration}, name=name,
+                                    kvxfer_command=args.kvxfer_command)
             workers.append(decoders[mode])
         for w in workers:
             w.wait_ready(args.startup_timeout_s)
