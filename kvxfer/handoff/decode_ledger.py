@@ -1,36 +1,38 @@
-"""The decoder's reservation ledger: one explicit state machine per reservation.
+"""The decoder's reservation ledger: one explicit state machine per reservation, both engines.
 
-A reservation holds KV pages, a mailbox slot and an immediate (slot + generation, see
-`protocol.encode_imm`). Its states (docs/architecture.md, "Reservation states"):
+A reservation holds pages, a slot and an immediate (slot + generation,
+`immediate_slots.ImmediateSlots`). Its states and their table are `reservation_state`'s
+(docs/architecture.md, "Reservation states"): RESERVED, RECEIVING, ADMITTED, FAILED,
+CANCELLED, FENCED, FREE. The builtin decoder (kvxfer/workers/decode/) and the vLLM
+connector's receiver (kvxfer/integrations/vllm/kv_receiver.py) both keep their
+reservations here; they differ only in where the pages come from (a `PageSource`: the
+builtin's `kv.page_allocator.PageAllocator`, the connector's vLLM blocks or landing blocks,
+whose "free" means the receiver may report the load to vLLM) and in which deadlines they
+set.
 
-    RESERVED --first immediate seen--> RECEIVING
-    RESERVED | RECEIVING --every write landed--> ADMITTED --request ended--> FREE
-    RESERVED | RECEIVING --failure, KV deadline, TTL--> FAILED
-    RESERVED | RECEIVING --cancel--> CANCELLED
-    FAILED | CANCELLED --the writer is known to have stopped--> FREE
-    FAILED | CANCELLED --a write may still land--> FENCED
-    FENCED --the prefiller confirmed it stopped, or fence_timeout_s passed--> FREE
+"The writer is known to have stopped" means the prefiller said so (its abort message, or
+its /cancel answered `in_flight: false`); only then, or after the fence deadline (longer
+than any prefiller's transfer deadline, which the prefiller checks against the
+reservation), do the pages go back. An ADMITTED reservation's writes have all landed, so
+its pages are freed at once.
 
-"The writer is known to have stopped" means the prefiller said so (its abort message,
-or its /cancel answered `in_flight: false`, relayed by the router); only then, or after
-the fence deadline (longer than any prefiller's transfer deadline, which the prefiller
-checks against the reservation), do the pages go back to the pool. An ADMITTED request's
-writes have all landed, so its pages are freed at once.
+Deadlines, all in seconds on the ledger's monotonic clock, one per state (`due()` lists
+the entries whose deadline passed, `LedgerEntry.deadline_setting` says which one; the
+caller's one loop walks it: no thread or timer here):
+- RESERVED/RECEIVING: `reservation_ttl_s` after the reservation (the connector's
+  `load_timeout_s`), and, where `stall_timeout_s` is set, that long after the last
+  progress (`progress()`: more writes counted; the connector's `load_stall_timeout_s`);
+  whichever comes first.
+- FENCED: `fence_timeout_s` after the fence, cut to `fence_s` by `writer_gone()` when the
+  prefiller process is known to be gone (the connector's `dead_prefiller_fence_s`).
 
-Deadlines, all in seconds on the monotonic clock: RESERVED/RECEIVING end at
-`reservation_ttl_s` after the reservation; FENCED ends at `fence_timeout_s` after the
-fence. `due()` lists the entries whose deadline passed; the decoder's one reaper thread
-walks it (no thread or timer per reservation).
-
-The ledger owns the slots (FIFO, so a freed slot is reused as late as possible) and the
-generations, and drives the `PageAllocator`; it never touches the engine: `forget_imm` is
-called with an entry's immediate when it is fenced and when it is freed, so the decoder
-resets its count there; `close_writes` is called with the request id once, when the
-reservation stops waiting for its KV (ADMITTED, FAILED or CANCELLED), so the decoder
-revokes the descriptor it handed out for it (closes its per-reservation registration). A
-write the provider had already accepted may still be landing then, so closing does not
-shorten the fence: FAILED/CANCELLED pages stay FENCED as before. Thread-safe: one lock,
-held only for bookkeeping.
+The ledger never touches the engine: `forget_imm` is called with an entry's immediate when
+it is fenced and when it is freed, so the decoder resets its count there; `close_writes` is
+called with the request id once, when the reservation stops waiting for its KV (ADMITTED,
+FAILED or CANCELLED), so the decoder revokes the descriptor it handed out for it (closes
+its per-reservation registration). A write the provider had already accepted may still be
+landing then, so closing does not shorten the fence. Thread-safe: one lock, held only for
+bookkeeping.
 """
 
 from __future__ import annotations
@@ -38,65 +40,67 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
-from kvxfer.errors import KvxferError
-from kvxfer.kv.page_allocator import PageAllocator
-from kvxfer.kv.protocol import MAX_SLOTS, encode_imm, generations_per_slot
+from kvxfer.handoff.immediate_slots import ImmediateSlots
+from kvxfer.handoff.reservation_state import (
+    ENDED_UNCONFIRMED,
+    TRANSITIONS,
+    WAITING,
+    IllegalTransition,
+    LedgerError,
+    ReservationState,
+)
 
-
-class ReservationState(str, Enum):
-    """Where one reservation's pages, slot and immediate are in their life."""
-
-    RESERVED = "reserved"  # pages held, no immediate seen yet
-    RECEIVING = "receiving"  # at least one write of the push landed
-    ADMITTED = "admitted"  # every write landed: the request decodes; no write can come
-    FAILED = "failed"  # gave up (KV deadline, TTL, abort, bad mailbox); writer state unknown
-    CANCELLED = "cancelled"  # cancelled before admission; writer state unknown
-    FENCED = "fenced"  # waiting until no write can land (confirmation or fence deadline)
-    FREE = "free"  # pages and slot back in the pools; the entry is gone
-
+__all__ = [
+    "ENDED_UNCONFIRMED",
+    "TRANSITIONS",
+    "WAITING",
+    "DeadlineSetting",
+    "IllegalTransition",
+    "LedgerEntry",
+    "LedgerError",
+    "NoSlotError",
+    "PageSource",
+    "ReservationLedger",
+    "ReservationState",
+]
 
 S = ReservationState
 
-#: Every legal transition; anything else raises `IllegalTransition`.
-TRANSITIONS: dict[ReservationState, frozenset[ReservationState]] = {
-    S.RESERVED: frozenset({S.RECEIVING, S.ADMITTED, S.FAILED, S.CANCELLED}),
-    S.RECEIVING: frozenset({S.ADMITTED, S.FAILED, S.CANCELLED}),
-    S.ADMITTED: frozenset({S.FREE}),
-    S.FAILED: frozenset({S.FENCED, S.FREE}),
-    S.CANCELLED: frozenset({S.FENCED, S.FREE}),
-    S.FENCED: frozenset({S.FREE}),
-    S.FREE: frozenset(),
-}
-
-#: States in which the reservation still waits for its KV (the TTL runs).
-WAITING = frozenset({S.RESERVED, S.RECEIVING})
-#: States after which a prefiller's write may still land (pages must not be reused yet).
-ENDED_UNCONFIRMED = frozenset({S.FAILED, S.CANCELLED, S.FENCED})
-
-
-class LedgerError(KvxferError):
-    """Base of the ledger's errors."""
-
-
-class IllegalTransition(LedgerError, RuntimeError):
-    """A transition the table does not allow (a bug in the caller, never a client error)."""
-
-    def __init__(self, request_id: str, current: ReservationState, target: ReservationState) -> None:
-        self.request_id = request_id
-        self.current = current
-        self.target = target
-        allowed = ", ".join(sorted(s.value for s in TRANSITIONS[current])) or "nothing"
-        super().__init__(f"reservation {request_id!r}: {current.value} -> {target.value} is not allowed "
-                         f"(from {current.value}: {allowed})")
-
 
 class NoSlotError(LedgerError):
-    """Every mailbox slot is taken (max_requests reservations live or fenced)."""
+    """Every slot is taken (that many reservations live or fenced)."""
+
+
+class PageSource(Protocol):
+    """Where a reservation's pages come from and what handing them back means.
+
+    `reserve` takes pages for a new reservation (raising leaves nothing taken); `free`
+    hands them back at once (the writer stopped, or every write landed);
+    `release_after_quiesce` then `confirm_quiesced` hand them back only after a fence.
+    """
+
+    def reserve(self, request_id: str, num_tokens: int, prefix: Sequence[bytes]) -> list[int]: ...
+
+    def held_pages(self, request_id: str) -> int: ...
+
+    def free(self, request_id: str) -> None: ...
+
+    def release_after_quiesce(self, request_id: str) -> None: ...
+
+    def confirm_quiesced(self, request_id: str) -> None: ...
+
+
+class DeadlineSetting(str, Enum):
+    """Which limit an entry's `deadline` is (named after the ledger's settings)."""
+
+    RESERVATION_TTL = "reservation_ttl_s"
+    STALL = "stall_timeout_s"
+    FENCE = "fence_timeout_s"
+    WRITER_GONE = "writer_gone_fence_s"
 
 
 @dataclass
@@ -115,7 +119,18 @@ class LedgerEntry:
     held_pages: int = 0
     #: Monotonic seconds at which the current state times out (None: no deadline).
     deadline: float | None = None
+    #: Which limit `deadline` is.
+    deadline_setting: DeadlineSetting | None = None
+    #: Why it failed or was cancelled: the first reason given, kept through the fence.
     reason: str = ""
+    #: Writes counted at the last `progress()`, and when that count last grew (or the
+    #: reservation was made).
+    landed: int = 0
+    progress_at: float = 0.0
+    #: `writer_gone()` cut the fence: the prefiller process is gone.
+    writer_gone: bool = False
+    #: When `reservation_ttl_s` ends (the waiting states' outer bound).
+    expires_at: float = 0.0
     history: list[tuple[ReservationState, float]] = field(default_factory=list)
 
 
@@ -124,34 +139,35 @@ class ReservationLedger:
 
     def __init__(
         self,
-        allocator: PageAllocator,
+        allocator: PageSource,
         max_slots: int,
         *,
         reservation_ttl_s: float,
         fence_timeout_s: float,
+        stall_timeout_s: float | None = None,
         forget_imm: Callable[[int], None] = lambda imm: None,
         close_writes: Callable[[str], None] = lambda request_id: None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not 0 < max_slots <= MAX_SLOTS:
-            raise ValueError(f"max_slots must be in 1..{MAX_SLOTS}, got {max_slots}")
         if not reservation_ttl_s > 0 or not fence_timeout_s > 0:
             raise ValueError(f"reservation_ttl_s and fence_timeout_s must be > 0, got {reservation_ttl_s}, {fence_timeout_s}")
+        if stall_timeout_s is not None and not stall_timeout_s > 0:
+            raise ValueError(f"stall_timeout_s must be > 0 (or None: no stall deadline), got {stall_timeout_s}")
         self.allocator = allocator
         self.reservation_ttl_s = reservation_ttl_s
         self.fence_timeout_s = fence_timeout_s
+        self.stall_timeout_s = stall_timeout_s
         self._forget_imm = forget_imm
         self._close_writes = close_writes
         self._clock = clock
-        self._generations = generations_per_slot(max_slots)
-        self._next_generation = [0] * max_slots
-        self._free_slots: deque[int] = deque(range(max_slots))
+        self._slots = ImmediateSlots(max_slots)
         self._entries: dict[str, LedgerEntry] = {}
         self._by_imm: dict[int, LedgerEntry] = {}
         self._lock = threading.RLock()
 
     # ---- queries ---------------------------------------------------------------------
     def get(self, request_id: str) -> LedgerEntry | None:
+        """The live entry of `request_id` (None once FREE, or never opened)."""
         with self._lock:
             return self._entries.get(request_id)
 
@@ -161,15 +177,18 @@ class ReservationLedger:
             return self._by_imm.get(imm)
 
     def entries(self) -> list[LedgerEntry]:
+        """Every live entry (a copy of the list: the caller may move them)."""
         with self._lock:
             return list(self._entries.values())
 
     def count(self, *states: ReservationState) -> int:
+        """Live entries in any of `states`."""
         with self._lock:
             return sum(1 for e in self._entries.values() if e.state in states)
 
     def due(self) -> list[LedgerEntry]:
-        """Entries whose state's deadline has passed (TTL of a waiting one, fence of a fenced one)."""
+        """Entries whose state's deadline has passed (a waiting one's TTL or stall bound, a
+        fenced one's fence); `deadline_setting` says which."""
         now = self._clock()
         with self._lock:
             return [e for e in self._entries.values() if e.deadline is not None and e.deadline <= now]
@@ -177,36 +196,52 @@ class ReservationLedger:
     @property
     def free_slots(self) -> int:
         with self._lock:
-            return len(self._free_slots)
+            return self._slots.free
 
     # ---- transitions -------------------------------------------------------------------
     def open(self, request_id: str, num_tokens: int, prefix: Sequence[bytes] = ()) -> LedgerEntry:
-        """A new RESERVED entry: pages for `num_tokens`, a slot, a fresh generation and nonce.
+        """A new RESERVED entry: pages for `num_tokens` from the page source, a slot, a fresh
+        generation and nonce.
 
         `prefix`: block hashes of the leading full blocks the request may reuse from the
         allocator's prefix cache (`LedgerEntry.held_pages` says how many it got). Raises
-        `NoSlotError`, or the allocator's `OutOfPagesError` / `DuplicateRequestError`;
-        nothing is taken then.
+        `NoSlotError`, or the page source's error (the allocator's `OutOfPagesError` /
+        `DuplicateRequestError`); nothing is taken then.
         """
         with self._lock:
             if request_id in self._entries:
                 raise LedgerError(f"reservation {request_id!r} already exists")
-            if not self._free_slots:
-                raise NoSlotError(f"reservation {request_id!r}: all {len(self._next_generation)} mailbox slots are taken")
+            if not self._slots.free:
+                raise NoSlotError(f"reservation {request_id!r}: all {self._slots.size} mailbox slots are taken")
             pages = self.allocator.reserve(request_id, num_tokens, prefix)
             held = self.allocator.held_pages(request_id) if prefix else 0
-            slot = self._free_slots.popleft()
-            generation = self._next_generation[slot]
-            self._next_generation[slot] = (generation + 1) % self._generations
+            taken = self._slots.take()
+            assert taken is not None  # checked above, under the lock
             now = self._clock()
             entry = LedgerEntry(
-                request_id=request_id, slot=slot, generation=generation, imm=encode_imm(slot, generation),
-                nonce=secrets.randbits(63), pages=pages, deadline=now + self.reservation_ttl_s,
-                history=[(S.RESERVED, now)], held_pages=held,
+                request_id=request_id, slot=taken.slot, generation=taken.generation, imm=taken.imm,
+                nonce=secrets.randbits(63), pages=pages, history=[(S.RESERVED, now)], held_pages=held,
+                progress_at=now, expires_at=now + self.reservation_ttl_s,
             )
+            self._set_waiting_deadline(entry)
             self._entries[request_id] = entry
             self._by_imm[entry.imm] = entry
             return entry
+
+    def progress(self, request_id: str, landed: int) -> bool:
+        """`landed` writes are counted for a waiting reservation: if more than last time,
+        its stall deadline starts again and a RESERVED one moves to RECEIVING. True if the
+        count grew; False for a count that did not, or an entry that no longer waits."""
+        with self._lock:
+            entry = self._entries[request_id]
+            if entry.state not in WAITING or landed <= entry.landed:
+                return False
+            entry.landed = landed
+            entry.progress_at = self._clock()
+            if entry.state is S.RESERVED:
+                self.move(request_id, S.RECEIVING)
+            self._set_waiting_deadline(entry)
+            return True
 
     def move(self, request_id: str, target: ReservationState, reason: str = "") -> LedgerEntry:
         """Applies one transition and its effect on pages, slot and deadline.
@@ -223,17 +258,17 @@ class ReservationLedger:
             now = self._clock()
             entry.state = target
             entry.history.append((target, now))
-            if reason:
+            if reason and not entry.reason:
                 entry.reason = reason
             if previous in WAITING and target not in WAITING:
                 # No write of this reservation is wanted any more: revoke its descriptor
                 # before anything else can happen to its pages.
                 self._close_writes(request_id)
             if target is S.RECEIVING:
-                pass  # the TTL keeps running
+                pass  # the wait deadlines keep running
             elif target is S.FENCED:
                 self.allocator.release_after_quiesce(request_id)
-                entry.deadline = now + self.fence_timeout_s
+                entry.deadline, entry.deadline_setting = now + self.fence_timeout_s, DeadlineSetting.FENCE
                 self._forget_imm(entry.imm)
             elif target is S.FREE:
                 if previous is S.FENCED:
@@ -245,10 +280,10 @@ class ReservationLedger:
                 self._forget_imm(entry.imm)
                 del self._entries[request_id]
                 del self._by_imm[entry.imm]
-                self._free_slots.append(entry.slot)
-                entry.deadline = None
-            else:  # ADMITTED, FAILED, CANCELLED: the TTL no longer applies
-                entry.deadline = None
+                self._slots.give_back(entry.slot)
+                entry.deadline, entry.deadline_setting = None, None
+            else:  # ADMITTED, FAILED, CANCELLED: the wait deadlines no longer apply
+                entry.deadline, entry.deadline_setting = None, None
             return entry
 
     def end(self, request_id: str, outcome: ReservationState, *, writer_stopped: bool, reason: str = "") -> LedgerEntry:
@@ -273,3 +308,24 @@ class ReservationLedger:
             if entry is None or entry.state not in ENDED_UNCONFIRMED:
                 return None
             return self.move(request_id, S.FREE, "prefiller confirmed that its writes stopped")
+
+    def writer_gone(self, request_id: str, fence_s: float) -> LedgerEntry | None:
+        """The prefiller process is gone (it can post nothing more, and the reservation's
+        registration is revoked): a FENCED entry's fence ends at most `fence_s` from now,
+        the grace for bytes this decoder already received. None unless it is FENCED."""
+        with self._lock:
+            entry = self._entries.get(request_id)
+            if entry is None or entry.state is not S.FENCED:
+                return None
+            cut = self._clock() + fence_s
+            assert entry.deadline is not None
+            if cut < entry.deadline:
+                entry.deadline, entry.deadline_setting = cut, DeadlineSetting.WRITER_GONE
+            entry.writer_gone = True
+            return entry
+
+    def _set_waiting_deadline(self, entry: LedgerEntry) -> None:
+        """The earlier of the TTL and the stall bound (lock held)."""
+        entry.deadline, entry.deadline_setting = entry.expires_at, DeadlineSetting.RESERVATION_TTL
+        if self.stall_timeout_s is not None and entry.progress_at + self.stall_timeout_s < entry.expires_at:
+            entry.deadline, entry.deadline_setting = entry.progress_at + self.stall_timeout_s, DeadlineSetting.STALL

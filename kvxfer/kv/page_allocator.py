@@ -77,8 +77,12 @@ class RequestStateError(PageAllocationError):
     """The call does not fit the request's state, e.g. `free` on a quarantined request."""
 
 
-class ReservationState(str, Enum):
-    """State of a request's pages: `RESERVED` (in use) or `QUARANTINED` (waiting to quiesce)."""
+class PageHold(str, Enum):
+    """How a request holds its pages: `RESERVED` (in use) or `QUARANTINED` (waiting to quiesce).
+
+    Not the reservation's state (`handoff.reservation_state.ReservationState`, the ledger's):
+    only what the pool knows of the pages.
+    """
 
     RESERVED = "reserved"
     QUARANTINED = "quarantined"
@@ -88,7 +92,7 @@ class ReservationState(str, Enum):
 class _Reservation:
     pages: list[int]
     num_tokens: int
-    state: ReservationState = ReservationState.RESERVED
+    state: PageHold = PageHold.RESERVED
     #: Leading pages that came from the prefix cache (read-only for this request).
     held: int = 0
     #: Block hashes this request holds a prefix-cache reference on (reused or published).
@@ -194,7 +198,7 @@ class PageAllocator:
         with self._lock:
             return list(self._get(request_id).pages)
 
-    def state(self, request_id: RequestId) -> ReservationState:
+    def state(self, request_id: RequestId) -> PageHold:
         """Whether the request's pages are reserved or quarantined."""
         with self._lock:
             return self._get(request_id).state
@@ -258,7 +262,7 @@ class PageAllocator:
         """
         with self._lock:
             reservation = self._get(request_id)
-            self._require(reservation, request_id, ReservationState.RESERVED, "publish")
+            self._require(reservation, request_id, PageHold.RESERVED, "publish")
             if self._cache is None:
                 return 0
             published = 0
@@ -279,7 +283,7 @@ class PageAllocator:
             raise ValueError(f"extra_tokens must be >= 0, got {extra_tokens}")
         with self._lock:
             reservation = self._get(request_id)
-            self._require(reservation, request_id, ReservationState.RESERVED, "grow")
+            self._require(reservation, request_id, PageHold.RESERVED, "grow")
             new_tokens = reservation.num_tokens + extra_tokens
             needed = self.pages_for_tokens(new_tokens) - len(reservation.pages)
             added = self._take(request_id, needed) if needed > 0 else []
@@ -297,7 +301,7 @@ class PageAllocator:
         """
         with self._lock:
             reservation = self._get(request_id)
-            self._require(reservation, request_id, ReservationState.RESERVED, "free")
+            self._require(reservation, request_id, PageHold.RESERVED, "free")
             del self._requests[request_id]
             own = self._drop_refs(reservation)
             self._reserved_count -= len(own)
@@ -312,8 +316,8 @@ class PageAllocator:
         """
         with self._lock:
             reservation = self._get(request_id)
-            self._require(reservation, request_id, ReservationState.RESERVED, "release_after_quiesce")
-            reservation.state = ReservationState.QUARANTINED
+            self._require(reservation, request_id, PageHold.RESERVED, "release_after_quiesce")
+            reservation.state = PageHold.QUARANTINED
             # Its cached pages keep their references (pinned) until the quiesce too.
             own = self._own_pages(reservation)
             self._reserved_count -= len(own)
@@ -326,7 +330,7 @@ class PageAllocator:
         """
         with self._lock:
             reservation = self._get(request_id)
-            self._require(reservation, request_id, ReservationState.QUARANTINED, "confirm_quiesced")
+            self._require(reservation, request_id, PageHold.QUARANTINED, "confirm_quiesced")
             del self._requests[request_id]
             own = self._drop_refs(reservation)
             self._quarantined_count -= len(own)
@@ -341,7 +345,7 @@ class PageAllocator:
             raise UnknownRequestError(request_id, "holds no pages (never reserved or already freed)") from None
 
     @staticmethod
-    def _require(reservation: _Reservation, request_id: RequestId, state: ReservationState, action: str) -> None:
+    def _require(reservation: _Reservation, request_id: RequestId, state: PageHold, action: str) -> None:
         if reservation.state is not state:
             raise RequestStateError(request_id, f"cannot {action}: pages are {reservation.state.value}")
 

@@ -14,7 +14,7 @@ from kvxfer.kv.page_allocator import (
     PageAllocationError,
     PageAllocator,
     RequestStateError,
-    ReservationState,
+    PageHold,
     UnknownRequestError,
 )
 
@@ -181,7 +181,7 @@ def test_quarantined_request_cannot_be_freed_grown_or_quarantined_again() -> Non
     allocator = PageAllocator(4, BLOCK)
     allocator.reserve("a", 1)
     allocator.release_after_quiesce("a")
-    assert allocator.state("a") is ReservationState.QUARANTINED
+    assert allocator.state("a") is PageHold.QUARANTINED
     with pytest.raises(RequestStateError, match="cannot free: pages are quarantined"):
         allocator.free("a")
     with pytest.raises(RequestStateError):
