@@ -12,13 +12,8 @@ from starlette.concurrency import run_in_threadpool
 
 from kvxfer.errors import TransferTimeout
 from kvxfer.workers.control_auth import caller_of
-from kvxfer.workers.decode.service import (
-    DecodeJob,
-    DecodeService,
-    DecodeSettings,
-    RequestState,
-    token_events,
-)
+from kvxfer.workers.decode.job import DecodeJob, DecodePhase, token_events
+from kvxfer.workers.decode.service import DecodeService, DecodeSettings
 from kvxfer.workers.http_server import (
     body_field,
     create_worker_app,
@@ -43,8 +38,8 @@ async def _respond(runtime: DecodeService, job: DecodeJob, stream: bool) -> Any:
                     yield (json.dumps(item) + "\n").encode()
             finally:
                 # Client went away mid-stream: stop decoding for it.
-                if job.state is RequestState.RUNNING:
-                    runtime.end(job, RequestState.CANCELLED)
+                if job.phase is DecodePhase.RUNNING:
+                    runtime.end(job, DecodePhase.CANCELLED)
 
         return StreamingResponse(lines(), media_type="application/x-ndjson", headers=headers)
     items = [item async for item in token_events(job)]
@@ -139,4 +134,4 @@ def run_decode_worker(settings: DecodeSettings) -> None:
     try:
         serve(app, runtime.core, runtime.load, runtime.in_flight)
     finally:
-        runtime.stop_batch_loop()
+        runtime.stop_threads()

@@ -1,0 +1,107 @@
+"""The check of a push whose count completed, before the decoder admits it (kv.integrity).
+
+The mailbox record must be this reservation's (with a cluster key, its checksum table
+tagged under the cluster's table key), no write may have been counted twice, and (per
+`kv_integrity`: off, sampled, full) the pages' CRC-32C must equal the prefiller's. What
+passes gets a `TransferReceipt`; what fails raises `KVIntegrityError`.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import numpy as np
+
+from kvxfer.kv.integrity import KVIntegrity, KVIntegrityError, TransferReceipt, prompt_kv_digest, verify_pages
+from kvxfer.kv.protocol import decode_mailbox, mailbox_checksums, mailbox_tag_verifies
+from kvxfer.metrics import DecodeMetrics
+from kvxfer.workers.decode.job import DecodeJob
+from kvxfer.workers.decode.mailbox import DecodeMailbox
+from kvxfer.workers.worker_core import WorkerCore
+
+#: The receipt's word for what each `kv_integrity` mode checked.
+VERDICTS = {KVIntegrity.OFF: "unchecked", KVIntegrity.SAMPLED: "sampled", KVIntegrity.FULL: "verified"}
+
+
+class LandedKVCheck:
+    """Checks the landed KV of a job whose immediate count completed. Stateless but for
+    its sampling generator; runs off the event loop (a full check reads the prompt's KV)."""
+
+    def __init__(self, core: WorkerCore, mailbox: DecodeMailbox, metrics: DecodeMetrics, *, mode: KVIntegrity,
+                 sample_rate: float, table_key: bytes | None, receipt_digest: bool) -> None:
+        self._core = core
+        self._mailbox = mailbox
+        self._metrics = metrics
+        self._mode = mode
+        self._sample_rate = sample_rate
+        # With a cluster key, only checksum tables tagged under it are believed.
+        self._table_key = table_key
+        self._receipt_digest = receipt_digest
+        self._sample_rng = random.Random()
+
+    def check(self, job: DecodeJob, landed_at: float) -> tuple[int, TransferReceipt]:
+        """The first token and the receipt of a job whose count completed at `landed_at`
+        (monotonic); raises `KVIntegrityError` if the mailbox, the count or a page's
+        checksum says the landed KV is not the push that was meant."""
+        cfg = self._core.config
+        rid = job.request_id
+        raw = self._mailbox.read(job.slot)
+        try:
+            nonce, first_token, prompt_tokens = decode_mailbox(raw)
+        except ValueError:
+            nonce, first_token, prompt_tokens = -1, -1, -1
+        if nonce != job.nonce or prompt_tokens != job.prompt_tokens:
+            raise KVIntegrityError(rid, "mailbox_mismatch", "the count completed but the mailbox holds another "
+                                   "record: a write was counted twice or came from elsewhere")
+        pushed = job.pushed_pages
+        verify_s, checked, mismatches = 0.0, 0, []
+        if self._mode is not KVIntegrity.OFF:
+            table = self._checksum_table(job, raw)
+            t0 = time.perf_counter()
+            verification = verify_pages(self._core.cache, pushed, table.reshape(cfg.num_layers, -1), self._mode,
+                                        self._sample_rate, self._sample_rng)
+            verify_s = time.perf_counter() - t0
+            checked, mismatches = verification.checked, verification.mismatches
+            self._metrics.pages_verified.inc(checked)
+            self._metrics.verify_duration.observe(verify_s)
+        landed = self._core.engine.imm_count(job.imm)
+        if landed > job.expected_count:
+            raise KVIntegrityError(rid, "write_overcount", f"{landed} writes counted, the reservation expects "
+                                   f"{job.expected_count}: a page was written twice")
+        if mismatches:
+            layer, block, page = mismatches[0]
+            raise KVIntegrityError(rid, "checksum_mismatch", f"{len(mismatches)} of {checked} checked pages differ "
+                                   f"from the prefiller's CRC-32C; first: layer {layer}, block {block}, page {page}")
+        receipt = TransferReceipt(
+            request_id=rid,
+            kv_bytes=cfg.num_layers * len(pushed) * self._core.cache.page_bytes,
+            pages=len(pushed),
+            layers=cfg.num_layers,
+            wire_ms=max(0.0, landed_at - (job.first_imm_at or landed_at)) * 1e3,
+            verify_ms=verify_s * 1e3,
+            verdict=VERDICTS[self._mode],
+            pages_checked=checked,
+        )
+        if self._receipt_digest:
+            receipt.kv_digest = prompt_kv_digest(self._core.cache, job.prompt_pages, job.prompt_tokens)
+        return first_token, receipt
+
+    def _checksum_table(self, job: DecodeJob, raw: bytes) -> np.ndarray:
+        """The prefiller's CRC-32C table from the mailbox slot, one per (layer, pushed page)."""
+        rid = job.request_id
+        if self._table_key is not None and not mailbox_tag_verifies(raw, self._table_key, job.imm):
+            # CRC-32C is not keyed: whoever holds a stolen reservation can send the right
+            # table for forged pages, so only a table a holder of the cluster key tagged counts.
+            raise KVIntegrityError(rid, "mailbox_mismatch", "the checksum table carries no tag that verifies "
+                                   "under the cluster key: the record was not written by a prefiller of "
+                                   "this cluster")
+        try:
+            table = np.frombuffer(mailbox_checksums(raw), dtype="<u4")
+        except ValueError as exc:
+            raise KVIntegrityError(rid, "checksums_missing", str(exc)) from None
+        num_layers = self._core.config.num_layers
+        if table.size != num_layers * len(job.pushed_pages):
+            raise KVIntegrityError(rid, "checksums_missing", f"the prefiller sent {table.size} checksums, "
+                                   f"{num_layers} layers x {len(job.pushed_pages)} pages were pushed")
+        return table
