@@ -26,7 +26,7 @@ ContextTag tag_of(void* context) {
 
 }  // namespace
 
-ProgressWorker::ProgressWorker(RailGroup& rails, WorkerSettings settings, ImmRingBoard* imm_ring)
+ProgressWorker::ProgressWorker(RailGroup& rails, ProgressWorkerSettings settings, ImmRingBoard* imm_ring)
     : rails_(rails),
       settings_(settings),
       inbox_(settings.inbox_max_messages, settings.inbox_max_bytes, engine_stats_),

@@ -38,7 +38,7 @@
 
 namespace kvxfer {
 
-struct WorkerSettings {
+struct ProgressWorkerSettings {
   // Ops in flight per rail: deep enough to keep a TCP stream busy with 16 KiB pages,
   // shallow enough to stay far below the provider's queue and CQ sizes.
   size_t max_inflight_per_rail = 256;
@@ -85,7 +85,7 @@ class ProgressWorker {
  public:
   // `imm_ring`: where same-host peers leave immediates for this engine (null: nowhere);
   // it must outlive the worker.
-  ProgressWorker(RailGroup& rails, WorkerSettings settings, ImmRingBoard* imm_ring = nullptr);
+  ProgressWorker(RailGroup& rails, ProgressWorkerSettings settings, ImmRingBoard* imm_ring = nullptr);
   ~ProgressWorker();
 
   // Hands a planned batch to the worker. Throws if the worker is stopped.
@@ -196,7 +196,7 @@ class ProgressWorker {
   void fail_everything(const std::string& why);
 
   RailGroup& rails_;
-  WorkerSettings settings_;
+  ProgressWorkerSettings settings_;
   EngineStats engine_stats_;
   EventQueue events_;
   ControlInbox inbox_;

@@ -51,7 +51,7 @@ struct EngineSettings {
   // that cannot have huge pages keeps its small ones.
   bool huge_pages_on_register = true;
   PlannerSettings planner;
-  WorkerSettings worker;
+  ProgressWorkerSettings worker;
 };
 
 // A peer's memory region, parsed once and cached by the caller for repeated writes.
