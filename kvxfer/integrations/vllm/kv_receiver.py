@@ -1,24 +1,32 @@
 """Decode side of the worker half: reserve, admit on the ImmCounter, fence before freeing.
 
-Each load vLLM parks in WAITING_FOR_REMOTE_KVS becomes a `DecodeLoad`:
+Each load vLLM parks in WAITING_FOR_REMOTE_KVS becomes a `DecodeLoad` per prefill rank it
+draws from, each one entry of the hand-off's `ReservationLedger` (kvxfer/handoff/,
+the builtin decoder's state machine; docs/architecture.md, "Reservation states"):
 
-    RESERVED --every expected page landed--> ADMITTED (reported loaded)
-        |--load_timeout_s passed, or load_stall_timeout_s without a new write,
-        |  or vLLM aborted the request--------------------> FENCING (cancel sent)
-        |--the prefiller's abort (no write in flight)-------> FAILED
-    FENCING --prefiller confirms stopped, or fence_timeout_s passed--> FAILED (reported)
+    RESERVED --first write counted--> RECEIVING
+    RESERVED | RECEIVING --every expected page landed and checked--> ADMITTED
+        |--load_timeout_s passed, or load_stall_timeout_s without a new write, a failed
+        |  check, or vLLM aborted the request--> FAILED | CANCELLED --> FENCED (cancel sent)
+        |--the prefiller's abort (no write in flight)--> FAILED --> FREE
+    FENCED --prefiller confirms stopped, or fence_timeout_s passed--> FREE
+    ADMITTED --reported to vLLM--> FREE
 
-A load is reported to vLLM (finished_recving, plus failed_recving when it failed) only in
-ADMITTED or FAILED: vLLM frees or recomputes the blocks after that, and by then no write for
-them can land: the prefiller said none is in flight, or its deadline and the fence passed.
+A load is reported to vLLM (finished_recving, plus failed_recving when it failed) only once
+each of its parts is ADMITTED or FREE: vLLM frees or recomputes the blocks after that, and
+by then no write for them can land: every write landed, or the prefiller said none is in
+flight, or its deadline and the fence passed. Its pages come from `LoadPages`, the ledger's
+page source here: the request's own blocks, or landing blocks for them (device caches).
 A prefiller frozen longer than `fence_timeout_s` that wakes up refuses to post, because
 its own `transfer_timeout_s` is shorter than the fence (checked on both sides).
 
 Where `kv_integrity` is on, a load is admitted only once every write landed and the
 prefiller's checksum table arrived (a control message, tagged where the cluster has a key:
 kv_checksums.py) and the landed blocks' CRC-32C equal it (every block with `full`, a share
-with `sampled`); otherwise it fails (FENCING, then FAILED) with an error naming the request,
-layer and block, and vLLM fails or recomputes it (`kv_load_failure_policy`). Tests read what
+with `sampled`), the step the builtin decoder runs too (`handoff.admission.check_landed`,
+which also fails a count above the expected one, whatever `kv_integrity` says); otherwise it
+fails (FAILED, fenced, then reported) with an error naming the request, layer and block, and
+vLLM fails or recomputes it (`kv_load_failure_policy`). Tests read what
 a load reserved and admitted through the `ConnectorHooks` given at construction.
 
 Under tensor parallelism each decode rank runs its own receiver. A rank whose heads come
@@ -28,13 +36,14 @@ reservation of its own (slot, immediate, nonce, scope, checksum table over its h
 sent as a sliced reservation (sliced_reservation.py); the request is admitted once every
 part is, and fails (the other parts fenced) when one part fails.
 
-The immediate of a reservation is a slot and a generation (`kvxfer.kv.protocol`): a slot
-comes back only with a new generation, so a late write of an earlier holder never counts.
+The immediate of a reservation is a slot and a generation, handed out by the ledger
+(`handoff.immediate_slots`): a slot comes back only with a new generation, so a late write
+of an earlier holder never counts.
 
 With `kv_registration: per_reservation` (the default) a load hands its prefiller a
 registration of its own blocks only, with fresh random keys, and credits its immediate only
 from the prefiller it names (where the provider can tell a sender). Both are revoked the
-moment the load leaves RESERVED: a stolen descriptor writes nothing outside the load's
+moment the load stops waiting (RESERVED/RECEIVING): a stolen descriptor writes nothing outside the load's
 blocks, and nothing at all once the load was admitted, cancelled or timed out.
 
 A prefiller that died is noticed in about a second, not at load_stall_timeout_s plus
@@ -42,36 +51,32 @@ fence_timeout_s: a load with no new write for `prefiller_probe_after_s` gets its
 probed (one probe message in flight per prefiller address, however many loads wait on it).
 A probe, or a cancel, that fails as unreachable or is not delivered within
 `prefiller_probe_timeout_s` means the process is gone (a live one, even a frozen one, has
-its kernel take the bytes at once): every load on it goes to FENCING, and with
+its kernel take the bytes at once): every load on it is fenced, and with
 per_reservation registration it is freed after `dead_prefiller_fence_s`, not
 fence_timeout_s. That is safe because no write for it can land any more: the process that
-could post one is gone, and the load's registration was revoked when it left RESERVED, so
+could post one is gone, and the load's registration was revoked when it stopped waiting, so
 even a write some other holder of the descriptor posts fails at the writer; the short grace
 only lets this decoder's progress thread finish bytes it already received. With the
 whole_cache registration nothing is revoked, so such a load keeps the full fence.
 """
 
+
 from __future__ import annotations
 
-import enum
 import logging
 import random
-import secrets
 import time
 from dataclasses import dataclass, field, replace
+from typing import Sequence
 
 from kvxfer.errors import TransferError
-from kvxfer.kv.integrity import KVIntegrity, KVIntegrityError
+from kvxfer.handoff.admission import check_landed
+from kvxfer.handoff.decode_ledger import WAITING, DeadlineSetting, LedgerEntry, ReservationLedger
+from kvxfer.handoff.decode_ledger import ReservationState as Res
 from kvxfer.handoff.push_monitor import peer_unreachable
-from kvxfer.kv.protocol import (
-    KVReservation,
-    encode_cancel,
-    encode_imm,
-    encode_probe,
-    encode_reservation_message,
-    generations_per_slot,
-)
 from kvxfer.handoff.reservation_scope import ReservationScope
+from kvxfer.kv.integrity import KVIntegrity, KVIntegrityError, Verification
+from kvxfer.kv.protocol import KVReservation, encode_cancel, encode_probe, encode_reservation_message
 from kvxfer.registry.signing import checksum_table_key_of
 from kvxfer.transfer.engine import RegisteredMemory, Transfer, TransferEngine
 
@@ -87,38 +92,105 @@ from .sliced_reservation import SliceTarget, encode_sliced_reservation
 log = logging.getLogger(__name__)
 
 
-class LoadState(enum.Enum):
-    """Where one reservation is."""
+class LoadPages:
+    """The ledger's page source on a vLLM decoder (`handoff.decode_ledger.PageSource`).
 
-    RESERVED = "reserved"
-    ADMITTED = "admitted"
-    FENCING = "fencing"
-    FAILED = "failed"
+    A load's pages are its request's vLLM blocks, or as many landing blocks (device
+    caches), taken once per request by `take` and shared by its parts (one ledger entry per
+    prefill rank it draws heads from). A part's pages are handed back (`free`, or
+    `confirm_quiesced` after a fence) once no write for it can land; when the last part of
+    a request hands them back its landing blocks are free again, and the receiver reports
+    the load to vLLM, which then frees or recomputes the blocks. Nothing is held in
+    quarantine here: a fenced part's blocks are simply not reported yet.
+    """
+
+    def __init__(self, landing: DirectLanding | StagedLanding) -> None:
+        self._landing = landing
+        self._request_of: dict[str, str] = {}  # ledger key of a part -> its request id
+        self._pages: dict[str, list[int]] = {}  # request id -> the pages its prefillers write
+        self._holding: dict[str, int] = {}  # request id -> parts that have not handed them back
+
+    def take(self, request_id: str, blocks: list[int], parts: int) -> list[str] | None:
+        """Pages for `blocks`, shared by `parts` parts; returns the parts' ledger keys (None:
+        no landing room)."""
+        pages = self._landing.reserve(blocks)
+        if pages is None:
+            return None
+        keys = [request_id] if parts == 1 else [f"{request_id}#{i}" for i in range(parts)]
+        self._request_of.update((key, request_id) for key in keys)
+        self._pages[request_id] = pages
+        self._holding[request_id] = parts
+        return keys
+
+    def reserve(self, request_id: str, num_tokens: int, prefix: Sequence[bytes]) -> list[int]:
+        """The pages `take` set aside for this part's request (vLLM chose the blocks, so
+        `num_tokens` and `prefix` say nothing more)."""
+        return self._pages[self._request_of[request_id]]
+
+    def held_pages(self, request_id: str) -> int:
+        return 0  # vLLM's prefix hit is outside the reservation (its first_page)
+
+    def free(self, request_id: str) -> None:
+        request = self._request_of.pop(request_id)
+        self._holding[request] -= 1
+        if not self._holding[request]:
+            del self._holding[request]
+            self._landing.release(self._pages.pop(request))  # no write for them can land any more
+
+    def release_after_quiesce(self, request_id: str) -> None:
+        """Nothing to do: the blocks stay unreported until the fence ends."""
+
+    def confirm_quiesced(self, request_id: str) -> None:
+        self.free(request_id)
 
 
 @dataclass
 class DecodeLoad:
-    """One request's reservation on this decoder."""
+    """One part of a request's load on this decoder: the connector's data; where it is in
+    the hand-off is its ledger `entry`'s state (None: refused before anything was reserved)."""
 
     spec: LoadSpec
-    reservation: KVReservation | None
-    slot: int
+    entry: LedgerEntry | None
     sent_at: float
-    deadline: float  # load_timeout_s after sent_at: the most a load may take
-    stall_deadline: float = 0.0  # load_stall_timeout_s after the last write landed (or sent_at)
-    landed: int = 0  # writes counted at the last poll
-    state: LoadState = LoadState.RESERVED
-    reason: str = ""
-    fence_deadline: float = 0.0
+    reservation: KVReservation | None = None
+    refusal: str = ""  # why it was refused (no entry)
     vllm_aborted: bool = False
     scope: ReservationScope | None = None  # its registration and immediate binding, until revoked
-    pages: list[int] = field(default_factory=list)  # what the prefiller writes: its blocks, or landing blocks
     checksums: LoadChecksums | None = None  # the prefiller's table as it arrives (kv_integrity on)
     target: SliceTarget | None = None  # the heads this part takes from its prefill rank (None: whole blocks)
     sent: Transfer | None = None  # the reservation message, until it is known to have left
-    cancel_sent: Transfer | None = None  # the cancel message (FENCING), until it is known to have left
+    cancel_sent: Transfer | None = None  # the cancel message (fenced), until it is known to have left
     cancel_sent_at: float = 0.0
-    prefiller_gone: bool = False  # its fence was cut to dead_prefiller_fence_s
+
+    @property
+    def pages(self) -> list[int]:
+        """What the prefiller writes: the request's blocks, or landing blocks."""
+        return self.entry.pages if self.entry is not None else []
+
+    @property
+    def reason(self) -> str:
+        """Why it failed or is being fenced ("" while it is fine)."""
+        return self.entry.reason if self.entry is not None else self.refusal
+
+    @property
+    def waiting(self) -> bool:
+        """Reserved and not yet every write landed (RESERVED or RECEIVING)."""
+        return self.entry is not None and self.entry.state in WAITING
+
+    @property
+    def fenced(self) -> bool:
+        return self.entry is not None and self.entry.state is Res.FENCED
+
+    @property
+    def failed(self) -> bool:
+        """Ended without admission, and no write for it can land (refused, or FREE before
+        it was reported: only an admitted part stays until then)."""
+        return self.entry is None or self.entry.state is Res.FREE
+
+    @property
+    def settled(self) -> bool:
+        """Ready to report: admitted, or failed."""
+        return self.failed or self.entry.state is Res.ADMITTED
 
     @property
     def heads(self) -> tuple[int, int] | None:
@@ -145,12 +217,14 @@ class KVReceiver:
         self.landing = landing or (DirectLanding(memory, region.geometry) if memory is not None
                                    else StagedLanding(engine, region))
         self.metrics = metrics
-        slots = settings.max_concurrent_loads
-        self._generations = generations_per_slot(slots)
-        self._generation = [0] * slots
-        self._free_slots = list(range(slots - 1, -1, -1))
+        self.pages = LoadPages(self.landing)
+        self.ledger = ReservationLedger(
+            self.pages, settings.max_concurrent_loads, reservation_ttl_s=settings.load_timeout_s,
+            fence_timeout_s=settings.fence_timeout_s, stall_timeout_s=settings.load_stall_timeout_s,
+            forget_imm=engine.reset_imm, close_writes=self._close_writes,
+        )
         self._loads: dict[str, list[DecodeLoad]] = {}  # request id -> its parts (one per prefill rank)
-        self._by_imm: dict[int, DecodeLoad] = {}
+        self._parts: dict[str, DecodeLoad] = {}  # ledger key -> part, until reported
         #: prefill engine address -> (its probe in flight or last sent, when it was sent)
         self._probes: dict[bytes, tuple[Transfer | None, float]] = {}
         metrics.foreign_immediates.set_function(lambda: float(engine.engine_stats().get("imm_foreign_dropped", 0)))
@@ -159,17 +233,16 @@ class KVReceiver:
 
     def refuse(self, spec: LoadSpec, reason_label: str, why: str) -> None:
         """Fail `spec` before anything is reserved or sent (reported failed at the next poll)."""
-        now = time.monotonic()
-        load = DecodeLoad(spec, None, -1, now, now)
-        self._loads[spec.request_id] = [load]
-        self._to_failed(load, reason_label, why)
+        self._loads[spec.request_id] = [DecodeLoad(spec, None, time.monotonic(), refusal=why)]
+        self.metrics.failures.labels(side="decode", reason=reason_label).inc()
+        log.warning("transfer %s (request %s): load failed: %s", spec.transfer_id, spec.request_id, why)
 
     def start(self, spec: LoadSpec, parts: list[tuple[bytes, SliceTarget | None]] | None = None) -> None:
         """Reserve `spec.block_ids` and send the reservation to the prefiller; under
         tensor parallelism, one reservation to each (prefill rank address, head slice) of
         `parts` (None: whole blocks from `spec.prefill_engine`)."""
         parts = parts or [(spec.prefill_engine, None)]
-        if len(self._free_slots) < len(parts):
+        if self.ledger.free_slots < len(parts):
             self.refuse(spec, "no_slot", f"{self.settings.max_concurrent_loads} loads already in flight "
                         "(max_concurrent_loads)")
             return
@@ -177,32 +250,32 @@ class KVReceiver:
             self.refuse(spec, "tp_mismatch", "a device cache takes a request's KV from one prefill rank only; this "
                         f"decode rank's heads are on {len(parts)} (use equal tensor parallel sizes)")
             return
-        pages = self.landing.reserve(list(spec.block_ids))
-        if pages is None:
+        keys = self.pages.take(spec.request_id, list(spec.block_ids), len(parts))
+        if keys is None:
             self.refuse(spec, "no_landing_room", f"no room for {len(spec.block_ids)} blocks in the landing "
                         "cache (device caches land in pinned host blocks first)")
             return
         self._loads[spec.request_id] = []
-        for address, target in parts:
-            self._start_part(replace(spec, prefill_engine=address), pages, target)
+        for key, (address, target) in zip(keys, parts):
+            self._start_part(key, replace(spec, prefill_engine=address), target)
 
-    def _start_part(self, spec: LoadSpec, pages: list[int], target: SliceTarget | None) -> None:
+    def _start_part(self, key: str, spec: LoadSpec, target: SliceTarget | None) -> None:
         now = time.monotonic()
-        slot = self._free_slots.pop()
-        imm = encode_imm(slot, self._generation[slot])
-        load = DecodeLoad(spec, None, slot, now, now + self.settings.load_timeout_s,
-                          stall_deadline=now + self.settings.load_stall_timeout_s, pages=pages, target=target)
+        entry = self.ledger.open(key, 0)
+        load = DecodeLoad(spec, entry, now, target=target)
         self._loads[spec.request_id].append(load)
+        self._parts[key] = load
+        pages = entry.pages
         try:
-            descriptor = self._open_scope(load, imm)
+            descriptor = self._open_scope(load, entry.imm)
         except Exception as exc:  # a malformed prefiller address, a registration the provider refused
-            self._to_failed(load, "registration_failed", f"scoping the reservation failed: {exc}")
+            self._fail(load, "registration_failed", f"scoping the reservation failed: {exc}")
             return
         reservation = KVReservation(
             request_id=spec.transfer_id, descriptor=descriptor, pages=list(pages),
-            num_pages=self.landing.geometry.num_blocks, imm=imm, expected_count=self.region.num_layers * len(pages),
-            kv_layout=self.region.signature, meta_descriptor=b"", meta_offset=0,
-            nonce=secrets.randbits(63), fence_timeout_s=self.settings.fence_timeout_s,
+            num_pages=self.landing.geometry.num_blocks, imm=entry.imm,
+            expected_count=self.region.num_layers * len(pages), kv_layout=self.region.signature,
+            meta_descriptor=b"", meta_offset=0, nonce=entry.nonce, fence_timeout_s=self.settings.fence_timeout_s,
             first_page=spec.first_page, mailbox=False,
             checksums=self.settings.kv_integrity is not KVIntegrity.OFF,
             checksum_tag=self.settings.kv_integrity is not KVIntegrity.OFF and self._table_key is not None,
@@ -211,7 +284,6 @@ class KVReceiver:
         if reservation.checksums:
             load.checksums = LoadChecksums(spec.request_id, reservation.nonce, self.region.num_layers,
                                            len(pages), self._table_key)
-        self._by_imm[imm] = load
         self.metrics.loads_in_flight.inc()  # _release decrements it, whatever happens next
         self._hooks.load_reserved(self.region, load)
         message = (encode_reservation_message(reservation) if target is None
@@ -220,7 +292,7 @@ class KVReceiver:
             load.sent = self.engine.send(spec.prefill_engine, message)
         except Exception as exc:
             # Nothing reached the prefiller, so no write can land: fail at once.
-            self._to_failed(load, "reservation_send_failed", f"sending the reservation to the prefiller failed: {exc}")
+            self._fail(load, "reservation_send_failed", f"sending the reservation to the prefiller failed: {exc}")
 
     def _open_scope(self, load: DecodeLoad, imm: int) -> bytes:
         """Opens the load's scope (see `ReservationScope`): its own registration of its
@@ -236,6 +308,12 @@ class KVReceiver:
         self.metrics.registrations_open.inc()
         return load.scope.descriptors[0]
 
+    def _close_writes(self, key: str) -> None:
+        """The ledger's word that the part stopped waiting for its KV: revoke its scope."""
+        load = self._parts.get(key)
+        if load is not None:
+            self._revoke(load)
+
     def _revoke(self, load: DecodeLoad) -> None:
         """Revokes the load's scope (idempotent): from now on a write with its descriptor
         fails at the writer and lands nothing."""
@@ -250,16 +328,16 @@ class KVReceiver:
         """vLLM finished the request (aborted) while its load is pending: fence, then free."""
         for load in self._loads.get(request_id, ()):
             load.vllm_aborted = True
-            if load.state is LoadState.RESERVED:
-                self._to_fencing(load, "cancelled", why)
+            if load.waiting:
+                self._to_fencing(load, "cancelled", why, outcome=Res.CANCELLED)
 
-    def _to_fencing(self, load: DecodeLoad, reason_label: str, why: str, send_cancel: bool = True) -> None:
+    def _to_fencing(self, load: DecodeLoad, reason_label: str, why: str, send_cancel: bool = True,
+                    outcome: Res = Res.FAILED) -> None:
+        """A waiting part ends without knowing that its writer stopped: FENCED (its scope
+        revoked), and the prefiller asked to confirm."""
         res = load.reservation
-        assert res is not None
-        self._revoke(load)
-        load.state = LoadState.FENCING
-        load.reason = why
-        load.fence_deadline = time.monotonic() + self.settings.fence_timeout_s
+        assert res is not None and load.entry is not None
+        self.ledger.end(load.entry.request_id, outcome, writer_stopped=False, reason=why)
         self.metrics.failures.labels(side="decode", reason=reason_label).inc()
         log.warning("transfer %s (request %s): %s; waiting for the prefiller to confirm no write is in flight",
                     load.spec.transfer_id, load.spec.request_id, why)
@@ -270,6 +348,22 @@ class KVReceiver:
             load.cancel_sent_at = time.monotonic()
         except Exception as exc:  # a dead prefiller: the fence deadline covers it
             log.info("transfer %s: cancel not delivered: %s", load.spec.transfer_id, exc)
+
+    def _fail(self, load: DecodeLoad, reason_label: str, why: str) -> None:
+        """A waiting part ends and no write for it can land (its prefiller stopped, or never
+        got the reservation, or every write landed): FREE at once."""
+        assert load.entry is not None
+        self.metrics.failures.labels(side="decode", reason=reason_label).inc()
+        self.ledger.end(load.entry.request_id, Res.FAILED, writer_stopped=True, reason=why)
+        log.warning("transfer %s (request %s): load failed: %s", load.spec.transfer_id, load.spec.request_id, why)
+
+    def _fence_over(self, load: DecodeLoad, reason_label: str | None, why: str) -> None:
+        """A fenced part's writer stopped (its word, or the fence deadline passed): FREE."""
+        assert load.entry is not None
+        if reason_label is not None:
+            self.metrics.failures.labels(side="decode", reason=reason_label).inc()
+        self.ledger.move(load.entry.request_id, Res.FREE)
+        log.warning("transfer %s (request %s): load failed: %s", load.spec.transfer_id, load.spec.request_id, why)
 
     # ---- a prefiller that is gone ---------------------------------------------------------
 
@@ -321,42 +415,35 @@ class KVReceiver:
             for load in parts:
                 if load.spec.prefill_engine != address:
                     continue
-                if load.state is LoadState.RESERVED and load.reservation is not None:
+                if load.waiting and load.reservation is not None:
                     self._to_fencing(load, "prefiller_gone", why, send_cancel=False)
-                if load.state is LoadState.FENCING:
-                    self._shorten_fence(load, now)
+                if load.fenced:
+                    self._shorten_fence(load)
 
-    def _shorten_fence(self, load: DecodeLoad, now: float) -> None:
-        if self.settings.kv_registration == "per_reservation":
-            load.fence_deadline = min(load.fence_deadline, now + self.settings.dead_prefiller_fence_s)
-            load.prefiller_gone = True
-
-    def _to_failed(self, load: DecodeLoad, reason_label: str | None, why: str) -> None:
-        if reason_label is not None:
-            self.metrics.failures.labels(side="decode", reason=reason_label).inc()
-        self._revoke(load)
-        load.state = LoadState.FAILED
-        load.reason = load.reason or why
-        log.warning("transfer %s (request %s): load failed: %s", load.spec.transfer_id, load.spec.request_id, why)
+    def _shorten_fence(self, load: DecodeLoad) -> None:
+        if self.settings.kv_registration == "per_reservation" and load.entry is not None:
+            self.ledger.writer_gone(load.entry.request_id, self.settings.dead_prefiller_fence_s)
 
     # ---- from the prefiller ---------------------------------------------------------------
 
     def on_prefill_stopped(self, imm: int, nonce: int, reason: str) -> None:
         """The prefiller's abort: its push ended early and none of its writes is in flight."""
-        load = self._by_imm.get(imm)
-        if load is None or load.reservation is None or load.reservation.nonce != nonce:
+        entry = self.ledger.by_imm(imm)
+        if entry is None or entry.nonce != nonce:
             self.metrics.dropped_messages.labels(reason="unknown_abort").inc()
             return
-        if load.state is LoadState.RESERVED:
-            self._to_failed(load, "prefill_aborted", f"the prefiller stopped: {reason}")
-        elif load.state is LoadState.FENCING:
-            self._to_failed(load, None, load.reason)
+        load = self._parts[entry.request_id]
+        if entry.state in WAITING:
+            self._fail(load, "prefill_aborted", f"the prefiller stopped: {reason}")
+        elif entry.state is Res.FENCED:
+            self._fence_over(load, None, load.reason)
 
     def on_checksum_table(self, part: TablePart) -> None:
         """A part of a prefiller's checksum table; dropped unless it is for a waiting load
         and from its prefiller (its nonce, and with a cluster key its tag)."""
-        load = self._by_imm.get(part.imm)
-        if load is None or load.checksums is None or load.state is not LoadState.RESERVED:
+        entry = self.ledger.by_imm(part.imm)
+        load = self._parts.get(entry.request_id) if entry is not None else None
+        if load is None or load.checksums is None or not load.waiting:
             self.metrics.dropped_messages.labels(reason="unknown_table").inc()
             return
         refused = load.checksums.accept(part)
@@ -370,7 +457,7 @@ class KVReceiver:
         """On an idle step, block up to idle_wait_ms until any pending load is complete,
         instead of running vLLM's empty steps back to back."""
         wanted = [(ld.reservation.imm, ld.reservation.expected_count) for parts in self._loads.values()
-                  for ld in parts if ld.state is LoadState.RESERVED and ld.reservation is not None]
+                  for ld in parts if ld.waiting and ld.reservation is not None]
         if not wanted or self.settings.idle_wait_ms <= 0:
             return
         try:
@@ -390,13 +477,13 @@ class KVReceiver:
         for rid, parts in list(self._loads.items()):
             for load in parts:
                 self._poll_part(load, now)
-            broken = next((ld for ld in parts if ld.state is LoadState.FAILED), None)
+            broken = next((ld for ld in parts if ld.failed), None)
             if broken is not None:
                 # One prefill rank's part failed: the request cannot be admitted; fence the rest.
                 for load in parts:
-                    if load.state is LoadState.RESERVED:
+                    if load.waiting:
                         self._to_fencing(load, "part_failed", f"another prefill rank's part failed: {broken.reason}")
-            if all(ld.state in (LoadState.ADMITTED, LoadState.FAILED) for ld in parts):
+            if all(ld.settled for ld in parts):
                 finished.add(rid)
                 if broken is None:
                     self._hooks.load_admitted(self.region, parts[0])
@@ -405,102 +492,100 @@ class KVReceiver:
                 for load in parts:
                     self._release(load)
                 del self._loads[rid]
-                self.landing.release(parts[0].pages)  # no write for them can land any more
         return finished, failed
 
     def _poll_part(self, load: DecodeLoad, now: float) -> None:
         """One part's writes, table and deadlines."""
-        res = load.reservation
-        if load.state is LoadState.RESERVED and load.sent is not None and load.sent.done():
+        res, entry = load.reservation, load.entry
+        if entry is None:
+            return
+        if load.waiting and load.sent is not None and load.sent.done():
             sent, load.sent = load.sent, None
             try:
                 sent.wait(0)
             except TransferError as exc:
                 # It never reached the prefiller, so none of its writes can come: fail now,
                 # not at load_stall_timeout_s.
-                self._to_failed(load, "reservation_send_failed", f"the reservation did not reach the prefiller: {exc}")
-        if load.state is LoadState.RESERVED and load.sent is not None:
+                self._fail(load, "reservation_send_failed", f"the reservation did not reach the prefiller: {exc}")
+        if load.waiting and load.sent is not None:
             gone = self._gone(load.sent, load.sent_at, now)  # not delivered yet: is the prefiller there?
             if gone:
                 load.sent = None
                 self._prefiller_gone(load.spec.prefill_engine, f"the prefiller process is gone: {gone}", now)
-        if load.state is LoadState.RESERVED and res is not None:
+        if load.waiting and res is not None:
             landed = self.engine.imm_count(res.imm)
-            if landed > load.landed:  # progress: the prefiller is alive and pushing
-                load.landed = landed
-                load.stall_deadline = now + self.settings.load_stall_timeout_s
+            self.ledger.progress(entry.request_id, landed)  # progress: the prefiller is alive and pushing
             table_missing = load.checksums is not None and not load.checksums.complete
             if landed >= res.expected_count and not table_missing:
                 self._revoke(load)  # every write landed: none may come any more
                 try:
                     self.landing.land(load.pages, list(load.spec.block_ids))
                 except Exception as exc:  # a device copy that failed: vLLM must not read the blocks
-                    self._to_failed(load, "landing_failed", f"copying the landed blocks to the cache failed: {exc}")
+                    self._fail(load, "landing_failed", f"copying the landed blocks to the cache failed: {exc}")
                 else:
                     self._admit(load, landed, now)
-            elif now > load.deadline:
+            elif now > entry.expires_at:
                 self._to_fencing(load, "load_timeout", f"not every write landed within load_timeout_s="
                                  f"{self.settings.load_timeout_s} ({landed} of {res.expected_count} pages"
                                  f"{', no checksum table' if table_missing else ''})")
-            elif now > load.stall_deadline:
+            elif entry.deadline_setting is DeadlineSetting.STALL and entry.deadline is not None \
+                    and now > entry.deadline:
                 self._to_fencing(load, "load_stalled", f"no write landed for load_stall_timeout_s="
                                  f"{self.settings.load_stall_timeout_s} ({landed} of {res.expected_count} pages"
                                  f"{', no checksum table' if table_missing else ''})")
-            elif load.sent is None and now - (load.stall_deadline - self.settings.load_stall_timeout_s) \
-                    >= self.settings.prefiller_probe_after_s:
+            elif load.sent is None and now - entry.progress_at >= self.settings.prefiller_probe_after_s:
                 self._probe(load.spec.prefill_engine, now)  # silent for a while: is the prefiller still there?
-        if load.state is LoadState.FENCING and load.cancel_sent is not None:
+        if load.fenced and load.cancel_sent is not None:
             gone = self._gone(load.cancel_sent, load.cancel_sent_at, now)
             if gone:
                 load.cancel_sent = None
                 log.info("transfer %s: the prefiller process is gone: %s", load.spec.transfer_id, gone)
-                self._shorten_fence(load, now)
+                self._shorten_fence(load)
             elif load.cancel_sent.done():
                 load.cancel_sent = None
-        if load.state is LoadState.FENCING and now > load.fence_deadline and load.prefiller_gone:
-            self._to_failed(load, None, f"{load.reason}; the prefiller process is gone, "
-                            f"dead_prefiller_fence_s={self.settings.dead_prefiller_fence_s} passed")
-        elif load.state is LoadState.FENCING and now > load.fence_deadline:
-            self._to_failed(load, "fence_timeout", f"{load.reason}; the prefiller never confirmed, "
-                            f"fence_timeout_s={self.settings.fence_timeout_s} passed")
+        if load.fenced and entry.deadline is not None and now > entry.deadline:
+            if entry.writer_gone:
+                self._fence_over(load, None, f"{load.reason}; the prefiller process is gone, "
+                                 f"dead_prefiller_fence_s={self.settings.dead_prefiller_fence_s} passed")
+            else:
+                self._fence_over(load, "fence_timeout", f"{load.reason}; the prefiller never confirmed, "
+                                 f"fence_timeout_s={self.settings.fence_timeout_s} passed")
 
     def _admit(self, load: DecodeLoad, landed: int, now: float) -> None:
-        """Every write landed (in the request's blocks): check them per `kv_integrity`,
-        then ADMITTED, or FENCING on a failed check (what landed is not what was meant)."""
-        res = load.reservation
-        assert res is not None
+        """Every write landed (in the request's blocks): the hand-off's admission step
+        (count, then checksums per `kv_integrity`), then ADMITTED; on a failed check, fenced
+        (what landed is not what was meant)."""
+        res, entry = load.reservation, load.entry
+        assert res is not None and entry is not None
         mode = self.settings.kv_integrity
+
+        def verify() -> Verification:
+            assert load.checksums is not None
+            return load.checksums.verify(self.region, list(load.spec.block_ids), res.first_page, mode,
+                                         self.settings.kv_integrity_sample_rate, self._sample_rng, load.heads)
+
         try:
-            if mode is not KVIntegrity.OFF:
-                if landed > res.expected_count:
-                    raise KVIntegrityError(load.spec.request_id, "write_overcount", f"{landed} writes counted, the "
-                                           f"reservation expects {res.expected_count}: a page was written twice")
-                assert load.checksums is not None
-                t0 = time.perf_counter()
-                verification = load.checksums.verify(self.region, list(load.spec.block_ids), res.first_page, mode,
-                                                     self.settings.kv_integrity_sample_rate, self._sample_rng,
-                                                     load.heads)
-                self.metrics.pages_verified.inc(verification.checked)
-                self.metrics.verify_seconds.observe(time.perf_counter() - t0)
+            checked = check_landed(load.spec.request_id, landed, res.expected_count, mode, verify)
         except KVIntegrityError as exc:
             self.metrics.integrity_failures.labels(reason=exc.reason).inc()
             self._to_fencing(load, "integrity", str(exc))
             return
-        load.state = LoadState.ADMITTED
+        if mode is not KVIntegrity.OFF:
+            self.metrics.pages_verified.inc(checked.checked)
+            self.metrics.verify_seconds.observe(checked.verify_s)
+        self.ledger.move(entry.request_id, Res.ADMITTED)
         self.metrics.admission_wait.observe(now - load.sent_at)
         self.metrics.pages_received.inc(res.expected_count)
 
     def _release(self, load: DecodeLoad) -> None:
+        """The load is reported: an admitted part's entry goes FREE (its pages with it)."""
         self._revoke(load)
+        if load.entry is not None:
+            if load.entry.state is Res.ADMITTED:
+                self.ledger.move(load.entry.request_id, Res.FREE)
+            self._parts.pop(load.entry.request_id, None)
         if load.reservation is not None:
-            self._by_imm.pop(load.reservation.imm, None)
-            # No write for this immediate can land any more: forget its count, and give the
-            # slot a new generation so the value is not reused soon.
-            self.engine.reset_imm(load.reservation.imm)
             self.metrics.loads_in_flight.dec()
-        if load.slot >= 0:
-            self._generation[load.slot] = (self._generation[load.slot] + 1) % self._generations
-            self._free_slots.append(load.slot)
 
     def failure(self, request_id: str) -> str:
         """Why `request_id`'s load failed or is being fenced ("" while it is fine, or unknown)."""
