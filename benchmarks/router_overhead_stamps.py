@@ -69,13 +69,13 @@ def _wrap_steps() -> None:
         return parsed
 
     app_module.RouterService.parse_completion = parse_completion  # type: ignore[method-assign]
-    run_legs = vllm_legs.run_vllm_legs
+    run_legs = vllm_legs.VllmLegs.run
 
     async def run_vllm_legs(*args: Any, **kwargs: Any) -> None:
         _stamp("legs_start")
         await run_legs(*args, **kwargs)
 
-    dispatch.run_vllm_legs = run_vllm_legs  # type: ignore[assignment]
+    vllm_legs.VllmLegs.run = run_vllm_legs  # type: ignore[method-assign]
     post = vllm_legs._post
 
     @contextlib.asynccontextmanager

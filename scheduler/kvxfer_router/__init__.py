@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from .app import create_app
 from .directory import EtcdWorkerDirectory, StaticWorkerDirectory, WorkerDirectory, WorkerView
-from .policies import LeastLoadedPolicy, PairPolicy, RoundRobinPolicy, make_policy, register_policy
+from .policies import LeastLoadedPolicy, PairPolicy, RoundRobinPolicy
+from .policy_registry import make_policy, register_policy
 from .settings import RouterSettings
 
 __all__ = [

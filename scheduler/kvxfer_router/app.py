@@ -31,8 +31,10 @@ from kvxfer.metrics import metrics_response
 
 from .admission import AdmissionController
 from .directory import WorkerDirectory
-from .dispatch import CompletionJob, Dispatcher, ErrorEvent, Event, FinishEvent, RequestLifecycle, TokenEvent
+from .dispatch import Dispatcher, ErrorEvent, Event, FinishEvent, RequestLifecycle, TokenEvent
+from .engine_legs import relays_client_body, reports_prefix_index
 from .kv_index import PrefixIndexPoller
+from .legs import CompletionJob
 from .loop_work import LoopOffload, sample_loop_lag
 from .openai_api import (
     REQUEST_ID_PATTERN,
@@ -57,7 +59,8 @@ from .openai_api import (
     sse_event,
     validation_error,
 )
-from .policies import PairPolicy, has_pair, make_policy
+from .policies import PairPolicy, has_pair
+from .policy_registry import make_policy
 from .settings import RouterSettings
 from .telemetry import RouterTelemetry, default_router_metrics
 from .vllm_legs import RESERVED_FIELDS, RelayedAnswer, RelayedChunk, RelayedEnd, disaggregates
@@ -180,7 +183,7 @@ class RouterService:
         if self.policy.kv_index is not None:
             # kv_aware's index: workers' reports polled, and entries of departed workers dropped.
             poller = PrefixIndexPoller(self.settings, self.policy.kv_index, self.directory,
-                                       lambda: self.dispatcher.client, self.signer)
+                                       lambda: self.dispatcher.client, self.signer, reports_prefix_index)
             self._index_poller = asyncio.ensure_future(poller.run())
 
     def _loop_lag(self, timer_late_s: float, own_lag_s: float) -> None:
@@ -204,11 +207,6 @@ class RouterService:
     def known_models(self) -> set[str]:
         """Models served by at least one registered worker (draining ones included)."""
         return {w.model for w in self.directory.workers()}
-
-    def model_engine(self, model: str) -> str:
-        """"vllm" when the model is served by vLLM instances, else "kvxfer"."""
-        engines = {w.engine for w in self.directory.workers() if w.model == model}
-        return "vllm" if "vllm" in engines else "kvxfer"
 
     def _check_common(self, obj: dict[str, Any], model: str, max_tokens: int | None, request_id: str) -> int:
         """Checks every endpoint makes: fields only the router sets, the model, max_tokens."""
@@ -264,10 +262,13 @@ class RouterService:
         return obj, rid
 
     def _relays(self, obj: dict[str, Any]) -> bool:
-        """Whether the body goes to vLLM instances as it is (their model), not through the
-        router's own schema for kvxfer's workers."""
+        """Whether the body goes to the model's workers as it is (their leg type relays it:
+        vLLM instances), not through the router's own schema for kvxfer's workers."""
         model = obj.get("model")
-        return isinstance(model, str) and model in self.known_models() and self.model_engine(model) == "vllm"
+        if not isinstance(model, str):
+            return False
+        engines = {w.engine for w in self.directory.workers() if w.model == model}
+        return relays_client_body(engines)
 
     async def parse_chat(self, request: Request) -> tuple[CompletionJob, ChatCompletionRequest]:
         """Validate a ``/v1/chat/completions`` request into a job, or raise a 4xx."""

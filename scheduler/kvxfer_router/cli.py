@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator, Sequence
 from pydantic import ValidationError
 
 from .directory import EtcdWorkerDirectory, StaticWorkerDirectory, WorkerDirectory
-from .policies import policy_names
+from .policy_registry import policy_names
 from .settings import RouterSettings
 
 log = logging.getLogger("kvxfer_router")

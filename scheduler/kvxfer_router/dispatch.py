@@ -1,13 +1,10 @@
-"""One request's lifecycle: pick a pair, reserve, run both legs, stream tokens, clean up.
+"""One request's lifecycle: pick a pair, run its legs, hand the client the output, clean up.
 
-Disaggregated path (prompt of at least ``disaggregation_min_prompt_tokens`` tokens)::
-
-    decode POST /reserve  ->  concurrently: prefill POST /prefill (with the reservation)
-                                            decode  POST /generate (stream, NDJSON lines)
-
-Short prompts go to decode ``POST /generate_local`` alone. Either leg failing cancels the
-other and sends ``POST /cancel`` to every worker contacted (which also frees the decode
-reservation); a client going away does the same. A failure before the first token reached
+A request needs prefill when its prompt has at least ``disaggregation_min_prompt_tokens``
+tokens (vLLM: ``vllm_legs.disaggregates``). The pair's engine picks the leg type that runs
+each attempt (``engine_legs``: ``builtin_legs`` for kvxfer's workers, ``vllm_legs`` for vLLM
+instances); the lifecycle itself knows no worker API. Either leg failing cancels the other
+and frees what the workers hold; a client going away does the same. A failure before the first token reached
 the client is retried (``max_retries``, default once) on another pair that excludes the
 failed worker; after the first token the client gets an error event instead, since tokens
 already sent cannot be taken back. A non-streamed answer reaches the client only whole, so
@@ -27,61 +24,29 @@ can interrupt because it runs shielded in a separate task.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
-import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Union
 
 import httpx
 
-from kvxfer.kv.protocol import KVReservation, ReservationError
-
 from .admission import AdmissionTicket
-from .directory import WorkerDirectory, WorkerView, layout_key
+from .directory import WorkerDirectory
+from .engine_legs import UnknownEngine, legs_for
 from .kv_index import PromptBlocks
+from .leg_failure import LegFailure
+from .legs import CompletionJob, LegServices, RequestState
 from .openai_api import RouterError, Usage, usage_from
 from .policies import LocalLoad, PairPolicy, WorkerPair, select_pair
 from .settings import RouterSettings
 from .telemetry import RouterTelemetry
 from .vllm_http import VllmLegClient
-from .vllm_legs import run_vllm_legs
 from .worker_auth import WorkerCallSigner, mint_worker_request_id
+from .worker_calls import WorkerCalls
 
 log = logging.getLogger(__name__)
-
-# Only the first bytes of a worker's error body go into our error message: enough for
-# FastAPI's {"detail": ...}, and a misbehaving worker cannot blow up our logs.
-_MAX_DETAIL_CHARS = 300
-
-# Statuses with which a worker refuses the request's own content (prompt too long for the
-# model's context, max_tokens out of range...) on the calls that carry it: decode POST
-# /reserve and POST /generate_local. Every worker would answer the same, so such a refusal
-# is the client's 400, never retried; other 4xx (409, 429), 5xx and connection errors are
-# the worker's trouble and go to another pair.
-_REQUEST_REJECTED_STATUSES = (400, 422)
-# A stream's last line is followed only by the end of the chunked body, at once; a worker
-# that sends more than this many lines after it, or keeps the stream open longer than this
-# (seconds, per line), is not waited for: the connection is closed instead of reused.
-_LINES_AFTER_LAST_READ = 8
-_REST_OF_STREAM_WAIT_S = 0.5
-
-
-class RequestState(enum.Enum):
-    """Where a request is in its lifecycle."""
-
-    ADMITTED = "admitted"
-    RESERVING = "reserving"          # decode POST /reserve in flight
-    TRANSFERRING = "transferring"    # prefill and decode legs both running, no token yet
-    GENERATING = "generating"        # short prompt on decode alone, no token yet
-    STREAMING = "streaming"          # tokens are reaching the client: no retry any more
-    DONE = "done"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-
 
 class ServingMode(str, enum.Enum):
     """How a request was served; the router's answer says it in ``X-Kvxfer-Serving-Mode``."""
@@ -90,22 +55,6 @@ class ServingMode(str, enum.Enum):
     DECODE_ONLY = "decode_only"                # a short prompt: decode worker alone by design
     COLOCATED_FALLBACK = "colocated_fallback"  # needed prefill, but no prefill worker could take it
     PREFIX_CACHED = "prefix_cached"            # kv_aware: the decode worker held nearly all the prompt's KV
-
-
-@dataclass(frozen=True)
-class CompletionJob:
-    """What the router was asked to do, already validated and tokenized."""
-
-    request_id: str
-    model: str
-    prompt_tokens: list[int]
-    max_tokens: int
-    needs_prefill: bool
-    #: "completion" or "chat": which OpenAI endpoint the client called.
-    kind: str = "completion"
-    #: The client's body, for vLLM workers (they tokenize and template it themselves);
-    #: None for kvxfer's own workers, which get `prompt_tokens`.
-    body: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -136,40 +85,9 @@ class ErrorEvent:
 Event = Union[TokenEvent, FinishEvent, ErrorEvent]
 
 
-class LegFailure(Exception):
-    """One leg (a call to one worker) failed. ``stage`` is ``reserve``, ``prefill`` or
-    ``generate`` (``kvxfer.metrics.RETRY_STAGES``); ``timed_out`` marks a timeout;
-    ``rejected`` marks a worker refusing the request's own content (a client error: no retry);
-    ``never_sent`` that the connection was never made, so the worker never saw the call;
-    ``status`` is the worker's HTTP status (None without an answer), ``worker_reason`` the
-    ``reason`` of its error body and ``retry_after_s`` its Retry-After, when it sent them."""
-
-    def __init__(self, request_id: str, worker: WorkerView, stage: str, reason: str, *, timed_out: bool = False,
-                 rejected: bool = False, never_sent: bool = False, status: int | None = None,
-                 worker_reason: str | None = None, retry_after_s: int | None = None) -> None:
-        super().__init__(f"request {request_id}: {worker.role} worker {worker.worker_id} failed at {stage}: {reason}")
-        self.request_id = request_id
-        self.worker = worker
-        self.stage = stage
-        self.reason = reason
-        self.timed_out = timed_out
-        self.rejected = rejected
-        self.never_sent = never_sent
-        self.status = status
-        self.worker_reason = worker_reason
-        self.retry_after_s = retry_after_s
-
-    @classmethod
-    def from_answer(cls, request_id: str, worker: WorkerView, stage: str, path: str, status: int, text: str,
-                    headers: Mapping[str, str], *, rejected: bool) -> LegFailure:
-        """The failure a worker's error answer (status >= 400) stands for."""
-        return cls(request_id, worker, stage, f"POST {path} answered {status}: {_detail(text)}", rejected=rejected,
-                   status=status, worker_reason=_reason(text), retry_after_s=_retry_after(headers))
-
-
 class Dispatcher:
-    """Runs requests against workers; owns the HTTP client use, the local load count and
-    the background clean-up tasks. One per router app."""
+    """Runs requests against workers; owns the services every leg type uses (the HTTP
+    clients, the background clean-up tasks) and the local load count. One per router app."""
 
     def __init__(
         self,
@@ -187,10 +105,11 @@ class Dispatcher:
         self.client = client
         #: The vLLM legs' own client (aiohttp): on the way to a vLLM user's first token.
         self.vllm_http = VllmLegClient(settings.http_max_connections, settings.connect_timeout_s)
+        self.worker_calls = WorkerCalls(settings, client, self.signer)
         self.telemetry = telemetry
+        self.services = LegServices(settings, telemetry, self.signer, self.worker_calls, self.vllm_http)
         self.load = LocalLoad()
         self._live: set[RequestLifecycle] = set()
-        self._background: set[asyncio.Task[Any]] = set()
 
     def start(self, job: CompletionJob, ticket: AdmissionTicket, *, buffered: bool = False) -> RequestLifecycle:
         """Start ``job`` in its own task; the ticket is released when the task ends.
@@ -198,7 +117,7 @@ class Dispatcher:
         held until the finish and a failure mid-generation can still be retried."""
         lifecycle = RequestLifecycle(self, job, ticket, buffered=buffered)
         self._live.add(lifecycle)
-        lifecycle._task.add_done_callback(lambda _t: self._live.discard(lifecycle))
+        lifecycle.task.add_done_callback(lambda _t: self._live.discard(lifecycle))
         return lifecycle
 
     @property
@@ -206,142 +125,14 @@ class Dispatcher:
         """Requests whose task has not finished (including clean-up still running)."""
         return len(self._live)
 
-    def spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
-        """Run ``coro`` as a tracked background task (kept referenced until it ends)."""
-        task = asyncio.ensure_future(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-        return task
-
     async def aclose(self) -> None:
         """Cancel live requests and wait (at most ``shutdown_timeout_s``) for their clean-up."""
         for lifecycle in list(self._live):
             lifecycle.abandon()
-        pending = [lc._task for lc in self._live] + list(self._background)
+        pending = [lc.task for lc in self._live] + self.worker_calls.pending()
         if pending:
             await asyncio.wait(pending, timeout=self.settings.shutdown_timeout_s)
         await self.vllm_http.aclose()
-
-    # --- worker calls, shared by all lifecycles -------------------------------------------
-
-    async def post_json(
-        self, worker: WorkerView, path: str, body: dict[str, Any], *, stage: str, request_id: str, total_timeout_s: float
-    ) -> dict[str, Any]:
-        """POST ``body`` to ``worker``; the JSON object it answers, or :class:`LegFailure`.
-
-        Bounded twice: httpx's per-operation timeouts and ``total_timeout_s`` for the whole
-        call, because a worker trickling bytes would otherwise reset the read timeout.
-        """
-        timeout = httpx.Timeout(total_timeout_s, connect=self.settings.connect_timeout_s)
-        try:
-            resp = await asyncio.wait_for(
-                self.client.post(timeout=timeout, **self.signer.request(worker, path, body)),
-                total_timeout_s
-            )
-        except (httpx.TimeoutException, asyncio.TimeoutError) as exc:
-            # Say which limit hit: a connect timeout is not the whole call's.
-            limit = (f"connecting took over {self.settings.connect_timeout_s}s" if isinstance(exc, httpx.ConnectTimeout)
-                     else f"after {total_timeout_s}s")
-            raise LegFailure(request_id, worker, stage, f"POST {path} timed out ({limit})", timed_out=True,
-                             never_sent=isinstance(exc, httpx.ConnectTimeout)) from None
-        except httpx.ConnectError as exc:  # refused or unroutable: not one byte of the call went out
-            raise LegFailure(request_id, worker, stage, f"POST {path}: {type(exc).__name__}: {exc}",
-                             never_sent=True) from exc
-        except httpx.HTTPError as exc:
-            raise LegFailure(request_id, worker, stage, f"POST {path}: {type(exc).__name__}: {exc}") from exc
-        if resp.status_code >= 400:
-            raise LegFailure.from_answer(request_id, worker, stage, path, resp.status_code, resp.text, resp.headers,
-                                         rejected=path == "/reserve" and resp.status_code in _REQUEST_REJECTED_STATUSES)
-        try:
-            data = resp.json()
-        except ValueError:
-            data = None
-        if not isinstance(data, dict):
-            raise LegFailure(request_id, worker, stage, f"POST {path} answered a non-object body: {_detail(resp.text)}")
-        return data
-
-    async def stream_lines(
-        self, worker: WorkerView, path: str, body: dict[str, Any], *, stage: str, request_id: str,
-        rejected_statuses: tuple[int, ...], end_marker: str, is_last: Callable[[str], bool],
-    ) -> AsyncIterator[str]:
-        """The lines of a streamed POST to ``worker``, each within its deadline, or :class:`LegFailure`.
-
-        The first line may take ``first_token_timeout_s`` (prefill and admission come first),
-        every later one ``token_idle_timeout_s``. A status of 400 or more fails the leg, as a
-        client error when it is in ``rejected_statuses``; so does a stream that ends before
-        the caller stopped reading at ``end_marker`` (its protocol's last line, which
-        ``is_last`` recognises). Use it with ``contextlib.aclosing``, so that an early return
-        closes the connection.
-
-        The line ``is_last`` recognises is yielded only once the rest of the body is read,
-        so that the connection goes back to the client's pool when the caller stops there.
-        A stream left unfinished makes httpx close its connection: every request opened a
-        new one to its decoder, and the router's side of each waited a minute in TIME-WAIT
-        (1,500 sockets at 25 requests/s; about 470 requests/s to one worker would use up
-        the ephemeral ports).
-        """
-        s = self.settings
-        timeout = httpx.Timeout(s.first_token_timeout_s, connect=s.connect_timeout_s, write=s.control_timeout_s)
-        try:
-            async with self.client.stream("POST", timeout=timeout, **self.signer.request(worker, path, body)) as resp:
-                if resp.status_code >= 400:
-                    text = (await asyncio.wait_for(resp.aread(), s.control_timeout_s)).decode(errors="replace")
-                    raise LegFailure.from_answer(request_id, worker, stage, path, resp.status_code, text, resp.headers,
-                                                 rejected=resp.status_code in rejected_statuses)
-                async with contextlib.aclosing(timed_lines(resp, s, request_id, worker, stage, end_marker,
-                                                           is_last)) as lines:
-                    async for line in lines:
-                        yield line
-        except (httpx.TimeoutException, asyncio.TimeoutError) as exc:
-            raise LegFailure(request_id, worker, stage, f"POST {path} timed out: {type(exc).__name__}",
-                             timed_out=True) from exc
-        except httpx.HTTPError as exc:
-            raise LegFailure(request_id, worker, stage, f"POST {path}: {type(exc).__name__}: {exc}") from exc
-
-    async def cancel_legs(self, request_id: str, workers: list[WorkerView], *,
-                          prefill_never_sent: bool = False) -> None:
-        """``POST /cancel`` to each of ``workers`` concurrently; failures are logged only,
-        since clean-up must never turn into a second error for the client.
-
-        A prefiller answers ``in_flight: false`` only once none of its writes for the
-        request can land (and it refuses the id from then on): the decoder is told so
-        (``prefill_stopped``) and reuses the pages at once instead of at its fence deadline.
-        ``prefill_never_sent``: the connection for ``/prefill`` was never made, so the
-        prefiller never had the reservation and nothing of it can land; the decoder is told
-        so at once. (A dead prefiller refuses connections: without this every request sent
-        its way until its lease expires would hold its pages for the whole fence.)
-        """
-        if prefill_never_sent:
-            await asyncio.gather(*(self._cancel_one(request_id, w, {"request_id": request_id, "prefill_stopped": True})
-                                   for w in workers if w.role == "decode"))
-            return
-
-        replies = await asyncio.gather(*(self._cancel_one(request_id, w, {"request_id": request_id}) for w in workers))
-        stopped = any(w.role == "prefill" and r is not None and r.get("in_flight") is False
-                      for w, r in zip(workers, replies))
-        if stopped:
-            await asyncio.gather(*(self._cancel_one(request_id, w, {"request_id": request_id, "prefill_stopped": True})
-                                   for w in workers if w.role == "decode"))
-
-    async def _cancel_one(self, request_id: str, worker: WorkerView, body: dict[str, Any],
-                          attempt: int = 0) -> dict[str, Any] | None:
-        try:
-            return await self.post_json(
-                worker, "/cancel", body, stage="cancel",
-                request_id=request_id, total_timeout_s=self.settings.cancel_timeout_s,
-            )
-        except LegFailure as exc:
-            log.warning("cancel not confirmed: %s", exc)
-            if exc.status is None and attempt < self.settings.cancel_retries:
-                # No answer (a starved or restarting worker): the reservation may still be
-                # held, and only a cancel frees it before reservation_ttl_s. Sent again in
-                # the background, so the client's answer does not wait for it.
-                self.spawn(self._cancel_later(request_id, worker, body, attempt + 1))
-            return None
-
-    async def _cancel_later(self, request_id: str, worker: WorkerView, body: dict[str, Any], attempt: int) -> None:
-        await asyncio.sleep(self.settings.cancel_timeout_s * attempt)
-        await self._cancel_one(request_id, worker, body, attempt)
 
 
 class RequestLifecycle:
@@ -380,6 +171,11 @@ class RequestLifecycle:
     def request_id(self) -> str:
         """The client-facing request id."""
         return self.job.request_id
+
+    @property
+    def task(self) -> asyncio.Task[None]:
+        """The task that runs the request (its clean-up included)."""
+        return self._task
 
     @property
     def finished(self) -> bool:
@@ -482,6 +278,13 @@ class RequestLifecycle:
             if last is not None:
                 self._d.telemetry.retry(last.stage)
                 log.info("request %s: retrying on %s after: %s", self.request_id, pair.worker_ids, last)
+            try:
+                # The pair's engine says which leg type runs the attempt (a pair never mixes
+                # engines: policies.compatible).
+                legs = legs_for(pair.decode.engine)
+            except UnknownEngine as exc:
+                raise RouterError(502, f"decode worker {pair.decode.worker_id}: {exc}", request_id=self.request_id,
+                                  type="server_error", code="unknown_engine") from None
             # Each attempt has its own id towards the workers, minted here (never the
             # client's): the failed pair may still hold state under the previous one.
             worker_rid = mint_worker_request_id()
@@ -493,12 +296,7 @@ class RequestLifecycle:
                     and self.serving_mode is not ServingMode.COLOCATED_FALLBACK:
                 self._d.telemetry.pair_decision(self._d.policy.name, pair.estimate)
             try:
-                if pair.decode.engine == "vllm":
-                    await run_vllm_legs(self, pair.decode, pair.prefill, worker_rid)
-                elif pair.prefill is None:
-                    await self._local(pair.decode, worker_rid)
-                else:
-                    await self._disaggregated(pair.decode, pair.prefill, worker_rid)
+                await legs.run(self, self._d.services, pair, worker_rid)
                 return
             except LegFailure as failure:
                 log.warning("%s", failure)
@@ -536,129 +334,6 @@ class RequestLifecycle:
             self.serving_mode = ServingMode.COLOCATED_FALLBACK
         return pair
 
-    async def _disaggregated(self, decode: WorkerView, prefill: WorkerView, wrid: str) -> None:
-        contacted = [decode]
-        completed = False
-        # Until /prefill is sent, the reservation never left the router: whatever ends the
-        # attempt (a /reserve that timed out and completes late included), the decoder
-        # may free its pages at once instead of fencing them.
-        prefill_never_sent = True
-        try:
-            self.state = RequestState.RESERVING
-            try:
-                reservation = await self._reserve(decode, prefill, wrid)
-            except LegFailure as failure:
-                if failure.status is not None:
-                    # The decoder answered with a refusal: it holds nothing for this id
-                    # (a /reserve either returns a reservation or takes nothing). Under
-                    # overload most attempts end here; a cancel each doubled its load.
-                    contacted.clear()
-                raise
-            self.state = RequestState.TRANSFERRING
-            prefill_never_sent = False
-            contacted.append(prefill)
-            prefill_leg = asyncio.ensure_future(self._prefill(prefill, decode, reservation, wrid))
-            generate_leg = asyncio.ensure_future(self._stream(
-                decode, "/generate", {"request_id": wrid, "stream": True, "timeout_s": self._s.kv_wait_timeout_s}, wrid,
-            ))
-            try:
-                await asyncio.wait({prefill_leg, generate_leg}, return_when=asyncio.FIRST_EXCEPTION)
-                if generate_leg.done() and generate_leg.exception() is None:
-                    # The client has its answer; a late prefill error cannot change it (its
-                    # KV had all landed, or decode could not have produced tokens).
-                    if prefill_leg.exception() is not None:
-                        log.warning("request %s: prefill reply failed after decode finished: %s",
-                                    self.request_id, prefill_leg.exception())
-                    else:
-                        self._d.telemetry.prefill_reply(prefill_leg.result())
-                    completed = True
-                    return
-                # Blame the leg that failed first; the other's error is usually a consequence.
-                failed = prefill_leg if prefill_leg.done() and prefill_leg.exception() else generate_leg
-                raise failed.exception()  # type: ignore[misc]
-            finally:
-                for leg in (prefill_leg, generate_leg):
-                    leg.cancel()
-                outcome = (await asyncio.gather(prefill_leg, generate_leg, return_exceptions=True))[0]
-                prefill_never_sent = isinstance(outcome, LegFailure) and outcome.never_sent
-        finally:
-            if not completed:
-                await self._cleanup(wrid, contacted, prefill_never_sent=prefill_never_sent)
-
-    async def _local(self, decode: WorkerView, wrid: str) -> None:
-        completed = False
-        try:
-            self.state = RequestState.GENERATING
-            await self._stream(decode, "/generate_local", {
-                "request_id": wrid, "prompt_tokens": self.job.prompt_tokens,
-                "max_tokens": self.job.max_tokens, "stream": True,
-            }, wrid)
-            completed = True
-        finally:
-            if not completed:
-                await self._cleanup(wrid, [decode])
-
-    async def _cleanup(self, wrid: str, workers: list[WorkerView], *, prefill_never_sent: bool = False) -> None:
-        # A separate task, awaited through shield: a second cancel of this task (shutdown
-        # racing a disconnect) must not cut the cancels short and leak decode pages. That
-        # cancel still propagates, so a cancelled request never goes on to a retry.
-        await asyncio.shield(self._d.spawn(self._d.cancel_legs(wrid, workers, prefill_never_sent=prefill_never_sent)))
-
-    # --- legs ------------------------------------------------------------------------------
-
-    async def _reserve(self, decode: WorkerView, prefill: WorkerView, wrid: str) -> dict[str, Any]:
-        reply = await self._d.post_json(
-            decode, "/reserve",
-            # prefill_engine_address: the decoder credits this request's immediates only
-            # from that engine (where its provider can tell who sent them).
-            {"request_id": wrid, "prompt_tokens": self.job.prompt_tokens, "max_tokens": self.job.max_tokens,
-             "prefill_engine_address": prefill.engine_address},
-            stage="reserve", request_id=wrid, total_timeout_s=self._s.control_timeout_s,
-        )
-        try:
-            # The one contract check (kvxfer.kv.protocol): version, every field's type and range.
-            reservation = KVReservation.from_json(reply, request_id=wrid)
-        except ReservationError as exc:
-            raise LegFailure(wrid, decode, "reserve", str(exc)) from None
-        if layout_key(reservation.kv_layout) != prefill.layout_key:
-            # The registry said compatible, the live reservation disagrees: never push KV
-            # in a layout the decoder would misread.
-            raise LegFailure(wrid, decode, "reserve", f"reserved kv_layout {reservation.kv_layout!r} "
-                             f"does not match prefill worker {prefill.worker_id}'s {prefill.kv_layout!r}")
-        return reservation.to_json()
-
-    async def _prefill(self, prefill: WorkerView, decode: WorkerView, reservation: dict[str, Any], wrid: str) -> dict[str, Any]:
-        # The contract: the reservation goes to the prefiller whole (as parsed and checked by
-        # kvxfer.kv.protocol; the mailbox slot, nonce and fence only the two workers
-        # interpret); the router adds only the decode engine address from the registry.
-        return await self._d.post_json(prefill, "/prefill", {
-            "request_id": wrid,
-            "prompt_tokens": self.job.prompt_tokens,
-            "decode": {"engine_address": decode.engine_address, **reservation},
-        }, stage="prefill", request_id=wrid, total_timeout_s=self._s.prefill_timeout_s)
-
-    async def _stream(self, decode: WorkerView, path: str, body: dict[str, Any], wrid: str) -> None:
-        """Read a decode NDJSON stream, emitting tokens and the finish event."""
-        stage = "generate"
-        rejected = _REQUEST_REJECTED_STATUSES if path == "/generate_local" else ()
-        stream = self._d.stream_lines(decode, path, body, stage=stage, request_id=wrid,
-                                      rejected_statuses=rejected, end_marker="its done line", is_last=is_done_line)
-        async with contextlib.aclosing(stream) as lines:
-            async for line in lines:
-                if not line.strip():
-                    continue
-                msg = stream_object(line, wrid, decode, stage, "stream line")
-                if msg.get("done"):
-                    if msg.get("finish_reason") == "error" or msg.get("error"):
-                        # Decode ends a failed generation with an error done line, not
-                        # a broken stream; it is a leg failure like any other.
-                        raise LegFailure(wrid, decode, stage, f"generation failed: {_detail(str(msg.get('error')))}")
-                    self._finish(msg)
-                    return
-                if "token" not in msg:
-                    raise LegFailure(wrid, decode, stage, f"unexpected stream line {_detail(line)!r}")
-                self._token(int(msg["token"]), str(msg.get("text", "")))
-
     # --- events ----------------------------------------------------------------------------
 
     def _output_arrived(self, *, timed: bool) -> None:
@@ -673,7 +348,8 @@ class RequestLifecycle:
             self._d.telemetry.inter_token(now - self._last_token_at)
         self._last_token_at = now
 
-    def _token(self, token: int, text: str) -> None:
+    def token(self, token: int, text: str) -> None:
+        """One generated token, for the client; held until the finish when ``buffered``."""
         self._output_arrived(timed=True)
         if self.buffered:
             self._held.append(TokenEvent(token, text))
@@ -681,18 +357,18 @@ class RequestLifecycle:
         self.tokens_sent += 1
         self._events.put_nowait(TokenEvent(token, text))
 
-    def _finish(self, msg: dict[str, Any]) -> None:
+    def finish(self, finish_reason: str, reported_usage: Any, text: str) -> None:
+        """The generation ended normally: the held tokens and the finish go to the client.
+        ``reported_usage`` is the decoder's (counted here when it is not well-formed)."""
         for held in self._held:
             self.tokens_sent += 1
             self._events.put_nowait(held)
         self._held.clear()
-        usage = usage_from(msg.get("usage"), len(self.job.prompt_tokens), self.tokens_sent)
+        usage = usage_from(reported_usage, len(self.job.prompt_tokens), self.tokens_sent)
         self._served()
         self._terminal_sent = True
         self._ticket.release_id()  # answered: the client may reuse the id at once
-        rest = msg.get("text")
-        self._events.put_nowait(FinishEvent(str(msg.get("finish_reason") or "stop"), usage,
-                                            rest if isinstance(rest, str) else ""))
+        self._events.put_nowait(FinishEvent(finish_reason, usage, text))
 
     def relay(self, event: Any, *, last: bool) -> None:
         """Hand the client a piece of a worker's own answer as it is (vLLM legs: one event
@@ -740,85 +416,3 @@ class RequestLifecycle:
             f"({failure.reason}) {context}",
             request_id=self.request_id, type="server_error", code=code,
         )
-
-
-def _reason(text: str) -> str | None:
-    """The ``reason`` of a kvxfer worker's error body, if it has one."""
-    try:
-        parsed = json.loads(text)
-    except ValueError:
-        return None
-    reason = parsed.get("reason") if isinstance(parsed, dict) else None
-    return reason if isinstance(reason, str) else None
-
-
-def _retry_after(headers: Mapping[str, str]) -> int | None:
-    """A worker's Retry-After in whole seconds (None when absent or not a number)."""
-    value = headers.get("retry-after")
-    return int(value) if value is not None and value.strip().isdigit() else None
-
-
-async def timed_lines(resp: httpx.Response, settings: RouterSettings, request_id: str, worker: WorkerView, stage: str,
-                      end_marker: str, is_last: Callable[[str], bool]) -> AsyncIterator[str]:
-    """The lines of a streamed answer, each within its deadline (the first
-    ``first_token_timeout_s``, later ones ``token_idle_timeout_s``), or :class:`LegFailure`;
-    so is a stream that ends before the caller stopped reading at ``end_marker``. The line
-    ``is_last`` recognises is yielded only once the rest of the body is read, so that the
-    connection goes back to the client's pool (see :meth:`Dispatcher.stream_lines`)."""
-    lines = resp.aiter_lines()
-    wait_s = settings.first_token_timeout_s
-    while True:
-        try:
-            line = await asyncio.wait_for(lines.__anext__(), wait_s)
-        except StopAsyncIteration:
-            raise LegFailure(request_id, worker, stage, f"stream ended before {end_marker}") from None
-        except asyncio.TimeoutError:
-            raise LegFailure(request_id, worker, stage, f"no stream line within {wait_s}s", timed_out=True) from None
-        wait_s = settings.token_idle_timeout_s
-        if is_last(line):
-            await _read_to_end(lines, _REST_OF_STREAM_WAIT_S)
-        yield line
-
-
-async def _read_to_end(lines: AsyncIterator[str], timeout_s: float) -> None:
-    """Reads what follows a stream's last line (normally nothing but the end of the body),
-    at most _LINES_AFTER_LAST_READ lines, each within ``timeout_s``; gives up silently (the
-    connection is then closed rather than reused)."""
-    with contextlib.suppress(StopAsyncIteration, asyncio.TimeoutError):
-        for _ in range(_LINES_AFTER_LAST_READ):
-            await asyncio.wait_for(lines.__anext__(), timeout_s)
-
-
-def is_done_line(line: str) -> bool:
-    """Whether an NDJSON line of a decode worker's stream is its last (``"done": true``);
-    a line that does not parse is not (the reader reports it)."""
-    if '"done"' not in line:  # every token line is parsed once more otherwise
-        return False
-    try:
-        obj = json.loads(line)
-    except ValueError:
-        return False
-    return isinstance(obj, dict) and bool(obj.get("done"))
-
-
-def stream_object(text: str, wrid: str, decode: WorkerView, stage: str, what: str) -> dict[str, Any]:
-    """One JSON object of a decode stream (an NDJSON line or an SSE event's data); anything
-    else fails the leg with LegFailure naming `what` it was."""
-    try:
-        obj = json.loads(text)
-    except ValueError:
-        raise LegFailure(wrid, decode, stage, f"unreadable {what} {_detail(text)!r}") from None
-    if not isinstance(obj, dict):
-        raise LegFailure(wrid, decode, stage, f"unexpected {what} {_detail(text)!r}")
-    return obj
-
-
-def _detail(text: str) -> str:
-    """A worker's error body, shortened; FastAPI's ``{"detail": ...}`` is unwrapped."""
-    try:
-        parsed = json.loads(text)
-        if isinstance(parsed, dict) and "detail" in parsed:
-            text = str(parsed["detail"])
-    except ValueError:
-        pass
-    return text[:_MAX_DETAIL_CHARS]

@@ -275,16 +275,17 @@ def _is_count(value: Any) -> bool:
 
 
 class PrefixIndexPoller:
-    """Polls every builtin worker's ``POST /prefix_index`` every
-    ``prefix_index_poll_interval_s`` (precise and both modes) and prunes the index of
-    workers that left the directory. A worker that does not answer keeps its last report,
-    which goes stale on its own; failures are logged at debug level only (a worker without
-    a prefix cache answers 404)."""
+    """Polls ``POST /prefix_index`` of every worker that ``reports`` (the builtin workers: the
+    app asks their leg type) every ``prefix_index_poll_interval_s`` (precise and both modes)
+    and prunes the index of workers that left the directory. A worker that does not answer
+    keeps its last report, which goes stale on its own; failures are logged at debug level
+    only (a worker without a prefix cache answers 404)."""
 
     def __init__(self, settings: RouterSettings, index: KvIndex, directory: WorkerDirectory,
                  client: Callable[[], httpx.AsyncClient], signer: WorkerCallSigner,
-                 on_tick: Callable[[], None] = lambda: None) -> None:
+                 reports: Callable[[WorkerView], bool], on_tick: Callable[[], None] = lambda: None) -> None:
         self._settings = settings
+        self._reports = reports
         self._index = index
         self._directory = directory
         self._client = client
@@ -306,7 +307,7 @@ class PrefixIndexPoller:
         workers = self._directory.workers()
         self._index.retain(w.worker_id for w in workers)
         if self._index.mode is not KvIndexMode.APPROXIMATE:
-            await asyncio.gather(*(self._poll(w) for w in workers if w.engine == "kvxfer"))
+            await asyncio.gather(*(self._poll(w) for w in workers if self._reports(w)))
         self._on_tick()
 
     async def _poll(self, worker: WorkerView) -> None:

@@ -6,7 +6,7 @@ pair - a prefill worker whose ``kv_layout`` equals the decode worker's (an incom
 would write KV the decoder cannot read). A policy only ranks the survivors, and may be told
 the request's prompt (its block hashes, :class:`~kvxfer_router.kv_index.PromptBlocks`):
 ``kv_aware`` (:mod:`kvxfer_router.kv_aware`) uses it, the load-based ones ignore it. Policies
-are pluggable by name through :func:`register_policy` / :func:`make_policy`.
+are pluggable by name through :mod:`kvxfer_router.policy_registry`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from .directory import WorkerDirectory, WorkerView
 
 if TYPE_CHECKING:
     from .kv_index import KvIndex, PromptBlocks
-    from .settings import RouterSettings
 
 
 
@@ -203,43 +202,6 @@ class LeastLoadedPolicy(PairPolicy):
     def choose_prefill(self, candidates: Sequence[WorkerView], load: LocalLoad) -> WorkerView:
         """Prefill worker with the shortest queue."""
         return self._ties.pick("prefill", candidates, lambda w: w.queue_depth + load.get(w.worker_id))
-
-
-def _kv_aware(settings: "RouterSettings") -> PairPolicy:
-    from .kv_aware import KvAwarePolicy  # its own module; it imports this one
-
-    return KvAwarePolicy(settings)
-
-
-_POLICIES: dict[str, Callable[["RouterSettings"], PairPolicy]] = {
-    RoundRobinPolicy.name: lambda _settings: RoundRobinPolicy(),
-    LeastLoadedPolicy.name: lambda _settings: LeastLoadedPolicy(),
-    "kv_aware": _kv_aware,
-}
-
-
-def register_policy(name: str, factory: Callable[[], PairPolicy]) -> None:
-    """Make a policy selectable by ``name`` (setting ``policy``); replaces an existing one."""
-    _POLICIES[name] = lambda _settings: factory()
-
-
-def policy_names() -> list[str]:
-    """Names accepted by :func:`make_policy`."""
-    return sorted(_POLICIES)
-
-
-def make_policy(name: str, settings: "RouterSettings | None" = None) -> PairPolicy:
-    """A fresh policy instance for ``name``, configured from ``settings`` (``RouterSettings()``
-    when left out); ``ValueError`` listing the known names if unknown."""
-    try:
-        factory = _POLICIES[name]
-    except KeyError:
-        raise ValueError(f"unknown routing policy {name!r}; known: {', '.join(policy_names())}") from None
-    if settings is None:
-        from .settings import RouterSettings
-
-        settings = RouterSettings()
-    return factory(settings)
 
 
 def eligible(workers: Sequence[WorkerView], model: str, exclude: Collection[str] = ()) -> list[WorkerView]:

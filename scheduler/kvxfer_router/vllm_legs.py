@@ -34,16 +34,16 @@ import json
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 
+from .directory import WorkerView
+from .leg_failure import LegFailure
+from .legs import LegRequest, LegServices, RequestLegs, RequestState
 from .openai_api import RouterError, response_id
-
-if TYPE_CHECKING:
-    from .directory import WorkerView
-    from .dispatch import RequestLifecycle
-    from .settings import RouterSettings
+from .policies import WorkerPair
+from .settings import RouterSettings
 
 #: Body fields a client may not set: the router fills them for each leg.
 RESERVED_FIELDS = ("kv_transfer_params",)
@@ -168,25 +168,32 @@ def _error_info(raw: bytes) -> dict[str, Any]:
     return {"message": raw[:300].decode(errors="replace"), "type": "BadRequestError", "param": None}
 
 
-async def run_vllm_legs(lc: RequestLifecycle, decode: WorkerView, prefill: WorkerView | None,
-                        attempt_id: str) -> None:
-    """Run one attempt, handing the client the decode instance's answer; raises
-    LegFailure (retried elsewhere) or RouterError (the client's answer)."""
-    from .dispatch import RequestState
+class VllmLegs(RequestLegs):
+    """The legs of a request on vLLM instances with the kvxfer connector (module docs)."""
 
-    job = lc.job
+    relays_client_body = True
+
+    async def run(self, request: LegRequest, services: LegServices, pair: WorkerPair, attempt_id: str) -> None:
+        """Run one attempt, handing the client the decode instance's answer; raises
+        LegFailure (retried elsewhere) or RouterError (the client's answer)."""
+        await _run(request, services, pair.decode, pair.prefill, attempt_id)
+
+
+async def _run(request: LegRequest, services: LegServices, decode: WorkerView, prefill: WorkerView | None,
+               attempt_id: str) -> None:
+    job = request.job
     assert job.body is not None
     prefill_body, decode_body = leg_bodies(job.body, attempt_id, decode, prefill)
     path = _path(job.kind)
-    s = lc._d.settings
-    lc.state = RequestState.TRANSFERRING if prefill_body else RequestState.GENERATING
+    s = services.settings
+    request.state = RequestState.TRANSFERRING if prefill_body else RequestState.GENERATING
     # The decode leg leaves first: its reservation, sent from the decode instance to the
     # prefiller, is on the way to the first token; the prefiller computes without it.
     relay = _relay_stream if job.body.get("stream") else _relay_answer
-    decode_leg = asyncio.ensure_future(relay(lc, decode, path, decode_body, attempt_id))
+    decode_leg = asyncio.ensure_future(relay(request, services, decode, path, decode_body, attempt_id))
     prefill_leg: asyncio.Future[Any] | None = None
     if prefill is not None and prefill_body is not None:
-        prefill_leg = asyncio.ensure_future(_prefill(lc, prefill, path, prefill_body, attempt_id))
+        prefill_leg = asyncio.ensure_future(_prefill(request, services, prefill, path, prefill_body, attempt_id))
     legs = [leg for leg in (prefill_leg, decode_leg) if leg is not None]
     try:
         await asyncio.wait(legs, return_when=asyncio.FIRST_EXCEPTION)
@@ -212,7 +219,7 @@ async def run_vllm_legs(lc: RequestLifecycle, decode: WorkerView, prefill: Worke
                 exc.status, f"the prefill leg (this request with max_tokens 1, n 1, not streamed) was refused by "
                 f"prefill worker {exc.worker.worker_id}, which kvxfer cannot serve disaggregated: "
                 f"{exc.error.get('message')}",
-                request_id=lc.request_id, param=exc.error.get("param"), code="prefill_leg_refused")
+                request_id=request.request_id, param=exc.error.get("param"), code="prefill_leg_refused")
         raise exc
     finally:
         # Closing the decode call aborts the request in vLLM; the connector then cancels
@@ -222,9 +229,9 @@ async def run_vllm_legs(lc: RequestLifecycle, decode: WorkerView, prefill: Worke
         await asyncio.gather(*legs, return_exceptions=True)
 
 
-def _client_error(lc: RequestLifecycle, status: int, raw: bytes) -> RouterError:
+def _client_error(request: LegRequest, status: int, raw: bytes) -> RouterError:
     """vLLM's refusal of the request, for the client as vLLM wrote it."""
-    return RouterError(status, str(_error_info(raw).get("message")), request_id=lc.request_id, raw_body=raw)
+    return RouterError(status, str(_error_info(raw).get("message")), request_id=request.request_id, raw_body=raw)
 
 
 async def _read_error(resp: aiohttp.ClientResponse, timeout_s: float) -> bytes:
@@ -246,19 +253,17 @@ async def _read_error(resp: aiohttp.ClientResponse, timeout_s: float) -> bytes:
 
 
 @contextlib.asynccontextmanager
-async def _post(lc: RequestLifecycle, worker: WorkerView, path: str, body: dict[str, Any], stage: str,
+async def _post(services: LegServices, worker: WorkerView, path: str, body: dict[str, Any], stage: str,
                 attempt_id: str, read_timeout_s: float) -> AsyncIterator[aiohttp.ClientResponse]:
     """A POST to a vLLM instance, its response open for reading; transport failures are LegFailure.
 
     ``read_timeout_s`` bounds each read from the instance (its answer's headers included);
     the connect timeout is the session's (``connect_timeout_s``)."""
-    from .dispatch import LegFailure
-
-    d = lc._d
-    call = d.signer.request(worker, path, body)
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=d.settings.connect_timeout_s, sock_read=read_timeout_s)
+    call = services.signer.vllm_request(worker, path, body)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=services.settings.connect_timeout_s,
+                                    sock_read=read_timeout_s)
     try:
-        async with d.vllm_http.session().post(call["url"], data=call["content"], headers=call["headers"],
+        async with services.vllm_http.session().post(call["url"], data=call["content"], headers=call["headers"],
                                               timeout=timeout) as resp:
             yield resp
     except aiohttp.ClientConnectorError as exc:
@@ -271,36 +276,32 @@ async def _post(lc: RequestLifecycle, worker: WorkerView, path: str, body: dict[
         raise LegFailure(attempt_id, worker, stage, f"POST {path}: {type(exc).__name__}: {exc}") from exc
 
 
-async def _refusal(lc: RequestLifecycle, worker: WorkerView, path: str, stage: str, attempt_id: str,
-                   resp: aiohttp.ClientResponse) -> Exception:
+async def _refusal(request: LegRequest, services: LegServices, worker: WorkerView, path: str, stage: str,
+                   attempt_id: str, resp: aiohttp.ClientResponse) -> Exception:
     """What an answer with an error status stands for: the client's refusal or a LegFailure."""
-    from .dispatch import LegFailure
-
-    raw = await _read_error(resp, lc._d.settings.control_timeout_s)
+    raw = await _read_error(resp, services.settings.control_timeout_s)
     if resp.status in CLIENT_ERROR_STATUSES:
         if stage == "prefill":
             return _PrefillRefused(worker, resp.status, _error_info(raw))
-        return _client_error(lc, resp.status, raw)
+        return _client_error(request, resp.status, raw)
     return LegFailure.from_answer(attempt_id, worker, stage, path, resp.status, raw.decode(errors="replace"),
                                   resp.headers, rejected=False)
 
 
-async def _prefill(lc: RequestLifecycle, prefill: WorkerView, path: str, body: dict[str, Any],
+async def _prefill(request: LegRequest, services: LegServices, prefill: WorkerView, path: str, body: dict[str, Any],
                    attempt_id: str) -> None:
     """The prefill leg: its answer (one token, thrown away) only says whether it ran."""
-    s = lc._d.settings
+    s = services.settings
 
     async def call() -> None:
-        async with _post(lc, prefill, path, body, "prefill", attempt_id, s.prefill_timeout_s) as resp:
+        async with _post(services, prefill, path, body, "prefill", attempt_id, s.prefill_timeout_s) as resp:
             if resp.status >= 400:
-                raise await _refusal(lc, prefill, path, "prefill", attempt_id, resp)
+                raise await _refusal(request, services, prefill, path, "prefill", attempt_id, resp)
             await resp.read()
 
     try:
         await asyncio.wait_for(call(), s.prefill_timeout_s)
     except asyncio.TimeoutError:
-        from .dispatch import LegFailure
-
         raise LegFailure(attempt_id, prefill, "prefill", f"POST {path} timed out (after {s.prefill_timeout_s}s)",
                          timed_out=True) from None
 
@@ -357,20 +358,18 @@ def _failed_finish(obj: dict[str, Any]) -> str | None:
     return None
 
 
-async def _relay_answer(lc: RequestLifecycle, decode: WorkerView, path: str, body: dict[str, Any],
-                        attempt_id: str) -> None:
+async def _relay_answer(request: LegRequest, services: LegServices, decode: WorkerView, path: str,
+                        body: dict[str, Any], attempt_id: str) -> None:
     """A non-streamed request: the decode instance's whole answer, once it is complete."""
-    from .dispatch import LegFailure
-
     stage = "generate"
     # The answer comes only once the whole generation is done: the request's own deadline
     # (the lifecycle's) bounds it, not the idle time between stream lines.
-    async with _post(lc, decode, path, body, stage, attempt_id, lc._d.settings.request_deadline_s) as resp:
+    async with _post(services, decode, path, body, stage, attempt_id, services.settings.request_deadline_s) as resp:
         if resp.status >= 400:
-            raise await _refusal(lc, decode, path, stage, attempt_id, resp)
+            raise await _refusal(request, services, decode, path, stage, attempt_id, resp)
         status = resp.status
         raw = await resp.read()
-    obj, answer = _with_client_id(raw, response_id(lc.job.kind, lc.request_id))
+    obj, answer = _with_client_id(raw, response_id(request.job.kind, request.request_id))
     if obj is None:
         raise LegFailure(attempt_id, decode, stage, f"unreadable answer {raw[:300].decode(errors='replace')!r}")
     failed = _failed_finish(obj)
@@ -379,9 +378,9 @@ async def _relay_answer(lc: RequestLifecycle, decode: WorkerView, path: str, bod
                          "instance drains)")
     report, text = _take_load_report(obj, answer.decode(errors="replace"))
     if report is not None:
-        lc._d.telemetry.decode_load_report(report)
+        services.telemetry.decode_load_report(report)
         answer = text.encode()
-    lc.relay(RelayedAnswer(status, answer), last=True)
+    request.relay(RelayedAnswer(status, answer), last=True)
 
 
 #: The most bytes of one event line held while its end has not come (vLLM's events, even
@@ -399,8 +398,6 @@ async def _event_lines(resp: aiohttp.ClientResponse, s: RouterSettings, attempt_
     ``token_idle_timeout_s``), or LegFailure; so is a stream that ends before ``data:
     [DONE]``. Lines are cut from whatever the socket delivered, as bytes: no per-line
     decoding or copying beyond the cut."""
-    from .dispatch import LegFailure
-
     loop = asyncio.get_running_loop()
     buffer = bytearray()
     wait_s = s.first_token_timeout_s
@@ -438,20 +435,18 @@ async def _read_rest(resp: aiohttp.ClientResponse) -> None:
                     return
 
 
-async def _relay_stream(lc: RequestLifecycle, decode: WorkerView, path: str, body: dict[str, Any],
-                        attempt_id: str) -> None:
+async def _relay_stream(request: LegRequest, services: LegServices, decode: WorkerView, path: str,
+                        body: dict[str, Any], attempt_id: str) -> None:
     """A streamed request: each of the decode instance's events as it comes, each within
     its deadline (the first ``first_token_timeout_s``, later ones ``token_idle_timeout_s``).
     An event's bytes go to the client as vLLM wrote them, its id replaced."""
-    from .dispatch import LegFailure
-
     stage = "generate"
-    s = lc._d.settings
-    client_id = response_id(lc.job.kind, lc.request_id)
+    s = services.settings
+    client_id = response_id(request.job.kind, request.request_id)
     relayed = 0
-    async with _post(lc, decode, path, body, stage, attempt_id, s.first_token_timeout_s) as resp:
+    async with _post(services, decode, path, body, stage, attempt_id, s.first_token_timeout_s) as resp:
         if resp.status >= 400:
-            raise await _refusal(lc, decode, path, stage, attempt_id, resp)
+            raise await _refusal(request, services, decode, path, stage, attempt_id, resp)
         async with contextlib.aclosing(_event_lines(resp, s, attempt_id, decode, stage)) as lines:
             async for line in lines:
                 if not line.startswith(b"data:"):
@@ -459,7 +454,7 @@ async def _relay_stream(lc: RequestLifecycle, decode: WorkerView, path: str, bod
                 data = line[5:].strip()
                 if data == b"[DONE]":
                     await _read_rest(resp)
-                    lc.relay(RelayedEnd(), last=True)
+                    request.relay(RelayedEnd(), last=True)
                     return
                 obj, event = _with_client_id(data, client_id)
                 if obj is None:
@@ -470,8 +465,8 @@ async def _relay_stream(lc: RequestLifecycle, decode: WorkerView, path: str, bod
                     raise LegFailure(attempt_id, decode, stage, f"the instance ended the request before its first "
                                      f"token: {data[:300].decode(errors='replace')}")
                 relayed += 1
-                lc.relay(RelayedChunk(b"data: " + event + b"\n\n"), last=False)
+                request.relay(RelayedChunk(b"data: " + event + b"\n\n"), last=False)
 
 
 __all__ = ["CLIENT_ERROR_STATUSES", "PREFILL_LEG_DROPPED", "RESERVED_FIELDS", "RelayedAnswer", "RelayedChunk",
-           "RelayedEnd", "disaggregates", "leg_bodies", "prefill_copy", "run_vllm_legs"]
+           "RelayedEnd", "VllmLegs", "disaggregates", "leg_bodies", "prefill_copy"]

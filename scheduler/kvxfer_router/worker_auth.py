@@ -60,18 +60,20 @@ class WorkerCallSigner:
         return self._signer is not None
 
     def request(self, worker: WorkerView, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        """Keyword arguments for httpx's POST of `body` to `path` on `worker`: its URL, the
-        exact content and the headers.
-
-        A kvxfer worker gets a token for this one call to it; a vLLM instance (engine
-        "vllm") gets the cluster's vLLM API key, the only credential vLLM checks.
-        """
+        """Keyword arguments for httpx's POST of `body` to `path` on kvxfer worker `worker`:
+        its URL, the exact content and the headers, with a token for this one call to it."""
         url = worker.url(path)
         content = json.dumps(body, separators=(",", ":")).encode()
         headers = {"Content-Type": "application/json"}
-        if worker.engine == "vllm":
-            headers.update(vllm_api_headers(self._vllm_key))
-        elif self._signer is not None:
+        if self._signer is not None:
             target = WorkerIdentity(worker.role, worker.worker_id)
             headers.update(self._signer.header(target, "POST", httpx.URL(url).path, content))
         return {"url": url, "content": content, "headers": headers}
+
+    def vllm_request(self, worker: WorkerView, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """The same for a vLLM instance: it gets the cluster's vLLM API key, the only
+        credential vLLM checks (the vLLM leg type calls this one, the builtin one
+        :meth:`request`)."""
+        content = json.dumps(body, separators=(",", ":")).encode()
+        headers = {"Content-Type": "application/json", **vllm_api_headers(self._vllm_key)}
+        return {"url": worker.url(path), "content": content, "headers": headers}

@@ -555,6 +555,19 @@ def test_full_router_answers_429_with_retry_after_and_recovers(cluster: Cluster)
     assert metric(cluster, 'kvxfer_router_rejected_requests_total{code="429"}') == 1.0
 
 
+def test_a_worker_of_an_engine_without_a_leg_type_gets_nothing_and_the_client_a_clear_502(
+        cluster: Cluster) -> None:
+    d = cluster.decode("d1", engine="sglang")
+    cluster.start_router()
+
+    r = cluster.post(completion(SHORT_PROMPT, request_id="odd"))
+
+    assert r.status_code == 502
+    assert r.json()["error"]["code"] == "unknown_engine"
+    assert "no leg type for engine 'sglang'" in r.json()["error"]["message"]
+    assert d.paths() == []
+
+
 def test_no_compatible_pair_answers_503_and_router_is_not_ready(cluster: Cluster) -> None:
     cluster.decode("d1")
     cluster.start_router(colocated_fallback=False)
