@@ -15,6 +15,14 @@ A push that stalled longer than `max_stall_s` between two of its writes (a froze
 starved process) may have missed its decoder's fence: it raises instead of writing.
 Tests and failure drills make a push go wrong through its `PushHooks` (handoff.push_hooks),
 given at construction; production gives none.
+
+`PushSession` is the builtin prefiller's adapter over the push core it shares with the
+vLLM connector's sender: its state is a `PushLifecycle` (push_state.py, starting in
+PUSHING: the router relays the reservation with the request), its pages and offsets come
+from a `PushPlan` (push_plan.py, over the cache's pages as a `CacheGeometry`) and its
+posted writes are an `InflightWrites` (inflight_writes.py). What is its own: the mailbox
+record, the stall check, the per-write timings of `PushStats` and the lock that lets the
+prefiller's /cancel trust `in_flight()`.
 """
 
 from __future__ import annotations
@@ -26,10 +34,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvxfer.errors import TransferError
+from kvxfer.handoff.inflight_writes import InflightWrites
+from kvxfer.handoff.push_hooks import NO_PUSH_HOOKS, PushHooks
+from kvxfer.handoff.push_plan import PushPlan, whole_page_geometry
+from kvxfer.handoff.push_state import PushLifecycle, PushState
 from kvxfer.kv.cache import PagedKVCache
 from kvxfer.kv.integrity import layer_checksums
-from kvxfer.kv.protocol import KVReservation, encode_mailbox, layer_dst_offset
-from kvxfer.handoff.push_hooks import NO_PUSH_HOOKS, PushHooks
+from kvxfer.kv.protocol import KVReservation, encode_mailbox
 from kvxfer.transfer.engine import RegisteredMemory, Transfer, TransferEngine
 
 
@@ -160,14 +171,17 @@ class PushSession:
         self._slot_stride = mailbox_slot_stride
         self.reservation = reservation
         self._local = np.asarray(local_pages, dtype=np.int64)
-        self._remote = np.asarray(reservation.pages, dtype=np.int64)
-        self._transfers: list[Transfer] = []
-        self._ok_seen = 0  # writes seen completed by the last poll()
+        self._plan = PushPlan(reservation, whole_page_geometry(cache.kv_layout, cache.num_layers, cache.num_pages,
+                                                               cache.page_bytes))
+        self._state = PushLifecycle(str(reservation.request_id), PushState.PUSHING)
+        self._writes = InflightWrites()
         self._mailbox_transfer: Transfer | None = None
-        self._cancelled = threading.Event()
+        # The prefiller's /cancel, the drills and the monitor's failure handling all count
+        # as a cancel, whatever state the push was in (failure reasons read it).
+        self._cancel_requested = threading.Event()
         # Held while a write is decided and posted, and by cancel(): once cancel() returned,
-        # every write this session will ever post is in `_transfers`, so `in_flight()`
-        # can be trusted by the prefiller's /cancel (whose answer frees the decoder's pages).
+        # every write this session will ever post is tracked, so `in_flight()` can be
+        # trusted by the prefiller's /cancel (whose answer frees the decoder's pages).
         self._issue_lock = threading.Lock()
         self.stats = PushStats()
         self._max_stall_s = max_stall_s
@@ -189,14 +203,21 @@ class PushSession:
         return self.reservation.first_page
 
     @property
+    def state(self) -> PushState:
+        """Where the push is (push_state.py): PUSHING until cancelled, stalled or ended."""
+        return self._state.state
+
+    @property
     def cancelled(self) -> bool:
         """True once cancel() was called: no further writes are issued."""
-        return self._cancelled.is_set()
+        return self._cancel_requested.is_set()
 
     def cancel(self) -> None:
         """Stops issuing writes; those already posted still complete (or fail)."""
         with self._issue_lock:
-            self._cancelled.set()
+            self._cancel_requested.set()
+            if self._state.live:
+                self._state.move(PushState.STOPPING, "cancelled")
 
     def mark_progress(self) -> None:
         """Compute of this push starts now: its stall clock starts here, not at queueing."""
@@ -206,59 +227,64 @@ class PushSession:
         """Pushes blocks [first_block, end_block) of `layer` that the decoder lacks: they are
         final now."""
         first_block = max(first_block, self.first_page)
-        if end_block > first_block and not self._cancelled.is_set():
+        if end_block > first_block and self._state.live:
             # Outside the lock: a hook that holds the push here must not hold up cancel().
             self._hooks.before_layer(self, layer, first_block)
         with self._issue_lock:
             self._push_layer(layer, first_block, end_block)
 
     def _check_stall(self) -> None:
-        """Raises PushStalled if this push stood still too long since its last write."""
+        """Raises PushStalled (and fails the push) if it stood still too long since its last write."""
         now = time.monotonic()
         stalled = now - self._last_progress
         if stalled > self._max_stall_s:
-            raise PushStalled(
+            error = PushStalled(
                 self.reservation.request_id,
                 f"push stalled {stalled:.2f} s between writes (limit {self._max_stall_s:.2f} s: the decoder's "
                 "fence_timeout_s minus this prefiller's transfer_timeout_s); not writing into pages it may have reused",
             )
+            self._state.move(PushState.FAILED, error.reason)
+            raise error
         self._last_progress = now
 
     def _push_layer(self, layer: int, first_block: int, end_block: int) -> None:
-        if self._cancelled.is_set() or end_block <= first_block:
+        if not self._state.live:
+            return
+        pages = self._plan.blocks(layer, first_block, end_block, self._local)
+        if pages is None:
             return
         self._check_stall()
-        page_bytes = self._cache.page_bytes
         start = time.perf_counter()
         if not self.stats.first_write_at:
             self.stats.first_write_at = start
-        local = self._local[first_block:end_block]
-        first_remote, end_remote = first_block - self.first_page, end_block - self.first_page
-        remote = self._remote[first_remote:end_remote]
-        self._hooks.before_checksum(self, layer, local)
+        self._hooks.before_checksum(self, layer, pages.local)
         if self.reservation.checksums:
             # Taken before the write is posted: the table says what this side meant to send.
-            self._checksums[layer, first_remote:end_remote] = layer_checksums(self._cache, layer, local)
-        for write_local, write_remote in self._hooks.layer_writes(self, layer, local, remote):
+            self._checksums[layer, pages.table_columns] = layer_checksums(self._cache, layer, pages.local)
+        for write_local, write_remote in self._hooks.layer_writes(self, layer, pages.local, pages.remote):
             self._write_pages(layer, write_local, write_remote)
-        self.stats.kv_bytes += (end_block - first_block) * page_bytes
+        self._plan.posted(pages)
+        self._writes.count(len(pages.remote), len(pages.remote) * self._cache.page_bytes)
+        self.stats.kv_bytes = self._writes.bytes_posted
         self.stats.layer_push_s.append(time.perf_counter() - start)
 
     def _write_pages(self, layer: int, local: np.ndarray, remote: np.ndarray) -> None:
-        page_bytes = self._cache.page_bytes
-        transfer = self._engine.write_paged(
-            self._region,
-            local,
-            self.reservation.descriptor,
-            remote,
-            page_bytes,
-            src_offset=self._cache.layer_offset_bytes(layer),
-            dst_offset=layer_dst_offset(self.reservation, layer, page_bytes),
-            imm=self.reservation.imm,
-            request_id=self.reservation.request_id,
-        )
-        self._transfers.append(transfer)
-        self.stats.writes += 1
+        for run in self._plan.runs(layer):
+            transfer = self._engine.write_paged(
+                self._region,
+                local,
+                self.reservation.descriptor,
+                remote,
+                run.length,
+                src_stride=run.src_stride,
+                dst_stride=run.dst_stride,
+                src_offset=run.src_offset,
+                dst_offset=run.dst_offset,
+                imm=self.reservation.imm,
+                request_id=self.reservation.request_id,
+            )
+            self._writes.add(transfer, transfer.bytes)
+            self.stats.writes += 1
 
     def finish(self, first_token: int, prompt_tokens: int) -> None:
         """Writes the mailbox record (first token), the request's last write."""
@@ -268,7 +294,7 @@ class PushSession:
             self._write_mailbox(first_token, prompt_tokens)
 
     def _write_mailbox(self, first_token: int, prompt_tokens: int) -> None:
-        if self._cancelled.is_set():
+        if not self._state.live:
             return
         self._check_stall()
         record = encode_mailbox(self.reservation.nonce, first_token, prompt_tokens, self._checksums.tobytes(),
@@ -287,28 +313,15 @@ class PushSession:
             imm=self.reservation.imm,
             request_id=self.reservation.request_id,
         )
-        self._transfers.append(self._mailbox_transfer)
+        self._writes.add(self._mailbox_transfer, self._mailbox_transfer.bytes)
 
     def poll(self) -> tuple[int, int, bool, Exception | None]:
         """One look at the posted writes, for the push monitor (its thread only): writes
         still in flight and their bytes, whether any completed successfully since the last
         poll, and the first failure (a `TransferTimeout` at the engine's deadline, else
         `TransferError`)."""
-        pending, pending_bytes, ok = 0, 0, 0
-        failure: Exception | None = None
-        for transfer in list(self._transfers):  # the compute thread may append meanwhile
-            if not transfer.done():
-                pending += 1
-                pending_bytes += transfer.bytes
-                continue
-            try:
-                transfer._raise_if_failed()
-                ok += 1
-            except TransferError as exc:
-                failure = failure or exc
-        progressed = ok > self._ok_seen
-        self._ok_seen = ok
-        return pending, pending_bytes, progressed, failure
+        reaped = self._writes.reap()
+        return reaped.pending, reaped.pending_bytes, reaped.progressed, reaped.failure
 
     def collect_stats(self) -> PushStats:
         """The push's stats once every write completed (the monitor found them done).
@@ -319,6 +332,7 @@ class PushSession:
         self._collect_write_times()
         late_s = now_mono - self.stats.last_completed_at if self.stats.last_completed_at else 0.0
         self.stats.transfers_done_at = now_perf - max(0.0, late_s)
+        self._settle(None)
         return self.stats
 
     def wait(self, timeout_s: float) -> PushStats:
@@ -329,26 +343,38 @@ class PushSession:
         """
         deadline = time.monotonic() + timeout_s
         first_error: Exception | None = None
-        for transfer in self._transfers:
+        for transfer in self._writes.posted:
             try:
                 transfer.wait(max(0.0, deadline - time.monotonic()))
             except TransferError as exc:
                 first_error = first_error or exc
                 if not transfer.done():
                     # Our deadline passed: bounded by the engine's transfer timeout.
-                    transfer._native.wait(self._engine.transfer_timeout_s + 1.0)
+                    transfer._native.wait(self._engine.transfer_timeout_s + 1.0)  # type: ignore[attr-defined]
         self.stats.transfers_done_at = time.perf_counter()
         self._collect_write_times()
+        self._settle(first_error)
         if first_error is not None:
             raise first_error
         return self.stats
+
+    def _settle(self, error: Exception | None) -> None:
+        """Nothing is in flight: a failed push is FAILED, a cancelled one DONE (drained), a
+        live one DONE once its mailbox went (a drill may wait mid-push)."""
+        with self._issue_lock:
+            if self._state.final:
+                return
+            if error is not None:
+                self._state.move(PushState.FAILED, str(error))
+            elif self._state.state is PushState.STOPPING or self._mailbox_transfer is not None:
+                self._state.move(PushState.DONE)
 
     def _collect_write_times(self) -> None:
         """Fills the per-write engine timings of `stats` from the finished transfers."""
         write_s: list[float] = []
         spans: list[tuple[float, float]] = []
-        for transfer in self._transfers:
-            duration = transfer.duration_s
+        for transfer in self._writes.posted:
+            duration = transfer.duration_s  # type: ignore[attr-defined]
             if duration is None:
                 continue
             completed = transfer.completed_at_s or 0.0
@@ -363,4 +389,4 @@ class PushSession:
 
     def in_flight(self) -> bool:
         """True while any write of this request may still land on the decoder."""
-        return any(not t.done() for t in self._transfers)
+        return self._writes.in_flight()

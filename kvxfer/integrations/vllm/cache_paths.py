@@ -3,8 +3,8 @@ from and into a host cache registered with the engine, or through pinned host st
 a device (CUDA) cache (`kvxfer.transfer.device_staging`; Debian's libfabric registers host
 memory only).
 
-Both paths post the same paged writes, planned by the cache's `CacheGeometry`: one per
-layer, each covering the request's blocks at the caches' block strides, with one immediate
+Both paths post the same paged writes, planned by the push's `PushPlan` over the cache's
+`CacheGeometry` (kvxfer.handoff.push_plan): one per layer, each covering the request's blocks at the caches' block strides, with one immediate
 per page, so the decoder's count is layers x pages either way (the reservation's contract,
 `kvxfer.kv.protocol`). That needs each (layer, block) to be one run of bytes: LBHNC, LBNHC,
 BLHNC, BLNHC. LHBNC and BHLNC cut a block into one run per head and are refused here with
@@ -19,10 +19,11 @@ test_kv_cache_paths.py`); a device cache picks them in `KVPusher` and `KVReceive
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvxfer.handoff.inflight_writes import InflightWrites
 from kvxfer.kv.cache_geometry import CacheGeometry, GeometryError, PagedRun
 from kvxfer.kv.protocol import KVReservation
 from kvxfer.transfer.device_staging import DevicePageReceiver, DevicePageSender, StagedPush
@@ -40,44 +41,6 @@ DEFAULT_STAGING_ROWS = 1024
 DEFAULT_LANDING_BLOCKS = 256
 
 
-class InFlight(Protocol):
-    """A posted write the pusher reaps."""
-
-    completed_at_s: float | None
-
-    def done(self) -> bool: ...
-
-    def wait(self, timeout: float = 30.0) -> None: ...
-
-
-class _Plans:
-    """The decoder's geometry for a reservation's `num_pages` (this cache's shape: the
-    signature check made sure of the rest; with a head slice, the decoder's heads per
-    block) and the pieces one block, or its head slice, is copied in."""
-
-    def __init__(self, geometry: CacheGeometry) -> None:
-        self.geometry = geometry
-        self._plans: dict[tuple[int, SliceTarget | None], tuple[CacheGeometry, tuple[tuple[int, int, int], ...]]] = {}
-
-    def layer_writes(self, layer: int, num_pages: int, target: SliceTarget | None = None) -> list[PagedRun]:
-        cached = self._plans.get((num_pages, target))
-        if cached is None:
-            g = self.geometry
-            if target is None:
-                dst = g.with_num_blocks(num_pages)
-                plan = g.copy_plan(dst)
-            else:
-                dst = CacheGeometry.dense(g.layout, g.order, g.num_layers, num_pages, target.dst_num_heads,
-                                          g.block_size, g.content_bytes, latent=g.latent)
-                plan = g.copy_plan(dst, target.slice.src_heads, target.slice.dst_heads)
-                if len(plan) != 1:
-                    # The decoder counts one immediate per (layer, page) from each prefill rank.
-                    raise GeometryError(f"a head slice of layout {g.layout} is {len(plan)} runs per block; "
-                                        "tensor parallel peers of different sizes need LBHNC or BLHNC")
-            cached = self._plans[(num_pages, target)] = (dst, plan)
-        return self.geometry.layer_writes(layer, *cached)
-
-
 class DirectWrites:
     """The prefiller's cache is host memory registered with the engine: each paged write
     reads it in place."""
@@ -85,20 +48,20 @@ class DirectWrites:
     def __init__(self, engine: TransferEngine, memory: RegisteredMemory, geometry: CacheGeometry) -> None:
         one_run_per_block(geometry)
         self.engine, self.memory = engine, memory
-        self._plans = _Plans(geometry)
 
-    def post(self, layer: int, src: list[int], res: KVReservation, dst: list[int], request_id: str,
-             in_flight: list[InFlight], target: SliceTarget | None = None) -> int:
-        """Posts `layer`'s blocks `src` (the heads `target` names, where given) to the
-        reservation's pages `dst`, appending each write to `in_flight` as it is posted; the
-        bytes posted."""
+    def post(self, runs: list[PagedRun], src: list[int], res: KVReservation, dst: list[int], request_id: str,
+             writes: InflightWrites, target: SliceTarget | None = None) -> int:
+        """Posts the planned `runs` of blocks `src` (a layer's, the heads `target` names,
+        where given: `PushPlan.runs`) to the reservation's pages `dst`, tracking each write
+        in `writes` as it is posted; the bytes posted."""
         posted = 0
-        for run in self._plans.layer_writes(layer, res.num_pages, target):
-            in_flight.append(self.engine.write_paged(
+        for run in runs:
+            nbytes = len(src) * run.length
+            writes.add(self.engine.write_paged(
                 self.memory, src, res.descriptor, dst, run.length, src_stride=run.src_stride,
                 dst_stride=run.dst_stride, src_offset=run.src_offset, dst_offset=run.dst_offset,
-                imm=res.imm, request_id=request_id))
-            posted += len(src) * run.length
+                imm=res.imm, request_id=request_id), nbytes)
+            posted += nbytes
         return posted
 
 
@@ -143,27 +106,27 @@ class StagedWrites:
     into pinned staging rows and posted from there (`DevicePageSender`)."""
 
     def __init__(self, engine: TransferEngine, region: KVRegion, *, staging_rows: int = DEFAULT_STAGING_ROWS) -> None:
-        self._plans = _Plans(region.geometry)
         self.row = one_run_per_block(region.geometry)
         self.sender = DevicePageSender(engine, region.cache_bytes, self.row, staging_pages=staging_rows,
                                        chunk_pages=min(staging_rows, 64))
 
-    def post(self, layer: int, src: list[int], res: KVReservation, dst: list[int], request_id: str,
-             in_flight: list[InFlight], target: SliceTarget | None = None) -> int:
+    def post(self, runs: list[PagedRun], src: list[int], res: KVReservation, dst: list[int], request_id: str,
+             writes: InflightWrites, target: SliceTarget | None = None) -> int:
         """As `DirectWrites.post`, through the staging rows (whole blocks only)."""
         if target is not None:
             raise GeometryError("a device cache pushes whole blocks only: its decoder must run the same tensor "
                                 "parallel size")
         posted = 0
         blocks = np.asarray(src, dtype=np.int64)
-        for run in self._plans.layer_writes(layer, res.num_pages):
+        for run in runs:
             if run.length != self.row:
                 raise GeometryError(f"a piece of {run.length} bytes does not match the staging rows of {self.row}")
             rows = (run.src_offset + blocks * run.src_stride) // self.row
-            in_flight.append(_StagedWrite(self.sender.push(rows, res.descriptor, dst, dst_offset=run.dst_offset,
-                                                           dst_stride=run.dst_stride, imm=res.imm,
-                                                           request_id=request_id)))
-            posted += len(src) * run.length
+            nbytes = len(src) * run.length
+            writes.add(_StagedWrite(self.sender.push(rows, res.descriptor, dst, dst_offset=run.dst_offset,
+                                                     dst_stride=run.dst_stride, imm=res.imm,
+                                                     request_id=request_id)), nbytes)
+            posted += nbytes
         return posted
 
 

@@ -1,11 +1,14 @@
 """Prefill side of the worker half: push each layer's finished pages as it is computed.
 
-For every request of a prefill leg the pusher holds a `PrefillPush`, whose state machine is
-
-    WAITING_FOR_RESERVATION --reservation--> PUSHING --all pages of all layers landed--> DONE
-           |                                    |  \\--decoder's cancel--> STOPPING --drained--> DONE
-           |                                    \\--write failed / preempted / bad reservation--> FAILED
-           \\--reservation_wait_s passed after vLLM finished the request--> FAILED
+For every request of a prefill leg the pusher holds a `PrefillPush`: the connector's
+adapter over the push core it shares with the builtin prefiller (kvxfer/handoff/). Its
+state is a `PushLifecycle` (handoff/push_state.py: WAITING_FOR_RESERVATION until the
+decoder's reservation arrives, then PUSHING, STOPPING on the decoder's cancel, DONE or
+FAILED), its pages and their offsets come from a `PushPlan` (handoff/push_plan.py, over
+the region's `CacheGeometry`) and its posted writes are an `InflightWrites`
+(handoff/inflight_writes.py). A push waiting for its reservation fails once
+`reservation_wait_s` passed after vLLM finished the request; a failed write, a preemption
+or a bad reservation fails it at once.
 
 `save_kv_layer(layer)` posts, for each request computed this step, one paged write of the
 pages of that layer that became final (every token of the page computed, or the prompt's
@@ -32,7 +35,6 @@ write is posted, and the table goes to the decoder once the last write is posted
 
 from __future__ import annotations
 
-import enum
 import logging
 import math
 import time
@@ -40,14 +42,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvxfer.errors import TransferError
+from kvxfer.handoff.inflight_writes import InflightWrites
+from kvxfer.handoff.push_plan import PushPlan, PushPlanError
+from kvxfer.handoff.push_state import PushLifecycle, PushState
 from kvxfer.kv.protocol import KVReservation, encode_abort
+from kvxfer.metrics import ConnectorMetrics
 from kvxfer.registry.signing import checksum_table_key_of
 from kvxfer.transfer.engine import RegisteredMemory, TransferEngine
 
-from .cache_paths import DirectWrites, InFlight, StagedWrites
+from .cache_paths import DirectWrites, StagedWrites
 from .connector_hooks import NO_CONNECTOR_HOOKS, ConnectorHooks
-from .connector_metrics import ConnectorMetrics
 from .kv_checksums import block_checksums, encode_table
 from .kv_region import KVRegion
 from .metadata import KvxferStepMetadata, PushSpec
@@ -60,16 +64,6 @@ log = logging.getLogger(__name__)
 #: The key of the one push of a request whose decoder has this rank's tensor parallel size
 #: (its reservation names no decode rank: whole blocks from the same-rank peer).
 WHOLE_BLOCKS = -1
-
-
-class PushState(enum.Enum):
-    """Where one request's push is."""
-
-    WAITING_FOR_RESERVATION = "waiting_for_reservation"
-    PUSHING = "pushing"
-    STOPPING = "stopping"  # the decoder cancelled: drain in-flight writes, then confirm
-    DONE = "done"
-    FAILED = "failed"
 
 
 @dataclass
@@ -88,22 +82,16 @@ class PrefillPush:
     target: SliceTarget | None = None
     block_ids: list[int] = field(default_factory=list)
     reservation: KVReservation | None = None
-    state: PushState = PushState.WAITING_FOR_RESERVATION
-    reason: str = ""
+    #: which pages each layer posts and where they land (from the reservation on).
+    plan: PushPlan | None = None
     #: tokens whose KV of layer l is in the cache (set as each layer is saved).
     computed_upto: list[int] = field(default_factory=list)
-    #: prompt page index up to which layer l was pushed (starts at the reservation's first_page).
-    pushed_upto: list[int] = field(default_factory=list)
-    in_flight: list[InFlight] = field(default_factory=list)
+    writes: InflightWrites = field(default_factory=InflightWrites)
     vllm_finished_at: float | None = None
     created_at: float = field(default_factory=time.monotonic)
     layer_saved_at: list[float] = field(default_factory=list)
     layer_posted_at: list[float] = field(default_factory=list)
-    bytes_posted: int = 0
-    pages_posted: int = 0
     abort_sent: bool = False
-    #: CLOCK_MONOTONIC completion of the latest write reaped (the push tail's end).
-    last_completed_at: float = 0.0
     #: computed_end of the step being executed (set by on_step, applied per saved layer).
     pending_end: int = 0
     #: pages posted late, from the kept blocks, because the reservation came after their layer.
@@ -113,10 +101,35 @@ class PrefillPush:
     table_sent: bool = False
 
     def __post_init__(self) -> None:
+        self.lifecycle = PushLifecycle(self.transfer_id)
         self.computed_upto = [0] * self.num_layers
-        self.pushed_upto = [0] * self.num_layers
         self.layer_saved_at = [0.0] * self.num_layers
         self.layer_posted_at = [0.0] * self.num_layers
+
+    @property
+    def state(self) -> PushState:
+        """Where the push is (handoff/push_state.py)."""
+        return self.lifecycle.state
+
+    @property
+    def reason(self) -> str:
+        """Why it stopped or failed ("" while it has not)."""
+        return self.lifecycle.reason
+
+    @property
+    def pages_posted(self) -> int:
+        """KV pages posted so far."""
+        return self.writes.pages_posted
+
+    @property
+    def bytes_posted(self) -> int:
+        """KV bytes posted so far."""
+        return self.writes.bytes_posted
+
+    @property
+    def last_completed_at(self) -> float:
+        """CLOCK_MONOTONIC completion of the latest write reaped (the push tail's end)."""
+        return self.writes.last_completed_at
 
     @property
     def total_pages(self) -> int:
@@ -131,7 +144,7 @@ class PrefillPush:
     @property
     def complete(self) -> bool:
         """Every page of every layer posted."""
-        return all(p >= self.total_pages for p in self.pushed_upto)
+        return self.plan is not None and self.plan.complete
 
 
 class KVPusher:
@@ -246,9 +259,8 @@ class KVPusher:
                 if push.state in (PushState.PUSHING, PushState.WAITING_FOR_RESERVATION):
                     log.info("transfer %s (request %s): cancelled by the decoder (%s); stopping the push",
                              push.transfer_id, push.request_id, reason)
-                    push.state = PushState.STOPPING
-                    push.reason = f"cancelled by the decoder: {reason}"
-                elif push.state is PushState.DONE and not push.in_flight and not push.abort_sent:
+                    push.lifecycle.move(PushState.STOPPING, f"cancelled by the decoder: {reason}")
+                elif push.state is PushState.DONE and not push.writes.unreaped and not push.abort_sent:
                     # Every write landed already (the decoder refused what landed): confirm
                     # at once rather than let it wait for its fence.
                     push.abort_sent = True
@@ -269,10 +281,14 @@ class KVPusher:
         if problem:
             self._fail(push, problem)
             return
-        push.pushed_upto = [res.first_page] * push.num_layers
+        if target is None:
+            push.plan = PushPlan(res, self.region.geometry)
+        else:
+            push.plan = PushPlan(res, self.region.geometry, src_heads=target.slice.src_heads,
+                                 dst_heads=target.slice.dst_heads, dst_num_heads=target.dst_num_heads)
         if res.checksums:
             push.checksums = np.zeros((push.num_layers, len(res.pages)), dtype=np.uint32)
-        push.state = PushState.PUSHING
+        push.lifecycle.move(PushState.PUSHING)
 
     def _check(self, push: PrefillPush, res: KVReservation) -> str:
         target = push.target
@@ -319,34 +335,32 @@ class KVPusher:
         push.caught_up_pages += push.pages_posted - before
 
     def _post(self, push: PrefillPush, layer: int) -> None:
-        res = push.reservation
-        assert res is not None
-        start, end = push.pushed_upto[layer], push.final_pages(layer)
-        if end <= start:
+        res, plan = push.reservation, push.plan
+        assert res is not None and plan is not None
+        try:
+            pages = plan.final(layer, push.final_pages(layer), push.block_ids)
+        except PushPlanError as exc:
+            self._fail(push, str(exc))
             return
-        src = push.block_ids[start:end]
-        dst = res.pages[start - res.first_page:end - res.first_page]
-        if len(src) != len(dst):
-            self._fail(push, f"the request has {len(push.block_ids)} blocks, fewer than its computed pages")
-            return
-        pages = self._hooks.layer_pages(push.transfer_id, layer, src, dst)
         if pages is None:
             return
-        src, dst = pages
+        chosen = self._hooks.layer_pages(push.transfer_id, layer, pages.local, pages.remote.tolist())
+        if chosen is None:
+            return
+        src, dst = chosen
         if push.checksums is not None:
             # Taken before the write is posted: the table says what this side meant to send.
-            push.checksums[layer, start - res.first_page:end - res.first_page] = \
+            push.checksums[layer, pages.table_columns] = \
                 block_checksums(self.region, layer, src, push.target.slice.src_heads if push.target else None)
         self._hooks.layer_checksummed(self.region, push.transfer_id, layer, src)
         try:
-            posted = self.writes.post(layer, src, res, dst, push.transfer_id, push.in_flight, push.target)
+            posted = self.writes.post(plan.runs(layer), src, res, dst, push.transfer_id, push.writes, push.target)
         except Exception as exc:  # a dead peer, a descriptor the engine refuses, a bad num_pages
             self._fail(push, f"posting layer {layer} failed: {exc}")
             return
-        push.pushed_upto[layer] = end
+        plan.posted(pages)
         push.layer_posted_at[layer] = time.monotonic()
-        push.pages_posted += len(src)
-        push.bytes_posted += posted
+        push.writes.count(len(src), posted)
         if push.checksums is not None and push.complete and not push.table_sent:
             self._send_table(push)
 
@@ -358,7 +372,7 @@ class KVPusher:
         push.table_sent = True
         try:
             for message in encode_table(res.imm, res.nonce, push.checksums, self._table_key):
-                push.in_flight.append(self.engine.send(res.descriptor, message))
+                push.writes.add(self.engine.send(res.descriptor, message))
         except Exception as exc:  # the decoder is gone: this push cannot complete
             self._fail(push, f"sending the checksum table failed: {exc}")
 
@@ -380,33 +394,24 @@ class KVPusher:
             if push.state is PushState.WAITING_FOR_RESERVATION and push.vllm_finished_at is not None \
                     and now - push.vllm_finished_at > self.settings.reservation_wait_s:
                 self._fail(push, f"no reservation from the decoder within reservation_wait_s={self.settings.reservation_wait_s}")
-            if push.state is PushState.PUSHING and push.complete and not push.in_flight:
+            if push.state is PushState.PUSHING and push.complete and not push.writes.unreaped:
                 self._finish(push)
-            if push.state in (PushState.STOPPING, PushState.FAILED) and not push.in_flight:
+            if push.state in (PushState.STOPPING, PushState.FAILED) and not push.writes.unreaped:
                 self._confirm_stopped(push)
                 if push.state is PushState.STOPPING:
-                    push.state = PushState.DONE
-            if push.state in (PushState.DONE, PushState.FAILED) and not push.in_flight \
-                    and push.vllm_finished_at is not None:
+                    push.lifecycle.move(PushState.DONE)
+            if push.lifecycle.final and not push.writes.unreaped and push.vllm_finished_at is not None:
                 self._forget(push)
         out, self._report = self._report, set()
         return out
 
     def _reap(self, push: PrefillPush) -> None:
-        still: list[InFlight] = []
-        for t in push.in_flight:
-            if not t.done():
-                still.append(t)
-                continue
-            push.last_completed_at = max(push.last_completed_at, t.completed_at_s or 0.0)
-            try:
-                t.wait(0)
-            except TransferError as exc:
-                self._fail(push, f"a write to the decoder failed: {exc}")
-        push.in_flight = still
+        failure = push.writes.reap().failure
+        if failure is not None:
+            self._fail(push, f"a write to the decoder failed: {failure}")
 
     def _finish(self, push: PrefillPush) -> None:
-        push.state = PushState.DONE
+        push.lifecycle.move(PushState.DONE)
         # The tail: from the last layer's compute to its last write landing (the engine
         # stamps completions with CLOCK_MONOTONIC, time.monotonic()'s clock).
         completed = push.last_completed_at or time.monotonic()
@@ -419,13 +424,12 @@ class KVPusher:
             self._hooks.push_finished(self.region, push, tail)
 
     def _fail(self, push: PrefillPush, reason: str) -> None:
-        if push.state in (PushState.DONE, PushState.FAILED):
+        if push.lifecycle.final:
             return
         log.warning("transfer %s (request %s): push failed: %s", push.transfer_id, push.request_id, reason)
         if "layout mismatch" not in reason:
             self.metrics.failures.labels(side="prefill", reason="push_failed").inc()
-        push.state = PushState.FAILED
-        push.reason = reason
+        push.lifecycle.move(PushState.FAILED, reason)
 
     def _confirm_stopped(self, push: PrefillPush) -> None:
         res = push.reservation

@@ -1,0 +1,129 @@
+"""Which pages of a layer a push posts now, and where they land: one plan for both senders.
+
+A reservation names the decoder's pages for prompt blocks `first_page ...` (the blocks
+before are the decoder's prefix-cache hit and are never pushed): prompt block `b` lands in
+reserved page ``pages[b - first_page]``. `PushPlan` keeps, per layer, how far that layer
+was posted, and turns "blocks [first, end) of layer l are final" (the builtin prefiller
+knows each chunk's blocks) or "the first n prompt pages of layer l are final" (the vLLM
+connector, whose reservation may come after some layers were computed) into a
+`LayerPages`: the local and reserved page ids, and the columns of the checksum table they
+fill. Where the bytes lie comes from the caches' `CacheGeometry` (kv.cache_geometry), the
+one object that knows offsets: `runs(layer)` are the paged writes of a layer, each one
+covering every listed page at the caches' strides. A sender posts exactly what the plan
+says; neither computes an offset of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvxfer.errors import KvxferError
+from kvxfer.kv.cache_geometry import CacheGeometry, GeometryError, PagedRun
+from kvxfer.kv.protocol import KVReservation
+
+#: Local page ids as a sender holds them: a numpy array (builtin) or a list (vLLM's block ids).
+LocalPages = np.ndarray | list[int]
+
+
+class PushPlanError(KvxferError, ValueError):
+    """The pages asked for cannot be planned (the request holds fewer blocks than final pages)."""
+
+
+@dataclass(frozen=True)
+class LayerPages:
+    """Prompt blocks [first_block, end_block) of `layer`: the local pages they are read
+    from and the reserved pages they land in, pair by pair."""
+
+    layer: int
+    first_block: int
+    end_block: int
+    local: LocalPages
+    remote: np.ndarray
+    #: Columns of the (layer, reserved page) checksum table these pages fill.
+    table_columns: slice
+
+
+def whole_page_geometry(layout: str, num_layers: int, num_pages: int, page_bytes: int) -> CacheGeometry:
+    """The geometry of a cache whose (layer, page) is one opaque run of `page_bytes`, pages
+    of a layer adjacent (the builtin `PagedKVCache`, [L, P, ...]): what a whole-page push
+    needs of it, whatever the order inside a page."""
+    return CacheGeometry.dense(layout, (0, 1, 2, 3, 4), num_layers, num_pages, 1, 1, page_bytes)
+
+
+class PushPlan:
+    """The pages of one reservation each layer posts, and the paged writes that move them.
+
+    `geometry` is this side's cache; the decoder's is the same shape with the reservation's
+    `num_pages` blocks, or, for a head slice (a decode rank of another tensor parallel
+    size), `dst_num_heads` heads per block of which `dst_heads` receive this cache's
+    `src_heads`. The writes are planned on first use: a slice the layout cannot move as one
+    run per block raises `GeometryError` there, where the sender fails the push.
+    """
+
+    def __init__(self, reservation: KVReservation, geometry: CacheGeometry, *,
+                 src_heads: tuple[int, int] | None = None, dst_heads: tuple[int, int] | None = None,
+                 dst_num_heads: int | None = None) -> None:
+        self.reservation = reservation
+        self.geometry = geometry
+        self.first_page = reservation.first_page
+        #: Prompt pages the reservation covers (held ones included).
+        self.end_page = reservation.first_page + len(reservation.pages)
+        self._remote = np.asarray(reservation.pages, dtype=np.int64)
+        self._heads = (src_heads, dst_heads, dst_num_heads)
+        self._dst: CacheGeometry | None = None
+        self._pieces: tuple[tuple[int, int, int], ...] = ()
+        #: Per layer, the prompt block up to which it was posted.
+        self.pushed_upto = [self.first_page] * geometry.num_layers
+
+    def _plan(self) -> tuple[CacheGeometry, tuple[tuple[int, int, int], ...]]:
+        if self._dst is None:
+            g = self.geometry
+            src_heads, dst_heads, dst_num_heads = self._heads
+            if dst_num_heads is None:
+                dst = g.with_num_blocks(self.reservation.num_pages)
+                pieces = g.copy_plan(dst)
+            else:
+                dst = CacheGeometry.dense(g.layout, g.order, g.num_layers, self.reservation.num_pages, dst_num_heads,
+                                          g.block_size, g.content_bytes, latent=g.latent)
+                pieces = g.copy_plan(dst, src_heads, dst_heads)
+                if len(pieces) != 1:
+                    # The decoder counts one immediate per (layer, page) from each prefill rank.
+                    raise GeometryError(f"a head slice of layout {g.layout} is {len(pieces)} runs per block; "
+                                        "tensor parallel peers of different sizes need LBHNC or BLHNC")
+            self._dst, self._pieces = dst, pieces
+        return self._dst, self._pieces
+
+    def runs(self, layer: int) -> list[PagedRun]:
+        """The paged writes of `layer`: one per contiguous piece of a block (one for whole
+        pages and for LBHNC), each covering every page of a `LayerPages` at both strides."""
+        dst, pieces = self._plan()
+        return self.geometry.layer_writes(layer, dst, pieces)
+
+    def blocks(self, layer: int, first_block: int, end_block: int, local: LocalPages) -> LayerPages | None:
+        """Blocks [first_block, end_block) of `layer`, less those the decoder holds; None
+        when none is left. `local` holds the local page of every prompt block."""
+        first_block = max(first_block, self.first_page)
+        if end_block <= first_block:
+            return None
+        first_col, end_col = first_block - self.first_page, end_block - self.first_page
+        src = local[first_block:end_block]
+        dst = self._remote[first_col:end_col]
+        if len(src) != len(dst):
+            raise PushPlanError(f"the request has {len(local)} blocks, fewer than its computed pages")
+        return LayerPages(layer, first_block, end_block, src, dst, slice(first_col, end_col))
+
+    def final(self, layer: int, final_pages: int, local: LocalPages) -> LayerPages | None:
+        """The pages of `layer` that became final since it was last posted (its first
+        `final_pages` prompt pages are final now); None when there are none."""
+        return self.blocks(layer, self.pushed_upto[layer], final_pages, local)
+
+    def posted(self, pages: LayerPages) -> None:
+        """`pages` were posted: `final` starts after them."""
+        self.pushed_upto[pages.layer] = max(self.pushed_upto[pages.layer], pages.end_block)
+
+    @property
+    def complete(self) -> bool:
+        """Every layer posted up to the reservation's last page."""
+        return all(upto >= self.end_page for upto in self.pushed_upto)
