@@ -64,8 +64,9 @@ class ReservationScopes:
     def open(self, job: DecodeJob, prefill_address: bytes | None) -> tuple[bytes, bytes]:
         """Opens the job's scope and returns the KV and mailbox descriptors it hands out:
         with per_reservation, registrations of its pushed pages and its mailbox slot only;
-        and its immediate bound to `prefill_address`. Revoked at once if the reservation
-        stopped waiting meanwhile (a cancel can race a slow registration)."""
+        and its immediate bound to `prefill_address`. If the reservation stopped waiting
+        meanwhile (a cancel can race a slow registration), the scope is revoked at once and
+        the reservation refused (`Rejection.CONFLICT`)."""
         core = self._core
         parts: list[tuple[RegisteredMemory, list[tuple[int, int]]]] = []
         if self._registration is not KVRegistration.WHOLE_CACHE:
@@ -84,11 +85,12 @@ class ReservationScopes:
                 open_now = len(self._scopes)
         if not kept:
             scope.revoke()
-        elif parts:
-            self._metrics.reservation_registrations.inc()
-            self._metrics.reservation_registrations_open.set(open_now)
+            raise RequestRejected(Rejection.CONFLICT, f"request {job.request_id} was {job.phase.value} while its "
+                                  "reservation was being made", job.request_id)
         if not parts:
             return core.cache_region.descriptor, self._mailbox.region.descriptor
+        self._metrics.reservation_registrations.inc()
+        self._metrics.reservation_registrations_open.set(open_now)
         kv, mailbox = scope.descriptors
         return kv, mailbox
 
