@@ -1,14 +1,17 @@
 """The decoder's reservation state machine (kvxfer.handoff.decode_ledger): every transition, the
-illegal ones, deadlines, slots and epochs."""
+illegal ones, deadlines (TTL, stall, fence, a gone writer's fence), slots and epochs, and a
+page source other than the allocator."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Sequence
 
 import pytest
 
-from kvxfer.handoff.decode_ledger import TRANSITIONS, IllegalTransition, NoSlotError, ReservationLedger
-from kvxfer.handoff.decode_ledger import ReservationState as S
+from kvxfer.handoff.decode_ledger import DeadlineSetting, NoSlotError, ReservationLedger
+from kvxfer.handoff.reservation_state import TRANSITIONS, IllegalTransition
+from kvxfer.handoff.reservation_state import ReservationState as S
 from kvxfer.kv.page_allocator import PageAllocator
 from kvxfer.kv.protocol import decode_imm
 
@@ -178,3 +181,86 @@ def test_the_documented_table_is_the_code_table() -> None:
     # docs/architecture.md says which transitions exist; the ledger enforces TRANSITIONS.
     # One edge added or removed on either side (doc or code) fails here.
     assert documented_transitions() == TRANSITIONS
+
+
+def make_stalling(stall_s: float) -> tuple[ReservationLedger, Clock]:
+    clock = Clock()
+    ledger = ReservationLedger(PageAllocator(64, 16), 4, reservation_ttl_s=TTL_S, fence_timeout_s=FENCE_S,
+                               stall_timeout_s=stall_s, clock=clock)
+    return ledger, clock
+
+
+def test_progress_moves_a_reservation_to_receiving_and_restarts_its_stall_deadline() -> None:
+    ledger, clock = make_stalling(3.0)
+    entry = ledger.open("r", 20)
+    assert (entry.deadline, entry.deadline_setting) == (103.0, DeadlineSetting.STALL)
+    clock.now += 2
+    assert ledger.progress("r", 0) is False and entry.state is S.RESERVED  # nothing counted yet
+    assert ledger.progress("r", 4) is True and entry.state is S.RECEIVING
+    assert (entry.landed, entry.progress_at, entry.deadline) == (4, 102.0, 105.0)
+    clock.now += 2.5
+    assert ledger.progress("r", 4) is False and ledger.due() == []  # the same count is no progress
+    clock.now += 0.5
+    assert [e.request_id for e in ledger.due()] == ["r"] and entry.deadline_setting is DeadlineSetting.STALL
+
+
+def test_writes_that_keep_landing_still_end_at_the_reservation_ttl() -> None:
+    ledger, clock = make_stalling(3.0)
+    entry = ledger.open("r", 20)
+    for landed in range(1, 8):
+        clock.now += 2
+        ledger.progress("r", landed)
+    # 114 would be the stall bound; the TTL (110) comes first and is named.
+    assert (entry.deadline, entry.deadline_setting) == (100.0 + TTL_S, DeadlineSetting.RESERVATION_TTL)
+    assert [e.request_id for e in ledger.due()] == ["r"]
+
+
+def test_a_gone_writer_cuts_the_fence_and_never_lengthens_it() -> None:
+    ledger, clock = make_stalling(3.0)
+    ledger.open("r", 20)
+    assert ledger.writer_gone("r", 0.2) is None  # still waiting: nothing to cut
+    entry = ledger.end("r", S.FAILED, writer_stopped=False, reason="stalled")
+    assert (entry.deadline, entry.deadline_setting) == (100.0 + FENCE_S, DeadlineSetting.FENCE)
+    clock.now += 1
+    ledger.writer_gone("r", 0.2)
+    assert (entry.deadline, entry.deadline_setting, entry.writer_gone) == (101.2, DeadlineSetting.WRITER_GONE, True)
+    ledger.writer_gone("r", 50.0)
+    assert entry.deadline == 101.2
+    ledger.move("r", S.FREE, "fence passed")
+    assert entry.reason == "stalled"  # why it ended, not how it was freed
+
+
+class RecordingPages:
+    """A page source that is not the allocator (as the vLLM connector's): records its calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+
+    def reserve(self, request_id: str, num_tokens: int, prefix: Sequence[bytes]) -> list[int]:
+        self.calls.append(("reserve", request_id))
+        return [7, 9]
+
+    def held_pages(self, request_id: str) -> int:
+        return 0
+
+    def free(self, request_id: str) -> None:
+        self.calls.append(("free", request_id))
+
+    def release_after_quiesce(self, request_id: str) -> None:
+        self.calls.append(("release_after_quiesce", request_id))
+
+    def confirm_quiesced(self, request_id: str) -> None:
+        self.calls.append(("confirm_quiesced", request_id))
+
+
+def test_any_page_source_is_driven_through_the_same_transitions() -> None:
+    pages = RecordingPages()
+    ledger = ReservationLedger(pages, 2, reservation_ttl_s=TTL_S, fence_timeout_s=FENCE_S)
+    assert ledger.open("admitted", 0).pages == [7, 9]
+    ledger.open("fenced", 0)
+    ledger.move("admitted", S.ADMITTED)
+    ledger.move("admitted", S.FREE)
+    ledger.end("fenced", S.CANCELLED, writer_stopped=False)
+    ledger.writer_stopped("fenced")
+    assert pages.calls == [("reserve", "admitted"), ("reserve", "fenced"), ("free", "admitted"),
+                           ("release_after_quiesce", "fenced"), ("confirm_quiesced", "fenced")]
