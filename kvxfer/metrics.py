@@ -1,6 +1,7 @@
 """Every Prometheus metric kvxfer exports, declared in one place.
 
-Metrics are grouped per component (router, decode worker, prefill worker, transfer engine).
+Metrics are grouped per component (router, decode worker, prefill worker, transfer engine,
+vLLM connector).
 Each group is a small class built against a `CollectorRegistry` handed in by its owner, so
 tests and several components living in one process (the single-machine demo runs a router
 and workers side by side) never collide on the process-global default registry.
@@ -17,7 +18,7 @@ import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Union
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
@@ -74,6 +75,19 @@ INTEGRITY_FAILURE_REASONS: tuple[str, ...] = (
     "write_overcount",    # more writes were counted than the reservation expects
     "mailbox_mismatch",   # the count completed but the mailbox holds another record
 )
+#: Why a vLLM connector's hand-off failed (label `reason` of
+#: `kvxfer_connector_failures_total`), per `side`.
+CONNECTOR_FAILURE_REASONS: dict[str, tuple[str, ...]] = {
+    "prefill": ("push_failed", "layout_mismatch"),
+    "decode": ("load_timeout", "load_stalled", "cancelled", "prefill_aborted", "fence_timeout",
+               "no_slot", "reservation_send_failed", "registration_failed",
+               "no_landing_room", "landing_failed", "integrity")}
+#: Why a vLLM connector dropped a control message (label `reason` of
+#: `kvxfer_connector_dropped_messages_total`).
+CONNECTOR_DROP_REASONS: tuple[str, ...] = (
+    "early_reservations_full", "duplicate_reservation", "orphan_reservation", "unknown_cancel",
+    "unknown_abort", "malformed_reservation", "not_a_prefiller", "unknown_message", "unknown_table",
+    "bad_table", "not_a_decoder")
 #: Seconds to check one request's landed KV: a few pages sampled to a full 8B prompt.
 KV_VERIFY_BUCKETS_SECONDS: tuple[float, ...] = (
     0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
@@ -115,6 +129,10 @@ TRANSFER_THROUGHPUT_BUCKETS_BYTES_PER_SECOND: tuple[float, ...] = tuple(
 #: admission timeout (30 s by default).
 IMM_WAIT_BUCKETS_SECONDS: tuple[float, ...] = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+#: The vLLM connector's per-request push and admission times: sub-ms for a short prompt on
+#: one host, up to its deadlines (tens of seconds).
+CONNECTOR_BUCKETS_SECONDS: tuple[float, ...] = (
+    0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
 
 
 def _init_labels(metric: Union[Counter, Gauge], *label_sets: Sequence[str]) -> None:
@@ -534,6 +552,70 @@ class EngineMetrics(Collector):
                 family.add_metric([], counters[key])
             yield family
 
+
+class ConnectorMetrics:
+    """Metrics of one vLLM connector (`kvxfer.integrations.vllm`), both sides: pushed and
+    admitted KV, hand-off failures, dropped control messages and the integrity check.
+
+    The connector runs inside vLLM's worker process, whose metrics vLLM does not export, so it
+    serves its own registry on its own port (`serve`). Series of the side a connector does
+    not play stay at zero. Declared here without importing vLLM, like every kvxfer metric.
+    """
+
+    def __init__(self, role: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        labels = {"role": role}
+        self.bytes_pushed = Counter("kvxfer_connector_pushed_bytes", "KV bytes posted to decoders",
+                                    registry=self.registry)
+        self.pages_pushed = Counter("kvxfer_connector_pushed_pages", "KV pages (blocks of one layer) posted",
+                                    registry=self.registry)
+        self.push_seconds = Histogram("kvxfer_connector_push_seconds",
+                                      "per request: first sight of the request to its last write landed",
+                                      buckets=CONNECTOR_BUCKETS_SECONDS, registry=self.registry)
+        self.push_tail = Histogram("kvxfer_connector_push_tail_seconds",
+                                   "per request: last layer computed to its last write landed",
+                                   buckets=CONNECTOR_BUCKETS_SECONDS, registry=self.registry)
+        self.admission_wait = Histogram("kvxfer_connector_admission_wait_seconds",
+                                        "per request: reservation sent to every expected write landed",
+                                        buckets=CONNECTOR_BUCKETS_SECONDS, registry=self.registry)
+        self.pages_received = Counter("kvxfer_connector_received_pages", "KV pages admitted on this decoder",
+                                      registry=self.registry)
+        self.failures = Counter("kvxfer_connector_failures", "hand-offs that failed, by side and reason",
+                                ["side", "reason"], registry=self.registry)
+        self.dropped_messages = Counter("kvxfer_connector_dropped_messages",
+                                        "control messages dropped, by reason", ["reason"], registry=self.registry)
+        self.loads_in_flight = Gauge("kvxfer_connector_loads_in_flight", "reservations awaiting their writes",
+                                     registry=self.registry)
+        self.registrations = Counter("kvxfer_connector_reservation_registrations",
+                                     "per-load registrations of a reservation's blocks (kv_registration="
+                                     "per_reservation)", registry=self.registry)
+        self.registrations_open = Gauge("kvxfer_connector_reservation_registrations_open",
+                                        "per-load registrations not yet revoked", registry=self.registry)
+        self.foreign_immediates = Gauge("kvxfer_connector_foreign_immediates_dropped",
+                                        "immediates dropped because their sender was not the prefiller the "
+                                        "load names (the engine's count)", registry=self.registry)
+        # The builtin decoder's integrity metrics (DecodeMetrics), for the connector.
+        self.integrity_failures = Counter("kvxfer_connector_kv_integrity_failures",
+                                          "loads failed because their landed KV did not pass the end-to-end check, "
+                                          "by reason", ["reason"], registry=self.registry)
+        self.pages_verified = Counter("kvxfer_connector_kv_pages_verified",
+                                      "(layer, block) pairs whose CRC-32C the decoder checked before admission",
+                                      registry=self.registry)
+        self.verify_seconds = Histogram("kvxfer_connector_kv_verify_seconds",
+                                        "time to check one load's landed KV against the prefiller's checksums",
+                                        buckets=KV_VERIFY_BUCKETS_SECONDS, registry=self.registry)
+        _init_labels(self.integrity_failures, INTEGRITY_FAILURE_REASONS)
+        for side, reasons in CONNECTOR_FAILURE_REASONS.items():
+            _init_labels(self.failures, (side,), reasons)
+        _init_labels(self.dropped_messages, CONNECTOR_DROP_REASONS)
+        self.info = Gauge("kvxfer_connector_info", "connector identity", list(labels), registry=self.registry)
+        self.info.labels(**labels).set(1)
+
+    def serve(self, port: int) -> None:
+        """Serves this connector's /metrics on `port` (0: nowhere), from a thread of
+        prometheus_client's."""
+        if port:
+            start_http_server(port, registry=self.registry)
 
 # --- helpers for the /metrics route and for tests --------------------------------------
 

@@ -12,13 +12,13 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed")
 
-from kvxfer.integrations.vllm.connector_metrics import ConnectorMetrics  # noqa: E402
 from kvxfer.integrations.vllm.kv_pusher import KVPusher  # noqa: E402
 from kvxfer.integrations.vllm.kv_region import KVRegion  # noqa: E402
 from kvxfer.integrations.vllm.metadata import KvxferStepMetadata, PushSpec  # noqa: E402
 from kvxfer.integrations.vllm.settings import ConnectorSettings  # noqa: E402
 from kvxfer.kv.cache_geometry import CacheGeometry  # noqa: E402
 from kvxfer.kv.protocol import KVReservation, encode_imm  # noqa: E402
+from kvxfer.metrics import ConnectorMetrics  # noqa: E402
 
 LAYOUT = "L4-H2-D64-bfloat16-bs32-vllm-lbhnc-avx2"
 BLOCKS, PAGE = 16, 16384

@@ -22,7 +22,6 @@ from support.vllm_kv_caches import TOKENS, Cache, attention_spec, same_bytes, vl
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
 from kvxfer.integrations.vllm.cache_paths import DirectLanding, DirectWrites  # noqa: E402
-from kvxfer.integrations.vllm.connector_metrics import ConnectorMetrics  # noqa: E402
 from kvxfer.integrations.vllm.kv_checksums import decode_table  # noqa: E402
 from kvxfer.integrations.vllm.kv_pusher import KVPusher  # noqa: E402
 from kvxfer.integrations.vllm.kv_receiver import KVReceiver  # noqa: E402
@@ -37,6 +36,7 @@ from kvxfer.integrations.vllm.tensor_parallel import (  # noqa: E402
 )
 from kvxfer.integrations.vllm.worker_side import WorkerSide  # noqa: E402
 from kvxfer.kv.protocol import decode_abort  # noqa: E402
+from kvxfer.metrics import ConnectorMetrics  # noqa: E402
 from kvxfer.transfer.engine import TransferEngine, available_providers  # noqa: E402
 
 PROVIDER = "net" if "net" in available_providers() else "tcp"

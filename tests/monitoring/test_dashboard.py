@@ -15,8 +15,7 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from kvxfer.integrations.vllm.connector_metrics import ConnectorMetrics
-from kvxfer.metrics import (ALL_METRIC_NAMES, DecodeMetrics, EngineMetrics, PrefillMetrics,
+from kvxfer.metrics import (ALL_METRIC_NAMES, ConnectorMetrics, DecodeMetrics, EngineMetrics, PrefillMetrics,
                             RouterMetrics, WorkerAuthMetrics, all_metric_names, exported_sample_names)
 
 REPO = Path(__file__).resolve().parents[2]

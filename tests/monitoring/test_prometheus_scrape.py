@@ -60,7 +60,7 @@ for _ in range(spec["pushed_requests"]):
     prefill.observe_transfer(spec["pushed_request_bytes"], 0.002, 0.001)
 decode.set_pages(capacity=1000, free=750)
 # The vLLM connector's metrics, as a prefill and a decode instance export them.
-from kvxfer.integrations.vllm.connector_metrics import ConnectorMetrics
+from kvxfer.metrics import ConnectorMetrics
 connector = ConnectorMetrics("kv_producer", registry)
 connector.push_tail.observe(0.004)
 connector.admission_wait.observe(0.02)

@@ -10,7 +10,6 @@ import time
 from dataclasses import dataclass
 
 from kvxfer.integrations.vllm.cache_paths import DirectLanding, DirectWrites, StagedLanding, StagedWrites
-from kvxfer.integrations.vllm.connector_metrics import ConnectorMetrics
 from kvxfer.integrations.vllm.kv_checksums import decode_table
 from kvxfer.integrations.vllm.kv_pusher import KVPusher
 from kvxfer.integrations.vllm.kv_receiver import KVReceiver
@@ -18,6 +17,7 @@ from kvxfer.integrations.vllm.kv_region import KVRegion
 from kvxfer.integrations.vllm.metadata import KvxferStepMetadata, LoadSpec, PushSpec
 from kvxfer.integrations.vllm.settings import ConnectorSettings
 from kvxfer.kv.protocol import decode_abort, decode_reservation_message
+from kvxfer.metrics import ConnectorMetrics
 from kvxfer.transfer.engine import TransferEngine
 
 #: Rows of staging and blocks of landing cache the staged halves get (small caches).

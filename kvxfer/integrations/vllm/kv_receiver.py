@@ -77,12 +77,12 @@ from kvxfer.handoff.push_monitor import peer_unreachable
 from kvxfer.handoff.reservation_scope import ReservationScope
 from kvxfer.kv.integrity import KVIntegrity, KVIntegrityError, Verification
 from kvxfer.kv.protocol import KVReservation, encode_cancel, encode_probe, encode_reservation_message
+from kvxfer.metrics import ConnectorMetrics
 from kvxfer.registry.signing import checksum_table_key_of
 from kvxfer.transfer.engine import RegisteredMemory, Transfer, TransferEngine
 
 from .cache_paths import DirectLanding, StagedLanding
 from .connector_hooks import NO_CONNECTOR_HOOKS, ConnectorHooks
-from .connector_metrics import ConnectorMetrics
 from .kv_checksums import LoadChecksums, TablePart
 from .kv_region import KVRegion
 from .metadata import LoadSpec

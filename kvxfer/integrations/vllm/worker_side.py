@@ -22,10 +22,10 @@ from kvxfer.kv.protocol import (
     is_probe,
 )
 from kvxfer.handoff.push_hooks import load_hooks
+from kvxfer.metrics import ConnectorMetrics
 from kvxfer.transfer.engine import TransferEngine
 
 from .connector_hooks import NO_CONNECTOR_HOOKS, ConnectorHooks
-from .connector_metrics import ConnectorMetrics
 from .instance_registration import InstanceRegistration
 from .kv_checksums import decode_table
 from .kv_pusher import KVPusher
