@@ -601,6 +601,16 @@ class TransferEngine:
             raise BoundsError("remote descriptor must be bytes (RegisteredMemory.descriptor)")
         return self._remote_cache.get(bytes(descriptor))
 
+    def remote_length(self, descriptor: bytes) -> int:
+        """The byte length of the region a peer's descriptor (`RegisteredMemory.descriptor`)
+        names, read from the descriptor as a write would read it.
+
+        For checking offsets a peer sent against its own region before any write is posted.
+        A descriptor that is not bytes raises BoundsError; one that does not parse raises the
+        engine's error for it (KvxferError or ValueError), naming what is wrong.
+        """
+        return int(self._remote(descriptor).length)
+
     def _peer(self, target: bytes) -> Any:
         key = bytes(target)
         peer = self._peer_cache.get(key)

@@ -19,27 +19,27 @@ from kvxfer.workers.prefill.service import PrefillService, PrefillSettings
 from kvxfer.workers.prefix_index import PrefixIndexReport, add_prefix_index_route
 
 
-def create_prefill_app(runtime: PrefillService) -> FastAPI:
+def create_prefill_app(service: PrefillService) -> FastAPI:
     """The prefill worker's HTTP API (docs/architecture.md)."""
     app = create_worker_app(
-        "kvxfer prefill worker", runtime.core, lambda: {**runtime.core.base_info(), **runtime.load()}
+        "kvxfer prefill worker", service.core, lambda: {**service.core.base_info(), **service.load()}
     )
 
     @app.post("/prefill")
     async def prefill(request: Request) -> dict[str, Any]:
         body = await json_body(request)
         request_id = body_field(body, "request_id", str)
-        prompt = token_list(body, runtime.core.config.vocab_size)
+        prompt = token_list(body, service.core.config.vocab_size)
         decode = body_field(body, "decode", dict)
-        reservation = runtime.accept_reservation(request_id, decode)
-        return await runtime.prefill(request_id, prompt, reservation, caller_of(request))
+        reservation = service.accept_reservation(request_id, decode)
+        return await service.prefill(request_id, prompt, reservation, caller_of(request))
 
     @app.post("/cancel")
     async def cancel(request: Request) -> dict[str, Any]:
         body = await json_body(request)
-        return await runtime.cancel(body_field(body, "request_id", str), caller_of(request))
+        return await service.cancel(body_field(body, "request_id", str), caller_of(request))
 
-    add_prefix_index_route(app, PrefixIndexReport(runtime.core, runtime.allocator))
+    add_prefix_index_route(app, PrefixIndexReport(service.core, service.allocator))
     return app
 
 
@@ -47,5 +47,5 @@ def run_prefill_worker(settings: PrefillSettings) -> None:
     """Starts a prefill worker process: engine, model, HTTP API, etcd registration; its
     pushes call the hooks `settings.push_hooks` names (none when empty)."""
     hooks = load_hooks(settings.push_hooks, PushHooks) if settings.push_hooks else NO_PUSH_HOOKS
-    runtime = PrefillService(settings, hooks)
-    serve(create_prefill_app(runtime), runtime.core, runtime.load, runtime.in_flight)
+    service = PrefillService(settings, hooks)
+    serve(create_prefill_app(service), service.core, service.load, service.in_flight)
