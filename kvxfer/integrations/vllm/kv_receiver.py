@@ -43,8 +43,9 @@ of an earlier holder never counts.
 With `kv_registration: per_reservation` (the default) a load hands its prefiller a
 registration of its own blocks only, with fresh random keys, and credits its immediate only
 from the prefiller it names (where the provider can tell a sender). Both are revoked the
-moment the load stops waiting (RESERVED/RECEIVING): a stolen descriptor writes nothing outside the load's
-blocks, and nothing at all once the load was admitted, cancelled or timed out.
+moment the load stops waiting (leaves RESERVED/RECEIVING): a stolen descriptor writes
+nothing outside the load's blocks, and nothing at all once the load was admitted,
+cancelled or timed out.
 
 A prefiller that died is noticed in about a second, not at load_stall_timeout_s plus
 fence_timeout_s: a load with no new write for `prefiller_probe_after_s` gets its prefiller
@@ -173,24 +174,11 @@ class DecodeLoad:
         return self.entry.reason if self.entry is not None else self.refusal
 
     @property
-    def waiting(self) -> bool:
-        """Reserved and not yet every write landed (RESERVED or RECEIVING)."""
-        return self.entry is not None and self.entry.state in WAITING
-
-    @property
-    def fenced(self) -> bool:
-        return self.entry is not None and self.entry.state is Res.FENCED
-
-    @property
-    def failed(self) -> bool:
-        """Ended without admission, and no write for it can land (refused, or FREE before
-        it was reported: only an admitted part stays until then)."""
-        return self.entry is None or self.entry.state is Res.FREE
-
-    @property
-    def settled(self) -> bool:
-        """Ready to report: admitted, or failed."""
-        return self.failed or self.entry.state is Res.ADMITTED
+    def state(self) -> Res:
+        """Its ledger entry's state; FREE for a refused load (nothing reserved, nothing to land).
+        Only an admitted part stays in the ledger until the load is reported, so a part FREE
+        before that failed."""
+        return self.entry.state if self.entry is not None else Res.FREE
 
     @property
     def heads(self) -> tuple[int, int] | None:
@@ -328,7 +316,7 @@ class KVReceiver:
         """vLLM finished the request (aborted) while its load is pending: fence, then free."""
         for load in self._loads.get(request_id, ()):
             load.vllm_aborted = True
-            if load.waiting:
+            if load.state in WAITING:
                 self._to_fencing(load, "cancelled", why, outcome=Res.CANCELLED)
 
     def _to_fencing(self, load: DecodeLoad, reason_label: str, why: str, send_cancel: bool = True,
@@ -415,9 +403,9 @@ class KVReceiver:
             for load in parts:
                 if load.spec.prefill_engine != address:
                     continue
-                if load.waiting and load.reservation is not None:
+                if load.state in WAITING and load.reservation is not None:
                     self._to_fencing(load, "prefiller_gone", why, send_cancel=False)
-                if load.fenced:
+                if load.state is Res.FENCED:
                     self._shorten_fence(load)
 
     def _shorten_fence(self, load: DecodeLoad) -> None:
@@ -443,7 +431,7 @@ class KVReceiver:
         and from its prefiller (its nonce, and with a cluster key its tag)."""
         entry = self.ledger.by_imm(part.imm)
         load = self._parts.get(entry.request_id) if entry is not None else None
-        if load is None or load.checksums is None or not load.waiting:
+        if load is None or load.checksums is None or not load.state in WAITING:
             self.metrics.dropped_messages.labels(reason="unknown_table").inc()
             return
         refused = load.checksums.accept(part)
@@ -457,7 +445,7 @@ class KVReceiver:
         """On an idle step, block up to idle_wait_ms until any pending load is complete,
         instead of running vLLM's empty steps back to back."""
         wanted = [(ld.reservation.imm, ld.reservation.expected_count) for parts in self._loads.values()
-                  for ld in parts if ld.waiting and ld.reservation is not None]
+                  for ld in parts if ld.state in WAITING and ld.reservation is not None]
         if not wanted or self.settings.idle_wait_ms <= 0:
             return
         try:
@@ -477,13 +465,13 @@ class KVReceiver:
         for rid, parts in list(self._loads.items()):
             for load in parts:
                 self._poll_part(load, now)
-            broken = next((ld for ld in parts if ld.failed), None)
+            broken = next((ld for ld in parts if ld.state is Res.FREE), None)
             if broken is not None:
                 # One prefill rank's part failed: the request cannot be admitted; fence the rest.
                 for load in parts:
-                    if load.waiting:
+                    if load.state in WAITING:
                         self._to_fencing(load, "part_failed", f"another prefill rank's part failed: {broken.reason}")
-            if all(ld.settled for ld in parts):
+            if all(ld.state in (Res.ADMITTED, Res.FREE) for ld in parts):
                 finished.add(rid)
                 if broken is None:
                     self._hooks.load_admitted(self.region, parts[0])
@@ -499,7 +487,7 @@ class KVReceiver:
         res, entry = load.reservation, load.entry
         if entry is None:
             return
-        if load.waiting and load.sent is not None and load.sent.done():
+        if load.state in WAITING and load.sent is not None and load.sent.done():
             sent, load.sent = load.sent, None
             try:
                 sent.wait(0)
@@ -507,12 +495,12 @@ class KVReceiver:
                 # It never reached the prefiller, so none of its writes can come: fail now,
                 # not at load_stall_timeout_s.
                 self._fail(load, "reservation_send_failed", f"the reservation did not reach the prefiller: {exc}")
-        if load.waiting and load.sent is not None:
+        if load.state in WAITING and load.sent is not None:
             gone = self._gone(load.sent, load.sent_at, now)  # not delivered yet: is the prefiller there?
             if gone:
                 load.sent = None
                 self._prefiller_gone(load.spec.prefill_engine, f"the prefiller process is gone: {gone}", now)
-        if load.waiting and res is not None:
+        if load.state in WAITING and res is not None:
             landed = self.engine.imm_count(res.imm)
             self.ledger.progress(entry.request_id, landed)  # progress: the prefiller is alive and pushing
             table_missing = load.checksums is not None and not load.checksums.complete
@@ -535,7 +523,7 @@ class KVReceiver:
                                  f"{', no checksum table' if table_missing else ''})")
             elif load.sent is None and now - entry.progress_at >= self.settings.prefiller_probe_after_s:
                 self._probe(load.spec.prefill_engine, now)  # silent for a while: is the prefiller still there?
-        if load.fenced and load.cancel_sent is not None:
+        if load.state is Res.FENCED and load.cancel_sent is not None:
             gone = self._gone(load.cancel_sent, load.cancel_sent_at, now)
             if gone:
                 load.cancel_sent = None
@@ -543,7 +531,7 @@ class KVReceiver:
                 self._shorten_fence(load)
             elif load.cancel_sent.done():
                 load.cancel_sent = None
-        if load.fenced and entry.deadline is not None and now > entry.deadline:
+        if load.state is Res.FENCED and entry.deadline is not None and now > entry.deadline:
             if entry.writer_gone:
                 self._fence_over(load, None, f"{load.reason}; the prefiller process is gone, "
                                  f"dead_prefiller_fence_s={self.settings.dead_prefiller_fence_s} passed")
