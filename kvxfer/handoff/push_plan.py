@@ -6,11 +6,12 @@ reserved page ``pages[b - first_page]``. `PushPlan` keeps, per layer, how far th
 was posted, and turns "blocks [first, end) of layer l are final" (the builtin prefiller
 knows each chunk's blocks) or "the first n prompt pages of layer l are final" (the vLLM
 connector, whose reservation may come after some layers were computed) into a
-`LayerPages`: the local and reserved page ids, and the columns of the checksum table they
-fill. Where the bytes lie comes from the caches' `CacheGeometry` (kv.cache_geometry), the
-one object that knows offsets: `runs(layer)` are the paged writes of a layer, each one
-covering every listed page at the caches' strides. A sender posts exactly what the plan
-says; neither computes an offset of its own.
+`LayerPages`: the local and reserved page ids, and the columns of the push's checksum
+table they fill (`checksums`, where the reservation asks for one). Where the bytes lie
+comes from the caches' `CacheGeometry` (kv.cache_geometry), the one object that knows
+offsets: `runs(layer)` are the paged writes of a layer, each covering every listed page at
+the caches' strides. A sender posts exactly what the plan says; neither computes an offset
+of its own.
 """
 
 from __future__ import annotations
@@ -68,14 +69,19 @@ class PushPlan:
         self.reservation = reservation
         self.geometry = geometry
         self.first_page = reservation.first_page
-        #: Prompt pages the reservation covers (held ones included).
-        self.end_page = reservation.first_page + len(reservation.pages)
+        #: The prompt page after the last one pushed (held ones are below `first_page`).
+        self.end_page = reservation.first_page + reservation.prompt_pages
         self._remote = np.asarray(reservation.pages, dtype=np.int64)
         self._heads = (src_heads, dst_heads, dst_num_heads)
         self._dst: CacheGeometry | None = None
         self._pieces: tuple[tuple[int, int, int], ...] = ()
         #: Per layer, the prompt block up to which it was posted.
         self.pushed_upto = [self.first_page] * geometry.num_layers
+        #: CRC-32C of each (layer, pushed page), where the reservation asks for them: taken
+        #: just before a page's write is posted, the table says what this side meant to send.
+        self.checksums: np.ndarray | None = None
+        if reservation.checksums:
+            self.checksums = np.zeros((geometry.num_layers, reservation.prompt_pages), dtype="<u4")
 
     def _plan(self) -> tuple[CacheGeometry, tuple[tuple[int, int, int], ...]]:
         if self._dst is None:
@@ -122,6 +128,11 @@ class PushPlan:
     def posted(self, pages: LayerPages) -> None:
         """`pages` were posted: `final` starts after them."""
         self.pushed_upto[pages.layer] = max(self.pushed_upto[pages.layer], pages.end_block)
+
+    def record_checksums(self, pages: LayerPages, values: np.ndarray) -> None:
+        """The checksums of `pages`' pages, as they are about to be written."""
+        assert self.checksums is not None, "the reservation asks for no checksums"
+        self.checksums[pages.layer, pages.table_columns] = values
 
     @property
     def complete(self) -> bool:

@@ -188,9 +188,6 @@ class PushSession:
         self._last_progress = time.monotonic()
         self._hooks = hooks
         self._table_key = table_key if reservation.checksum_tag else None
-        # Layer-major CRC-32C of the prompt's pages, filled as layers are pushed.
-        prompt_pages = reservation.prompt_pages if reservation.checksums else 0
-        self._checksums = np.zeros((cache.num_layers, prompt_pages), dtype="<u4")
 
     @property
     def cache(self) -> PagedKVCache:
@@ -258,9 +255,8 @@ class PushSession:
         if not self.stats.first_write_at:
             self.stats.first_write_at = start
         self._hooks.before_checksum(self, layer, pages.local)
-        if self.reservation.checksums:
-            # Taken before the write is posted: the table says what this side meant to send.
-            self._checksums[layer, pages.table_columns] = layer_checksums(self._cache, layer, pages.local)
+        if self._plan.checksums is not None:
+            self._plan.record_checksums(pages, layer_checksums(self._cache, layer, pages.local))
         for write_local, write_remote in self._hooks.layer_writes(self, layer, pages.local, pages.remote):
             self._write_pages(layer, write_local, write_remote)
         self._plan.posted(pages)
@@ -297,7 +293,8 @@ class PushSession:
         if not self._state.live:
             return
         self._check_stall()
-        record = encode_mailbox(self.reservation.nonce, first_token, prompt_tokens, self._checksums.tobytes(),
+        table = self._plan.checksums.tobytes() if self._plan.checksums is not None else b""
+        record = encode_mailbox(self.reservation.nonce, first_token, prompt_tokens, table,
                                 table_key=self._table_key, imm=self.reservation.imm)
         # The staging slot is `mailbox_slot_bytes` wide (the prefiller sized it for its context).
         offset = self._slot * self._slot_stride

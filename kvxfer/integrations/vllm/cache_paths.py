@@ -4,12 +4,12 @@ a device (CUDA) cache (`kvxfer.transfer.device_staging`; Debian's libfabric regi
 memory only).
 
 Both paths post the same paged writes, planned by the push's `PushPlan` over the cache's
-`CacheGeometry` (kvxfer.handoff.push_plan): one per layer, each covering the request's blocks at the caches' block strides, with one immediate
-per page, so the decoder's count is layers x pages either way (the reservation's contract,
-`kvxfer.kv.protocol`). That needs each (layer, block) to be one run of bytes: LBHNC, LBNHC,
-BLHNC, BLNHC. LHBNC and BHLNC cut a block into one run per head and are refused here with
-a clear error; the connector asks vLLM for LBHNC, which every backend that offers them
-offers too.
+`CacheGeometry` (kvxfer.handoff.push_plan): one per layer, each covering the request's
+blocks at the caches' block strides, with one immediate per page, so the decoder's count
+is layers x pages either way (the reservation's contract, `kvxfer.kv.protocol`). That
+needs each (layer, block) to be one run of bytes: LBHNC, LBNHC, BLHNC, BLNHC. LHBNC and
+BHLNC cut a block into one run per head and are refused here with a clear error; the
+connector asks vLLM for LBHNC, which every backend that offers them offers too.
 On the staged path the decoder hands out landing blocks instead of its cache blocks: a
 small pinned cache of the same layout (`landing_blocks` blocks), copied into the device
 cache once every write landed, and handed out again only after that. The staged classes

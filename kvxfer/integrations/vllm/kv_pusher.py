@@ -1,14 +1,10 @@
 """Prefill side of the worker half: push each layer's finished pages as it is computed.
 
-For every request of a prefill leg the pusher holds a `PrefillPush`: the connector's
-adapter over the push core it shares with the builtin prefiller (kvxfer/handoff/). Its
-state is a `PushLifecycle` (handoff/push_state.py: WAITING_FOR_RESERVATION until the
-decoder's reservation arrives, then PUSHING, STOPPING on the decoder's cancel, DONE or
-FAILED), its pages and their offsets come from a `PushPlan` (handoff/push_plan.py, over
-the region's `CacheGeometry`) and its posted writes are an `InflightWrites`
-(handoff/inflight_writes.py). A push waiting for its reservation fails once
-`reservation_wait_s` passed after vLLM finished the request; a failed write, a preemption
-or a bad reservation fails it at once.
+For every request of a prefill leg the pusher holds a `PrefillPush`, an adapter over the
+push core the builtin prefiller uses too (kvxfer/handoff/): its state is a `PushLifecycle`
+(push_state.py; it waits for the reservation, which may come after compute started, and
+fails if none came `reservation_wait_s` after vLLM finished the request), its pages and
+offsets a `PushPlan` (push_plan.py), its posted writes an `InflightWrites`.
 
 `save_kv_layer(layer)` posts, for each request computed this step, one paged write of the
 pages of that layer that became final (every token of the page computed, or the prompt's
@@ -39,8 +35,6 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-
-import numpy as np
 
 from kvxfer.handoff.inflight_writes import InflightWrites
 from kvxfer.handoff.push_plan import PushPlan, PushPlanError
@@ -96,8 +90,6 @@ class PrefillPush:
     pending_end: int = 0
     #: pages posted late, from the kept blocks, because the reservation came after their layer.
     caught_up_pages: int = 0
-    #: CRC-32C of each (layer, reserved page) posted, where the reservation asks for them.
-    checksums: np.ndarray | None = None
     table_sent: bool = False
 
     def __post_init__(self) -> None:
@@ -110,26 +102,6 @@ class PrefillPush:
     def state(self) -> PushState:
         """Where the push is (handoff/push_state.py)."""
         return self.lifecycle.state
-
-    @property
-    def reason(self) -> str:
-        """Why it stopped or failed ("" while it has not)."""
-        return self.lifecycle.reason
-
-    @property
-    def pages_posted(self) -> int:
-        """KV pages posted so far."""
-        return self.writes.pages_posted
-
-    @property
-    def bytes_posted(self) -> int:
-        """KV bytes posted so far."""
-        return self.writes.bytes_posted
-
-    @property
-    def last_completed_at(self) -> float:
-        """CLOCK_MONOTONIC completion of the latest write reaped (the push tail's end)."""
-        return self.writes.last_completed_at
 
     @property
     def total_pages(self) -> int:
@@ -286,8 +258,6 @@ class KVPusher:
         else:
             push.plan = PushPlan(res, self.region.geometry, src_heads=target.slice.src_heads,
                                  dst_heads=target.slice.dst_heads, dst_num_heads=target.dst_num_heads)
-        if res.checksums:
-            push.checksums = np.zeros((push.num_layers, len(res.pages)), dtype=np.uint32)
         push.lifecycle.move(PushState.PUSHING)
 
     def _check(self, push: PrefillPush, res: KVReservation) -> str:
@@ -327,12 +297,12 @@ class KVPusher:
                 self._post(push, layer)
 
     def _catch_up(self, push: PrefillPush) -> None:
-        before = push.pages_posted
+        before = push.writes.pages_posted
         for layer in range(push.num_layers):
             if push.state is not PushState.PUSHING:
                 break
             self._post(push, layer)
-        push.caught_up_pages += push.pages_posted - before
+        push.caught_up_pages += push.writes.pages_posted - before
 
     def _post(self, push: PrefillPush, layer: int) -> None:
         res, plan = push.reservation, push.plan
@@ -348,10 +318,9 @@ class KVPusher:
         if chosen is None:
             return
         src, dst = chosen
-        if push.checksums is not None:
-            # Taken before the write is posted: the table says what this side meant to send.
-            push.checksums[layer, pages.table_columns] = \
-                block_checksums(self.region, layer, src, push.target.slice.src_heads if push.target else None)
+        if plan.checksums is not None:
+            heads = push.target.slice.src_heads if push.target else None
+            plan.record_checksums(pages, block_checksums(self.region, layer, src, heads))
         self._hooks.layer_checksummed(self.region, push.transfer_id, layer, src)
         try:
             posted = self.writes.post(plan.runs(layer), src, res, dst, push.transfer_id, push.writes, push.target)
@@ -361,17 +330,17 @@ class KVPusher:
         plan.posted(pages)
         push.layer_posted_at[layer] = time.monotonic()
         push.writes.count(len(src), posted)
-        if push.checksums is not None and push.complete and not push.table_sent:
+        if plan.checksums is not None and plan.complete and not push.table_sent:
             self._send_table(push)
 
     def _send_table(self, push: PrefillPush) -> None:
         """The checksum table, once every write of the push is posted (not yet landed: the
         decoder waits for both)."""
         res = push.reservation
-        assert res is not None and push.checksums is not None
+        assert res is not None and push.plan is not None and push.plan.checksums is not None
         push.table_sent = True
         try:
-            for message in encode_table(res.imm, res.nonce, push.checksums, self._table_key):
+            for message in encode_table(res.imm, res.nonce, push.plan.checksums, self._table_key):
                 push.writes.add(self.engine.send(res.descriptor, message))
         except Exception as exc:  # the decoder is gone: this push cannot complete
             self._fail(push, f"sending the checksum table failed: {exc}")
@@ -414,12 +383,12 @@ class KVPusher:
         push.lifecycle.move(PushState.DONE)
         # The tail: from the last layer's compute to its last write landing (the engine
         # stamps completions with CLOCK_MONOTONIC, time.monotonic()'s clock).
-        completed = push.last_completed_at or time.monotonic()
+        completed = push.writes.last_completed_at or time.monotonic()
         tail = max(0.0, completed - push.layer_saved_at[-1])
         self.metrics.push_tail.observe(tail)
         self.metrics.push_seconds.observe(max(0.0, completed - push.created_at))
-        self.metrics.pages_pushed.inc(push.pages_posted)
-        self.metrics.bytes_pushed.inc(push.bytes_posted)
+        self.metrics.pages_pushed.inc(push.writes.pages_posted)
+        self.metrics.bytes_pushed.inc(push.writes.bytes_posted)
         if push.reservation is not None:
             self._hooks.push_finished(self.region, push, tail)
 
@@ -436,7 +405,7 @@ class KVPusher:
         if push.abort_sent or res is None:
             return
         push.abort_sent = True
-        self._send_stopped(res, push.reason or "stopped")
+        self._send_stopped(res, push.lifecycle.reason or "stopped")
 
     def _send_stopped(self, res: KVReservation, reason: str) -> None:
         log.info("transfer %s: no write in flight any more; telling the decoder (%s)", res.request_id, reason)
