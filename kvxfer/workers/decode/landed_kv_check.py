@@ -1,7 +1,8 @@
 """The check of a push whose count completed, before the decoder admits it (kv.integrity).
 
 The mailbox record must be this reservation's (with a cluster key, its checksum table
-tagged under the cluster's table key), no write may have been counted twice, and (per
+tagged under the cluster's table key); then the step both decoders share
+(`handoff.admission.check_landed`): no write may have been counted twice, and (per
 `kv_integrity`: off, sampled, full) the pages' CRC-32C must equal the prefiller's. What
 passes gets a `TransferReceipt`; what fails raises `KVIntegrityError`.
 """
@@ -13,11 +14,20 @@ import time
 
 import numpy as np
 
-from kvxfer.kv.integrity import KVIntegrity, KVIntegrityError, TransferReceipt, prompt_kv_digest, verify_pages
+from kvxfer.handoff.admission import check_landed
+from kvxfer.kv.integrity import (
+    KVIntegrity,
+    KVIntegrityError,
+    TransferReceipt,
+    Verification,
+    prompt_kv_digest,
+    verify_pages,
+)
 from kvxfer.kv.protocol import decode_mailbox, mailbox_checksums, mailbox_tag_verifies
 from kvxfer.metrics import DecodeMetrics
 from kvxfer.workers.decode.job import DecodeJob
 from kvxfer.workers.decode.mailbox import DecodeMailbox
+from kvxfer.workers.rejection import Rejection, RequestRejected
 from kvxfer.workers.worker_core import WorkerCore
 
 #: The receipt's word for what each `kv_integrity` mode checked.
@@ -43,7 +53,8 @@ class LandedKVCheck:
     def check(self, job: DecodeJob, landed_at: float) -> tuple[int, TransferReceipt]:
         """The first token and the receipt of a job whose count completed at `landed_at`
         (monotonic); raises `KVIntegrityError` if the mailbox, the count or a page's
-        checksum says the landed KV is not the push that was meant."""
+        checksum says the landed KV is not the push that was meant, and
+        `Rejection.CONFLICT` if the request ended meanwhile."""
         cfg = self._core.config
         rid = job.request_id
         raw = self._mailbox.read(job.slot)
@@ -55,33 +66,33 @@ class LandedKVCheck:
             raise KVIntegrityError(rid, "mailbox_mismatch", "the count completed but the mailbox holds another "
                                    "record: a write was counted twice or came from elsewhere")
         pushed = job.pushed_pages
-        verify_s, checked, mismatches = 0.0, 0, []
-        if self._mode is not KVIntegrity.OFF:
-            table = self._checksum_table(job, raw)
-            t0 = time.perf_counter()
+        table = self._checksum_table(job, raw) if self._mode is not KVIntegrity.OFF else None
+
+        def verify() -> Verification:
+            assert table is not None  # called only with kv_integrity on
+            started = time.perf_counter()
             verification = verify_pages(self._core.cache, pushed, table.reshape(cfg.num_layers, -1), self._mode,
                                         self._sample_rate, self._sample_rng)
-            verify_s = time.perf_counter() - t0
-            checked, mismatches = verification.checked, verification.mismatches
-            self._metrics.pages_verified.inc(checked)
-            self._metrics.verify_duration.observe(verify_s)
-        landed = self._core.engine.imm_count(job.imm)
-        if landed > job.expected_count:
-            raise KVIntegrityError(rid, "write_overcount", f"{landed} writes counted, the reservation expects "
-                                   f"{job.expected_count}: a page was written twice")
-        if mismatches:
-            layer, block, page = mismatches[0]
-            raise KVIntegrityError(rid, "checksum_mismatch", f"{len(mismatches)} of {checked} checked pages differ "
-                                   f"from the prefiller's CRC-32C; first: layer {layer}, block {block}, page {page}")
+            # Recorded here, so a check that finds a mismatch is measured too.
+            self._metrics.pages_verified.inc(verification.checked)
+            self._metrics.verify_duration.observe(time.perf_counter() - started)
+            return verification
+
+        count = self._core.engine.imm_count(job.imm)
+        if count < job.expected_count:
+            # Only an end resets a completed count (fence, free): the request ended meanwhile.
+            raise RequestRejected(Rejection.CONFLICT, f"request {rid} was {job.phase.value}", rid)
+        # The count, then the checksums: the same step as the vLLM connector's.
+        found = check_landed(rid, count, job.expected_count, self._mode, verify)
         receipt = TransferReceipt(
             request_id=rid,
             kv_bytes=cfg.num_layers * len(pushed) * self._core.cache.page_bytes,
             pages=len(pushed),
             layers=cfg.num_layers,
             wire_ms=max(0.0, landed_at - (job.first_imm_at or landed_at)) * 1e3,
-            verify_ms=verify_s * 1e3,
+            verify_ms=found.verify_s * 1e3,
             verdict=VERDICTS[self._mode],
-            pages_checked=checked,
+            pages_checked=found.checked,
         )
         if self._receipt_digest:
             receipt.kv_digest = prompt_kv_digest(self._core.cache, job.prompt_pages, job.prompt_tokens)
