@@ -1,13 +1,14 @@
 """The package follows its layers: each subpackage imports only from the layers below it.
 
 Read statically (every import statement, function-level ones too), so a lazy import
-cannot hide an upward edge. The layers, bottom up (docs/architecture.md, "Layout"):
+cannot hide an upward edge. The layers, bottom up (docs/architecture.md, "Layers"):
 base (errors, metrics) -> transfer -> kv -> handoff (the prefill/decode hand-off both
 engines share) and model -> workers; registry sits on base
-alone; integrations (kvxfer inside other engines: the vLLM connector) sit on transfer, kv
-and registry, beside workers, and only cluster and cli may import them; cluster (developer
-tooling) and cli may use everything; the router uses only registry, the model's
-tokenizer, the hand-off protocol, the prefix block hashes, metrics and errors.
+alone; integrations (kvxfer inside other engines: the vLLM connector) sit on transfer, kv,
+handoff and registry, beside workers, and only cluster and cli may import them; cluster
+(developer tooling) and cli may use everything; the router uses only registry, the model's
+tokenizer, the hand-off protocol, the prefix block hashes, metrics and errors. That page's
+"may import" table states the same map, and a test holds the two equal.
 
 Faults are injected from outside (handoff.push_hooks): no production module imports a test
 helper or a fault module, or names a fault the drills make.
@@ -16,6 +17,7 @@ helper or a fault module, or names a fault the drills make.
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -25,6 +27,8 @@ from support import push_faults, vllm_faults
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "kvxfer"
 ROUTER = REPO / "scheduler" / "kvxfer_router"
+#: The page whose "Layers" section states, in its "may import" table, what ALLOWED holds.
+ARCHITECTURE_DOC = REPO / "docs" / "architecture.md"
 
 BASE = {"errors", "metrics", "_native"}
 #: What each layer of kvxfer may import from kvxfer (besides itself).
@@ -114,6 +118,38 @@ def test_kv_and_model_form_no_cycle() -> None:
     kv_imports = {m for p in (PACKAGE / "kv").rglob("*.py") for m in imported_modules(p)}
     assert not any(m.startswith("kvxfer.model") for m in kv_imports), "kv imports the model: a cycle"
 
+
+def documented_imports() -> dict[str, set[str]]:
+    """The "may import" table of docs/architecture.md's "Layers" section: each layer (the
+    backquoted names of a row's first cell; the router as `kvxfer_router`) -> the backquoted
+    names of its second cell."""
+    text = ARCHITECTURE_DOC.read_text()
+    start = text.index("\n## Layers")
+    section = text[start:text.index("\n## ", start + 1)]
+    table: dict[str, set[str]] = {}
+    in_table = False
+    for line in section.splitlines():
+        if not line.startswith("|"):
+            in_table = False
+            continue
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if cells[:2] == ["layer", "may import"]:
+            in_table = True
+        elif in_table and set(cells[0]) - {"-"}:
+            for layer in re.findall(r"`([^`]+)`", cells[0]):
+                assert layer not in table, f"{ARCHITECTURE_DOC.name}: layer {layer!r} has two rows"
+                table[layer] = set(re.findall(r"`([^`]+)`", cells[1]))
+    return table
+
+
+def test_the_architecture_docs_layer_table_is_the_map_this_module_enforces() -> None:
+    documented = documented_imports()
+    router = documented.pop("kvxfer_router", None)
+    differ = {layer: (sorted(documented.get(layer, ())), sorted(ALLOWED.get(layer, ())))
+              for layer in documented.keys() | ALLOWED.keys() if documented.get(layer) != ALLOWED.get(layer)}
+    assert not differ, f"docs/architecture.md's 'may import' table differs from ALLOWED (doc, ALLOWED): {differ}"
+    assert router == ROUTER_ALLOWED, f"the router's row of the table: {sorted(router or ())}, " \
+                                     f"ROUTER_ALLOWED: {sorted(ROUTER_ALLOWED)}"
 
 @pytest.mark.parametrize("path", PRODUCTION, ids=lambda p: str(p.relative_to(REPO)))
 def test_no_production_module_imports_a_test_helper_or_a_fault_module(path: Path) -> None:
