@@ -71,11 +71,11 @@ def _wrap_steps() -> None:
     app_module.RouterService.parse_completion = parse_completion  # type: ignore[method-assign]
     run_legs = vllm_legs.VllmLegs.run
 
-    async def run_vllm_legs(*args: Any, **kwargs: Any) -> None:
+    async def stamped_legs(*args: Any, **kwargs: Any) -> None:
         _stamp("legs_start")
         await run_legs(*args, **kwargs)
 
-    vllm_legs.VllmLegs.run = run_vllm_legs  # type: ignore[method-assign]
+    vllm_legs.VllmLegs.run = stamped_legs  # type: ignore[method-assign]
     post = vllm_legs._post
 
     @contextlib.asynccontextmanager

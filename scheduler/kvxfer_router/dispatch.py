@@ -4,8 +4,8 @@ A request needs prefill when its prompt has at least ``disaggregation_min_prompt
 tokens (vLLM: ``vllm_legs.disaggregates``). The pair's engine picks the leg type that runs
 each attempt (``engine_legs``: ``builtin_legs`` for kvxfer's workers, ``vllm_legs`` for vLLM
 instances); the lifecycle itself knows no worker API. Either leg failing cancels the other
-and frees what the workers hold; a client going away does the same. A failure before the first token reached
-the client is retried (``max_retries``, default once) on another pair that excludes the
+and frees what the workers hold; a client going away does the same. A failure before the
+first token reached the client is retried (``max_retries``, default once) on another pair that excludes the
 failed worker; after the first token the client gets an error event instead, since tokens
 already sent cannot be taken back. A non-streamed answer reaches the client only whole, so
 its tokens are held and any failure before the finish is retried.
@@ -47,6 +47,7 @@ from .worker_auth import WorkerCallSigner, mint_worker_request_id
 from .worker_calls import WorkerCalls
 
 log = logging.getLogger(__name__)
+
 
 class ServingMode(str, enum.Enum):
     """How a request was served; the router's answer says it in ``X-Kvxfer-Serving-Mode``."""

@@ -1,9 +1,9 @@
 """The router's calls to kvxfer's own workers: JSON POSTs, NDJSON streams and cancels, over
 one httpx client, each bounded by its deadline and failing as :class:`LegFailure`.
 
-The builtin leg type (``builtin_legs``) runs a request with them; the lifecycle's clean-up
-sends the cancels. Cancels run as tracked background tasks, so that a client's answer never
-waits for one and shutdown can wait for all of them.
+The builtin leg type (``builtin_legs``) runs a request with them, its clean-up included.
+Cancels run as tracked background tasks, so that a client's answer never waits for one and
+shutdown can wait for all of them.
 """
 
 from __future__ import annotations
