@@ -2,16 +2,21 @@
 a request ends.
 
 Who owns what (one lock, `JobTable.lock`, held for bookkeeping only: no model step, no
-wait, no memory registration under it):
+wait for KV, no new registration under it):
 - `jobs`, the memory of early cancels, and the two hand-over lists (`_admitted`: jobs
   admitted but not yet taken by the batch loop; `_deferred_release`: jobs that ended while
   the batch thread may be writing their K/V) are guarded by the lock, whatever the thread.
 - A job's ledger entry moves under the lock too, whenever the move depends on the job
-  (the reaper's RECEIVING, admission, an end), so a check and its move see one state.
+  (the reaper's RECEIVING, admission, an end), so a check and its move see one state. A
+  move out of waiting revokes the reservation's registration (the ledger's `close_writes`)
+  there and then, before its pages can be reused; that is the one engine call under it,
+  with the counter resets the ledger asks for (`forget_imm`) and the stray-immediate
+  check of a new reservation.
 - The batch thread owns the running batch: once it took a job, only it frees its pages
   (`release_after_step`), after the step that may be writing them.
-- The engine's ImmCounter and the fabric are never touched under the lock, but for the
-  stray-immediate reset at /reserve, one counter read.
+- The reaper thread owns the waiting (reaper.py); the event loop and its executor own a
+  job until it is handed over (/reserve, admission, local prefill).
+- The fabric's hot path (writes landing, ImmCounter increments) takes no lock of ours.
 """
 
 from __future__ import annotations
