@@ -1,6 +1,7 @@
-"""The vLLM pair the integration modules share (test_vllm_connector.py and
-test_vllm_api_conformance.py): started on first use, stopped after the last test that uses
-it, so the rest of the suite does not carry two idle vLLM instances."""
+"""The vLLM pair the integration modules share (test_vllm_api_conformance.py,
+test_vllm_block_checksums.py, test_vllm_own_command_lines.py, test_vllm_connector.py):
+started on first use, stopped after the last test that uses it, so the rest of the suite
+does not carry two idle vLLM instances."""
 
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ from support.vllm_instances import SharedConnectorFleet
 
 _FIXTURE = "shared_vllm_pair"
 _shared: list[SharedConnectorFleet] = []
+#: The last test of this module kills the pair's prefiller (a restart costs a minute): its
+#: tests run after those of every other module that uses the pair.
+_RUNS_LAST = "test_vllm_connector.py"
 
 
 @pytest.fixture(scope="session")
@@ -29,11 +33,25 @@ def shared_vllm_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Share
         pair.close()
 
 
+def _uses_pair(item: pytest.Item) -> bool:
+    return _FIXTURE in getattr(item, "fixturenames", ())
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    # The pair's modules run one after another (one start serves them all), _RUNS_LAST's
+    # last: its tests move to the end of the block, the others keep their order.
+    users = [i for i, item in enumerate(items) if _uses_pair(item)]
+    if not users:
+        return
+    block = [items[i] for i in users]
+    block = [t for t in block if t.path.name != _RUNS_LAST] + [t for t in block if t.path.name == _RUNS_LAST]
+    rest = [item for item in items if not _uses_pair(item)]
+    items[:] = rest[:users[0]] + block + rest[users[0]:]
+
+
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
     # Stop the pair as soon as no further test needs it (the session fixture would keep it
     # to the end of the whole suite); a later module asking again starts it again.
-    uses = _FIXTURE in getattr(item, "fixturenames", ())
-    next_uses = nextitem is not None and _FIXTURE in getattr(nextitem, "fixturenames", ())
-    if uses and not next_uses:
+    if _uses_pair(item) and not (nextitem is not None and _uses_pair(nextitem)):
         for pair in _shared:
             pair.close()

@@ -1,17 +1,22 @@
-"""A vLLM user's own command lines, end to end with real processes: the README's section "Your
-own vLLM command line" run as written (ports changed to free ones), i.e. two plain vLLM API
-servers started from `kvxfer vllm-args` output and the router alone (`kvxfer router`), in a
-real etcd; completions through the router equal colocated ones; then `kvxfer join` adds a
-decoder, and under load it gets traffic.
+"""A vLLM user's own command lines, end to end with real processes (README, "Your own vLLM
+command line"): the README's shell block run as written (ports changed to free ones) starts
+two vLLM API servers from `kvxfer vllm-args` output and the router alone; the command lines
+it gives are those the shared pair (tests/integrations/conftest.py) runs, and through that
+pair and a router process alone completions equal colocated ones and move KV; then `kvxfer
+join` adds a decoder, and under load it gets traffic.
 
-vLLM start-ups are the cost (about 20 s each on 2 cores): one module-scoped cluster serves
-every assertion, and the joined decoder is the only third instance.
+vLLM start-ups are the cost (about 20 s each on 2 cores): the README block's vLLM command
+is run by a stand-in that records its arguments and environment, since the shared pair,
+started from the same `kvxfer vllm-args` output in the same form, serves what a real
+instance must do; the joined decoder is the only instance of this module's own.
 """
 
 from __future__ import annotations
 
 import base64
 import concurrent.futures
+import contextlib
+import io
 import json
 import os
 import re
@@ -22,8 +27,6 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -31,23 +34,35 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed")
 
-from support.vllm_instances import free_port  # noqa: E402
+from support.vllm_instances import SharedConnectorFleet, VllmFleet, free_port  # noqa: E402
 
 from kvxfer.cli import main as kvxfer_main  # noqa: E402
-from kvxfer.cluster.local_etcd import LocalEtcd  # noqa: E402
-from kvxfer.integrations.vllm.checkpoint import CheckpointShape, make_checkpoint  # noqa: E402
-from kvxfer.registry.signing import load_cluster_key, vllm_api_headers, vllm_api_key  # noqa: E402
+from kvxfer.registry.signing import load_cluster_key, vllm_api_key  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 
 REPO = Path(__file__).resolve().parents[2]
-#: Start-up of two instances side by side on 2 cores, with their warm-ups; several times the idle figure under load.
+#: Start-up of the joined instance beside two idle ones, with its warm-up; several times the idle figure under load.
 READY_TIMEOUT_S = 420.0
-SERVED = "llama"  # the README's --served-model-name
+#: How long the README block's processes (two `kvxfer vllm-args`, the stand-in, the router) may take to be up.
+README_BLOCK_TIMEOUT_S = 60.0
+#: How long the router may take to forget the joined decoder once it stopped (its lease is revoked on SIGTERM).
+LEFT_TIMEOUT_S = 30.0
 PROMPTS = ("The licence grants you", "Permission is hereby granted, free of charge, to any person " * 12)
 #: How long the joined decoder may take to receive its first KV once the load runs.
 TRAFFIC_TIMEOUT_S = 120.0
 README_PORTS = {"prefill": 8100, "decode": 8200, "router": 8000, "admin": 8001}
+README_CORES = {"prefill": "0", "decode": "1"}
+README_SERVED = "llama"  # the README's --served-model-name
+API_SERVER = ["-m", "vllm.entrypoints.openai.api_server"]
+#: Stands in for `python` on the README block's PATH: records the arguments and the two
+#: variables the block sets for vLLM, one JSON file per run, and exits.
+RECORDING_PYTHON = """#!/bin/sh
+exec {python} -c 'import json, os, sys
+names = ("VLLM_API_KEY", "VLLM_CPU_OMP_THREADS_BIND")
+record = {{"argv": sys.argv[1:], "env": {{n: os.environ.get(n) for n in names}}}}
+json.dump(record, open(os.path.join(os.environ["RECORD_DIR"], str(os.getpid()) + ".json"), "w"))' "$@"
+"""
 
 
 def readme_command_block() -> str:
@@ -59,27 +74,13 @@ def readme_command_block() -> str:
     return block
 
 
-@dataclass
-class OwnCluster:
-    """The README's processes, as this module started them."""
-
-    work: Path
-    model: Path
-    etcd: str
-    key: Path
-    ports: dict[str, int]
-    headers: dict[str, str]
-    shell: subprocess.Popen[bytes]
-
-    @property
-    def router(self) -> str:
-        return f"http://127.0.0.1:{self.ports['router']}"
-
-    def instance(self, role: str) -> str:
-        return f"http://127.0.0.1:{self.ports[role]}"
-
-    def logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-2500:]}" for p in sorted(self.work.glob("*.log")))
+def vllm_args(role: str, port: int, etcd: str, key: Path) -> dict:
+    """What `kvxfer vllm-args --format json` prints for an instance of the cluster."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert kvxfer_main(["vllm-args", "--role", role, "--port", str(port), "--etcd", etcd,
+                            "--cluster-key-file", str(key), "--format", "json"]) == 0
+    return json.loads(printed.getvalue())
 
 
 def _roles_listed(admin: str) -> dict[str, int]:
@@ -93,22 +94,10 @@ def _roles_listed(admin: str) -> dict[str, int]:
     return counts
 
 
-def _group_commands(pgid: int) -> list[str]:
-    """Command lines of the live processes in process group `pgid`."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if fields[0] != "Z" and int(fields[2]) == pgid:
-                found.append((stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode())
-        except (OSError, IndexError, ValueError):
-            continue
-    return found
-
-
-def _connector_counter(metrics_port: int, name: str) -> float:
+def _connector_counter(metrics_port: int | None, name: str) -> float:
     """`name`'s value on a connector's /metrics; 0 while a busy instance does not answer in
     time (the caller polls until its own deadline)."""
+    assert metrics_port is not None
     try:
         text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
     except httpx.TimeoutException:
@@ -119,89 +108,120 @@ def _connector_counter(metrics_port: int, name: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def own(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OwnCluster]:
-    work = tmp_path_factory.mktemp("own-command-line")
-    model = make_checkpoint(tmp_path_factory.getbasetemp() / "llama-2k", CheckpointShape(max_positions=2048))
-    key = work / "cluster.key"
-    key.write_bytes(base64.b64encode(secrets.token_bytes(48)))
+def fleet(shared_vllm_pair: SharedConnectorFleet) -> VllmFleet:
+    return shared_vllm_pair.fleet()
+
+
+@pytest.fixture(scope="module")
+def router(shared_vllm_pair: SharedConnectorFleet) -> str:
+    return shared_vllm_pair.router_url()
+
+
+@pytest.fixture(scope="module")
+def admin(shared_vllm_pair: SharedConnectorFleet) -> str:
+    return shared_vllm_pair.admin_url()
+
+
+def test_the_readme_block_runs_and_gives_the_command_lines_the_shared_pair_runs(fleet: VllmFleet,
+                                                                                tmp_path: Path) -> None:
+    assert fleet.etcd is not None and fleet.key_file is not None
     ports = {role: free_port() for role in README_PORTS}
     script = readme_command_block()
     for role, port in README_PORTS.items():
         script = re.sub(rf"\b{port}\b", str(ports[role]), script)
-    etcd = LocalEtcd(data_dir=work / "etcd").start()
-    env = {**os.environ, "MODEL": str(model), "ETCD": etcd.client_url, "KEY": str(key),
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
+    stand_in = tmp_path / "bin"
+    stand_in.mkdir()
+    (stand_in / "python").write_text(RECORDING_PYTHON.format(python=sys.executable))
+    (stand_in / "python").chmod(0o755)
+    records = tmp_path / "records"
+    records.mkdir()
+    env = {**os.environ, "MODEL": str(fleet.model_dir), "ETCD": fleet.etcd.client_url, "KEY": str(fleet.key_file),
+           "RECORD_DIR": str(records),
+           "PATH": f"{stand_in}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     env.pop("VLLM_API_KEY", None)
-    shell = subprocess.Popen(["bash", "-euo", "pipefail", "-c", script], cwd=work, env=env, start_new_session=True)
-    cluster = OwnCluster(work, model, etcd.client_url, key, ports,
-                         vllm_api_headers(vllm_api_key(load_cluster_key(key))), shell)
+    shell = subprocess.Popen(["bash", "-euo", "pipefail", "-c", script], cwd=tmp_path, env=env, start_new_session=True)
+    admin = f"http://127.0.0.1:{ports['admin']}"
     try:
-        admin = f"http://127.0.0.1:{ports['admin']}"
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while _roles_listed(admin) != {"prefill": 1, "decode": 1}:
-            assert time.monotonic() < deadline, f"not ready in {READY_TIMEOUT_S} s:\n{cluster.logs()}"
-            if shell.poll() is not None:  # the block ran: every process it started must live on
-                assert shell.returncode == 0, f"the README block failed ({shell.returncode}):\n{cluster.logs()}"
-                running = " ".join(_group_commands(shell.pid))
-                for role in ("prefill", "decode", "router"):
-                    assert f"--port {ports[role]}" in running, f"{role} exited:\n{cluster.logs()}"
-            time.sleep(0.5)
-        yield cluster
+        assert shell.wait(README_BLOCK_TIMEOUT_S) == 0, "the README block failed"
+        # The block's router, alone on the cluster's etcd and key, lists the shared pair: the
+        # records its instances signed verify.
+        deadline = time.monotonic() + README_BLOCK_TIMEOUT_S
+        while len(list(records.glob("*.json"))) < 2 or _roles_listed(admin) != {"prefill": 1, "decode": 1}:
+            assert time.monotonic() < deadline, (sorted(p.name for p in records.iterdir()),
+                                                 (tmp_path / "router.log").read_text(errors="replace")[-3000:])
+            time.sleep(0.3)
     finally:
-        # The README's processes share the shell's process group (no job control in `bash -c`).
-        try:
+        # The router the block started shares the shell's process group (no job control in `bash -c`).
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(shell.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
         shell.wait(10)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(shell.pid, 0)
-            except ProcessLookupError:
-                break
-            time.sleep(0.5)
-        else:
-            os.killpg(shell.pid, signal.SIGKILL)
-        etcd.stop()
+    runs = {r["argv"][r["argv"].index("--port") + 1]: r for r in
+            (json.loads(p.read_text()) for p in records.glob("*.json"))}
+    for role in ("prefill", "decode"):
+        own = vllm_args(role, ports[role], fleet.etcd.client_url, fleet.key_file)
+        run = runs[str(ports[role])]
+        assert run["argv"] == [*API_SERVER, "--model", str(fleet.model_dir), "--port", str(ports[role]),
+                               "--served-model-name", README_SERVED, "--block-size", "32", "--enforce-eager",
+                               *own["flags"]]
+        assert run["env"] == {"VLLM_API_KEY": fleet.api_key, "VLLM_CPU_OMP_THREADS_BIND": README_CORES[role]}
+        # The shared pair's instance of the role: the same server, the same flags last (its
+        # connector settings differ, by --connector-config), the same key.
+        pair = fleet.instances[f"{role}-a"]
+        server = pair.argv.index(API_SERVER[0])
+        assert pair.argv[server:server + 2] == API_SERVER and pair.argv[server - 1] == sys.executable
+        tail = pair.argv[len(pair.argv) - len(own["flags"]):]
+        assert [f for f in tail if f.startswith("--")] == [f for f in own["flags"] if f.startswith("--")]
+        config, readme_config = (json.loads(flags[flags.index("--kv-transfer-config") + 1]) for flags in
+                                 (tail, own["flags"]))
+        assert {k: v for k, v in config.items() if k != "kv_connector_extra_config"} == \
+            {k: v for k, v in readme_config.items() if k != "kv_connector_extra_config"}
+        assert (pair.env["VLLM_API_KEY"], pair.env["VLLM_CPU_OMP_THREADS_BIND"]) == (fleet.api_key, README_CORES[role])
 
 
-def _complete(url: str, prompt: str, headers: dict[str, str] | None = None, **extra: object) -> dict:
-    body = {"model": SERVED, "prompt": prompt, "max_tokens": 8, "temperature": 0, **extra}
+def _complete(url: str, model: str, prompt: str, headers: dict[str, str] | None = None, **extra: object) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0, **extra}
     r = httpx.post(f"{url}/v1/completions", json=body, headers=headers or {}, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()
 
 
-def test_completions_through_the_router_alone_equal_colocated_and_move_kv(own: OwnCluster) -> None:
-    pushed_before = _connector_counter(own.ports["prefill"] + 1, "kvxfer_connector_pushed_pages_total")
-    received_before = _connector_counter(own.ports["decode"] + 1, "kvxfer_connector_received_pages_total")
+def test_completions_through_the_router_alone_equal_colocated_and_move_kv(fleet: VllmFleet, router: str) -> None:
+    prefill, decode = fleet.instances["prefill-a"], fleet.instances["decode-a"]
+    pushed_before = _connector_counter(prefill.metrics_port, "kvxfer_connector_pushed_pages_total")
+    received_before = _connector_counter(decode.metrics_port, "kvxfer_connector_received_pages_total")
     for prompt in PROMPTS:
-        routed = _complete(own.router, prompt)
+        routed = _complete(router, fleet.served_model_name, prompt)
         # Colocated: the prefill instance alone, its own cache salt keeping the prefix cache apart.
-        alone = _complete(own.instance("prefill"), prompt, own.headers, cache_salt=uuid.uuid4().hex)
+        alone = _complete(prefill.url, fleet.served_model_name, prompt, fleet.headers, cache_salt=uuid.uuid4().hex)
         assert routed["choices"][0]["text"] == alone["choices"][0]["text"]
         assert routed["usage"] == alone["usage"]
-    assert _connector_counter(own.ports["prefill"] + 1, "kvxfer_connector_pushed_pages_total") > pushed_before
-    assert _connector_counter(own.ports["decode"] + 1, "kvxfer_connector_received_pages_total") > received_before
+    assert _connector_counter(prefill.metrics_port, "kvxfer_connector_pushed_pages_total") > pushed_before
+    assert _connector_counter(decode.metrics_port, "kvxfer_connector_received_pages_total") > received_before
 
 
-def test_kvxfer_join_adds_a_decoder_that_then_gets_traffic_under_load(own: OwnCluster) -> None:
+def test_kvxfer_join_adds_a_decoder_that_then_gets_traffic_under_load(fleet: VllmFleet, router: str,
+                                                                      admin: str) -> None:
     # The newcomer starts while the others idle: on 2 cores, a third vLLM instance starting
     # beside two busy ones took over 7 minutes (tests/integrations/test_vllm_connector.py
     # runs that case with KVXFER_VLLM_SCALE_TEST=1). What this checks is the join itself:
     # the user's flags reach it, it registers, and the router sends it requests.
+    assert fleet.etcd is not None
+    served = fleet.served_model_name
     port = free_port()
-    log = (own.work / "joined.log").open("wb")
+    log = (fleet.work_dir / "joined.log").open("wb")
     joined = subprocess.Popen(
-        [sys.executable, "-m", "kvxfer.cli", "join", "--engine", "vllm", "--role", "decode", "--model", str(own.model),
-         "--port", str(port), "--cpu-cores", "1", "--etcd", own.etcd, "--cluster-key-file", str(own.key),
-         "--", "--served-model-name", SERVED, "--block-size", "32", "--enforce-eager",
+        [sys.executable, "-m", "kvxfer.cli", "join", "--engine", "vllm", "--role", "decode", "--model",
+         str(fleet.model_dir), "--port", str(port), "--cpu-cores", "1", "--etcd", fleet.etcd.client_url,
+         "--cluster-key-file", str(fleet.key_file),
+         "--", "--served-model-name", served, "--block-size", "32", "--enforce-eager",
          "--max-num-batched-tokens", "256"],  # a short warm-up (a chunk and a block) before it registers
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
     stop = threading.Event()
     statuses: list[int] = []
+
+    def logs() -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-2500:]}"
+                         for p in sorted(fleet.work_dir.glob("*.log")))
 
     def load(seed: int) -> None:
         i = 0
@@ -210,15 +230,15 @@ def test_kvxfer_join_adds_a_decoder_that_then_gets_traffic_under_load(own: OwnCl
                 i += 1
                 # Distinct from the first token on: no decoder holds a prefix of it, so the
                 # router (kv_aware) chooses by load alone.
-                body = {"model": SERVED, "prompt": f"{seed} {i} {PROMPTS[1]}", "max_tokens": 4, "temperature": 0}
-                statuses.append(client.post(f"{own.router}/v1/completions", json=body).status_code)
+                body = {"model": served, "prompt": f"{seed} {i} {PROMPTS[1]}", "max_tokens": 4, "temperature": 0}
+                statuses.append(client.post(f"{router}/v1/completions", json=body).status_code)
                 stop.wait(0.2)
 
     try:
         deadline = time.monotonic() + READY_TIMEOUT_S
-        while _roles_listed(f"http://127.0.0.1:{own.ports['admin']}").get("decode", 0) < 2:
-            assert joined.poll() is None, f"kvxfer join exited with {joined.returncode}:\n{own.logs()}"
-            assert time.monotonic() < deadline, f"the joined decoder never registered:\n{own.logs()}"
+        while _roles_listed(admin).get("decode", 0) < 2:
+            assert joined.poll() is None, f"kvxfer join exited with {joined.returncode}:\n{logs()}"
+            assert time.monotonic() < deadline, f"the joined decoder never registered:\n{logs()}"
             time.sleep(1.0)
         # Two clients at once: the least-loaded choice sends the second of two overlapping
         # requests to the idle decoder, whichever the first went to.
@@ -228,21 +248,20 @@ def test_kvxfer_join_adds_a_decoder_that_then_gets_traffic_under_load(own: OwnCl
                 deadline = time.monotonic() + TRAFFIC_TIMEOUT_S
                 received = 0.0
                 while received == 0.0:
-                    assert time.monotonic() < deadline, f"the joined decoder got no KV in time:\n{own.logs()}"
+                    assert time.monotonic() < deadline, f"the joined decoder got no KV in time:\n{logs()}"
                     time.sleep(1.0)
                     received = _connector_counter(port + 1, "kvxfer_connector_received_pages_total")
             finally:
                 stop.set()
                 for f in loaders:
                     f.result(timeout=150)
-        assert _roles_listed(f"http://127.0.0.1:{own.ports['admin']}") == {"prefill": 1, "decode": 2}
+        assert _roles_listed(admin) == {"prefill": 1, "decode": 2}
         assert statuses and set(statuses) == {200}, f"{len(statuses)} requests: {sorted(set(statuses))}"
     finally:
         if joined.poll() is None:
-            # The whole group (the exec'd API server, its engine core and worker), as the
-            # fixture stops the README's processes: the load has stopped, nothing is left to
-            # drain, and a worker signalled only through its parent waited out vLLM's 5 s
-            # grace and then took seconds more to exit.
+            # The whole group (the exec'd API server, its engine core and worker): the load
+            # has stopped, nothing is left to drain, and a worker signalled only through its
+            # parent waited out vLLM's 5 s grace and then took seconds more to exit.
             os.killpg(joined.pid, signal.SIGTERM)
             try:
                 joined.wait(40)
@@ -250,6 +269,11 @@ def test_kvxfer_join_adds_a_decoder_that_then_gets_traffic_under_load(own: OwnCl
                 os.killpg(joined.pid, signal.SIGKILL)
                 joined.wait(10)
         log.close()
+    # The pair's later tests meet the router as it was: the joined decoder is gone from it.
+    deadline = time.monotonic() + LEFT_TIMEOUT_S
+    while _roles_listed(admin) != {"prefill": 1, "decode": 1}:
+        assert time.monotonic() < deadline, f"the router still lists the joined decoder: {_roles_listed(admin)}"
+        time.sleep(0.3)
 
 
 def test_vllm_args_takes_the_cluster_key_file_as_given_and_refuses_none(

@@ -4,15 +4,20 @@
 etcd they register in, and a cluster key; it waits for readiness with a deadline and
 stops everything on exit, whatever happened. `SharedConnectorFleet` is the one prefill +
 decode pair (and a router in front of it) that the vLLM test modules share: each instance
-costs about 20 s of start-up on 2 cores.
+costs about 20 s of start-up on 2 cores. Its instances are started as a user's own command
+lines are (README, "Your own vLLM command line"): plain vLLM API servers with the
+environment and flags that `kvxfer vllm-args` prints.
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
+import io
+import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -20,7 +25,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Literal
 
 import httpx
 
@@ -41,20 +46,34 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_port_pair() -> int:
+    """A free loopback TCP port whose successor is free too (an own command line's connector
+    serves its metrics on the API port + 1, `kvxfer vllm-args`' default)."""
+    while True:
+        port = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+
+
 @dataclass
 class VllmInstance:
-    """One running instance."""
+    """One running instance, and the command line and environment it was started with."""
 
     name: str
-    spec: VllmInstanceSpec
+    url: str  # base URL of its OpenAI API
+    argv: list[str]
+    env: dict[str, str]
     process: subprocess.Popen[bytes]
     log_path: Path
     registers: bool = False
-
-    @property
-    def url(self) -> str:
-        """Base URL of its OpenAI API."""
-        return self.spec.url
+    #: How `VllmFleet.start` described it; None for an own command line (`start_own_command_line`).
+    spec: VllmInstanceSpec | None = None
+    #: Port of the connector's kvxfer_connector_* /metrics, where it serves one.
+    metrics_port: int | None = None
 
     def log_text(self) -> str:
         """Its log so far (for assertion messages)."""
@@ -127,7 +146,7 @@ class VllmFleet:
         inst = self.instances[name]
         if inst.process.poll() is None:
             return inst
-        inst.process = subprocess.Popen(inst.spec.argv(), env=inst.spec.env(), stdout=inst.log_path.open("ab"),
+        inst.process = subprocess.Popen(inst.argv, env=inst.env, stdout=inst.log_path.open("ab"),
                                         stderr=subprocess.STDOUT, start_new_session=True)
         return inst
 
@@ -143,10 +162,48 @@ class VllmFleet:
         spec = VllmInstanceSpec(model_dir=self.model_dir, port=port, kv_role=kv_role, cpu_cores=core,
                                 served_model_name=self.served_model_name, extra_config=cfg,
                                 api_key=self.api_key, **spec_fields)
+        metrics_port = cfg.get("metrics_port")
+        return self._launch(name, spec.url, spec.argv(), spec.env(), registers=kv_role is not None and register,
+                            spec=spec, metrics_port=int(metrics_port) if metrics_port else None)
+
+    def start_own_command_line(self, name: str, role: Literal["prefill", "decode"], core: str, *,
+                               vllm_flags: list[str], connector_config: dict[str, Any] | None = None) -> VllmInstance:
+        """Start one instance (no wait) as a user's own command line, as the README shows it:
+        `kvxfer vllm-args` (here with --format json) gives the environment and the flags that
+        go last on a plain `python -m vllm.entrypoints.openai.api_server --model DIR --port P`
+        command line; `vllm_flags` are the user's own (--served-model-name is the fleet's).
+        Connector settings: the fleet's common ones, then `connector_config`, through
+        vllm-args' --connector-config. Pinned to `core` like `start`'s instances."""
+        # Imported here: the CLI pulls in modules the benchmarks that import this file need not load.
+        from kvxfer.cli import main as kvxfer_main
+
+        assert self.etcd is not None and self.key_file is not None
+        port = free_port_pair()
+        config = {**self.common_extra, "lease_ttl_s": 2, **(connector_config or {})}
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            status = kvxfer_main(["vllm-args", "--role", role, "--port", str(port), "--etcd", self.etcd.client_url,
+                                  "--cluster-key-file", str(self.key_file), "--worker-id", name,
+                                  "--connector-config", json.dumps(config), "--format", "json"])
+        assert status == 0, printed.getvalue()
+        own = json.loads(printed.getvalue())
+        # The machine's part of the environment (cores, KV cache size, offline) as `start` sets it.
+        base = VllmInstanceSpec(model_dir=self.model_dir, port=port, kv_role=None, cpu_cores=core).env()
+        base.pop("VLLM_API_KEY", None)
+        taskset = shutil.which("taskset")
+        argv = [*([taskset, "-c", core] if taskset else []), sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                "--model", str(self.model_dir), "--host", "127.0.0.1", "--port", str(port),
+                "--served-model-name", self.served_model_name, *vllm_flags, *own["flags"]]
+        return self._launch(name, f"http://127.0.0.1:{port}", argv, {**base, **own["env"]}, registers=True,
+                            metrics_port=port + 1)
+
+    def _launch(self, name: str, url: str, argv: list[str], env: dict[str, str], *, registers: bool,
+                spec: VllmInstanceSpec | None = None, metrics_port: int | None = None) -> VllmInstance:
         log_path = self.work_dir / f"{name}.log"
-        proc = subprocess.Popen(spec.argv(), env=spec.env(), stdout=log_path.open("wb"), stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(argv, env=env, stdout=log_path.open("wb"), stderr=subprocess.STDOUT,
                                 start_new_session=True)
-        inst = VllmInstance(name, spec, proc, log_path, registers=kv_role is not None and register)
+        inst = VllmInstance(name, url, argv, env, proc, log_path, registers=registers, spec=spec,
+                            metrics_port=metrics_port)
         self.instances[name] = inst
         return inst
 
@@ -194,13 +251,19 @@ CONNECTOR_TIMEOUTS = {"transfer_timeout_s": 2.0, "load_stall_timeout_s": 6.0, "l
 SLOW_LAYER_MS = 2500  # fault slow_layers: 4 layers take 10 s in all, 2.5 s apart
 ROUTER_READY_TIMEOUT_S = 60.0
 ROUTER_START_ATTEMPTS = 2
+#: The shared pair's own vLLM flags (the README's, and a fixed seed).
+SHARED_PAIR_FLAGS = ["--block-size", str(BLOCK), "--enforce-eager", "--seed", "0"]
 
 
 class SharedConnectorFleet:
     """`prefill-a` and `decode-a` (KvxferConnector over the fabric path, same_host off,
     KV digests written to `digests`) and a router process in front of them, started on
     first use and stopped by `close()` (tests/integrations/conftest.py closes it after the
-    last test that uses it). An instance found dead (a test killed it) is started again."""
+    last test that uses it). An instance found dead (a test killed it) is started again.
+
+    Both instances are own command lines (`VllmFleet.start_own_command_line`): what
+    tests/integrations/test_vllm_own_command_lines.py checks of the README's way runs on
+    this pair, with no pair of its own."""
 
     def __init__(self, work_dir: Path, model_dir: Path) -> None:
         self.work_dir = work_dir
@@ -208,6 +271,7 @@ class SharedConnectorFleet:
         self._stack: contextlib.ExitStack | None = None
         self._fleet: VllmFleet | None = None
         self._router_url: str | None = None
+        self._admin_url: str | None = None
 
     def fleet(self) -> VllmFleet:
         """The running pair, started (or restarted where an instance died) as needed."""
@@ -225,9 +289,10 @@ class SharedConnectorFleet:
             common = {"same_host": False, "bind_host": "127.0.0.1", "hooks": HOOKS_SPEC, "hooks_config": hooks,
                       **CONNECTOR_TIMEOUTS}
             fleet = self._stack.enter_context(VllmFleet(model, self.work_dir, common_extra=common))
-            fleet.start("prefill-a", "kv_producer", "0", max_num_batched_tokens=CHUNK,
-                        extra={"hooks_config": {**hooks, "stall_after_layer": 1, "slow_layer_ms": SLOW_LAYER_MS}})
-            fleet.start("decode-a", "kv_consumer", "1")
+            fleet.start_own_command_line(
+                "prefill-a", "prefill", "0", vllm_flags=[*SHARED_PAIR_FLAGS, "--max-num-batched-tokens", str(CHUNK)],
+                connector_config={"hooks_config": {**hooks, "stall_after_layer": 1, "slow_layer_ms": SLOW_LAYER_MS}})
+            fleet.start_own_command_line("decode-a", "decode", "1", vllm_flags=SHARED_PAIR_FLAGS)
             fleet.digests = digests  # type: ignore[attr-defined]
             self._fleet = fleet
         dead = [name for name, inst in self._fleet.instances.items() if inst.process.poll() is not None]
@@ -241,12 +306,21 @@ class SharedConnectorFleet:
         fleet = self.fleet()
         if self._router_url is None:
             assert self._stack is not None
-            self._router_url = self._stack.enter_context(router_process(fleet, self.work_dir / "router.log"))
+            admin_port = free_port()
+            self._router_url = self._stack.enter_context(router_process(
+                fleet, self.work_dir / "router.log", env={"KVXFER_ROUTER_ADMIN_PORT": str(admin_port)}))
+            self._admin_url = f"http://127.0.0.1:{admin_port}"
         return self._router_url
+
+    def admin_url(self) -> str:
+        """The router's admin port (its worker inventory, GET /workers)."""
+        self.router_url()
+        assert self._admin_url is not None
+        return self._admin_url
 
     def close(self) -> None:
         """Stop the router, the instances and etcd."""
-        stack, self._stack, self._fleet, self._router_url = self._stack, None, None, None
+        stack, self._stack, self._fleet, self._router_url, self._admin_url = self._stack, None, None, None, None
         if stack is not None:
             stack.close()
 
