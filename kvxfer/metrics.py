@@ -635,7 +635,9 @@ def exported_sample_names(registry: CollectorRegistry) -> set[str]:
 
 
 def all_metric_names() -> set[str]:
-    """Every sample name kvxfer exports, from all components on a throwaway registry.
+    """Every sample name the router, the builtin workers and the engine export, from all of
+    them on a throwaway registry; the vLLM connector's (`ConnectorMetrics`, served from vLLM's
+    processes) are not among them.
 
     The engine collector is fed one fake rail, and the router's KV index one fake worker, so
     their families produce samples.
