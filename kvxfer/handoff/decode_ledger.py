@@ -150,7 +150,8 @@ class ReservationLedger:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not reservation_ttl_s > 0 or not fence_timeout_s > 0:
-            raise ValueError(f"reservation_ttl_s and fence_timeout_s must be > 0, got {reservation_ttl_s}, {fence_timeout_s}")
+            raise ValueError(f"reservation_ttl_s and fence_timeout_s must be > 0, got {reservation_ttl_s}, "
+                             f"{fence_timeout_s}")
         if stall_timeout_s is not None and not stall_timeout_s > 0:
             raise ValueError(f"stall_timeout_s must be > 0 (or None: no stall deadline), got {stall_timeout_s}")
         self.allocator = allocator

@@ -56,4 +56,5 @@ def test_pages_a_write_may_still_reach_are_fenced_or_freed_never_reused_otherwis
 def test_an_illegal_transition_says_what_was_tried_and_what_is_allowed(current: S, target: S, allowed: str) -> None:
     error = IllegalTransition("r", current, target)
     assert target not in TRANSITIONS[current]
-    assert str(error) == f"reservation 'r': {current.value} -> {target.value} is not allowed (from {current.value}: {allowed})"
+    assert str(error) == (f"reservation 'r': {current.value} -> {target.value} is not allowed "
+                          f"(from {current.value}: {allowed})")

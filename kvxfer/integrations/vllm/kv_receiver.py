@@ -61,21 +61,21 @@ only lets this decoder's progress thread finish bytes it already received. With 
 whole_cache registration nothing is revoked, so such a load keeps the full fence.
 """
 
-
 from __future__ import annotations
 
 import logging
 import random
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from kvxfer.errors import TransferError
 from kvxfer.handoff.admission import check_landed
-from kvxfer.handoff.decode_ledger import WAITING, DeadlineSetting, LedgerEntry, ReservationLedger
-from kvxfer.handoff.decode_ledger import ReservationState as Res
+from kvxfer.handoff.decode_ledger import DeadlineSetting, LedgerEntry, ReservationLedger
 from kvxfer.handoff.push_monitor import peer_unreachable
 from kvxfer.handoff.reservation_scope import ReservationScope
+from kvxfer.handoff.reservation_state import WAITING
+from kvxfer.handoff.reservation_state import ReservationState as Res
 from kvxfer.kv.integrity import KVIntegrity, KVIntegrityError, Verification
 from kvxfer.kv.protocol import KVReservation, encode_cancel, encode_probe, encode_reservation_message
 from kvxfer.metrics import ConnectorMetrics
