@@ -54,6 +54,8 @@ HTTP_PACKAGES = ("fastapi", "starlette", "uvicorn")
 PRODUCTION = sorted([*PACKAGE.rglob("*.py"), *ROUTER.rglob("*.py")])
 #: Top-level packages of the test tree (tests/ on sys.path makes `support` importable).
 TEST_PACKAGES = ("tests", "support", "conftest")
+#: prometheus_client's names that declare a metric: only kvxfer/metrics.py uses them.
+METRIC_DECLARERS = {"Counter", "Gauge", "Histogram", "Summary", "Info", "Enum"}
 #: Every fault the tests and drills inject (the modules that make them list them).
 FAULT_NAMES = (*push_faults.KINDS, *vllm_faults.KINDS)
 
@@ -118,6 +120,24 @@ def test_kv_and_model_form_no_cycle() -> None:
     kv_imports = {m for p in (PACKAGE / "kv").rglob("*.py") for m in imported_modules(p)}
     assert not any(m.startswith("kvxfer.model") for m in kv_imports), "kv imports the model: a cycle"
 
+
+def declares_metrics(path: Path) -> bool:
+    """Whether `path` uses one of prometheus_client's metric types or metric families."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "prometheus_client":
+            if any(a.name in METRIC_DECLARERS or a.name.endswith("MetricFamily") for a in node.names):
+                return True
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                and node.value.id == "prometheus_client" and node.attr in METRIC_DECLARERS:
+            return True
+    return False
+
+
+def test_every_metric_is_declared_in_kvxfer_metrics() -> None:
+    # One home for every kvxfer_* metric (docs/architecture.md, "Layers"): the dashboards,
+    # alerts and tests read their names from one module.
+    elsewhere = [str(p.relative_to(REPO)) for p in PRODUCTION if p != PACKAGE / "metrics.py" and declares_metrics(p)]
+    assert not elsewhere, f"{elsewhere} declare metrics: declare them in kvxfer/metrics.py"
 
 def documented_imports() -> dict[str, set[str]]:
     """The "may import" table of docs/architecture.md's "Layers" section: each layer (the
