@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import numpy as np
 from pydantic import Field
 
 from kvxfer.handoff.decode_ledger import WAITING, ReservationLedger
@@ -155,8 +156,8 @@ class DecodeService:
         return self.table.jobs
 
     @property
-    def mailbox(self) -> Any:
-        """The mailbox buffer (numpy, one slot per reservation)."""
+    def mailbox(self) -> np.ndarray:
+        """The mailbox buffer (one slot per reservation)."""
         return self.mailbox_slots.buffer
 
     @property
@@ -164,11 +165,6 @@ class DecodeService:
         return self.mailbox_slots.slot_stride
 
     # -- requests -----------------------------------------------------------------------
-    def prefix_hashes(self, prompt: Sequence[int]) -> list[bytes]:
-        """Block hashes of the prompt's full pages under this model's namespace (empty when
-        the prefix cache is off)."""
-        return self.issuer.prefix_hashes(prompt)
-
     def reserve(self, request_id: str, prompt_tokens: int, max_tokens: int, caller: str = "anonymous",
                 prefill_address: bytes | None = None, prompt: Sequence[int] | None = None) -> KVReservation:
         """Reserves pages for prompt + max_tokens and a mailbox slot/immediate, owned by `caller`.
