@@ -261,6 +261,7 @@ def test_tcp_overlay_runs_as_pods(cluster: Cluster) -> None:
                 took = results.get(pod.name)
                 assert isinstance(took, float), f"{pod.name}: {took!r}\n{pod.log()}"
                 assert took <= pod.grace_s and not pod.alive(), pod.name
+            print("stopped: " + ", ".join(f"{n} {t:.1f} s" for n, t in results.items() if isinstance(t, float)))
         print(f"done after {time.monotonic() - t0:.1f} s")
     except BaseException:
         print(cluster.logs())
