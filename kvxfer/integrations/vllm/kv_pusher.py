@@ -249,6 +249,10 @@ class KVPusher:
     def _attach(self, push: PrefillPush, res: KVReservation, target: SliceTarget | None = None) -> None:
         push.reservation = res
         push.target = target
+        if push.state is not PushState.WAITING_FOR_RESERVATION:
+            # It failed first (preempted, heads it cannot serve): never revived, its blocks
+            # may be gone; with the reservation known, the next poll tells the decoder.
+            return
         problem = self._check(push, res)
         if problem:
             self._fail(push, problem)
