@@ -46,6 +46,8 @@ REPO = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 420.0
 #: How long the README block's processes (two `kvxfer vllm-args`, the stand-in, the router) may take to be up.
 README_BLOCK_TIMEOUT_S = 60.0
+#: How long the README block's router may take to exit on SIGTERM.
+GROUP_STOP_TIMEOUT_S = 20.0
 #: How long the router may take to forget the joined decoder once it stopped (its lease is revoked on SIGTERM).
 LEFT_TIMEOUT_S = 30.0
 PROMPTS = ("The licence grants you", "Permission is hereby granted, free of charge, to any person " * 12)
@@ -61,7 +63,9 @@ RECORDING_PYTHON = """#!/bin/sh
 exec {python} -c 'import json, os, sys
 names = ("VLLM_API_KEY", "VLLM_CPU_OMP_THREADS_BIND")
 record = {{"argv": sys.argv[1:], "env": {{n: os.environ.get(n) for n in names}}}}
-json.dump(record, open(os.path.join(os.environ["RECORD_DIR"], str(os.getpid()) + ".json"), "w"))' "$@"
+path = os.path.join(os.environ["RECORD_DIR"], str(os.getpid()))
+json.dump(record, open(path + ".part", "w"))
+os.replace(path + ".part", path + ".json")' "$@"
 """
 
 
@@ -152,9 +156,7 @@ def test_the_readme_block_runs_and_gives_the_command_lines_the_shared_pair_runs(
             time.sleep(0.3)
     finally:
         # The router the block started shares the shell's process group (no job control in `bash -c`).
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(shell.pid, signal.SIGTERM)
-        shell.wait(10)
+        _stop_group(shell)
     runs = {r["argv"][r["argv"].index("--port") + 1]: r for r in
             (json.loads(p.read_text()) for p in records.glob("*.json"))}
     for role in ("prefill", "decode"):
@@ -176,6 +178,22 @@ def test_the_readme_block_runs_and_gives_the_command_lines_the_shared_pair_runs(
         assert {k: v for k, v in config.items() if k != "kv_connector_extra_config"} == \
             {k: v for k, v in readme_config.items() if k != "kv_connector_extra_config"}
         assert (pair.env["VLLM_API_KEY"], pair.env["VLLM_CPU_OMP_THREADS_BIND"]) == (fleet.api_key, README_CORES[role])
+
+
+def _stop_group(shell: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to `shell`'s process group, SIGKILL to what is left of it after GROUP_STOP_TIMEOUT_S."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(shell.pid, signal.SIGTERM)
+    shell.wait(10)
+    deadline = time.monotonic() + GROUP_STOP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(shell.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(shell.pid, signal.SIGKILL)
 
 
 def _complete(url: str, model: str, prompt: str, headers: dict[str, str] | None = None, **extra: object) -> dict:
@@ -239,7 +257,7 @@ def test_kvxfer_join_adds_a_decoder_that_then_gets_traffic_under_load(fleet: Vll
         while _roles_listed(admin).get("decode", 0) < 2:
             assert joined.poll() is None, f"kvxfer join exited with {joined.returncode}:\n{logs()}"
             assert time.monotonic() < deadline, f"the joined decoder never registered:\n{logs()}"
-            time.sleep(1.0)
+            time.sleep(0.5)
         # Two clients at once: the least-loaded choice sends the second of two overlapping
         # requests to the idle decoder, whichever the first went to.
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
@@ -249,7 +267,7 @@ def test_kvxfer_join_adds_a_decoder_that_then_gets_traffic_under_load(fleet: Vll
                 received = 0.0
                 while received == 0.0:
                     assert time.monotonic() < deadline, f"the joined decoder got no KV in time:\n{logs()}"
-                    time.sleep(1.0)
+                    time.sleep(0.5)
                     received = _connector_counter(port + 1, "kvxfer_connector_received_pages_total")
             finally:
                 stop.set()

@@ -224,7 +224,7 @@ class VllmFleet:
                     pass
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"vLLM instance {name} not ready in {timeout_s}s:\n{inst.log_text()[-4000:]}")
-                time.sleep(1.0)
+                time.sleep(0.3)
         for name in names:
             if self.instances[name].registers:
                 self.record(name, timeout_s=max(60.0, deadline - time.monotonic()))
