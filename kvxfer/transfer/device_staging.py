@@ -266,7 +266,7 @@ class DevicePageSender:
         # Checked whole against the receiver's region here, so a bad page list posts no
         # chunk; the engine checks each chunk again (and a windows descriptor's windows).
         stride = self.page_bytes if dst_stride is None else dst_stride
-        remote_length = int(self._engine._remote(remote_descriptor).length)
+        remote_length = self._engine.remote_length(remote_descriptor)
         dst = _indices(dst_pages, "dst_pages", max((remote_length - dst_offset - self.page_bytes) // stride + 1, 0))
         if src.size != dst.size:
             raise BoundsError(f"src_pages has {src.size} pages, dst_pages {dst.size}")

@@ -12,6 +12,9 @@ tokenizer, the hand-off protocol, the prefix block hashes, metrics and errors. T
 
 Faults are injected from outside (handoff.push_hooks): no production module imports a test
 helper or a fault module, or names a fault the drills make.
+
+The hand-off's state machines are written once (kvxfer/handoff): the engines' adapters
+(workers, integrations) define no enum of hand-off states and no transition table.
 """
 
 from __future__ import annotations
@@ -48,8 +51,9 @@ ALLOWED: dict[str, set[str]] = {
 }
 ROUTER_ALLOWED = {"registry", "model.tokenizer", "kv.protocol", "kv.prefix_hash", "metrics", "errors"}
 #: Modules that are HTTP-free by contract: services raise typed errors instead.
-HTTP_FREE = ["workers/worker_core.py", "workers/prefill/service.py", "workers/decode/service.py",
-             "workers/rejection.py"]
+HTTP_FREE = ["workers/worker_core.py", "workers/rejection.py",
+             *sorted(str(p.relative_to(PACKAGE)) for role in ("prefill", "decode")
+                     for p in (PACKAGE / "workers" / role).glob("*.py") if p.name != "http.py")]
 HTTP_PACKAGES = ("fastapi", "starlette", "uvicorn")
 PRODUCTION = sorted([*PACKAGE.rglob("*.py"), *ROUTER.rglob("*.py")])
 #: Top-level packages of the test tree (tests/ on sys.path makes `support` importable).
@@ -170,6 +174,39 @@ def test_the_architecture_docs_layer_table_is_the_map_this_module_enforces() -> 
     assert not differ, f"docs/architecture.md's 'may import' table differs from ALLOWED (doc, ALLOWED): {differ}"
     assert router == ROUTER_ALLOWED, f"the router's row of the table: {sorted(router or ())}, " \
                                      f"ROUTER_ALLOWED: {sorted(ROUTER_ALLOWED)}"
+
+
+#: The engines' adapters: they drive the hand-off's state machines and keep none of their own.
+HANDOFF_ADAPTERS = sorted([*(PACKAGE / "workers").rglob("*.py"), *(PACKAGE / "integrations").rglob("*.py")])
+#: States only a hand-off state machine has (kvxfer.handoff's ReservationState and PushState,
+#: and the names the engines' own copies used before there was one: FENCING, QUARANTINED).
+HANDOFF_STATE_NAMES = frozenset({"RESERVED", "RECEIVING", "ADMITTED", "FENCED", "FENCING", "QUARANTINED", "FREE",
+                                 "WAITING_FOR_RESERVATION", "PUSHING", "STOPPING"})
+
+
+def handoff_state_machines(source: str) -> list[str]:
+    """What in `source` looks like a hand-off state machine of its own: an Enum with a
+    hand-off state among its members, or a transition table."""
+    found: list[str] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef) and any("Enum" in ast.unparse(base) for base in node.bases):
+            members = {t.id for stmt in node.body if isinstance(stmt, ast.Assign)
+                       for t in stmt.targets if isinstance(t, ast.Name)}
+            if members & HANDOFF_STATE_NAMES:
+                found.append(f"enum {node.name} ({', '.join(sorted(members & HANDOFF_STATE_NAMES))})")
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            found.extend(f"transition table {t.id}" for t in targets
+                         if isinstance(t, ast.Name) and "TRANSITION" in t.id.upper())
+    return found
+
+
+@pytest.mark.parametrize("path", HANDOFF_ADAPTERS, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_engine_adapters_define_no_handoff_state_machine_of_their_own(path: Path) -> None:
+    found = handoff_state_machines(path.read_text())
+    assert not found, f"kvxfer/{path.relative_to(PACKAGE)} defines {found}: the hand-off's states and " \
+                      "transitions live in kvxfer/handoff (reservation_state, push_state) only"
+
 
 @pytest.mark.parametrize("path", PRODUCTION, ids=lambda p: str(p.relative_to(REPO)))
 def test_no_production_module_imports_a_test_helper_or_a_fault_module(path: Path) -> None:
