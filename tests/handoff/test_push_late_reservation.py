@@ -56,7 +56,7 @@ class RecordingEngine:
 def pusher_and_engine() -> tuple[KVPusher, RecordingEngine]:
     geometry = CacheGeometry.dense("LBHNC", (0, 1, 2, 3, 4), 2, BLOCKS, 2, 32, PAGE // 64)
     region = KVRegion(["layer0", "layer1"], geometry, np.zeros(2 * BLOCKS * PAGE, np.uint8), [], "bfloat16", 2, "avx2")
-    assert region.signature == LAYOUT
+    assert region.kv_layout == LAYOUT
     engine = RecordingEngine()
     pusher = KVPusher(ConnectorSettings(), engine, region, SimpleNamespace(),  # type: ignore[arg-type]
                       ConnectorMetrics("kv_producer"))

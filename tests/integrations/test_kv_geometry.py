@@ -123,15 +123,15 @@ def test_a_head_slice_lands_in_a_narrower_cache_as_vllm_reads_it_there(layout: K
     assert torch.equal(dst.raw[torch.from_numpy(~moved)], before[torch.from_numpy(~moved)])
 
 
-def test_the_cpu_layout_is_one_write_per_layer_and_keeps_its_windows_and_signature() -> None:
+def test_the_cpu_layout_is_one_write_per_layer_and_keeps_its_windows_and_kv_layout() -> None:
     # vLLM's CPU backend (LBHNC): a request's blocks of one layer are one paged write, the
-    # reservation's windows are those of kvxfer's layer-major cache, the signature unchanged.
+    # reservation's windows are those of kvxfer's layer-major cache, the kv_layout unchanged.
     cache = vllm_cache(KVCacheLayout.LBHNC, _spec("attention"), SRC_BLOCKS, seed=6)
     geometry = cache.region.geometry
     page = HEADS * TOKENS * 2 * HEAD_SIZE * 2
     assert geometry.copy_plan(geometry) == ((0, 0, page),)
     assert geometry.windows([1, 2, 4]) == reservation_windows([1, 2, 4], LAYERS, SRC_BLOCKS, page)
-    assert cache.region.signature == f"L{LAYERS}-H{HEADS}-D{HEAD_SIZE}-bfloat16-bs{TOKENS}-vllm-lbhnc-test"
+    assert cache.region.kv_layout == f"L{LAYERS}-H{HEADS}-D{HEAD_SIZE}-bfloat16-bs{TOKENS}-vllm-lbhnc-test"
 
 
 @pytest.mark.parametrize("content", CONTENTS)

@@ -56,7 +56,7 @@ def run(arrival: tuple[int, int] | None) -> list[tuple[int, list[int], list[int]
     geometry = CacheGeometry.dense("LBHNC", (0, 1, 2, 3, 4), 4, BLOCKS, 2, 32, PAGE // 64)
     region = KVRegion([f"layer{i}" for i in range(4)], geometry, np.zeros(4 * BLOCKS * PAGE, np.uint8), [], "bfloat16",
                       2, "avx2")
-    assert region.signature == LAYOUT
+    assert region.kv_layout == LAYOUT
     engine = RecordingEngine()
     pusher = KVPusher(ConnectorSettings(), engine, region, SimpleNamespace(), ConnectorMetrics("kv_producer"))  # type: ignore[arg-type]
     reservation = KVReservation(request_id="t1", descriptor=b"d", pages=[10, 11, 12, 13, 14], num_pages=BLOCKS,

@@ -51,7 +51,7 @@ class InstanceRegistration:
         self._record = WorkerRecord(
             worker_id=settings.worker_id or f"vllm-{role}-{socket.gethostname()}-{os.getpid()}",
             role=role, http_url=settings.advertise_url, engine_address=engine_address_hex, model=model,
-            kv_layout=region.instance_signature(kv_heads or region.geometry.num_heads), total_pages=region.num_blocks,
+            kv_layout=region.instance_kv_layout(kv_heads or region.geometry.num_heads), total_pages=region.num_blocks,
             free_pages=region.num_blocks, engine="vllm", tp_size=tp_size, kv_heads=kv_heads,
         )
         self._thread: threading.Thread | None = None

@@ -14,7 +14,7 @@ with a key, whose tag verifies; it admits a load only once every write landed an
 whole table is there, after recomputing the checksums of its blocks (every one with
 `full`, a seeded random share per layer with `sampled`) and comparing. A block's checksum
 is the CRC-32C of its byte runs in address order (`CacheGeometry.runs`), which both sides
-lay out alike (the signature check made sure).
+lay out alike (the kv_layout check made sure).
 """
 
 from __future__ import annotations

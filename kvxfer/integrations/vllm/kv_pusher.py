@@ -268,7 +268,7 @@ class KVPusher:
         target = push.target
         # A decode rank of another TP size holds another number of heads per block; every
         # other property of the blocks must be ours.
-        ours = self.region.signature if target is None else self.region.signature_with_heads(target.dst_num_heads)
+        ours = self.region.kv_layout if target is None else self.region.kv_layout_with_heads(target.dst_num_heads)
         if res.kv_layout != ours:
             self.metrics.failures.labels(side="prefill", reason="layout_mismatch").inc()
             return (f"KV layout mismatch: the decoder's cache is {res.kv_layout!r}, this prefiller's is "

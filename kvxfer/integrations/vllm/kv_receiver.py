@@ -262,7 +262,7 @@ class KVReceiver:
         reservation = KVReservation(
             request_id=spec.transfer_id, descriptor=descriptor, pages=list(pages),
             num_pages=self.landing.geometry.num_blocks, imm=entry.imm,
-            expected_count=self.region.num_layers * len(pages), kv_layout=self.region.signature,
+            expected_count=self.region.num_layers * len(pages), kv_layout=self.region.kv_layout,
             meta_descriptor=b"", meta_offset=0, nonce=entry.nonce, fence_timeout_s=self.settings.fence_timeout_s,
             first_page=spec.first_page, mailbox=False,
             checksums=self.settings.kv_integrity is not KVIntegrity.OFF,

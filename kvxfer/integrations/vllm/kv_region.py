@@ -1,4 +1,4 @@
-"""vLLM's paged KV cache seen as one registered region: layer order, geometry, signature.
+"""vLLM's paged KV cache seen as one registered region: layer order, geometry, kv_layout.
 
 vLLM allocates one backing buffer per KV cache group and hands the connector one view per
 layer, logically `[num_blocks, heads, block_size, content]` (content: one head's K then V
@@ -6,7 +6,7 @@ of one token, or MLA's latent vector with one head slot), laid out in memory by 
 resolved `KVCacheLayout` (the CPU backend: LBHNC only). This module reads the layout and
 the views' strides into one `CacheGeometry` (`kvxfer.kv.cache_geometry`), checks that the views
 are exactly that layout packed densely in one allocation, and refuses anything else with a
-clear error. Offsets, runs and writes come from the geometry; the `signature` shown to
+clear error. Offsets, runs and writes come from the geometry; the `kv_layout` string shown to
 peers and the registry is derived from it, for display and compatibility checks only.
 """
 
@@ -79,19 +79,19 @@ class KVRegion:
         return self.geometry.block_size
 
     @property
-    def signature(self) -> str:
+    def kv_layout(self) -> str:
         """The `kv_layout` string peers compare: raw blocks are only portable where the
         shape, dtype, block size, layout and ISA all match. Derived, never parsed."""
-        return self.signature_with_heads(self.geometry.num_heads)
+        return self.kv_layout_with_heads(self.geometry.num_heads)
 
-    def instance_signature(self, total_kv_heads: int) -> str:
-        """The `kv_layout` of the whole instance in the registry: this rank's signature with
+    def instance_kv_layout(self, total_kv_heads: int) -> str:
+        """The `kv_layout` of the whole instance in the registry: this rank's kv_layout with
         every rank's KV heads (`total_kv_heads`), so that instances of one model with
         different tensor parallel sizes compare equal (the router checks the sizes apart)."""
-        return self.signature_with_heads(1 if self.geometry.latent else total_kv_heads)
+        return self.kv_layout_with_heads(1 if self.geometry.latent else total_kv_heads)
 
-    def signature_with_heads(self, num_heads: int) -> str:
-        """The signature of a cache like this one with `num_heads` KV heads per block (a
+    def kv_layout_with_heads(self, num_heads: int) -> str:
+        """The kv_layout of a cache like this one with `num_heads` KV heads per block (a
         tensor parallel peer of another size)."""
         g = self.geometry
         elements = g.content_bytes // self.element_bytes
@@ -119,7 +119,7 @@ class KVRegion:
 
 
 def _cpu_isa() -> str:
-    # The CPU attention kernels lay a block out per ISA, so it is part of the signature.
+    # The CPU attention kernels lay a block out per ISA, so it is part of the kv_layout.
     try:
         return str(torch.backends.cpu.get_cpu_capability()).lower()
     except Exception:  # an older torch: be conservative, never match another machine by accident

@@ -7,7 +7,7 @@ different sizes a decode rank takes some of a prefill rank's heads into some of 
 this message is that reservation behind a header naming the decode rank (the prefill rank
 waits for each rank `head_targets` names), the slice on both sides, and the decode rank's
 heads per block (its cache's geometry, from which the prefiller plans each write). The
-reservation's own checks (layout signature at that head count, pages, fence) still apply.
+reservation's own checks (kv_layout at that head count, pages, fence) still apply.
 """
 
 from __future__ import annotations

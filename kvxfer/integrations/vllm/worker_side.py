@@ -112,7 +112,7 @@ class WorkerSide:
             self.receiver = KVReceiver(s, self.engine, self.region, memory, self.metrics, hooks=self.hooks)
         log.info("kvxfer connector: %s rank %d of %d, %d layers x %d blocks of %d bytes registered, layout %s, "
                  "engine %s (%s)", self.kv_role, self.place.rank, self.place.size, self.region.num_layers,
-                 self.region.num_blocks, self.region.block_bytes, self.region.signature, self.engine.address.hex(),
+                 self.region.num_blocks, self.region.block_bytes, self.region.kv_layout, self.engine.address.hex(),
                  self.engine.provider)
         # Every rank calls this at once (vLLM initializes the KV caches collectively).
         self.rank_addresses = self._gather(self.engine.address)
