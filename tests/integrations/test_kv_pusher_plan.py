@@ -12,12 +12,13 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed")
 
+from kvxfer.handoff.push_state import PushState  # noqa: E402
 from kvxfer.integrations.vllm.kv_pusher import KVPusher  # noqa: E402
 from kvxfer.integrations.vllm.kv_region import KVRegion  # noqa: E402
 from kvxfer.integrations.vllm.metadata import KvxferStepMetadata, PushSpec  # noqa: E402
 from kvxfer.integrations.vllm.settings import ConnectorSettings  # noqa: E402
 from kvxfer.kv.cache_geometry import CacheGeometry  # noqa: E402
-from kvxfer.kv.protocol import KVReservation, encode_imm  # noqa: E402
+from kvxfer.kv.protocol import KVReservation, decode_abort, encode_imm  # noqa: E402
 from kvxfer.metrics import ConnectorMetrics  # noqa: E402
 
 LAYOUT = "L4-H2-D64-bfloat16-bs32-vllm-lbhnc-avx2"
@@ -35,10 +36,12 @@ class _Done:
 
 
 class RecordingEngine:
-    """Records each paged write as (layer, source blocks, destination pages)."""
+    """Records each paged write as (layer, source blocks, destination pages), and every
+    control message sent."""
 
     def __init__(self) -> None:
         self.writes: list[tuple[int, list[int], list[int]]] = []
+        self.sent: list[bytes] = []
 
     def write_paged(self, mr: Any, src: list[int], descriptor: bytes, dst: list[int], page: int, *,
                     src_stride: int, dst_stride: int, src_offset: int, dst_offset: int, imm: int,
@@ -47,18 +50,25 @@ class RecordingEngine:
         return _Done()
 
     def send(self, target: bytes, payload: bytes) -> _Done:
+        self.sent.append(payload)
         return _Done()
+
+
+def make_pusher(layers: int) -> tuple[KVPusher, RecordingEngine]:
+    """A pusher over a `layers`-layer LBHNC region of BLOCKS blocks, posting into a recording engine."""
+    geometry = CacheGeometry.dense("LBHNC", (0, 1, 2, 3, 4), layers, BLOCKS, 2, 32, PAGE // 64)
+    region = KVRegion([f"layer{i}" for i in range(layers)], geometry, np.zeros(layers * BLOCKS * PAGE, np.uint8), [],
+                      "bfloat16", 2, "avx2")
+    assert region.kv_layout == LAYOUT.replace("L4-", f"L{layers}-")
+    engine = RecordingEngine()
+    pusher = KVPusher(ConnectorSettings(), engine, region, SimpleNamespace(), ConnectorMetrics("kv_producer"))  # type: ignore[arg-type]
+    return pusher, engine
 
 
 def run(arrival: tuple[int, int] | None) -> list[tuple[int, list[int], list[int]]]:
     """A 150-token prompt prefilled in chunks ending at 64, 128, 150; the reservation comes
     before layer `arrival[1]` of step `arrival[0]` (None: before the first step)."""
-    geometry = CacheGeometry.dense("LBHNC", (0, 1, 2, 3, 4), 4, BLOCKS, 2, 32, PAGE // 64)
-    region = KVRegion([f"layer{i}" for i in range(4)], geometry, np.zeros(4 * BLOCKS * PAGE, np.uint8), [], "bfloat16",
-                      2, "avx2")
-    assert region.kv_layout == LAYOUT
-    engine = RecordingEngine()
-    pusher = KVPusher(ConnectorSettings(), engine, region, SimpleNamespace(), ConnectorMetrics("kv_producer"))  # type: ignore[arg-type]
+    pusher, engine = make_pusher(4)
     reservation = KVReservation(request_id="t1", descriptor=b"d", pages=[10, 11, 12, 13, 14], num_pages=BLOCKS,
                                 imm=encode_imm(0, 1), expected_count=20, kv_layout=LAYOUT, meta_descriptor=b"",
                                 meta_offset=0, nonce=1, fence_timeout_s=15.0, mailbox=False)
@@ -89,3 +99,21 @@ def test_each_layer_posts_its_final_pages_per_step_once_and_in_place() -> None:
 @pytest.mark.parametrize("arrival", [(1, 0), (1, 2), (2, 3)])
 def test_a_reservation_that_comes_mid_prefill_is_caught_up_and_every_page_goes_once(arrival: tuple[int, int]) -> None:
     assert pages_by_layer(run(arrival)) == {layer: [(0, 10), (1, 11), (2, 12), (3, 13), (4, 14)] for layer in range(4)}
+
+
+def test_a_reservation_for_a_push_preempted_before_it_came_posts_nothing_and_tells_the_decoder() -> None:
+    # Its blocks may be gone: the push is never revived, and the decoder hears at once.
+    pusher, engine = make_pusher(2)
+    pusher.on_step(KvxferStepMetadata(pushes=[PushSpec("r1", "t1", b"d", 64, [0, 1], 64)]))
+    for layer in range(2):
+        pusher.save_layer(layer)  # computed before the decoder reserved
+    pusher.on_step(KvxferStepMetadata(preempted=["r1"]))
+    reservation = KVReservation(request_id="t1", descriptor=b"d", pages=[5, 6], num_pages=BLOCKS,
+                                imm=encode_imm(0, 1), expected_count=4, kv_layout=LAYOUT.replace("L4-", "L2-"),
+                                meta_descriptor=b"", meta_offset=0, nonce=9, fence_timeout_s=15.0, mailbox=False)
+    pusher.on_reservation(reservation)
+    pusher.poll(set())
+    (push,) = pusher._by_request["r1"]
+    assert push.state is PushState.FAILED
+    assert engine.writes == []
+    assert [decode_abort(m)[:2] for m in engine.sent] == [(reservation.imm, reservation.nonce)]
