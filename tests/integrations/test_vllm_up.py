@@ -40,6 +40,8 @@ READY_TIMEOUT_S = 420.0
 SERVED = "up2k"  # --served-model-name, passed through after --
 MAX_NUM_SEQS = 3  # --decode-args
 LEASE_LOST_WITHIN_S = 12.0  # the registry's lease TTL (5 s), its expiry sweep and the router's watch
+#: How long the dashboard's panels may take to have data once the requests were answered.
+PANEL_DATA_TIMEOUT_S = 15.0
 
 
 @dataclass
@@ -163,11 +165,14 @@ def test_prometheus_finds_vllm_and_connector_metrics_and_the_dashboards_vllm_pan
                   if any(re.search(r"vllm:|kvxfer_connector_|kvxfer_router_(request_kv_moved|kv_pages)", t.get("expr", ""))
                          for t in p.get("targets", []))]
         assert len(panels) >= 8
-        time.sleep(2.5)  # rate() needs two scrapes after the request
+        # rate() needs two scrapes after the request: each query is polled until it has them.
+        deadline = time.monotonic() + PANEL_DATA_TIMEOUT_S
         for panel in panels:
             for target in panel["targets"]:
                 expr = target["expr"].replace("$namespace", ".*").replace("$__rate_interval", "1m")
-                assert prom.query(expr), f"{panel['title']}: {expr} returned nothing"
+                while not prom.query(expr):
+                    assert time.monotonic() < deadline, f"{panel['title']}: {expr} returned nothing"
+                    time.sleep(0.25)
 
 
 def test_an_instance_that_dies_is_reported_with_its_logs_last_lines_reaped_and_left_down(up: UpProcess) -> None:
