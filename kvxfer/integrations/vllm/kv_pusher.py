@@ -20,8 +20,8 @@ per decode rank that draws heads from it (`tensor_parallel.head_targets`), each 
 its head slice of every block, and reports the request finished once all of them are.
 
 A push that ends early (FAILED, or STOPPING drained) tells the decoder with the protocol's
-abort message, sent only once none of its writes is in flight: from then on the decoder
-may reuse its pages.
+abort message, sent only once none of its writes is in flight (the hand-off's
+`AbortSender`, push_abort.py): from then on the decoder may reuse its pages.
 
 Where the reservation asks for checksums, each block's CRC-32C is taken just before its
 write is posted, and the table goes to the decoder once the last write is posted
@@ -37,9 +37,10 @@ import time
 from dataclasses import dataclass, field
 
 from kvxfer.handoff.inflight_writes import InflightWrites
+from kvxfer.handoff.push_abort import AbortSender, AbortWords, PushAbort
 from kvxfer.handoff.push_plan import PushPlan, PushPlanError
 from kvxfer.handoff.push_state import PushLifecycle, PushState
-from kvxfer.kv.protocol import KVReservation, encode_abort
+from kvxfer.kv.protocol import KVReservation
 from kvxfer.metrics import ConnectorMetrics
 from kvxfer.registry.signing import checksum_table_key_of
 from kvxfer.transfer.engine import RegisteredMemory, TransferEngine
@@ -54,6 +55,10 @@ from .sliced_reservation import SliceTarget
 from .tensor_parallel import TensorParallelError, TensorParallelPlace, decode_rank_addresses, head_targets
 
 log = logging.getLogger(__name__)
+
+#: The connector's words for its aborts: one line before each send, one for a failed send.
+ABORT_WORDS = AbortWords(log, "transfer %s: could not tell the decoder the push stopped: %s", logging.INFO,
+                         "transfer %s: no write in flight any more; telling the decoder (%s)")
 
 #: The key of the one push of a request whose decoder has this rank's tensor parallel size
 #: (its reservation names no decode rank: whole blocks from the same-rank peer).
@@ -85,7 +90,7 @@ class PrefillPush:
     created_at: float = field(default_factory=time.monotonic)
     layer_saved_at: list[float] = field(default_factory=list)
     layer_posted_at: list[float] = field(default_factory=list)
-    abort_sent: bool = False
+    abort: PushAbort = field(default_factory=PushAbort)
     #: computed_end of the step being executed (set by on_step, applied per saved layer).
     pending_end: int = 0
     #: pages posted late, from the kept blocks, because the reservation came after their layer.
@@ -134,6 +139,7 @@ class KVPusher:
         self.metrics = metrics
         self._hooks = hooks
         self._table_key = checksum_table_key_of(settings.cluster_key_file)
+        self._aborts = AbortSender(engine, ABORT_WORDS)
         self.block_size = region.block_size
         #: How a layer's blocks leave this cache: read in place (host memory registered as
         #: `memory`), or through pinned staging (a device cache).
@@ -232,17 +238,17 @@ class KVPusher:
                     log.info("transfer %s (request %s): cancelled by the decoder (%s); stopping the push",
                              push.transfer_id, push.request_id, reason)
                     push.lifecycle.move(PushState.STOPPING, f"cancelled by the decoder: {reason}")
-                elif push.state is PushState.DONE and not push.writes.unreaped and not push.abort_sent:
+                elif push.state is PushState.DONE:
                     # Every write landed already (the decoder refused what landed): confirm
                     # at once rather than let it wait for its fence.
-                    push.abort_sent = True
-                    self._send_stopped(res, f"cancelled by the decoder after every write landed: {reason}")
+                    self._aborts.abort(push.abort, res, push.state, push.writes.unreaped > 0,
+                                       f"cancelled by the decoder after every write landed: {reason}")
                 return
         for key, (res, _, _) in list(self._early.items()):
             if res.imm == imm and res.nonce == nonce:
                 # Its request never reached us: nothing was posted, confirm at once.
                 del self._early[key]
-                self._send_stopped(res, f"cancelled by the decoder before the request arrived: {reason}")
+                self._aborts.send(res, f"cancelled by the decoder before the request arrived: {reason}")
                 return
         self.metrics.dropped_messages.labels(reason="unknown_cancel").inc()
 
@@ -370,7 +376,8 @@ class KVPusher:
             if push.state is PushState.PUSHING and push.complete and not push.writes.unreaped:
                 self._finish(push)
             if push.state in (PushState.STOPPING, PushState.FAILED) and not push.writes.unreaped:
-                self._confirm_stopped(push)
+                self._aborts.abort(push.abort, push.reservation, push.state, push.writes.unreaped > 0,
+                                   push.lifecycle.reason or "stopped")
                 if push.state is PushState.STOPPING:
                     push.lifecycle.move(PushState.DONE)
             if push.lifecycle.final and not push.writes.unreaped and push.vllm_finished_at is not None:
@@ -403,20 +410,6 @@ class KVPusher:
         if "layout mismatch" not in reason:
             self.metrics.failures.labels(side="prefill", reason="push_failed").inc()
         push.lifecycle.move(PushState.FAILED, reason)
-
-    def _confirm_stopped(self, push: PrefillPush) -> None:
-        res = push.reservation
-        if push.abort_sent or res is None:
-            return
-        push.abort_sent = True
-        self._send_stopped(res, push.lifecycle.reason or "stopped")
-
-    def _send_stopped(self, res: KVReservation, reason: str) -> None:
-        log.info("transfer %s: no write in flight any more; telling the decoder (%s)", res.request_id, reason)
-        try:
-            self.engine.send(res.descriptor, encode_abort(res.imm, res.nonce, reason))
-        except Exception as exc:  # the decoder is gone: its fence deadline covers it
-            log.info("transfer %s: could not tell the decoder the push stopped: %s", res.request_id, exc)
 
     def _forget(self, push: PrefillPush) -> None:
         self._by_transfer.pop((push.transfer_id, push.decode_rank), None)

@@ -14,11 +14,12 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from kvxfer.handoff.push_abort import PushAbort
 from kvxfer.handoff.push_hooks import PushHooks
 from kvxfer.handoff.push_monitor import PushMonitor, WatchedPush
 from kvxfer.handoff.push_session import PushSession, PushStats
@@ -41,6 +42,7 @@ class PrefillJob:
     held_blocks: int  # leading prompt blocks this worker's prefix cache held: not computed again
     block_hashes: list[bytes]  # the prompt's block hashes to publish in the prefix cache; none with it off
     session: PushSession
+    abort: PushAbort = field(default_factory=PushAbort)  # sent at most once, by the service's release
 
 
 class PromptPusher:

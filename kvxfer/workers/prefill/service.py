@@ -12,10 +12,10 @@ keeps each accepted request's `PrefillJob` and turns every failure into a typed
   (handoff/push_monitor.py) watches the writes of every push per destination and resolves
   each push's outcome, so a frozen or dead decoder fails its own pushes within
   `destination_stall_timeout_s` and slows no other destination;
-- `abort_notices`: a push that cannot complete (cancelled, a failed write, a local error)
-  ends with an abort message to its decoder, sent once none of its writes is in flight, so
-  the decoder fails the request at once and frees its pages; a push's local pages are
-  freed at that same point;
+- the hand-off's `AbortSender` (handoff/push_abort.py): a push that cannot complete
+  (cancelled, a failed write, a local error) ends with an abort message to its decoder,
+  sent once none of its writes is in flight, so the decoder fails the request at once and
+  frees its pages; a push's local pages are freed at that same point;
 - `cancel_memory`: a cancel stops a request's further writes and answers only once none of
   them is in flight; the id is remembered for `cancel_memory_s`, so a /prefill that
   arrives after its cancel is refused (the decoder may have reused the pages on the
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 import time
 from typing import Any
@@ -41,6 +42,7 @@ from typing import Any
 from pydantic import Field
 
 from kvxfer.errors import EngineError, TransferError, TransferTimeout
+from kvxfer.handoff.push_abort import AbortSender, AbortWords
 from kvxfer.handoff.push_hooks import NO_PUSH_HOOKS, PushHooks
 from kvxfer.handoff.push_monitor import DestinationDown, PushMonitor, WatchedPush
 from kvxfer.kv.page_allocator import OutOfPagesError, PageAllocator
@@ -49,7 +51,6 @@ from kvxfer.kv.prefix_hash import block_hashes, reusable_blocks
 from kvxfer.kv.protocol import KVReservation
 from kvxfer.metrics import PrefillMetrics
 from kvxfer.registry.signing import checksum_table_key_of
-from kvxfer.workers.prefill.abort_notices import AbortNotices
 from kvxfer.workers.prefill.cancel_memory import CancelMemory
 from kvxfer.workers.prefill.prompt_push import PrefillJob, PromptPusher
 from kvxfer.workers.prefill.request_checks import PrefillRequestChecks
@@ -62,6 +63,8 @@ CANCEL_POLL_S = 0.01
 #: A /cancel waits for the writes in flight at most the engine's write deadline plus this
 #: (every write ends by its deadline; the margin covers the completion's report).
 CANCEL_WAIT_MARGIN_S = 1.0
+#: The prefill worker's words for an abort it could not send (no log line for one it sent).
+ABORT_WORDS = AbortWords(logging.getLogger("kvxfer.prefill"), "request %s: abort not sent: %s")
 
 
 class PrefillSettings(WorkerSettings):
@@ -137,7 +140,7 @@ class PrefillService:
             self.core.engine, self.core.kv_layout, cfg.num_layers, cfg.block_size, cfg.max_context,
             self.core.cache.page_bytes, self.pusher.mailbox_slot_stride, self.metrics,
         )
-        self.aborts = AbortNotices(self.core.engine)
+        self.aborts = AbortSender(self.core.engine, ABORT_WORDS)
         self._compute = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefill")
         self._lock = threading.Lock()  # guards jobs, the cancel memory, the allocator and the queue count
         self.jobs: dict[str, PrefillJob] = {}
@@ -258,7 +261,8 @@ class PrefillService:
         """None of the push's writes is in flight any more (the monitor's thread): a failed
         push tells its decoder now, and the local pages are free."""
         if push.error is not None:
-            self.aborts.send(job.reservation, f"{type(push.error).__name__}: {push.error}")
+            self.aborts.abort(job.abort, job.reservation, job.session.state, job.session.in_flight(),
+                              f"{type(push.error).__name__}: {push.error}")
         with self._lock:
             self.jobs.pop(job.request_id, None)
             self.allocator.free(job.request_id)
