@@ -36,6 +36,15 @@ def engines() -> Iterator[tuple[TransferEngine, TransferEngine]]:
         yield decoder, prefiller
 
 
+@pytest.fixture()
+def decoder_inbox(engines: tuple[TransferEngine, TransferEngine]) -> TransferEngine:
+    """The decoder's engine with its inbox emptied (a failed test may leave a message in it)."""
+    decoder = engines[0]
+    while decoder.recv(0.0) is not None:
+        pass
+    return decoder
+
+
 def reservation_at(descriptor: bytes, nonce: int) -> KVReservation:
     return KVReservation(request_id=f"r{nonce}", descriptor=descriptor, pages=[0, 1], num_pages=8,
                          imm=encode_imm(3, 1), expected_count=5, kv_layout="L2-H2-D16-float32-bs16",
@@ -43,9 +52,9 @@ def reservation_at(descriptor: bytes, nonce: int) -> KVReservation:
 
 
 def test_the_abort_goes_once_with_the_protocols_bytes_when_the_push_stopped_and_nothing_is_in_flight(
-    engines: tuple[TransferEngine, TransferEngine]
+    engines: tuple[TransferEngine, TransferEngine], decoder_inbox: TransferEngine
 ) -> None:
-    decoder, prefiller = engines
+    decoder, prefiller = decoder_inbox, engines[1]
     sender = AbortSender(prefiller, WORDS)
     reservation = reservation_at(decoder.address, nonce=41)
     push = PushAbort()
@@ -69,9 +78,9 @@ def test_every_stopped_state_may_abort(state: PushState) -> None:
 
 
 def test_send_tells_a_reservation_nothing_was_posted_to_and_logs_its_words(
-    engines: tuple[TransferEngine, TransferEngine], caplog: pytest.LogCaptureFixture
+    engines: tuple[TransferEngine, TransferEngine], decoder_inbox: TransferEngine, caplog: pytest.LogCaptureFixture
 ) -> None:
-    decoder, prefiller = engines
+    decoder, prefiller = decoder_inbox, engines[1]
     reservation = reservation_at(decoder.address, nonce=42)
     with caplog.at_level(logging.INFO, logger=WORDS.logger.name):
         assert AbortSender(prefiller, WORDS).send(reservation, "cancelled before the request arrived")
