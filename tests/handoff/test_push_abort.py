@@ -10,7 +10,6 @@ The senders that use it are tested with real processes: tests/workers/test_fault
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 
 import pytest
 
@@ -26,14 +25,6 @@ NOTHING_MORE_S = 0.3
 
 WORDS = AbortWords(logging.getLogger("kvxfer.test_push_abort"), "request %s: abort not sent: %s",
                    sending="transfer %s: no write in flight any more; telling the decoder (%s)")
-
-
-@pytest.fixture(scope="module")
-def engines() -> Iterator[tuple[TransferEngine, TransferEngine]]:
-    """A decoder's engine (whose inbox receives the aborts) and a prefiller's."""
-    with TransferEngine(provider="net", bind_host="127.0.0.1") as decoder, \
-            TransferEngine(provider="net", bind_host="127.0.0.1") as prefiller:
-        yield decoder, prefiller
 
 
 @pytest.fixture()

@@ -7,7 +7,6 @@ tests/integrations/test_vllm_connector.py (the connector) and the decode worker'
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -18,14 +17,6 @@ from kvxfer.transfer.engine import RegisteredMemory, TransferEngine
 
 REGION_BYTES = 64 * 1024
 IMM = 0x1234
-
-
-@pytest.fixture(scope="module")
-def engines() -> Iterator[tuple[TransferEngine, TransferEngine]]:
-    """A decoder's engine and a prefiller's (whose address the scope binds to)."""
-    with TransferEngine(provider="net", bind_host="127.0.0.1") as decoder, \
-            TransferEngine(provider="net", bind_host="127.0.0.1") as prefiller:
-        yield decoder, prefiller
 
 
 @pytest.fixture()
