@@ -341,9 +341,10 @@ def start_peer_instance(fleet: VllmFleet, name: str, core: str, python: Path, kv
                             **spec_fields)
     argv = [str(python) if a == sys.executable else a for a in spec.argv()]
     log_path = fleet.work_dir / f"{name}.log"
-    proc = subprocess.Popen(argv, env={**spec.env(), **env}, stdout=log_path.open("wb"), stderr=subprocess.STDOUT,
+    full_env = {**spec.env(), **env}
+    proc = subprocess.Popen(argv, env=full_env, stdout=log_path.open("wb"), stderr=subprocess.STDOUT,
                             start_new_session=True)
-    inst = VllmInstance(name, spec, proc, log_path)
+    inst = VllmInstance(name, f"http://127.0.0.1:{port}", argv, full_env, proc, log_path, spec=spec)
     fleet.instances[name] = inst
     return inst
 
