@@ -54,19 +54,7 @@ from kvxfer.handoff.reservation_state import (
     ReservationState,
 )
 
-__all__ = [
-    "ENDED_UNCONFIRMED",
-    "TRANSITIONS",
-    "WAITING",
-    "DeadlineSetting",
-    "IllegalTransition",
-    "LedgerEntry",
-    "LedgerError",
-    "NoSlotError",
-    "PageSource",
-    "ReservationLedger",
-    "ReservationState",
-]
+__all__ = ["DeadlineSetting", "LedgerEntry", "NoSlotError", "PageSource", "ReservationLedger"]
 
 S = ReservationState
 

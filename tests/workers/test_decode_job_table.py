@@ -14,7 +14,7 @@ import threading
 import pytest
 
 from kvxfer.handoff.decode_ledger import ReservationLedger
-from kvxfer.handoff.decode_ledger import ReservationState as Res
+from kvxfer.handoff.reservation_state import ReservationState as Res
 from kvxfer.kv.page_allocator import PageAllocator
 from kvxfer.workers.decode.job import DecodeJob, DecodePhase
 from kvxfer.workers.decode.job_table import JobTable

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, AsyncIterator, Sequence
 
-from kvxfer.handoff.decode_ledger import WAITING, LedgerEntry
-from kvxfer.handoff.decode_ledger import ReservationState as Res
+from kvxfer.handoff.decode_ledger import LedgerEntry
+from kvxfer.handoff.reservation_state import WAITING
+from kvxfer.handoff.reservation_state import ReservationState as Res
 from kvxfer.kv.integrity import TransferReceipt
 from kvxfer.kv.protocol import pages_for_tokens
 from kvxfer.workers.rejection import Rejection

@@ -28,7 +28,7 @@ import time
 from typing import Any, Callable
 
 from kvxfer.handoff.decode_ledger import ReservationLedger
-from kvxfer.handoff.decode_ledger import ReservationState as Res
+from kvxfer.handoff.reservation_state import ReservationState as Res
 from kvxfer.kv.page_allocator import PageAllocator
 from kvxfer.kv.prefix_hash import block_hashes
 from kvxfer.model.transformer import FinishReason, finish_reason_after

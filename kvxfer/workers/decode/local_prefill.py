@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from kvxfer.handoff.decode_ledger import ReservationState as Res
+from kvxfer.handoff.reservation_state import ReservationState as Res
 from kvxfer.workers.decode.job import DecodeJob
 from kvxfer.workers.decode.job_table import JobTable
 from kvxfer.workers.worker_core import WorkerCore

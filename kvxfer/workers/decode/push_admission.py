@@ -15,7 +15,7 @@ import logging
 import time
 
 from kvxfer.errors import TransferTimeout
-from kvxfer.handoff.decode_ledger import ReservationState as Res
+from kvxfer.handoff.reservation_state import ReservationState as Res
 from kvxfer.kv.integrity import KVIntegrityError
 from kvxfer.metrics import DecodeMetrics
 from kvxfer.transfer.engine import TransferEngine

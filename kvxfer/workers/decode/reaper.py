@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 import threading
 
-from kvxfer.handoff.decode_ledger import WAITING
-from kvxfer.handoff.decode_ledger import ReservationState as Res
+from kvxfer.handoff.reservation_state import WAITING
+from kvxfer.handoff.reservation_state import ReservationState as Res
 from kvxfer.kv.protocol import decode_abort
 from kvxfer.metrics import DecodeMetrics
 from kvxfer.transfer.engine import TransferEngine

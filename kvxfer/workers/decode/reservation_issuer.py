@@ -15,7 +15,7 @@ from enum import Enum
 from typing import Sequence
 
 from kvxfer.handoff.decode_ledger import NoSlotError
-from kvxfer.handoff.decode_ledger import ReservationState as Res
+from kvxfer.handoff.reservation_state import ReservationState as Res
 from kvxfer.handoff.reservation_scope import PrefillAddressError, ReservationScope
 from kvxfer.kv.integrity import KVIntegrity
 from kvxfer.kv.page_allocator import OutOfPagesError

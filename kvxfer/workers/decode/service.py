@@ -41,8 +41,9 @@ from typing import Any, Sequence
 import numpy as np
 from pydantic import Field
 
-from kvxfer.handoff.decode_ledger import WAITING, ReservationLedger
-from kvxfer.handoff.decode_ledger import ReservationState as Res
+from kvxfer.handoff.decode_ledger import ReservationLedger
+from kvxfer.handoff.reservation_state import WAITING
+from kvxfer.handoff.reservation_state import ReservationState as Res
 from kvxfer.kv.integrity import KVIntegrity
 from kvxfer.kv.page_allocator import PageAllocator
 from kvxfer.kv.prefix_cache import PrefixCache
