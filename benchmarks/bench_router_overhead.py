@@ -49,23 +49,6 @@ REQUEST_TIMEOUT_S = 300.0
 MODEL = "bench"
 
 
-def _process_tree(root: int) -> list[int]:
-    """`root` and every process below it (vLLM's API server starts its EngineCore as a child)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # gone meanwhile
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    tree, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        tree.append(pid)
-        todo.extend(children.get(pid, []))
-    return tree
-
-
 def renice_instances(fleet: VllmFleet, niceness: int) -> int:
     """Lowers the CPU priority of every thread of the fleet's vLLM processes (Linux keeps
     a niceness per thread, so each task of each process is set). Returns the threads set.
@@ -74,10 +57,13 @@ def renice_instances(fleet: VllmFleet, niceness: int) -> int:
     request is in flight, and the router (or the direct client) waits for a core at each
     wake-up; a lower priority for the instances models a router with a core of its own, as
     in a deployment where it runs in its own pod. Both paths get the same instances."""
+    import psutil  # installed with vLLM; the tree, as vLLM's API server starts its EngineCore as a child
+
     done = 0
     for inst in fleet.instances.values():
-        for pid in _process_tree(inst.process.pid):
-            for task in Path(f"/proc/{pid}/task").glob("*"):
+        root = psutil.Process(inst.process.pid)
+        for process in [root, *root.children(recursive=True)]:
+            for task in Path(f"/proc/{process.pid}/task").glob("*"):
                 try:
                     os.setpriority(os.PRIO_PROCESS, int(task.name), niceness)
                     done += 1
