@@ -20,18 +20,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 from typing import Any
 
 from kvxfer.kv.protocol import KVReservation, ReservationError
 
 from .directory import WorkerView, layout_key
 from .leg_failure import LegFailure, short_detail
-from .legs import LegRequest, LegServices, RequestLegs, RequestState
+from .legs import LegRequest, LegServices, RequestLegs, RequestState, wait_for_legs
 from .policies import WorkerPair
 from .worker_calls import REQUEST_REJECTED_STATUSES, is_done_line, stream_object
-
-log = logging.getLogger(__name__)
 
 
 def prefill_body(attempt_id: str, prompt_tokens: list[int], decode: WorkerView,
@@ -86,19 +83,17 @@ async def _disaggregated(request: LegRequest, services: LegServices, decode: Wor
             request, services, decode, "/generate",
             {"request_id": wrid, "stream": True, "timeout_s": services.settings.kv_wait_timeout_s}, wrid))
         try:
-            await asyncio.wait({prefill_leg, generate_leg}, return_when=asyncio.FIRST_EXCEPTION)
+            await wait_for_legs(request, prefill_leg, generate_leg)
             if generate_leg.done() and generate_leg.exception() is None:
-                # The client has its answer; a late prefill error cannot change it (its
-                # KV had all landed, or decode could not have produced tokens).
-                if prefill_leg.exception() is not None:
-                    log.warning("request %s: prefill reply failed after decode finished: %s",
-                                request.request_id, prefill_leg.exception())
-                else:
+                # The client has its answer; a late prefill error (logged) cannot change it.
+                if prefill_leg.exception() is None:
                     services.telemetry.prefill_reply(prefill_leg.result())
                 completed = True
                 return
-            # Blame the leg that failed first; the other's error is usually a consequence.
-            failed = prefill_leg if prefill_leg.done() and prefill_leg.exception() else generate_leg
+            # Blame the leg that failed first; the other's error is usually a consequence. A
+            # prefill failure once the decoder's output began did not end the attempt.
+            prefill_failed = prefill_leg.done() and prefill_leg.exception() is not None
+            failed = prefill_leg if prefill_failed and request.state is not RequestState.STREAMING else generate_leg
             raise failed.exception()  # type: ignore[misc]
         finally:
             for leg in (prefill_leg, generate_leg):

@@ -16,16 +16,21 @@ serve it) or ``RouterError`` (the client's answer).
 from __future__ import annotations
 
 import abc
+import asyncio
 import enum
+import logging
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .policies import WorkerPair
 from .settings import RouterSettings
 from .telemetry import RouterTelemetry
+from .load_report_fetch import LoadReportFetcher
 from .vllm_http import VllmLegClient
 from .worker_auth import WorkerCallSigner
 from .worker_calls import WorkerCalls
+
+log = logging.getLogger(__name__)
 
 
 class RequestState(enum.Enum):
@@ -82,13 +87,15 @@ class LegRequest(Protocol):
 @dataclass(frozen=True)
 class LegServices:
     """What every leg type may use, one set per router app: the settings, the telemetry, the
-    signer of worker calls, kvxfer workers' calls (httpx) and vLLM instances' client (aiohttp)."""
+    signer of worker calls, kvxfer workers' calls (httpx), vLLM instances' client (aiohttp)
+    and the fetcher of streamed requests' load figures from vLLM decode instances (None: none)."""
 
     settings: RouterSettings
     telemetry: RouterTelemetry
     signer: WorkerCallSigner
     worker_calls: WorkerCalls
     vllm_http: VllmLegClient
+    load_reports: LoadReportFetcher | None = None
 
 
 class RequestLegs(abc.ABC):
@@ -111,4 +118,22 @@ class RequestLegs(abc.ABC):
         (the client's answer). Cancelling it stops both legs and frees what they held."""
 
 
-__all__ = ["CompletionJob", "LegRequest", "LegServices", "RequestLegs", "RequestState"]
+async def wait_for_legs(request: LegRequest, prefill_leg: asyncio.Future[Any], decode_leg: asyncio.Future[Any]) -> None:
+    """Wait until the decode leg ended, or the prefill leg failed before the decoder's output began.
+
+    A decoder's output begins only once it admitted the request: every write of the prompt's
+    KV landed (and was checked). From then on the prefill leg's own reply cannot change the
+    client's answer, so a prefill leg that fails after that (its worker died before it
+    replied) is logged and the decode leg goes on; cutting a correct stream for it would
+    fail a request that was already served. A prefill failure before the output began is
+    the caller's to raise (the attempt fails and may be retried on another pair)."""
+    await asyncio.wait({prefill_leg, decode_leg}, return_when=asyncio.FIRST_EXCEPTION)
+    if not decode_leg.done() and request.state is RequestState.STREAMING:
+        await asyncio.wait({decode_leg})
+    if decode_leg.done() and not decode_leg.cancelled() and decode_leg.exception() is None \
+            and prefill_leg.done() and not prefill_leg.cancelled() and prefill_leg.exception() is not None:
+        log.warning("request %s: the prefill leg failed after the decoder had the KV; its answer stands: %s",
+                    request.request_id, prefill_leg.exception())
+
+
+__all__ = ["CompletionJob", "LegRequest", "LegServices", "RequestLegs", "RequestState", "wait_for_legs"]

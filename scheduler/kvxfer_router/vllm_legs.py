@@ -12,9 +12,10 @@ accepts, its defaults (completions: 16 tokens; chat: up to the context), its sta
 and error bodies. The router only rewrites the answer's `id` to the client-facing one
 (`cmpl-...` / `chatcmpl-...`, echoed in X-Request-Id) and, in a non-streamed answer, takes
 the connector's report of the KV the decode instance loaded out of `kv_transfer_params`
-(for its metrics; the client gets null there, as from plain vLLM; vLLM sends no
-`kv_transfer_params` in a stream, so streamed requests are not counted). The prefill leg gets a copy that
-computes the same prompt and nothing else (`max_tokens` 1, `n` 1, not streamed, no
+(for its metrics; the client gets null there, as from plain vLLM). vLLM sends no
+`kv_transfer_params` in a stream: once a streamed answer's `[DONE]` is relayed, the
+router asks the decode instance for the same figures in a task of its own
+(`load_report_fetch`). The prefill leg gets a copy that computes the same prompt and nothing else (`max_tokens` 1, `n` 1, not streamed, no
 sampling constraints that only make sense for the whole generation). With `n` > 1 vLLM
 forks one child per choice; the connector loads the prompt's KV once for all of them
 (`kvxfer.integrations.vllm.engine_core_side`).
@@ -40,7 +41,7 @@ import aiohttp
 
 from .directory import WorkerView
 from .leg_failure import LegFailure
-from .legs import LegRequest, LegServices, RequestLegs, RequestState
+from .legs import LegRequest, LegServices, RequestLegs, RequestState, wait_for_legs
 from .openai_api import RouterError, response_id
 from .policies import WorkerPair
 from .settings import RouterSettings
@@ -196,7 +197,10 @@ async def _run(request: LegRequest, services: LegServices, decode: WorkerView, p
         prefill_leg = asyncio.ensure_future(_prefill(request, services, prefill, path, prefill_body, attempt_id))
     legs = [leg for leg in (prefill_leg, decode_leg) if leg is not None]
     try:
-        await asyncio.wait(legs, return_when=asyncio.FIRST_EXCEPTION)
+        if prefill_leg is None:
+            await asyncio.wait(legs)
+        else:
+            await wait_for_legs(request, prefill_leg, decode_leg)
         if decode_leg.done() and decode_leg.exception() is None:
             return
         if decode_leg.done():
@@ -455,6 +459,9 @@ async def _relay_stream(request: LegRequest, services: LegServices, decode: Work
                 if data == b"[DONE]":
                     await _read_rest(resp)
                     request.relay(RelayedEnd(), last=True)
+                    if services.load_reports is not None and "kv_transfer_params" in body:
+                        # The client has its whole answer: ask for the load's figures now, aside.
+                        services.load_reports.after_stream(decode, attempt_id)
                     return
                 obj, event = _with_client_id(data, client_id)
                 if obj is None:

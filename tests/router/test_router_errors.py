@@ -10,13 +10,15 @@ Runs against the in-process fake workers of tests/fake_workers.py (real loopback
 from __future__ import annotations
 
 import json
+import asyncio
 from typing import Any, Iterator
 
 import httpx
 import pytest
+from fastapi import HTTPException
 from fastapi.responses import StreamingResponse
 
-from support.fake_workers import MODEL, Fabric, FakeDecodeWorker, FakePrefillWorker, ServerHost, WorkerMux
+from support.fake_workers import MODEL, Fabric, FakeDecodeWorker, FakePrefillWorker, PrefillBody, ServerHost, WorkerMux
 
 from kvxfer_router import RouterSettings, StaticWorkerDirectory, create_app
 
@@ -49,12 +51,13 @@ class TailDecodeWorker(FakeDecodeWorker):
 class Setup:
     """Two decode and two prefill fakes behind one router."""
 
-    def __init__(self, host: ServerHost, mux: WorkerMux, mux_url: str, decode_cls: type = FakeDecodeWorker) -> None:
+    def __init__(self, host: ServerHost, mux: WorkerMux, mux_url: str, decode_cls: type = FakeDecodeWorker,
+                 prefill_cls: type = FakePrefillWorker) -> None:
         self.host = host
         fabric = Fabric()
         directory = StaticWorkerDirectory()
         self.decoders = [decode_cls(f"d{i}", fabric) for i in (1, 2)]
-        self.prefillers = [FakePrefillWorker(f"p{i}", fabric) for i in (1, 2)]
+        self.prefillers = [prefill_cls(f"p{i}", fabric) for i in (1, 2)]
         for w in [*self.decoders, *self.prefillers]:
             w.url = mux_url + mux.add(w.app)
             directory.put(w.record())
@@ -193,3 +196,39 @@ def test_done_line_text_is_the_end_of_the_completion(host: tuple[ServerHost, Wor
     # One chunk per token, then the finish chunk carrying the done line's text.
     assert [(c["text"], c["finish_reason"]) for c in chunks] == [("o", None), ("k", None), ("", None),
                                                                   ("\ufffd", "length")]
+
+
+class LateFailingPrefillWorker(FakePrefillWorker):
+    """Pushes the KV (the decoder starts streaming), then fails its own reply: the worker
+    died after its last write landed, before it answered /prefill."""
+
+    reply_delay_s = 0.3
+
+    async def _prefill(self, body: PrefillBody) -> dict[str, Any]:
+        await super()._prefill(body)
+        await asyncio.sleep(self.reply_delay_s)
+        raise HTTPException(500, "prefill worker died before replying")
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_prefill_reply_failing_after_the_decoder_began_its_output_does_not_cut_the_answer(
+        host: tuple[ServerHost, WorkerMux, str], stream: bool) -> None:
+    """The decoder emits output only once the prompt's KV landed; the prefill leg failing
+    after that cannot change the answer, so the client gets it whole (no error event in a
+    stream, no retry of a buffered answer)."""
+    s = Setup(*host, prefill_cls=LateFailingPrefillWorker)
+    try:
+        for d in s.decoders:
+            d.token_delay_s = 0.1  # streams while the prefill reply is still pending
+        r = s.post(LONG_PROMPT, stream=stream)
+        assert r.status_code == 200, r.text
+        if stream:
+            events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]" and not any('"error"' in e for e in events), r.text
+            text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1] if json.loads(e).get("choices"))
+        else:
+            text = r.json()["choices"][0]["text"]
+        assert text == "hello"
+        assert s.retries() == 0
+    finally:
+        s.close()
