@@ -18,7 +18,7 @@ import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Union
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
@@ -55,6 +55,15 @@ REGISTRY_REJECT_REASONS: tuple[str, ...] = (
     "no_lease",       # written without a lease: it would never expire
     "unsigned",       # no cluster-key signature while the router requires one
     "bad_signature",  # a signature that does not verify with the cluster key
+)
+#: Why the router got no load figures from a vLLM decode instance after a streamed answer
+#: (label `reason` of `kvxfer_router_load_report_fetch_failures_total`).
+LOAD_REPORT_FETCH_FAILURES: tuple[str, ...] = (
+    "timeout",      # no answer within load_report_timeout_s
+    "unreachable",  # no connection, or it broke
+    "refused",      # an HTTP status other than 200 (401: the key; 404: no report kept, or expired)
+    "malformed",    # a 200 whose body is not a load report
+    "busy",         # too many fetches in flight already: this one was not sent
 )
 #: Why a worker refused a control call before any route ran (label `reason` of
 #: `kvxfer_worker_auth_rejected_total`; the token reasons of `kvxfer.registry.control_token`).
@@ -218,6 +227,12 @@ class RouterMetrics:
             "kvxfer_router_kv_pages_moved",
             "KV pages prefill workers pushed (pages_pushed of their /prefill answers, when they carry it).",
             registry=registry)
+        self.load_report_fetch_failures = Counter(
+            "kvxfer_router_load_report_fetch_failures",
+            "Streamed requests on vLLM instances whose load figures (kvxfer_router_request_kv_moved_bytes, "
+            "kv_pages_*) the router could not get from the decode instance after the stream ended, by reason.",
+            ["reason"], registry=registry)
+        _init_labels(self.load_report_fetch_failures, LOAD_REPORT_FETCH_FAILURES)
         self.request_kv_moved = Histogram(
             "kvxfer_router_request_kv_moved_bytes",
             "KV bytes pushed for one disaggregated request (kv_bytes of the prefill worker's /prefill answer).",
@@ -558,8 +573,8 @@ class ConnectorMetrics:
     admitted KV, hand-off failures, dropped control messages and the integrity check.
 
     The connector runs inside vLLM's worker process, whose metrics vLLM does not export, so it
-    serves its own registry on its own port (`serve`). Series of the side a connector does
-    not play stay at zero. Declared here without importing vLLM, like every kvxfer metric.
+    serves its own registry on its own port (`kvxfer.integrations.vllm.load_reports`). Series
+    of the side a connector does not play stay at zero. Declared here without importing vLLM, like every kvxfer metric.
     """
 
     def __init__(self, role: str, registry: CollectorRegistry | None = None) -> None:
@@ -611,11 +626,6 @@ class ConnectorMetrics:
         self.info = Gauge("kvxfer_connector_info", "connector identity", list(labels), registry=self.registry)
         self.info.labels(**labels).set(1)
 
-    def serve(self, port: int) -> None:
-        """Serves this connector's /metrics on `port` (0: nowhere), from a thread of
-        prometheus_client's."""
-        if port:
-            start_http_server(port, registry=self.registry)
 
 # --- helpers for the /metrics route and for tests --------------------------------------
 

@@ -47,6 +47,9 @@ class WorkerRecord(BaseModel):
     # not said): a router pairs instances of different sizes only where the heads map.
     tp_size: int = Field(default=1, ge=1)
     kv_heads: int = Field(default=0, ge=0)
+    # Where a vLLM instance's connector serves /metrics and the load figures of streamed
+    # requests (GET /kvxfer/loads/<transfer_id>); empty: not served, or an older instance.
+    metrics_url: str = ""
     # The contract names it updated_at; the unit is seconds since the Unix epoch.
     updated_at: float = 0.0
 

@@ -70,6 +70,8 @@ class WorkerView:
     #: A vLLM instance's tensor parallel size and KV heads over every rank (0: not said).
     tp_size: int = 1
     kv_heads: int = 0
+    #: A vLLM instance's connector HTTP server (its load figures for streamed requests); "" if none.
+    metrics_url: str = ""
 
     @property
     def layout_key(self) -> str:
@@ -123,6 +125,7 @@ class WorkerView:
             engine=str(get("engine", "kvxfer") or "kvxfer"),
             tp_size=int(get("tp_size", 1) or 1),
             kv_heads=int(get("kv_heads", 0) or 0),
+            metrics_url=str(get("metrics_url", "") or ""),
         )
 
 

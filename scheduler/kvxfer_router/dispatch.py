@@ -42,6 +42,7 @@ from .openai_api import RouterError, Usage, usage_from
 from .policies import LocalLoad, PairPolicy, WorkerPair, select_pair
 from .settings import RouterSettings
 from .telemetry import RouterTelemetry
+from .load_report_fetch import LoadReportFetcher
 from .vllm_http import VllmLegClient
 from .worker_auth import WorkerCallSigner, mint_worker_request_id
 from .worker_calls import WorkerCalls
@@ -108,7 +109,8 @@ class Dispatcher:
         self.vllm_http = VllmLegClient(settings.http_max_connections, settings.connect_timeout_s)
         self.worker_calls = WorkerCalls(settings, client, self.signer)
         self.telemetry = telemetry
-        self.services = LegServices(settings, telemetry, self.signer, self.worker_calls, self.vllm_http)
+        self.services = LegServices(settings, telemetry, self.signer, self.worker_calls, self.vllm_http,
+                                    LoadReportFetcher(settings, telemetry, self.signer, self.vllm_http))
         self.load = LocalLoad()
         self._live: set[RequestLifecycle] = set()
 
@@ -133,6 +135,8 @@ class Dispatcher:
         pending = [lc.task for lc in self._live] + self.worker_calls.pending()
         if pending:
             await asyncio.wait(pending, timeout=self.settings.shutdown_timeout_s)
+        if self.services.load_reports is not None:
+            await self.services.load_reports.aclose()
         await self.vllm_http.aclose()
 
 

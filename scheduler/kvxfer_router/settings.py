@@ -215,6 +215,10 @@ class RouterSettings(BaseSettings):
         30.0, gt=0, description="Longest gap between two lines of a decode stream after the first."
     )
     cancel_timeout_s: float = Field(5.0, gt=0, description="Timeout of one POST /cancel during clean-up.")
+    load_report_timeout_s: float = Field(
+        2.0, gt=0, description="Whole-call timeout of the GET that asks a vLLM decode instance, after a streamed "
+        "answer ended, for the KV its load moved (the answer never waits for it; no retry).",
+    )
     cancel_retries: int = Field(
         3, ge=0, le=10, description="Times a POST /cancel that got no answer is sent again, in the background, "
         "the n-th after n x cancel_timeout_s: until then the worker may hold the request's pages.",

@@ -109,6 +109,12 @@ class RouterTelemetry:
         the same figures a builtin prefill worker's ``/prefill`` answer carries."""
         self._kv_moved(report.get("bytes_loaded"), report.get("pages_loaded"), report.get("pages_held"))
 
+    def load_report_fetch_failed(self, reason: str) -> None:
+        """No load figures came from a decode instance after a streamed answer
+        (``kvxfer.metrics.LOAD_REPORT_FETCH_FAILURES``)."""
+        if self.metrics is not None and hasattr(self.metrics, "load_report_fetch_failures"):
+            self.metrics.load_report_fetch_failures.labels(reason).inc()
+
     def _kv_moved(self, kv_bytes: Any, pages_moved: Any, pages_not_sent: Any) -> None:
         """One request's KV moved and pages not sent, each counted where it is a count."""
         if self.metrics is None or not hasattr(self.metrics, "request_kv_moved"):

@@ -15,9 +15,10 @@ the connector's report of the KV the decode instance loaded out of `kv_transfer_
 (for its metrics; the client gets null there, as from plain vLLM). vLLM sends no
 `kv_transfer_params` in a stream: once a streamed answer's `[DONE]` is relayed, the
 router asks the decode instance for the same figures in a task of its own
-(`load_report_fetch`). The prefill leg gets a copy that computes the same prompt and nothing else (`max_tokens` 1, `n` 1, not streamed, no
-sampling constraints that only make sense for the whole generation). With `n` > 1 vLLM
-forks one child per choice; the connector loads the prompt's KV once for all of them
+(`load_report_fetch`). The prefill leg gets a copy that computes the same prompt and
+nothing else (`max_tokens` 1, `n` 1, not streamed, no sampling constraints that only make
+sense for the whole generation). With `n` > 1 vLLM forks one child per choice; the
+connector loads the prompt's KV once for all of them
 (`kvxfer.integrations.vllm.engine_core_side`).
 
 A failure before any byte reached the client (a non-streamed answer counts only once it

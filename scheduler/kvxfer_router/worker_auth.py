@@ -77,3 +77,8 @@ class WorkerCallSigner:
         content = json.dumps(body, separators=(",", ":")).encode()
         headers = {"Content-Type": "application/json", **vllm_api_headers(self._vllm_key)}
         return {"url": worker.url(path), "content": content, "headers": headers}
+
+    def vllm_headers(self) -> dict[str, str]:
+        """The headers that present the cluster's vLLM API key (none without a cluster key),
+        for a call without a body to a vLLM instance's connector."""
+        return vllm_api_headers(self._vllm_key)

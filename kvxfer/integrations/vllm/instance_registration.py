@@ -14,6 +14,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -53,6 +54,7 @@ class InstanceRegistration:
             role=role, http_url=settings.advertise_url, engine_address=engine_address_hex, model=model,
             kv_layout=region.instance_kv_layout(kv_heads or region.geometry.num_heads), total_pages=region.num_blocks,
             free_pages=region.num_blocks, engine="vllm", tp_size=tp_size, kv_heads=kv_heads,
+            metrics_url=_metrics_url(settings.advertise_url, settings.metrics_port),
         )
         self._thread: threading.Thread | None = None
         self._last_running = -1
@@ -126,6 +128,15 @@ class InstanceRegistration:
             self._registration.revoke()
         except Exception as exc:  # the lease expires anyway
             log.warning("kvxfer connector: revoke failed: %s", exc)
+
+
+def _metrics_url(advertise_url: str, metrics_port: int) -> str:
+    """Rank 0's connector HTTP server (worker_side.py), on the host the router reaches the
+    instance's API on; "" without one (metrics_port 0)."""
+    if not metrics_port:
+        return ""
+    host = urlsplit(advertise_url).hostname or "127.0.0.1"
+    return f"http://[{host}]:{metrics_port}" if ":" in host else f"http://{host}:{metrics_port}"
 
 
 def _own_api_headers() -> dict[str, str]:

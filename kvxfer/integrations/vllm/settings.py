@@ -126,6 +126,11 @@ class ConnectorSettings(BaseModel):
     cluster_key_file: str | None = Field(None, description="cluster key that signs the registry record")
     insecure: bool = Field(False, description="publish an unsigned registry record (local development only)")
     metrics_port: int = Field(0, ge=0, le=65535, description="port of the connector's own /metrics (0: off)")
+    load_report_keep_s: float = Field(
+        60.0, gt=0, description="how long a decode instance keeps a finished load's figures for the router to "
+        "ask (GET /kvxfer/loads/<transfer_id> on metrics_port) after a streamed answer ended")
+    load_reports_max: int = Field(
+        4096, ge=1, description="the most load figures kept at once (the oldest are dropped first)")
 
     # -- hooks -----------------------------------------------------------------------------
     hooks: str = Field(

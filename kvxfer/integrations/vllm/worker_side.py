@@ -9,6 +9,7 @@ no locks; the engine's own progress thread moves the bytes meanwhile.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -31,6 +32,7 @@ from .kv_checksums import decode_table
 from .kv_pusher import KVPusher
 from .kv_receiver import KVReceiver
 from .kv_region import KVRegion, region_from_kv_caches
+from .load_reports import LoadReport, LoadReportStore, connector_http_app, serve_connector_http
 from .metadata import KvxferStepMetadata, KvxferWorkerReport, LoadSpec
 from .settings import ConnectorSettings
 from .sliced_reservation import SliceTarget, decode_sliced_reservation
@@ -85,6 +87,10 @@ class WorkerSide:
         self.receiver: KVReceiver | None = None
         self.registration: InstanceRegistration | None = None
         self._meta: KvxferStepMetadata | None = None
+        # Each landed load's figures, for the router to ask after a streamed answer
+        # (load_reports.py); the loads in flight, by request, to make them from.
+        self.load_reports = LoadReportStore(settings.load_report_keep_s, settings.load_reports_max)
+        self._loading: dict[str, LoadSpec] = {}
         # Tests and drills plug in here (connector_hooks.py); production runs the no-op.
         self.hooks: ConnectorHooks = (load_hooks(settings.hooks, ConnectorHooks, **settings.hooks_config)
                                       if settings.hooks else NO_CONNECTOR_HOOKS)
@@ -116,8 +122,11 @@ class WorkerSide:
                  self.engine.provider)
         # Every rank calls this at once (vLLM initializes the KV caches collectively).
         self.rank_addresses = self._gather(self.engine.address)
-        # One /metrics per rank: rank r serves on metrics_port + r.
-        self.metrics.serve(s.metrics_port + self.place.rank if s.metrics_port else 0)
+        # One /metrics per rank: rank r serves on metrics_port + r; the router asks rank 0's
+        # for a streamed request's load figures (it has the record's metrics_url).
+        if s.metrics_port:
+            serve_connector_http(s.metrics_port + self.place.rank, connector_http_app(
+                self.metrics.registry, self.load_reports, os.environ.get("VLLM_API_KEY")))
         if s.etcd and self.place.rank == 0:
             self.registration = InstanceRegistration(
                 s, self.kv_role, self.model_name, encode_rank_addresses(self.rank_addresses).hex(), self.region,
@@ -155,6 +164,7 @@ class WorkerSide:
         if self._meta is None or self.receiver is None:
             return
         for spec in self._meta.loads:
+            self._loading[spec.request_id] = spec
             self._start_load(spec)
 
     def _start_load(self, spec: LoadSpec) -> None:
@@ -205,10 +215,27 @@ class WorkerSide:
         if self.pusher is not None:
             sending = self.pusher.poll(finished_req_ids)
         if self.receiver is not None:
+            for rid in finished_req_ids:
+                self._loading.pop(rid, None)  # aborted while loading: no landed load to report
             recving, failed = self.receiver.poll(finished_req_ids)
+            self._keep_load_reports(recving, failed)
         if self.registration is not None:
             self.registration.note_load(running=self.receiver.pending if self.receiver else 0)
         return sending, recving, failed
+
+    def _keep_load_reports(self, finished: set[str], failed: set[str]) -> None:
+        """Keep the figures of each load that landed, as the engine core's `_load_report`
+        makes them for a non-streamed answer (this rank's page bytes, as its KV cache spec)."""
+        assert self.region is not None
+        layers = self.region.num_layers
+        for rid in finished:
+            spec = self._loading.pop(rid, None)
+            if spec is None or rid in failed:
+                continue
+            blocks = len(spec.block_ids)
+            self.load_reports.put(spec.transfer_id, LoadReport(
+                pages_loaded=blocks * layers, bytes_loaded=blocks * layers * self.region.block_bytes,
+                pages_held=spec.first_page * layers))
 
     def report(self) -> KvxferWorkerReport | None:
         """Transfers whose reservation arrived since the last report (for the scheduler's gate)."""
