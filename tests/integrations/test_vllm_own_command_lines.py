@@ -217,6 +217,44 @@ def test_completions_through_the_router_alone_equal_colocated_and_move_kv(fleet:
     assert _connector_counter(decode.metrics_port, "kvxfer_connector_received_pages_total") > received_before
 
 
+#: The router's per-request KV figures (a count, then sums), as its /metrics names them.
+ROUTER_KV_FIGURES = ("kvxfer_router_request_kv_moved_bytes_count", "kvxfer_router_request_kv_moved_bytes_sum",
+                     "kvxfer_router_kv_pages_moved_total", "kvxfer_router_kv_pages_not_sent_total")
+#: How long the router may take to count a streamed request's figures (it asks once the stream ended).
+STREAMED_FIGURES_TIMEOUT_S = 15.0
+
+
+def _router_kv_figures(router: str) -> tuple[float, ...]:
+    text = httpx.get(f"{router}/metrics", timeout=5).text
+    found = (re.search(rf"^{name} (\S+)$", text, flags=re.M) for name in ROUTER_KV_FIGURES)
+    return tuple(float(m.group(1)) if m else 0.0 for m in found)
+
+
+def _since(now: tuple[float, ...], before: tuple[float, ...]) -> tuple[float, ...]:
+    return tuple(a - b for a, b in zip(now, before))
+
+
+def test_a_streamed_request_counts_the_kv_figures_the_same_prompt_counts_not_streamed(fleet: VllmFleet,
+                                                                                     router: str) -> None:
+    # Each request with a cache salt of its own: neither finds the other's blocks on the decoder.
+    body = {"model": fleet.served_model_name, "prompt": PROMPTS[1], "max_tokens": 4, "temperature": 0}
+    before = _router_kv_figures(router)
+    r = httpx.post(f"{router}/v1/completions", json={**body, "cache_salt": uuid.uuid4().hex}, timeout=120)
+    assert r.status_code == 200, r.text
+    not_streamed = _since(_router_kv_figures(router), before)  # counted before the answer left
+    assert not_streamed[0] == 1 and not_streamed[2] > 0, not_streamed
+    before = _router_kv_figures(router)
+    with httpx.stream("POST", f"{router}/v1/completions", timeout=120,
+                      json={**body, "stream": True, "cache_salt": uuid.uuid4().hex}) as streamed_answer:
+        assert streamed_answer.status_code == 200, streamed_answer.read()
+        lines = [line for line in streamed_answer.iter_lines() if line.startswith("data:")]
+    assert lines[-1] == "data: [DONE]"
+    deadline = time.monotonic() + STREAMED_FIGURES_TIMEOUT_S
+    while (streamed := _since(_router_kv_figures(router), before))[0] < 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert streamed == not_streamed
+
+
 def test_kvxfer_join_adds_a_decoder_that_then_gets_traffic_under_load(fleet: VllmFleet, router: str,
                                                                       admin: str) -> None:
     # The newcomer starts while the others idle: on 2 cores, a third vLLM instance starting
