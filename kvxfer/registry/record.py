@@ -50,6 +50,9 @@ class WorkerRecord(BaseModel):
     # Where a vLLM instance's connector serves /metrics and the load figures of streamed
     # requests (GET /kvxfer/loads/<transfer_id>); empty: not served, or an older instance.
     metrics_url: str = ""
+    # A vLLM prefill instance's liveness port, "host:port" (its connections close when the
+    # process dies: kvxfer/integrations/vllm/prefiller_liveness.py); empty: none.
+    liveness_address: str = Field(default="", max_length=80)
     # The contract names it updated_at; the unit is seconds since the Unix epoch.
     updated_at: float = 0.0
 

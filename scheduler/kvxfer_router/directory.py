@@ -72,6 +72,8 @@ class WorkerView:
     kv_heads: int = 0
     #: A vLLM instance's connector HTTP server (its load figures for streamed requests); "" if none.
     metrics_url: str = ""
+    #: A vLLM prefill instance's liveness "host:port" (copied into the decode leg); "" if none.
+    liveness_address: str = ""
 
     @property
     def layout_key(self) -> str:
@@ -126,6 +128,7 @@ class WorkerView:
             tp_size=int(get("tp_size", 1) or 1),
             kv_heads=int(get("kv_heads", 0) or 0),
             metrics_url=str(get("metrics_url", "") or ""),
+            liveness_address=str(get("liveness_address", "") or ""),
         )
 
 

@@ -143,6 +143,8 @@ def leg_bodies(body: dict[str, Any], transfer_id: str, decode: WorkerView | None
         return None, decode_body
     decode_body["kv_transfer_params"] = {"kvxfer": {
         "role": "decode", "transfer_id": transfer_id, "peer_engine": prefill.engine_address}}
+    if prefill.liveness_address:  # the decoder notices the prefiller's death by it (prefiller_liveness.py)
+        decode_body["kv_transfer_params"]["kvxfer"]["peer_liveness"] = prefill.liveness_address
     prefill_body = prefill_copy(body)
     prefill_body["kv_transfer_params"] = {"kvxfer": {
         "role": "prefill", "transfer_id": transfer_id, "peer_engine": decode.engine_address}}

@@ -223,7 +223,7 @@ class EngineCoreSide:
         self._loads_to_send.append(LoadSpec(
             request_id=request.request_id, transfer_id=pending.params.transfer_id,
             prefill_engine=pending.params.peer_engine, block_ids=block_ids[first_page:last_page],
-            first_page=first_page,
+            first_page=first_page, prefill_liveness=pending.params.peer_liveness,
         ))
         pending.spec_sent = True
 

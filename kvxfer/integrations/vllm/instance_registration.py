@@ -31,7 +31,8 @@ class InstanceRegistration:
     """Publishes this instance once its KV cache is registered; withdrawn at shutdown."""
 
     def __init__(self, settings: ConnectorSettings, kv_role: str, model: str, engine_address_hex: str,
-                 region: KVRegion, warmup_prompt_tokens: int = 0, *, tp_size: int = 1, kv_heads: int = 0) -> None:
+                 region: KVRegion, warmup_prompt_tokens: int = 0, *, tp_size: int = 1, kv_heads: int = 0,
+                 liveness_address: str = "") -> None:
         if not settings.advertise_url:
             raise ConnectorConfigError("kv_connector_extra_config: etcd is set but advertise_url (this "
                                        "instance's OpenAI API URL, as the router reaches it) is not")
@@ -55,6 +56,7 @@ class InstanceRegistration:
             kv_layout=region.instance_kv_layout(kv_heads or region.geometry.num_heads), total_pages=region.num_blocks,
             free_pages=region.num_blocks, engine="vllm", tp_size=tp_size, kv_heads=kv_heads,
             metrics_url=_metrics_url(settings.advertise_url, settings.metrics_port),
+            liveness_address=liveness_address,
         )
         self._thread: threading.Thread | None = None
         self._last_running = -1

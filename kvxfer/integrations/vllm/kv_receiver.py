@@ -87,6 +87,7 @@ from .connector_hooks import NO_CONNECTOR_HOOKS, ConnectorHooks
 from .kv_checksums import LoadChecksums, TablePart
 from .kv_region import KVRegion
 from .metadata import LoadSpec
+from .prefiller_liveness import LivenessWatch
 from .settings import ConnectorSettings
 from .sliced_reservation import SliceTarget, encode_sliced_reservation
 
@@ -215,6 +216,8 @@ class KVReceiver:
         self._parts: dict[str, DecodeLoad] = {}  # ledger key -> part, until reported
         #: prefill engine address -> (its probe in flight or last sent, when it was sent)
         self._probes: dict[bytes, tuple[Transfer | None, float]] = {}
+        #: one connection per prefiller liveness address that loads wait on (prefiller_liveness.py)
+        self._liveness = LivenessWatch(settings.liveness_connect_timeout_s)
         metrics.foreign_immediates.set_function(lambda: float(engine.engine_stats().get("imm_foreign_dropped", 0)))
 
     # ---- starting and cancelling ----------------------------------------------------------
@@ -253,6 +256,8 @@ class KVReceiver:
         load = DecodeLoad(spec, entry, now, target=target)
         self._loads[spec.request_id].append(load)
         self._parts[key] = load
+        if spec.prefill_liveness:
+            self._liveness.watch(spec.prefill_liveness, now)
         pages = entry.pages
         try:
             descriptor = self._open_scope(load, entry.imm)
@@ -396,6 +401,21 @@ class KVReceiver:
             elif probe.done():
                 self._probes[address] = (None, sent_at)
 
+    def _check_liveness(self, now: float) -> None:
+        """Fails the loads of each prefiller whose liveness connection closed (or refused);
+        stops watching prefillers no load waits on any more."""
+        gone = self._liveness.poll(now)
+        watched: set[str] = set()
+        for parts in self._loads.values():
+            for load in parts:
+                address = load.spec.prefill_liveness
+                if address in gone:
+                    self._prefiller_gone(load.spec.prefill_engine, f"the prefiller process is gone: {gone[address]}",
+                                         now)
+                elif address and (load.state in WAITING or load.state is Res.FENCED):
+                    watched.add(address)
+        self._liveness.keep(watched)
+
     def _prefiller_gone(self, address: bytes, why: str, now: float) -> None:
         """Every load waiting on the prefiller at `address` fails, freed after the short
         dead_prefiller_fence_s where its registration was its own (see the module docstring)."""
@@ -460,6 +480,7 @@ class KVReceiver:
                 self.cancel(rid, "the request was aborted on the decode instance")
         now = time.monotonic()
         self._check_probes(now)
+        self._check_liveness(now)
         finished: set[str] = set()
         failed: set[str] = set()
         for rid, parts in list(self._loads.items()):

@@ -37,6 +37,8 @@ class TransferParams:
     role: Literal["prefill", "decode"]
     transfer_id: str
     peer_engine: bytes
+    #: decode leg: the prefiller's liveness "host:port" (prefiller_liveness.py); "": none.
+    peer_liveness: str = ""
 
     @classmethod
     def parse(cls, params: Any) -> TransferParams | None:
@@ -55,7 +57,10 @@ class TransferParams:
         peer = raw.get("peer_engine")
         if not isinstance(peer, str) or not _HEX.match(peer):
             raise TransferParamsError("kv_transfer_params.kvxfer.peer_engine must be the peer's engine address in hex")
-        return cls(role=role, transfer_id=tid, peer_engine=bytes.fromhex(peer))
+        liveness = raw.get("peer_liveness", "")
+        if not isinstance(liveness, str) or len(liveness) > 80:
+            raise TransferParamsError("kv_transfer_params.kvxfer.peer_liveness must be a host:port string")
+        return cls(role=role, transfer_id=tid, peer_engine=bytes.fromhex(peer), peer_liveness=liveness)
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,7 @@ class LoadSpec:
     prefill_engine: bytes
     block_ids: list[int]  # this instance's blocks for prompt pages first_page...
     first_page: int
+    prefill_liveness: str = ""  # the prefiller's liveness "host:port" ("": watched by probes only)
 
 
 @dataclass(frozen=True)

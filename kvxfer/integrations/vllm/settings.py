@@ -61,15 +61,25 @@ class ConnectorSettings(BaseModel):
     prefiller_probe_after_s: float = Field(
         0.5, gt=0, description="a reservation that sees no new write for this long gets its prefiller probed (one "
         "small message per prefiller in flight, again every this long while its loads stay silent): a probe not "
-        "delivered means the prefiller process is gone, and its loads fail without waiting for load_stall_timeout_s")
+        "delivered means the prefiller process is gone, and its loads fail without waiting for load_stall_timeout_s. "
+        "The fallback where the liveness connection gives no signal (prefiller_liveness.py)")
     prefiller_probe_timeout_s: float = Field(
         2.0, gt=0, description="a probe (or a cancel) not delivered by then, or failed as unreachable, means the "
         "prefiller process is gone; a live process, even a frozen one, has its kernel take the bytes in well under "
         "a millisecond on loopback (the margin is for the decoder's own progress thread on a starved host)")
     dead_prefiller_fence_s: float = Field(
-        0.2, ge=0, description="with kv_registration per_reservation, how long a load of a gone prefiller keeps its "
-        "blocks (instead of fence_timeout_s): its registration is revoked and its writer cannot post any more, so "
-        "this only lets the decoder's own progress thread finish bytes already received")
+        0.005, ge=0, description="with kv_registration per_reservation, how long a load of a gone prefiller keeps its "
+        "blocks (instead of fence_timeout_s). Its writer cannot post any more, and its registration is closed by the "
+        "engine's progress thread (the fabric domain's owner) before the revoke returns, so no new write can start "
+        "into its blocks; this floor only covers a write that thread had already started, whose last bytes still "
+        "sit in this host's socket buffer (copied at memory speed, well under a millisecond per MiB)")
+    liveness_connect_timeout_s: float = Field(
+        1.0, gt=0, description="decode side: a liveness connection to a prefiller (its registry record's "
+        "liveness_address) not connected and kept by then gives no signal, and that prefiller is watched by the "
+        "probes only; its close or reset, or a refused connect, means the process is gone (in milliseconds)")
+    liveness_max_connections: int = Field(
+        256, ge=1, le=65536, description="prefill side: liveness connections its port holds at once (one per decode "
+        "rank with loads waiting on it); more are closed at once, and their decoders fall back to the probes")
     kv_registration: Literal["per_reservation", "whole_cache"] = Field(
         "per_reservation", description="'per_reservation': each load hands its prefiller a registration of "
         "its own blocks with fresh random keys, revoked (with the immediate's binding to that prefiller) when "

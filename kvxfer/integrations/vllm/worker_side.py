@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from urllib.parse import urlsplit
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +35,7 @@ from .kv_receiver import KVReceiver
 from .kv_region import KVRegion, region_from_kv_caches
 from .load_reports import LoadReport, LoadReportStore, connector_http_app, serve_connector_http
 from .metadata import KvxferStepMetadata, KvxferWorkerReport, LoadSpec
+from .prefiller_liveness import LivenessListener
 from .settings import ConnectorSettings
 from .sliced_reservation import SliceTarget, decode_sliced_reservation
 from .tensor_parallel import (
@@ -86,6 +88,7 @@ class WorkerSide:
         self.pusher: KVPusher | None = None
         self.receiver: KVReceiver | None = None
         self.registration: InstanceRegistration | None = None
+        self.liveness: LivenessListener | None = None  # prefill rank 0 with a registry record
         self._meta: KvxferStepMetadata | None = None
         # Each landed load's figures, for the router to ask after a streamed answer
         # (load_reports.py); the loads in flight, by request, to make them from.
@@ -128,9 +131,15 @@ class WorkerSide:
             serve_connector_http(s.metrics_port + self.place.rank, connector_http_app(
                 self.metrics.registry, self.load_reports, os.environ.get("VLLM_API_KEY")))
         if s.etcd and self.place.rank == 0:
+            # Decoders hold a connection to this port while loads wait on this instance:
+            # its close tells them in milliseconds that the process died (prefiller_liveness.py).
+            liveness = self.liveness = (LivenessListener(s.bind_host or os.environ.get("KVXFER_BIND_HOST", ""),
+                                         s.liveness_max_connections, urlsplit(s.advertise_url or "").hostname)
+                        if self.pusher is not None else None)
             self.registration = InstanceRegistration(
                 s, self.kv_role, self.model_name, encode_rank_addresses(self.rank_addresses).hex(), self.region,
-                self.warmup_prompt_tokens, tp_size=self.place.size, kv_heads=self.place.total_kv_heads)
+                self.warmup_prompt_tokens, tp_size=self.place.size, kv_heads=self.place.total_kv_heads,
+                liveness_address=liveness.address if liveness is not None else "")
             self.registration.start()
 
     @staticmethod
@@ -179,6 +188,9 @@ class WorkerSide:
                                  f"rank ({exc})")
             return
         sources = self.hooks.head_sources(spec.transfer_id, len(prefill_ranks), sources)
+        if len(prefill_ranks) > 1:
+            # The liveness port is rank 0's only: other ranks' loads are watched by the probes.
+            spec = replace(spec, prefill_liveness="")
         if len(prefill_ranks) == place.size:
             # Equal sizes: this rank's blocks are one prefill rank's, head for head.
             (source,) = sources

@@ -1,0 +1,298 @@
+"""A prefill process's death, told to its decoders by the kernel in milliseconds.
+
+The fabric does not say when a peer dies: over the `net` provider a message to a killed
+process is neither delivered nor failed (measured: a probe still pending after 5 s), so
+the probes of kv_receiver.py only conclude at `prefiller_probe_timeout_s`. A plain TCP
+connection does: when a process dies, however it dies, its kernel closes its sockets, and
+the peer reads EOF (or a reset) at once.
+
+So the prefill worker listens on a small TCP port (`LivenessListener`, its "host:port" in
+the instance's registry record as `liveness_address`, carried by the router into the decode
+leg's kv_transfer_params as `peer_liveness`), and a decoder with loads waiting on that
+prefiller holds one connection to it (`LivenessWatch`), polled without blocking on each
+poll of its loads:
+
+- the listener writes one byte (`HELD`) on each connection it keeps; a watcher counts a
+  connection as a liveness signal only after that byte, so a listener at its bound
+  (`max_connections`), which closes new connections without it, sends its decoders back to
+  the probes instead of declaring itself dead;
+- EOF or a reset after that byte, or a refused connect (nothing listens there any more):
+  the process is gone;
+- a connect or that byte not there within `connect_timeout_s`, an address that does not
+  parse, any other socket error: no signal; the decoder falls back to the probes. A
+  frozen (SIGSTOPped) process keeps its sockets open, so it is never declared gone here.
+
+The listener never reads what a client sends beyond noticing its close, and holds at most
+`max_connections` connections, so a flood of connections costs it a bounded number of
+descriptors and leaves the port serving.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import selectors
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+from kvxfer.errors import KvxferError
+
+log = logging.getLogger(__name__)
+
+#: The byte a listener writes on each connection it keeps.
+HELD = b"k"
+#: How long the listener's thread blocks in select before it looks at its closed flag.
+_LISTENER_TICK_S = 0.5
+#: Bytes a held connection's unsolicited input is discarded in (it is never interpreted).
+_DISCARD_BYTES = 4096
+
+
+class LivenessAddressError(KvxferError, ValueError):
+    """A liveness address is not "host:port" with a numeric host."""
+
+
+def parse_liveness_address(address: str) -> tuple[str, int]:
+    """(host, port) of "host:port" or "[v6]:port"; LivenessAddressError otherwise. The host
+    must be numeric: resolving a name could block the poll that asks."""
+    host, sep, port = address.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise LivenessAddressError(f"liveness address {address!r:.80} is not host:port")
+    try:
+        socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
+    except socket.gaierror:
+        raise LivenessAddressError(f"liveness address {address!r:.80} has no numeric host") from None
+    return host, int(port)
+
+
+class LivenessListener:
+    """Prefill side: the port whose connections close when this process dies.
+
+    A daemon thread accepts connections, writes `HELD` on each of at most
+    `max_connections` (closing any beyond without it) and closes the held ones their client
+    closed; it reads nothing else. `address` is "host:port" as decoders reach it: the
+    bound host, or `advertise_host` where it binds every interface ("").
+    """
+
+    def __init__(self, bind_host: str, max_connections: int, advertise_host: str | None = None) -> None:
+        self.max_connections = max_connections
+        family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
+        self._server = socket.socket(family, socket.SOCK_STREAM)
+        self._server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._server.bind((bind_host, 0))
+        # The kernel's full queue, not max_connections: connections beyond the bound are
+        # accepted and closed at once, while a short queue would drop SYNs (a decoder's
+        # connect then waits out TCP's retransmits, seconds).
+        self._server.listen(socket.SOMAXCONN)
+        self._server.setblocking(False)
+        host = advertise_host or bind_host or "127.0.0.1"
+        port = self._server.getsockname()[1]
+        self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._server, selectors.EVENT_READ)
+        self._held: set[socket.socket] = set()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvxfer-liveness", daemon=True)
+        self._thread.start()
+
+    @property
+    def held(self) -> int:
+        """Connections held now."""
+        return len(self._held)
+
+    def _run(self) -> None:
+        while not self._closed.is_set():
+            for key, _ in self._selector.select(_LISTENER_TICK_S):
+                if key.fileobj is self._server:
+                    self._accept_pending()
+                else:
+                    self._client_readable(key.fileobj)  # type: ignore[arg-type]
+        for conn in list(self._held):
+            self._drop(conn)
+        self._selector.close()
+        self._server.close()
+
+    def _accept_pending(self) -> None:
+        # Everything queued at once: a full backlog would delay the next decoder's connect.
+        while True:
+            try:
+                conn, _ = self._server.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # out of descriptors, or the like: the clients fall back to probes
+                log.warning("kvxfer liveness listener: accept failed: %s", exc)
+                return
+            if len(self._held) >= self.max_connections:
+                conn.close()  # without HELD: its client falls back to the probes
+                continue
+            try:
+                conn.setblocking(False)
+                conn.send(HELD)
+            except OSError:
+                conn.close()
+                continue
+            self._held.add(conn)
+            self._selector.register(conn, selectors.EVENT_READ)
+
+    def _client_readable(self, conn: socket.socket) -> None:
+        try:
+            data = conn.recv(_DISCARD_BYTES)  # only its close matters; the bytes are dropped
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._drop(conn)
+
+    def _drop(self, conn: socket.socket) -> None:
+        self._held.discard(conn)
+        try:
+            self._selector.unregister(conn)
+        except (KeyError, ValueError):
+            pass
+        conn.close()
+
+    def close(self) -> None:
+        """Stops the thread and closes the port and every held connection (their clients
+        then read EOF: call it only as the process's engine goes away too)."""
+        self._closed.set()
+        self._thread.join(timeout=_LISTENER_TICK_S * 4)
+
+
+class _Phase(Enum):
+    CONNECTING = "connecting"
+    AWAITING_HELD = "awaiting_held"
+    HELD = "held"
+    NO_SIGNAL = "no_signal"
+    GONE = "gone"
+
+
+@dataclass
+class _Connection:
+    sock: socket.socket | None
+    started_at: float
+    phase: _Phase = _Phase.CONNECTING
+    why_no_signal: str = field(default="")  # why NO_SIGNAL, or why GONE
+
+
+class LivenessWatch:
+    """Decode side: one connection per watched prefiller liveness address, polled without
+    blocking. `watch` starts one; `poll` returns the addresses whose process is gone;
+    `keep` closes those no load waits on any more. Not thread-safe (the worker thread's)."""
+
+    def __init__(self, connect_timeout_s: float) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        self._connections: dict[str, _Connection] = {}
+
+    def watch(self, address: str, now: float | None = None) -> None:
+        """Starts connecting to `address` unless it is watched already."""
+        if address in self._connections:
+            return
+        now = time.monotonic() if now is None else now
+        try:
+            host, port = parse_liveness_address(address)
+            info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)[0]
+            sock = socket.socket(info[0], socket.SOCK_STREAM)
+        except (LivenessAddressError, OSError) as exc:
+            self._connections[address] = _Connection(None, now, _Phase.NO_SIGNAL, str(exc))
+            log.info("kvxfer liveness: not watching %s (%s); the probes cover it", address[:80], exc)
+            return
+        sock.setblocking(False)
+        code = sock.connect_ex(info[4])
+        conn = _Connection(sock, now)
+        self._connections[address] = conn
+        if code not in (0, errno.EINPROGRESS, errno.EAGAIN):
+            why = self._connect_failed(address, conn, code)
+            if why:  # reported by the next poll
+                sock.close()
+                conn.sock, conn.phase, conn.why_no_signal = None, _Phase.GONE, why
+
+    def phase(self, address: str) -> str:
+        """Where the watch of `address` is ("" if not watched): connecting, awaiting_held,
+        held or no_signal (the probes cover it)."""
+        conn = self._connections.get(address)
+        return conn.phase.value if conn is not None else ""
+
+    def poll(self, now: float | None = None) -> dict[str, str]:
+        """Address -> why, for each watched prefiller found gone since the last poll (its
+        watch ends); never blocks."""
+        now = time.monotonic() if now is None else now
+        gone: dict[str, str] = {}
+        for address, conn in list(self._connections.items()):
+            if conn.phase is _Phase.GONE:
+                why = conn.why_no_signal
+            elif conn.sock is None:
+                continue
+            else:
+                why = self._step(address, conn, now)
+            if why:
+                gone[address] = why
+                self._close(address)
+        return gone
+
+    def keep(self, addresses: set[str]) -> None:
+        """Closes the watches of every address not in `addresses`."""
+        for address in [a for a in self._connections if a not in addresses]:
+            self._close(address)
+
+    def close(self) -> None:
+        """Closes every watch."""
+        self.keep(set())
+
+    def _step(self, address: str, conn: _Connection, now: float) -> str:
+        sock = conn.sock
+        assert sock is not None
+        if conn.phase is _Phase.CONNECTING:
+            err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if err:
+                return self._connect_failed(address, conn, err)
+            try:
+                sock.getpeername()
+            except OSError:  # not connected yet
+                return self._expired(conn, now, "no connection")
+            conn.phase = _Phase.AWAITING_HELD
+        try:
+            data = sock.recv(_DISCARD_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return self._expired(conn, now, f"no {HELD!r} byte") if conn.phase is not _Phase.HELD else ""
+        except OSError as exc:
+            data, reset = b"", exc
+        else:
+            reset = None
+        if conn.phase is _Phase.AWAITING_HELD:
+            if data.startswith(HELD):
+                conn.phase = _Phase.HELD
+                return ""
+            # Closed before the byte (a listener at its bound, or a process dying right
+            # then): no signal either way.
+            self._no_signal(conn, "the listener closed the connection without keeping it")
+            return ""
+        if data:
+            return ""  # the listener sends nothing more; ignore it
+        return f"its liveness connection was {'reset' if reset is not None else 'closed'} (the kernel closes " \
+               f"a dead process's sockets)"
+
+    def _connect_failed(self, address: str, conn: _Connection, code: int) -> str:
+        if code == errno.ECONNREFUSED:
+            return "nothing listens at its liveness address any more (connection refused)"
+        self._no_signal(conn, f"connect failed: {errno.errorcode.get(code, code)}")
+        return ""
+
+    def _expired(self, conn: _Connection, now: float, what: str) -> str:
+        if now - conn.started_at > self.connect_timeout_s:
+            self._no_signal(conn, f"{what} within liveness_connect_timeout_s={self.connect_timeout_s}")
+        return ""
+
+    def _no_signal(self, conn: _Connection, why: str) -> None:
+        if conn.sock is not None:
+            conn.sock.close()
+        conn.sock, conn.phase, conn.why_no_signal = None, _Phase.NO_SIGNAL, why
+        log.info("kvxfer liveness: no liveness signal (%s); the probes cover this prefiller", why)
+
+    def _close(self, address: str) -> None:
+        conn = self._connections.pop(address, None)
+        if conn is not None and conn.sock is not None:
+            conn.sock.close()

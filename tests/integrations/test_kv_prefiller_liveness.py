@@ -1,0 +1,232 @@
+"""A decode worker half notices its prefiller's death through the prefiller's liveness port
+(prefiller_liveness.py), not through the probes: the kernel closes a killed process's
+connection at once. A frozen prefiller keeps it open, so it is not declared gone that way;
+an address that gives no signal leaves the probes in charge; a flood of connections to the
+port is bounded and the port keeps serving. The prefiller is a real process holding a real
+engine and a liveness listener; the decoder is the connector's `KVReceiver` over a
+vLLM-laid-out cache, polled as vLLM's worker would."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vllm extra is not installed")
+
+from support.connector_halves import decode_half, halves_engine  # noqa: E402
+from support.vllm_kv_caches import attention_spec, vllm_cache  # noqa: E402
+from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+
+from kvxfer.integrations.vllm.kv_receiver import KVReceiver  # noqa: E402
+from kvxfer.integrations.vllm.metadata import LoadSpec  # noqa: E402
+from kvxfer.integrations.vllm.prefiller_liveness import HELD, LivenessWatch  # noqa: E402
+from kvxfer.integrations.vllm.settings import ConnectorSettings  # noqa: E402
+from kvxfer.transfer.engine import TransferEngine, available_providers  # noqa: E402
+
+PROVIDER = "net" if "net" in available_providers() else "tcp"
+#: Probes so late that within a test only the liveness connection can free a load.
+PROBES_OUT_OF_REACH_S = 60.0
+#: Bounds of the waits below (generous: the machine is shared); none is a speed assertion.
+REPORTED_WITHIN_S = 10.0
+FROZEN_WATCH_S = 2.0
+STARTUP_DEADLINE_S = 30.0
+#: The flooded listener's bound, and the connections the flood opens.
+MAX_HELD, FLOOD = 8, 200
+
+#: A prefiller process: an engine that takes messages and never pushes, and a liveness
+#: listener (its engine address and liveness address on stdout).
+_PREFILLER = f"""
+import os, sys
+from kvxfer.integrations.vllm.prefiller_liveness import LivenessListener
+from kvxfer.transfer.engine import TransferEngine
+engine = TransferEngine({PROVIDER!r}, same_host=False, bind_host="127.0.0.1", imm_admission="claimed")
+listener = LivenessListener("127.0.0.1", int(sys.argv[1]))
+print(engine.address.hex(), listener.address, flush=True)
+parent = os.getppid()
+while os.getppid() == parent:  # never outlives the test process
+    engine.recv(0.2)
+"""
+
+
+@pytest.fixture(scope="module")
+def decoder_engine() -> Iterator[TransferEngine]:
+    engine = halves_engine(PROVIDER)
+    try:
+        yield engine
+    finally:
+        engine.close()
+
+
+def _start_prefiller(max_held: int) -> tuple[subprocess.Popen[str], bytes, str]:
+    proc = subprocess.Popen([sys.executable, "-c", _PREFILLER, str(max_held)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.stdout is not None
+    line = proc.stdout.readline()  # bounded: the process prints or dies (then EOF)
+    assert line, "the prefiller process died before printing its addresses"
+    engine_hex, liveness = line.split()
+    return proc, bytes.fromhex(engine_hex), liveness
+
+
+@pytest.fixture
+def prefiller() -> Iterator[tuple[subprocess.Popen[str], bytes, str]]:
+    proc, address, liveness = _start_prefiller(MAX_HELD)
+    try:
+        yield proc, address, liveness
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)
+            proc.kill()
+        proc.wait(timeout=STARTUP_DEADLINE_S)
+
+
+def _reserve(engine: TransferEngine, address: bytes, liveness: str, settings: ConnectorSettings,
+             tid: str) -> KVReceiver:
+    """A receiver with one load reserved at `address`, once the reservation was delivered
+    and the liveness watch settled (held, or no signal)."""
+    cache = vllm_cache(KVCacheLayout.LBHNC, attention_spec(), 8, seed=7)
+    receiver = decode_half(engine, cache.region, settings, staged=False)
+    receiver.start(LoadSpec(f"d-{tid}", tid, address, [1, 2, 3], 0, prefill_liveness=liveness))
+    end = time.monotonic() + STARTUP_DEADLINE_S
+    load = receiver._loads[f"d-{tid}"][0]
+    while (load.sent is not None or receiver._liveness.phase(liveness) in ("connecting", "awaiting_held")) \
+            and time.monotonic() < end:
+        receiver.poll(set())
+        time.sleep(0.005)
+    assert load.sent is None and not receiver.failure(f"d-{tid}"), "the reservation was not delivered"
+    return receiver
+
+
+def _poll_until_finished(receiver: KVReceiver, request: str, within_s: float) -> set[str]:
+    """Polls as vLLM's worker does until `request` is reported or `within_s` passes: the
+    failed set it was reported with plus "finished", empty if it was not reported."""
+    end = time.monotonic() + within_s
+    while time.monotonic() < end:
+        finished, failed = receiver.poll(set())
+        if request in finished:
+            return failed | {"finished"}
+        time.sleep(0.002)
+    return set()
+
+
+def _fenced_because(caplog: pytest.LogCaptureFixture, transfer_id: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if f"transfer {transfer_id} " in r.getMessage() and "prefiller process is gone" in r.getMessage()]
+
+
+def test_a_killed_prefillers_load_is_freed_by_its_liveness_connection(
+        decoder_engine: TransferEngine, prefiller: tuple[subprocess.Popen[str], bytes, str],
+        caplog: pytest.LogCaptureFixture) -> None:
+    proc, address, liveness = prefiller
+    settings = ConnectorSettings(provider=PROVIDER, prefiller_probe_after_s=PROBES_OUT_OF_REACH_S)
+    receiver = _reserve(decoder_engine, address, liveness, settings, "killed")
+    assert receiver._liveness.phase(liveness) == "held"
+    caplog.set_level(logging.INFO, logger="kvxfer")
+    proc.kill()
+    proc.wait(timeout=STARTUP_DEADLINE_S)
+    reported = _poll_until_finished(receiver, "d-killed", REPORTED_WITHIN_S)
+    assert reported == {"finished", "d-killed"}, "not reported failed (the probes were out of reach)"
+    assert receiver.pending == 0  # reported, so vLLM frees its blocks
+    why = _fenced_because(caplog, "killed")
+    assert why and "its liveness connection was" in why[0], why
+    assert any("dead_prefiller_fence_s" in r.getMessage() for r in caplog.records)  # the short fence, not 15 s
+
+
+def test_a_frozen_prefiller_is_not_declared_gone_by_its_liveness_connection(
+        decoder_engine: TransferEngine, prefiller: tuple[subprocess.Popen[str], bytes, str],
+        caplog: pytest.LogCaptureFixture) -> None:
+    proc, address, liveness = prefiller
+    settings = ConnectorSettings(provider=PROVIDER, prefiller_probe_after_s=PROBES_OUT_OF_REACH_S,
+                                 load_stall_timeout_s=0.5)
+    receiver = _reserve(decoder_engine, address, liveness, settings, "frozen")
+    caplog.set_level(logging.INFO, logger="kvxfer")
+    proc.send_signal(signal.SIGSTOP)
+    reported = _poll_until_finished(receiver, "d-frozen", FROZEN_WATCH_S)
+    assert not reported, "a frozen (live) prefiller's load was freed before fence_timeout_s"
+    assert "load_stall_timeout_s" in receiver.failure("d-frozen")  # fencing for its stall, nothing else
+    assert receiver._liveness.phase(liveness) == "held"
+    assert not _fenced_because(caplog, "frozen")
+
+
+def test_a_liveness_address_without_a_signal_leaves_the_probes_in_charge(
+        decoder_engine: TransferEngine, prefiller: tuple[subprocess.Popen[str], bytes, str],
+        caplog: pytest.LogCaptureFixture) -> None:
+    proc, address, _ = prefiller
+    # A port whose connections the kernel completes but nobody accepts: no HELD byte comes.
+    mute = socket.create_server(("127.0.0.1", 0), backlog=4)
+    try:
+        mute_address = f"127.0.0.1:{mute.getsockname()[1]}"
+        settings = ConnectorSettings(provider=PROVIDER, liveness_connect_timeout_s=0.2,
+                                     prefiller_probe_after_s=0.2, prefiller_probe_timeout_s=0.5)
+        receiver = _reserve(decoder_engine, address, mute_address, settings, "mute")
+        assert receiver._liveness.phase(mute_address) == "no_signal"
+        caplog.set_level(logging.INFO, logger="kvxfer")
+        proc.kill()
+        proc.wait(timeout=STARTUP_DEADLINE_S)
+        reported = _poll_until_finished(receiver, "d-mute", REPORTED_WITHIN_S)
+    finally:
+        mute.close()
+    assert reported == {"finished", "d-mute"}
+    why = _fenced_because(caplog, "mute")
+    assert why and "prefiller_probe_timeout_s" in why[0], why
+
+
+def test_a_malformed_liveness_address_gives_no_signal() -> None:
+    watch = LivenessWatch(connect_timeout_s=0.2)
+    for address in ("not-an-address", "127.0.0.1:0", "example.invalid:80", "127.0.0.1:99999"):
+        watch.watch(address)
+        assert watch.phase(address) == "no_signal", address
+    assert watch.poll() == {}
+
+
+def _open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _held_byte(sock: socket.socket, within_s: float) -> bytes | None:
+    """The first byte the listener sent (b"": closed without one; None: nothing yet)."""
+    sock.settimeout(within_s)
+    try:
+        return sock.recv(1)
+    except TimeoutError:
+        return None
+    except OSError:
+        return b""
+
+
+def test_a_flood_of_connections_to_the_liveness_port_is_bounded_and_the_port_keeps_serving(
+        prefiller: tuple[subprocess.Popen[str], bytes, str]) -> None:
+    proc, _, liveness = prefiller
+    host, port = liveness.rsplit(":", 1)
+    fds_before = _open_fds(proc.pid)
+    flood = [socket.create_connection((host, int(port)), timeout=STARTUP_DEADLINE_S) for _ in range(FLOOD)]
+    try:
+        first = [_held_byte(s, STARTUP_DEADLINE_S) for s in flood]
+        assert first.count(HELD) == MAX_HELD  # the rest were closed at once, without it
+        assert first.count(b"") == FLOOD - MAX_HELD
+        assert _open_fds(proc.pid) <= fds_before + MAX_HELD
+        for sock in flood[:MAX_HELD]:
+            sock.sendall(b"x" * 65536)  # input is never read beyond noticing a close
+    finally:
+        for sock in flood:
+            sock.close()
+    # Their closes free the slots: a decoder's watch is held again.
+    watch = LivenessWatch(connect_timeout_s=STARTUP_DEADLINE_S)
+    end = time.monotonic() + REPORTED_WITHIN_S
+    watch.watch(liveness)
+    while watch.phase(liveness) != "held" and time.monotonic() < end:
+        if watch.phase(liveness) == "no_signal":  # still full: the listener had not seen the closes yet
+            watch.keep(set())
+            watch.watch(liveness)
+        watch.poll()
+        time.sleep(0.01)
+    assert watch.phase(liveness) == "held"
+    watch.close()
+    assert proc.poll() is None
