@@ -2,7 +2,8 @@
 command line"): the README's shell block run as written (ports changed to free ones) starts
 two vLLM API servers from `kvxfer vllm-args` output and the router alone; the command lines
 it gives are those the shared pair (tests/integrations/conftest.py) runs, and through that
-pair and a router process alone completions equal colocated ones and move KV; then `kvxfer
+pair and a router process alone completions equal colocated ones and move KV (a streamed
+one counted in the router's KV figures as the same prompt not streamed); then `kvxfer
 join` adds a decoder, and under load it gets traffic.
 
 vLLM start-ups are the cost (about 20 s each on 2 cores): the README block's vLLM command
