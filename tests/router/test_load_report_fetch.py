@@ -21,6 +21,11 @@ import httpx
 import pytest
 from kvxfer_router import RouterSettings, StaticWorkerDirectory
 from kvxfer_router.app import create_app
+from kvxfer_router.directory import WorkerView
+from kvxfer_router.load_report_fetch import LoadReportFetcher
+from kvxfer_router.telemetry import RouterTelemetry
+from kvxfer_router.vllm_http import VllmLegClient
+from kvxfer_router.worker_auth import WorkerCallSigner
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -158,3 +163,19 @@ def test_a_slow_or_failing_load_endpoint_leaves_the_answer_whole_and_counts_a_fa
     wait_until(lambda: served.metric("kvxfer_router_load_report_fetch_failures_total", reason=reason)
                == failures + 1, timeout_s=COUNTED_TIMEOUT_S, what=f"a {reason} failure counted")
     assert _figures(served) == before
+
+
+def test_an_instance_whose_record_has_no_metrics_url_is_not_asked() -> None:
+    # An older instance's record: no metrics_url, so no streamed figures and no call at all.
+    settings = RouterSettings(load_report_timeout_s=LOAD_REPORT_TIMEOUT_S)
+    fetcher = LoadReportFetcher(settings, RouterTelemetry(None), WorkerCallSigner(None),
+                                VllmLegClient(4, settings.connect_timeout_s))
+    old = WorkerView.from_record(dict(worker_id="decode-old", role="decode", http_url="http://127.0.0.1:9",
+                                      model=MODEL, kv_layout="stub", engine="vllm"))
+
+    async def after_stream() -> int:
+        fetcher.after_stream(old, "kx-old")
+        return fetcher.in_flight
+
+    assert old.metrics_url == ""
+    assert asyncio.run(after_stream()) == 0

@@ -311,7 +311,9 @@ class EngineCoreSide:
         of one layer) and bytes that came from the prefill instance, and the pages it held
         already (a prefix-cache hit: they did not travel); None without vLLM's block manager
         (nothing to count pages with). vLLM puts it in a non-streamed answer's
-        `kv_transfer_params`; the router reads it there and gives the client null."""
+        `kv_transfer_params`; the router reads it there and gives the client null. A stream
+        carries none: the worker half keeps the same figures for the router to ask
+        (`load_reports.py`), so the two must be made alike."""
         layers, block_bytes = self._block_geometry()
         if layers == 0:
             return None
