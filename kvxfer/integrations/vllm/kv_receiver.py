@@ -47,18 +47,27 @@ moment the load stops waiting (leaves RESERVED/RECEIVING): a stolen descriptor w
 nothing outside the load's blocks, and nothing at all once the load was admitted,
 cancelled or timed out.
 
-A prefiller that died is noticed in about a second, not at load_stall_timeout_s plus
-fence_timeout_s: a load with no new write for `prefiller_probe_after_s` gets its prefiller
-probed (one probe message in flight per prefiller address, however many loads wait on it).
-A probe, or a cancel, that fails as unreachable or is not delivered within
-`prefiller_probe_timeout_s` means the process is gone (a live one, even a frozen one, has
-its kernel take the bytes at once): every load on it is fenced, and with
-per_reservation registration it is freed after `dead_prefiller_fence_s`, not
-fence_timeout_s. That is safe because no write for it can land any more: the process that
-could post one is gone, and the load's registration was revoked when it stopped waiting, so
-even a write some other holder of the descriptor posts fails at the writer; the short grace
-only lets this decoder's progress thread finish bytes it already received. With the
-whole_cache registration nothing is revoked, so such a load keeps the full fence.
+A prefiller that died is noticed in milliseconds, not at load_stall_timeout_s plus
+fence_timeout_s. Where the load names the prefiller's liveness port (`LoadSpec.
+prefill_liveness`, from its registry record through the router), the receiver holds one
+TCP connection to it while loads wait on that prefiller (prefiller_liveness.py) and looks
+at it, without blocking, on every poll: the kernel closes a dead process's sockets at once,
+so its EOF or reset (or a refused connect) means the process is gone; a frozen process
+keeps it open. Where that gives no signal (no address, a connect or the listener's HELD
+byte not there within liveness_connect_timeout_s, TP prefillers), the probes remain: a load
+with no new write for `prefiller_probe_after_s` gets its prefiller probed (one probe
+message in flight per prefiller address, however many loads wait on it), and a probe, or a
+cancel, that fails as unreachable or is not delivered within `prefiller_probe_timeout_s`
+means the process is gone (over the net provider a message to a killed process is neither
+delivered nor failed, so that path takes the whole timeout). Either way every load on it
+is fenced, and with per_reservation registration freed after `dead_prefiller_fence_s`, not
+fence_timeout_s. That is safe because no new write for it can start any more: the process
+that could post one is gone, and the load's registration was revoked when it stopped
+waiting, by the engine's progress thread (the fabric domain's owner) before the revoke
+returned, so even a write some other holder of the descriptor posts fails at the writer;
+the few milliseconds' floor only lets that thread finish a write it had already started,
+whose last bytes are still in this host's socket buffers. With the whole_cache
+registration nothing is revoked, so such a load keeps the full fence.
 """
 
 from __future__ import annotations
