@@ -26,6 +26,7 @@ import concurrent.futures
 import json
 import math
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -58,8 +59,11 @@ SHAPE = CheckpointShape(layers=8, hidden=1024, heads=8, kv_heads=8, intermediate
                         max_positions=16384)
 KV_BYTES_PER_TOKEN = SHAPE.layers * SHAPE.kv_heads * (SHAPE.hidden // SHAPE.heads) * 2 * 2
 BLOCK_TOKENS = 32  # the instances' --block-size (VllmInstanceSpec's default)
-#: How often a drill polls the decoder's /metrics for its blocks.
-USAGE_POLL_S = 0.05
+#: Pause between two reads of an instance's /metrics while a drill waits for its blocks to
+#: free. A read itself takes milliseconds (vLLM renders every metric), so the figures'
+#: resolution is the gap between reads, reported beside them ("resolution_ms"); the same
+#: for every configuration.
+USAGE_POLL_S = 0.002
 #: How long a request's transfer counters may take to appear on /metrics after its answer.
 COUNTERS_WAIT_S = 3.0
 #: Before a phase starts its instances (about 3 GiB each): wait while the machine has less
@@ -199,6 +203,59 @@ def run_multi_turn(pair: Pair, args: argparse.Namespace, progress: Any) -> list[
     return rows
 
 
+class FreeWatch:
+    """Reads an instance's KV cache usage in a thread, from before a fault until its blocks
+    are free: each read (time, usage) is kept, so the moment they freed is known to within
+    one read's gap, whenever the drill looks.
+
+    Free means a read of 0 after a non-zero one (the request's blocks were seen held), or
+    after the request ended (a pull decoder may not have allocated yet when the fault came).
+    """
+
+    def __init__(self, url: str, deadline_s: float) -> None:
+        self.url = url
+        self.deadline_s = deadline_s
+        self.samples: list[tuple[float, float | None]] = []
+        self.request_ended: float | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> FreeWatch:
+        self._thread.start()
+        return self
+
+    def _free_index(self) -> int | None:
+        held = False
+        for i, (t, usage) in enumerate(self.samples):
+            if usage:
+                held = True
+            elif usage == 0.0 and (held or (self.request_ended is not None and t >= self.request_ended)):
+                return i
+        return None
+
+    def _run(self) -> None:
+        start = time.perf_counter()
+        with httpx.Client(timeout=5) as client:
+            while time.perf_counter() - start < self.deadline_s and self._free_index() is None:
+                try:
+                    m = re.search(r"^vllm:kv_cache_usage_perc\{[^}]*\} (\S+)", client.get(self.url + "/metrics").text,
+                                  re.M)
+                    usage = float(m.group(1)) if m else None
+                except httpx.HTTPError:
+                    usage = None
+                self.samples.append((time.perf_counter(), usage))
+                time.sleep(USAGE_POLL_S)
+
+    def free_after(self, since: float) -> dict[str, Any]:
+        """Waits for the thread; {"free_s": seconds from `since` to the first free read, or
+        None past the deadline; "resolution_ms": the gap to the read before it}."""
+        self._thread.join(self.deadline_s + 10)
+        i = self._free_index()
+        if i is None:
+            return {"free_s": None, "resolution_ms": None}
+        gap = self.samples[i][0] - self.samples[i - 1][0] if i > 0 else None
+        return {"free_s": self.samples[i][0] - since, "resolution_ms": gap * 1e3 if gap is not None else None}
+
+
 def wait_free(url: str, deadline_s: float, start: float) -> float | None:
     """Seconds from `start` until the instance's KV cache usage reads 0; None past the deadline."""
     while time.perf_counter() - start < deadline_s:
@@ -249,6 +306,7 @@ def run_faults(pair: Pair, args: argparse.Namespace, prefill_s: float) -> dict[s
     killer = threading.Thread(target=kill_later, daemon=True)
     t_start = time.perf_counter()
     result: dict[str, Any] = {}
+    free_watch = FreeWatch(d_url, args.fault_deadline_s + fault_delay_s + 10).start()
 
     def request() -> None:
         try:
@@ -266,9 +324,11 @@ def run_faults(pair: Pair, args: argparse.Namespace, prefill_s: float) -> dict[s
     req.join(args.fault_deadline_s + fault_delay_s + 10)
     kill_at = killed.get("at", t_start)
     ended = result.get("ended")
+    free_watch.request_ended = ended if ended is not None else time.perf_counter()
+    freed = free_watch.free_after(kill_at)
     kill_row = {"outcome": result.get("outcome", "no answer"), "killed_after_s": kill_at - t_start,
                 "request_end_s": (ended - kill_at) if ended else None,
-                "decoder_free_s": wait_free(d_url, args.fault_deadline_s, kill_at)}
+                "decoder_free_s": freed["free_s"], "decoder_free_resolution_ms": freed["resolution_ms"]}
     if "token_ids" in result:
         kill_row["token_ids"] = result["token_ids"]
     out["kill_prefill"] = kill_row
@@ -453,12 +513,13 @@ def goal_verdicts(summary: dict[str, Any], args: argparse.Namespace) -> list[str
             lines.append(f"{k['config']}: overhead at {n} tokens {fmt(mine)} ms vs best peer "
                          f"{fmt(min((t for t in theirs if t is not None), default=None))} ms: "
                          f"{fmt(ratio, '.2f')}x (goal <= 0.5x) -> {verdict}")
-        c8 = max(args.concurrency)
-        ratio = ratio_to_best_peer(k["goodput_rps"].get(c8), [p["goodput_rps"].get(c8) for p in peers],
-                                   lower_is_better=False)
-        verdict = "n/a" if ratio is None else ("met" if ratio >= 1.2 else "NOT met")
-        lines.append(f"{k['config']}: goodput at concurrency {c8}: {fmt(ratio, '.2f')}x the best peer's "
-                     f"(goal >= 1.2x) -> {verdict}")
+        if args.concurrency:
+            c8 = max(args.concurrency)
+            ratio = ratio_to_best_peer(k["goodput_rps"].get(c8), [p["goodput_rps"].get(c8) for p in peers],
+                                       lower_is_better=False)
+            verdict = "n/a" if ratio is None else ("met" if ratio >= 1.2 else "NOT met")
+            lines.append(f"{k['config']}: goodput at concurrency {c8}: {fmt(ratio, '.2f')}x the best peer's "
+                         f"(goal >= 1.2x) -> {verdict}")
         mine_free = (k.get("kill") or {}).get("decoder_free_s")
         theirs_free = [(p.get("kill") or {}).get("decoder_free_s") for p in peers if p.get("kill")]
         if mine_free is not None and theirs_free:
@@ -466,8 +527,8 @@ def goal_verdicts(summary: dict[str, Any], args: argparse.Namespace) -> list[str
             bounds = [t if t is not None else args.fault_deadline_s for t in theirs_free]
             ratio = mine_free / min(bounds) if min(bounds) > 0 else None
             verdict = "n/a" if ratio is None else ("met" if ratio < 0.1 else "NOT met")
-            lines.append(f"{k['config']}: decoder blocks free {mine_free:.2f} s after a killed prefiller vs best "
-                         f"peer {min(bounds):.2f} s: {fmt(ratio, '.3f')}x (goal < 0.1x) -> {verdict}")
+            lines.append(f"{k['config']}: decoder blocks free {mine_free:.3f} s after a killed prefiller vs best "
+                         f"peer {min(bounds):.3f} s: {fmt(ratio, '.3f')}x (goal < 0.1x) -> {verdict}")
     return lines
 
 
@@ -505,7 +566,8 @@ def print_tables(summary: dict[str, Any], args: argparse.Namespace) -> str:
         if ab.get("outcome") == "dropped" and ab.get("decoder_free_s") is None:
             abort = f"> {deadline:g}"
         kill = (f"{fmt(kl.get('request_end_s'), '.2f')} ({kl.get('outcome', '-')}), "
-                f"{fmt(kl.get('decoder_free_s'), '.2f') if kl.get('decoder_free_s') is not None else '> %g' % deadline}"
+                f"{fmt(kl.get('decoder_free_s'), '.3f') if kl.get('decoder_free_s') is not None else '> %g' % deadline}"
+                f" (+-{fmt(kl.get('decoder_free_resolution_ms'), '.0f')} ms)"
                 if kl else c.get("fault_error", "-")[:80])
         lines.append(f"| {c['config']} | {c['outputs_equal']} | {fmt(c['kv_gb'], '.3f')} | "
                      f"{fmt(c['cpu_s_per_gb'], '.1f')} ({fmt(c['extra_cpu_s_per_gb'], '+.1f')}) |{gp} "
@@ -579,6 +641,10 @@ def parse_args() -> argparse.Namespace:
                    help="how long a drill waits for the decoder's request to end and its blocks to free; "
                         "longer shows as '> N' (default 60)")
     p.add_argument("--no-faults", action="store_true", help="skip the fault drills")
+    p.add_argument("--faults-only", action="store_true",
+                   help="the fault drills only: no concurrency runs, no multi-turn conversations; each configuration "
+                        "still serves --lengths x --repeats single requests first (give --lengths N --repeats 1 "
+                        "with N the --fault-tokens: the colocated TTFT times the faults)")
     p.add_argument("--request-timeout-s", type=float, default=600.0, help="client timeout of one request (default 600)")
     p.add_argument("--ready-timeout-s", type=float, default=600.0,
                    help="how long a configuration's instances may take to serve (default 600)")
@@ -593,6 +659,10 @@ def parse_args() -> argparse.Namespace:
     a.conc_requests = a.conc_requests or (4 if quick else 16)
     a.conversations = a.conversations or (1 if quick else 3)
     a.turns = a.turns or (3 if quick else 4)
+    if a.faults_only:
+        if a.no_faults:
+            p.error("--faults-only and --no-faults exclude each other")
+        a.concurrency, a.conversations = [], 0
     if quick and "--fault-tokens" not in sys.argv:
         a.fault_tokens = 1024
     if a.fault_tokens not in a.lengths:

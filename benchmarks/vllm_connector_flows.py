@@ -242,6 +242,7 @@ class Pair:
     prefill_side_port: int = 0
     bootstrap_port: int = 0
     engine_addresses: tuple[str, str] = ("", "")
+    prefill_liveness: str = ""  # kvxfer: the prefiller's liveness port, as the router copies it
 
     def counters(self) -> dict[str, float]:
         """CONNECTOR_COUNTERS summed over both instances (and kvxfer's own metrics port)."""
@@ -311,8 +312,10 @@ class Pair:
         if kind == "kvxfer":
             tid = f"bench-{rid[:16]}"
             p_addr, d_addr = self.engine_addresses
-            return ({"kvxfer": {"role": "prefill", "transfer_id": tid, "peer_engine": d_addr}},
-                    {"kvxfer": {"role": "decode", "transfer_id": tid, "peer_engine": p_addr}}, {})
+            decode = {"role": "decode", "transfer_id": tid, "peer_engine": p_addr}
+            if self.prefill_liveness:  # as the router's vllm_legs does
+                decode["peer_liveness"] = self.prefill_liveness
+            return ({"kvxfer": {"role": "prefill", "transfer_id": tid, "peer_engine": d_addr}}, {"kvxfer": decode}, {})
         if kind == "nixl-push":
             # The prefiller's worker matches the decoder's block registration to its own
             # finished request by request id: both legs carry the same X-Request-Id.
@@ -369,6 +372,7 @@ def start_pair(config: Config, fleet: VllmFleet, peer_python: Path | None, spec_
         pair = Pair(config, fleet, p_name, d_name, request_timeout_s,
                     kvxfer_metrics_url=f"http://127.0.0.1:{metrics_port}")
         pair.engine_addresses = (fleet.record(p_name).engine_address, fleet.record(d_name).engine_address)
+        pair.prefill_liveness = fleet.record(p_name).liveness_address
         return pair
     if peer_python is None:
         raise PeerUnavailable("no peer environment")
