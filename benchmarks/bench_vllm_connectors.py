@@ -51,6 +51,7 @@ from vllm_connector_flows import (CONFIGS, Config, Pair, PeerUnavailable, Stream
                                   prom_value, start_pair)
 
 from kvxfer.integrations.vllm.checkpoint import CheckpointShape, make_checkpoint  # noqa: E402
+from kvxfer.integrations.vllm.prefiller_liveness import LivenessWatch  # noqa: E402
 from support.vllm_instances import VllmFleet  # noqa: E402
 
 #: 8 layers x 8 KV heads x head dim 128 x bf16 x (K, V) = 32 KiB of KV per token, with
@@ -256,6 +257,26 @@ class FreeWatch:
         return {"free_s": self.samples[i][0] - since, "resolution_ms": gap * 1e3 if gap is not None else None}
 
 
+def watch_sockets_closed(liveness_address: str, deadline_s: float) -> dict[str, float]:
+    """Starts a thread holding a connection to a kvxfer prefill instance's liveness port;
+    the returned dict gets "at" (perf_counter) once its close was read: when the kernel
+    closed the killed process's sockets, the earliest any connector can notice."""
+    out: dict[str, float] = {}
+
+    def run() -> None:
+        watch = LivenessWatch(connect_timeout_s=5.0)
+        watch.watch(liveness_address)
+        end = time.perf_counter() + deadline_s
+        while time.perf_counter() < end and watch.phase(liveness_address) not in ("", "no_signal"):
+            if watch.poll():
+                out["at"] = time.perf_counter()
+                return
+            time.sleep(0.0005)
+
+    threading.Thread(target=run, daemon=True).start()
+    return out
+
+
 def wait_free(url: str, deadline_s: float, start: float) -> float | None:
     """Seconds from `start` until the instance's KV cache usage reads 0; None past the deadline."""
     while time.perf_counter() - start < deadline_s:
@@ -307,6 +328,7 @@ def run_faults(pair: Pair, args: argparse.Namespace, prefill_s: float) -> dict[s
     t_start = time.perf_counter()
     result: dict[str, Any] = {}
     free_watch = FreeWatch(d_url, args.fault_deadline_s + fault_delay_s + 10).start()
+    closed = watch_sockets_closed(pair.prefill_liveness, args.fault_deadline_s) if pair.prefill_liveness else {}
 
     def request() -> None:
         try:
@@ -329,6 +351,8 @@ def run_faults(pair: Pair, args: argparse.Namespace, prefill_s: float) -> dict[s
     kill_row = {"outcome": result.get("outcome", "no answer"), "killed_after_s": kill_at - t_start,
                 "request_end_s": (ended - kill_at) if ended else None,
                 "decoder_free_s": freed["free_s"], "decoder_free_resolution_ms": freed["resolution_ms"]}
+    if "at" in closed:  # kvxfer only (the others have no liveness port to watch)
+        kill_row["prefiller_sockets_closed_s"] = closed["at"] - kill_at
     if "token_ids" in result:
         kill_row["token_ids"] = result["token_ids"]
     out["kill_prefill"] = kill_row

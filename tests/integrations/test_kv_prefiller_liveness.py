@@ -42,14 +42,15 @@ STARTUP_DEADLINE_S = 30.0
 MAX_HELD, FLOOD = 8, 200
 
 #: A prefiller process: an engine that takes messages and never pushes, and a liveness
-#: listener (its engine address and liveness address on stdout).
+#: listener (its engine address, liveness address and keeper's pid on stdout), in a
+#: process group of its own (with its keeper), as a vLLM instance is.
 _PREFILLER = f"""
 import os, sys
 from kvxfer.integrations.vllm.prefiller_liveness import LivenessListener
 from kvxfer.transfer.engine import TransferEngine
 engine = TransferEngine({PROVIDER!r}, same_host=False, bind_host="127.0.0.1", imm_admission="claimed")
 listener = LivenessListener("127.0.0.1", int(sys.argv[1]))
-print(engine.address.hex(), listener.address, flush=True)
+print(engine.address.hex(), listener.address, listener.keeper_pid, flush=True)
 parent = os.getppid()
 while os.getppid() == parent:  # never outlives the test process
     engine.recv(0.2)
@@ -65,26 +66,34 @@ def decoder_engine() -> Iterator[TransferEngine]:
         engine.close()
 
 
-def _start_prefiller(max_held: int) -> tuple[subprocess.Popen[str], bytes, str]:
-    proc = subprocess.Popen([sys.executable, "-c", _PREFILLER, str(max_held)], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    assert proc.stdout is not None
-    line = proc.stdout.readline()  # bounded: the process prints or dies (then EOF)
-    assert line, "the prefiller process died before printing its addresses"
-    engine_hex, liveness = line.split()
-    return proc, bytes.fromhex(engine_hex), liveness
+class Prefiller:
+    """The prefiller process, its engine and liveness addresses and its keeper's pid."""
+
+    def __init__(self, max_held: int) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", _PREFILLER, str(max_held)], stdout=subprocess.PIPE,
+                                     text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()  # bounded: the process prints or dies (then EOF)
+        assert line, "the prefiller process died before printing its addresses"
+        engine_hex, self.liveness, keeper = line.split()
+        self.address, self.keeper_pid = bytes.fromhex(engine_hex), int(keeper)
+
+    def signal_group(self, sig: int) -> None:
+        os.killpg(self.proc.pid, sig)
 
 
 @pytest.fixture
-def prefiller() -> Iterator[tuple[subprocess.Popen[str], bytes, str]]:
-    proc, address, liveness = _start_prefiller(MAX_HELD)
+def prefiller() -> Iterator[Prefiller]:
+    pf = Prefiller(MAX_HELD)
     try:
-        yield proc, address, liveness
+        yield pf
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGCONT)
-            proc.kill()
-        proc.wait(timeout=STARTUP_DEADLINE_S)
+        try:
+            pf.signal_group(signal.SIGCONT)
+            pf.signal_group(signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        pf.proc.wait(timeout=STARTUP_DEADLINE_S)
 
 
 def _reserve(engine: TransferEngine, address: bytes, liveness: str, settings: ConnectorSettings,
@@ -121,33 +130,35 @@ def _fenced_because(caplog: pytest.LogCaptureFixture, transfer_id: str) -> list[
             if f"transfer {transfer_id} " in r.getMessage() and "prefiller process is gone" in r.getMessage()]
 
 
+@pytest.mark.parametrize("killed", ["group", "process"])
 def test_a_killed_prefillers_load_is_freed_by_its_liveness_connection(
-        decoder_engine: TransferEngine, prefiller: tuple[subprocess.Popen[str], bytes, str],
-        caplog: pytest.LogCaptureFixture) -> None:
-    proc, address, liveness = prefiller
+        decoder_engine: TransferEngine, prefiller: Prefiller, caplog: pytest.LogCaptureFixture, killed: str) -> None:
+    # "group": the keeper dies with it; "process": the keeper outlives it until its pipe closes.
     settings = ConnectorSettings(provider=PROVIDER, prefiller_probe_after_s=PROBES_OUT_OF_REACH_S)
-    receiver = _reserve(decoder_engine, address, liveness, settings, "killed")
-    assert receiver._liveness.phase(liveness) == "held"
+    receiver = _reserve(decoder_engine, prefiller.address, prefiller.liveness, settings, killed)
+    assert receiver._liveness.phase(prefiller.liveness) == "held"
     caplog.set_level(logging.INFO, logger="kvxfer")
-    proc.kill()
-    proc.wait(timeout=STARTUP_DEADLINE_S)
-    reported = _poll_until_finished(receiver, "d-killed", REPORTED_WITHIN_S)
-    assert reported == {"finished", "d-killed"}, "not reported failed (the probes were out of reach)"
+    if killed == "group":
+        prefiller.signal_group(signal.SIGKILL)
+    else:
+        prefiller.proc.kill()
+    prefiller.proc.wait(timeout=STARTUP_DEADLINE_S)
+    reported = _poll_until_finished(receiver, f"d-{killed}", REPORTED_WITHIN_S)
+    assert reported == {"finished", f"d-{killed}"}, "not reported failed (the probes were out of reach)"
     assert receiver.pending == 0  # reported, so vLLM frees its blocks
-    why = _fenced_because(caplog, "killed")
+    why = _fenced_because(caplog, killed)
     assert why and "its liveness connection was" in why[0], why
     assert any("dead_prefiller_fence_s" in r.getMessage() for r in caplog.records)  # the short fence, not 15 s
 
 
 def test_a_frozen_prefiller_is_not_declared_gone_by_its_liveness_connection(
-        decoder_engine: TransferEngine, prefiller: tuple[subprocess.Popen[str], bytes, str],
-        caplog: pytest.LogCaptureFixture) -> None:
-    proc, address, liveness = prefiller
+        decoder_engine: TransferEngine, prefiller: Prefiller, caplog: pytest.LogCaptureFixture) -> None:
+    address, liveness = prefiller.address, prefiller.liveness
     settings = ConnectorSettings(provider=PROVIDER, prefiller_probe_after_s=PROBES_OUT_OF_REACH_S,
                                  load_stall_timeout_s=0.5)
     receiver = _reserve(decoder_engine, address, liveness, settings, "frozen")
     caplog.set_level(logging.INFO, logger="kvxfer")
-    proc.send_signal(signal.SIGSTOP)
+    prefiller.signal_group(signal.SIGSTOP)  # its keeper too
     reported = _poll_until_finished(receiver, "d-frozen", FROZEN_WATCH_S)
     assert not reported, "a frozen (live) prefiller's load was freed before fence_timeout_s"
     assert "load_stall_timeout_s" in receiver.failure("d-frozen")  # fencing for its stall, nothing else
@@ -156,9 +167,8 @@ def test_a_frozen_prefiller_is_not_declared_gone_by_its_liveness_connection(
 
 
 def test_a_liveness_address_without_a_signal_leaves_the_probes_in_charge(
-        decoder_engine: TransferEngine, prefiller: tuple[subprocess.Popen[str], bytes, str],
-        caplog: pytest.LogCaptureFixture) -> None:
-    proc, address, _ = prefiller
+        decoder_engine: TransferEngine, prefiller: Prefiller, caplog: pytest.LogCaptureFixture) -> None:
+    proc, address = prefiller.proc, prefiller.address
     # A port whose connections the kernel completes but nobody accepts: no HELD byte comes.
     mute = socket.create_server(("127.0.0.1", 0), backlog=4)
     try:
@@ -202,31 +212,45 @@ def _held_byte(sock: socket.socket, within_s: float) -> bytes | None:
 
 
 def test_a_flood_of_connections_to_the_liveness_port_is_bounded_and_the_port_keeps_serving(
-        prefiller: tuple[subprocess.Popen[str], bytes, str]) -> None:
-    proc, _, liveness = prefiller
+        prefiller: Prefiller) -> None:
+    proc, liveness, keeper = prefiller.proc, prefiller.liveness, prefiller.keeper_pid
     host, port = liveness.rsplit(":", 1)
-    fds_before = _open_fds(proc.pid)
+    assert _held_again(liveness)  # the keeper serves: its descriptors are all open
+    fds_before = _open_fds(keeper)
     flood = [socket.create_connection((host, int(port)), timeout=STARTUP_DEADLINE_S) for _ in range(FLOOD)]
     try:
         first = [_held_byte(s, STARTUP_DEADLINE_S) for s in flood]
         assert first.count(HELD) == MAX_HELD  # the rest were closed at once, without it
         assert first.count(b"") == FLOOD - MAX_HELD
-        assert _open_fds(proc.pid) <= fds_before + MAX_HELD
+        assert _open_fds(keeper) <= fds_before + MAX_HELD
         for sock in flood[:MAX_HELD]:
             sock.sendall(b"x" * 65536)  # input is never read beyond noticing a close
     finally:
         for sock in flood:
             sock.close()
     # Their closes free the slots: a decoder's watch is held again.
-    watch = LivenessWatch(connect_timeout_s=STARTUP_DEADLINE_S)
+    assert _held_again(liveness)
+    assert proc.poll() is None
+
+
+def _held_again(liveness: str) -> bool:
+    """Whether a new watch of `liveness` is held within REPORTED_WITHIN_S (watching again
+    while the port is full or has no keeper)."""
+    watch = LivenessWatch(connect_timeout_s=0.5)
     end = time.monotonic() + REPORTED_WITHIN_S
     watch.watch(liveness)
     while watch.phase(liveness) != "held" and time.monotonic() < end:
-        if watch.phase(liveness) == "no_signal":  # still full: the listener had not seen the closes yet
+        if watch.phase(liveness) == "no_signal":
             watch.keep(set())
             watch.watch(liveness)
         watch.poll()
         time.sleep(0.01)
-    assert watch.phase(liveness) == "held"
+    held = watch.phase(liveness) == "held"
     watch.close()
-    assert proc.poll() is None
+    return held
+
+
+def test_a_keeper_killed_alone_is_started_again_on_the_same_port(prefiller: Prefiller) -> None:
+    os.kill(prefiller.keeper_pid, signal.SIGKILL)
+    assert _held_again(prefiller.liveness)
+    assert prefiller.proc.poll() is None

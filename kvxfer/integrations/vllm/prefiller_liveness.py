@@ -6,11 +6,13 @@ the probes of kv_receiver.py only conclude at `prefiller_probe_timeout_s`. A pla
 connection does: when a process dies, however it dies, its kernel closes its sockets, and
 the peer reads EOF (or a reset) at once.
 
-So the prefill worker listens on a small TCP port (`LivenessListener`, its "host:port" in
-the instance's registry record as `liveness_address`, carried by the router into the decode
-leg's kv_transfer_params as `peer_liveness`), and a decoder with loads waiting on that
-prefiller holds one connection to it (`LivenessWatch`), polled without blocking on each
-poll of its loads:
+So the prefill worker binds a small TCP port (`LivenessListener`, its "host:port" in the
+instance's registry record as `liveness_address`, carried by the router into the decode
+leg's kv_transfer_params as `peer_liveness`) whose connections a tiny keeper process in the
+worker's process group holds (liveness_keeper.py: the kernel closes a killed process's
+sockets only after tearing down its address space, GiBs for a vLLM worker, a few MiB for
+the keeper). A decoder with loads waiting on that prefiller holds one connection to it
+(`LivenessWatch`), polled without blocking on each poll of its loads:
 
 - the listener writes one byte (`HELD`) on each connection it keeps; a watcher counts a
   connection as a liveness signal only after that byte, so a listener at its bound
@@ -22,7 +24,7 @@ poll of its loads:
   parse, any other socket error: no signal; the decoder falls back to the probes. A
   frozen (SIGSTOPped) process keeps its sockets open, so it is never declared gone here.
 
-The listener never reads what a client sends beyond noticing its close, and holds at most
+The keeper never reads what a client sends beyond noticing its close, and holds at most
 `max_connections` connections, so a flood of connections costs it a bounded number of
 descriptors and leaves the port serving.
 """
@@ -31,8 +33,11 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import selectors
 import socket
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -44,8 +49,10 @@ log = logging.getLogger(__name__)
 
 #: The byte a listener writes on each connection it keeps.
 HELD = b"k"
-#: How long the listener's thread blocks in select before it looks at its closed flag.
+#: How long the keeper blocks in select at most (it wakes on any event anyway).
 _LISTENER_TICK_S = 0.5
+#: Pause before a keeper that exited is started again.
+_KEEPER_RESTART_PAUSE_S = 1.0
 #: Bytes a held connection's unsolicited input is discarded in (it is never interpreted).
 _DISCARD_BYTES = 4096
 
@@ -68,52 +75,31 @@ def parse_liveness_address(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
-class LivenessListener:
-    """Prefill side: the port whose connections close when this process dies.
+class LivenessServer:
+    """The liveness port's loop: accepts connections on `server` (a listening socket),
+    writes `HELD` on each of at most `max_connections` (closing any beyond without it) and
+    closes the held ones their client closed; it reads nothing else. Runs in the keeper
+    process (liveness_keeper.py) until `stop_fd` reads EOF (its worker is gone)."""
 
-    A daemon thread accepts connections, writes `HELD` on each of at most
-    `max_connections` (closing any beyond without it) and closes the held ones their client
-    closed; it reads nothing else. `address` is "host:port" as decoders reach it: the
-    bound host, or `advertise_host` where it binds every interface ("").
-    """
-
-    def __init__(self, bind_host: str, max_connections: int, advertise_host: str | None = None) -> None:
+    def __init__(self, server: socket.socket, max_connections: int) -> None:
         self.max_connections = max_connections
-        family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
-        self._server = socket.socket(family, socket.SOCK_STREAM)
-        self._server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._server.bind((bind_host, 0))
-        # The kernel's full queue, not max_connections: connections beyond the bound are
-        # accepted and closed at once, while a short queue would drop SYNs (a decoder's
-        # connect then waits out TCP's retransmits, seconds).
-        self._server.listen(socket.SOMAXCONN)
+        self._server = server
         self._server.setblocking(False)
-        host = advertise_host or bind_host or "127.0.0.1"
-        port = self._server.getsockname()[1]
-        self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._server, selectors.EVENT_READ)
         self._held: set[socket.socket] = set()
-        self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kvxfer-liveness", daemon=True)
-        self._thread.start()
 
-    @property
-    def held(self) -> int:
-        """Connections held now."""
-        return len(self._held)
-
-    def _run(self) -> None:
-        while not self._closed.is_set():
+    def serve(self, stop_fd: int) -> None:
+        """Serves until `stop_fd` is readable (EOF of the worker's pipe)."""
+        self._selector.register(stop_fd, selectors.EVENT_READ)
+        while True:
             for key, _ in self._selector.select(_LISTENER_TICK_S):
                 if key.fileobj is self._server:
                     self._accept_pending()
+                elif key.fileobj == stop_fd:
+                    return
                 else:
                     self._client_readable(key.fileobj)  # type: ignore[arg-type]
-        for conn in list(self._held):
-            self._drop(conn)
-        self._selector.close()
-        self._server.close()
 
     def _accept_pending(self) -> None:
         # Everything queued at once: a full backlog would delay the next decoder's connect.
@@ -123,7 +109,7 @@ class LivenessListener:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:  # out of descriptors, or the like: the clients fall back to probes
-                log.warning("kvxfer liveness listener: accept failed: %s", exc)
+                log.warning("kvxfer liveness port: accept failed: %s", exc)
                 return
             if len(self._held) >= self.max_connections:
                 conn.close()  # without HELD: its client falls back to the probes
@@ -145,21 +131,77 @@ class LivenessListener:
         except OSError:
             data = b""
         if not data:
-            self._drop(conn)
-
-    def _drop(self, conn: socket.socket) -> None:
-        self._held.discard(conn)
-        try:
+            self._held.discard(conn)
             self._selector.unregister(conn)
-        except (KeyError, ValueError):
-            pass
-        conn.close()
+            conn.close()
+
+
+class LivenessListener:
+    """Prefill side: the port whose connections close as soon as this process is killed.
+
+    This process binds the port and keeps it; a small keeper process (liveness_keeper.py,
+    started here, in this process's group) accepts and holds the connections. Why not a
+    thread here: a killed process's sockets close only after the kernel tore down its
+    address space (measured: 46 ms per touched GiB, 79 ms per mlocked GiB), a vLLM worker's
+    being GiBs, while the keeper's is a few MiB. So when the group is killed (SIGKILL to a
+    pod's or an instance's processes) the decoders read EOF in milliseconds. The keeper
+    ignores SIGINT and SIGTERM and exits when this process's pipe to it reads EOF (this
+    process died alone: then as late as its own sockets close). A keeper that dies alone
+    is started again on the same port (a connect meanwhile is queued, not refused, so its
+    decoder falls back to the probes). `address` is "host:port" as decoders reach it: the
+    bound host, or `advertise_host` where it binds every interface ("").
+    """
+
+    def __init__(self, bind_host: str, max_connections: int, advertise_host: str | None = None) -> None:
+        self.max_connections = max_connections
+        family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
+        self._server = socket.socket(family, socket.SOCK_STREAM)
+        self._server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._server.bind((bind_host, 0))
+        # The kernel's full queue, not max_connections: connections beyond the bound are
+        # accepted and closed at once, while a short queue would drop SYNs (a decoder's
+        # connect then waits out TCP's retransmits, seconds).
+        self._server.listen(socket.SOMAXCONN)
+        host = advertise_host or bind_host or "127.0.0.1"
+        port = self._server.getsockname()[1]
+        self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self._alive_r, self._alive_w = os.pipe()  # the keeper's EOF when this process is gone
+        self._closed = threading.Event()
+        self._keeper = self._start_keeper()
+        self._monitor = threading.Thread(target=self._restart_keeper, name="kvxfer-liveness", daemon=True)
+        self._monitor.start()
+
+    @property
+    def keeper_pid(self) -> int:
+        """The keeper process's id (it holds the connections)."""
+        return self._keeper.pid
+
+    def _start_keeper(self) -> subprocess.Popen[bytes]:
+        fds = (self._server.fileno(), self._alive_r)
+        return subprocess.Popen(
+            [sys.executable, "-m", "kvxfer.integrations.vllm.liveness_keeper", *map(str, fds),
+             str(self.max_connections)], pass_fds=fds, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+
+    def _restart_keeper(self) -> None:
+        while True:
+            code = self._keeper.wait()
+            if self._closed.is_set():
+                return
+            log.error("kvxfer liveness keeper exited (%s); starting it again on %s", code, self.address)
+            time.sleep(_KEEPER_RESTART_PAUSE_S)  # a keeper that cannot start does not spin
+            if self._closed.is_set():
+                return
+            self._keeper = self._start_keeper()
 
     def close(self) -> None:
-        """Stops the thread and closes the port and every held connection (their clients
-        then read EOF: call it only as the process's engine goes away too)."""
+        """Stops the keeper and closes the port (its decoders then read EOF: call it only as
+        this process's engine goes away too)."""
         self._closed.set()
-        self._thread.join(timeout=_LISTENER_TICK_S * 4)
+        self._keeper.kill()
+        self._keeper.wait(timeout=_LISTENER_TICK_S * 4)
+        self._server.close()
+        os.close(self._alive_w)
+        os.close(self._alive_r)
 
 
 class _Phase(Enum):
