@@ -4,7 +4,7 @@ The fabric does not say when a peer dies: over the `net` provider a message to a
 process is neither delivered nor failed (measured: a probe still pending after 5 s), so
 the probes of kv_receiver.py only conclude at `prefiller_probe_timeout_s`. A plain TCP
 connection does: when a process dies, however it dies, its kernel closes its sockets, and
-the peer reads EOF (or a reset) at once.
+the peer reads EOF (or a reset) as soon as it did.
 
 So the prefill worker binds a small TCP port (`LivenessListener`, its "host:port" in the
 instance's registry record as `liveness_address`, carried by the router into the decode
@@ -14,8 +14,8 @@ sockets only after tearing down its address space, GiBs for a vLLM worker, a few
 the keeper). A decoder with loads waiting on that prefiller holds one connection to it
 (`LivenessWatch`), polled without blocking on each poll of its loads:
 
-- the listener writes one byte (`HELD`) on each connection it keeps; a watcher counts a
-  connection as a liveness signal only after that byte, so a listener at its bound
+- the keeper writes one byte (`HELD`) on each connection it keeps; a watcher counts a
+  connection as a liveness signal only after that byte, so a keeper at its bound
   (`max_connections`), which closes new connections without it, sends its decoders back to
   the probes instead of declaring itself dead;
 - EOF or a reset after that byte, or a refused connect (nothing listens there any more):
@@ -47,7 +47,7 @@ from kvxfer.errors import KvxferError
 
 log = logging.getLogger(__name__)
 
-#: The byte a listener writes on each connection it keeps.
+#: The byte the keeper writes on each connection it keeps.
 HELD = b"k"
 #: How long the keeper blocks in select at most (it wakes on any event anyway).
 _LISTENER_TICK_S = 0.5
