@@ -322,6 +322,7 @@ def run_faults(pair: Pair, args: argparse.Namespace, prefill_s: float) -> dict[s
     def kill_later() -> None:
         time.sleep(fault_delay_s)
         killed["at"] = time.perf_counter()
+        killed["unix"] = time.time()  # to line up with the instances' own log stamps
         pair.fleet.instances[pair.prefill].kill(signal.SIGKILL)
 
     killer = threading.Thread(target=kill_later, daemon=True)
@@ -351,6 +352,8 @@ def run_faults(pair: Pair, args: argparse.Namespace, prefill_s: float) -> dict[s
     kill_row = {"outcome": result.get("outcome", "no answer"), "killed_after_s": kill_at - t_start,
                 "request_end_s": (ended - kill_at) if ended else None,
                 "decoder_free_s": freed["free_s"], "decoder_free_resolution_ms": freed["resolution_ms"]}
+    if "unix" in killed:
+        kill_row["killed_at_unix"] = killed["unix"]
     if "at" in closed:  # kvxfer only (the others have no liveness port to watch)
         kill_row["prefiller_sockets_closed_s"] = closed["at"] - kill_at
     if "token_ids" in result:
