@@ -12,6 +12,14 @@ comes from the caches' `CacheGeometry` (kv.cache_geometry), the one object that 
 offsets: `runs(layer)` are the paged writes of a layer, each covering every listed page at
 the caches' strides. A sender posts exactly what the plan says; neither computes an offset
 of its own.
+
+Several KV cache groups (vLLM's hybrid manager: `LayerGroups`): a layer belongs to one
+group, its pages are named by that group's block ids on both sides, and the geometry layer
+(slot) that holds it may hold one layer of every other group too. The plan then counts
+"layers" as the pushed layers, reads the decoder's pages of the layer's group from the
+reservation's `group_pages`, and leaves out the pages the decoder's group keeps none of
+(-1: a sliding window's pages before its window); the sender passes its own block ids of
+the layer's group as `local`.
 """
 
 from __future__ import annotations
@@ -33,6 +41,19 @@ class PushPlanError(KvxferError, ValueError):
 
 
 @dataclass(frozen=True)
+class LayerGroups:
+    """Per pushed layer: the geometry layer (slot) holding it and its KV cache group."""
+
+    slots: tuple[int, ...]
+    groups: tuple[int, ...]
+
+    def expected_writes(self, group_pages: list[list[int]]) -> int:
+        """The writes a push of `group_pages` makes: each layer's group's pages that are not -1."""
+        per_group = [sum(1 for page in pages if page >= 0) for pages in group_pages]
+        return sum(per_group[g] for g in self.groups)
+
+
+@dataclass(frozen=True)
 class LayerPages:
     """Prompt blocks [first_block, end_block) of `layer`: the local pages they are read
     from and the reserved pages they land in, pair by pair."""
@@ -43,7 +64,7 @@ class LayerPages:
     local: LocalPages
     remote: np.ndarray
     #: Columns of the (layer, reserved page) checksum table these pages fill.
-    table_columns: slice
+    table_columns: slice | np.ndarray
 
 
 def whole_page_geometry(layout: str, num_layers: int, num_pages: int, page_bytes: int) -> CacheGeometry:
@@ -65,23 +86,33 @@ class PushPlan:
 
     def __init__(self, reservation: KVReservation, geometry: CacheGeometry, *,
                  src_heads: tuple[int, int] | None = None, dst_heads: tuple[int, int] | None = None,
-                 dst_num_heads: int | None = None) -> None:
+                 dst_num_heads: int | None = None, layer_groups: LayerGroups | None = None) -> None:
         self.reservation = reservation
         self.geometry = geometry
         self.first_page = reservation.first_page
         #: The prompt page after the last one pushed (held ones are below `first_page`).
         self.end_page = reservation.first_page + reservation.prompt_pages
         self._remote = np.asarray(reservation.pages, dtype=np.int64)
+        self._layer_groups = layer_groups
+        self._group_remote: list[np.ndarray] = []
+        num_layers = geometry.num_layers
+        if layer_groups is not None:
+            if reservation.group_pages is None or len(reservation.group_pages) != 1 + max(layer_groups.groups):
+                raise PushPlanError("the reservation's KV cache groups are not this cache's")
+            self._group_remote = [np.asarray(pages, dtype=np.int64) for pages in reservation.group_pages]
+            num_layers = len(layer_groups.slots)
+        elif reservation.group_pages is not None:
+            raise PushPlanError("the reservation names pages of several KV cache groups; this cache has one")
         self._heads = (src_heads, dst_heads, dst_num_heads)
         self._dst: CacheGeometry | None = None
         self._pieces: tuple[tuple[int, int, int], ...] = ()
         #: Per layer, the prompt block up to which it was posted.
-        self.pushed_upto = [self.first_page] * geometry.num_layers
+        self.pushed_upto = [self.first_page] * num_layers
         #: CRC-32C of each (layer, pushed page), where the reservation asks for them: taken
         #: just before a page's write is posted, the table says what this side meant to send.
         self.checksums: np.ndarray | None = None
         if reservation.checksums:
-            self.checksums = np.zeros((geometry.num_layers, reservation.prompt_pages), dtype="<u4")
+            self.checksums = np.zeros((num_layers, reservation.prompt_pages), dtype="<u4")
 
     def _plan(self) -> tuple[CacheGeometry, tuple[tuple[int, int, int], ...]]:
         if self._dst is None:
@@ -105,7 +136,8 @@ class PushPlan:
         """The paged writes of `layer`: one per contiguous piece of a block (one for whole
         pages and for LBHNC), each covering every page of a `LayerPages` at both strides."""
         dst, pieces = self._plan()
-        return self.geometry.layer_writes(layer, dst, pieces)
+        slot = self._layer_groups.slots[layer] if self._layer_groups is not None else layer
+        return self.geometry.layer_writes(slot, dst, pieces)
 
     def blocks(self, layer: int, first_block: int, end_block: int, local: LocalPages) -> LayerPages | None:
         """Blocks [first_block, end_block) of `layer`, less those the decoder holds; None
@@ -114,16 +146,40 @@ class PushPlan:
         if end_block <= first_block:
             return None
         first_col, end_col = first_block - self.first_page, end_block - self.first_page
+        if self._layer_groups is not None:
+            return self._group_blocks(layer, first_block, end_block, local)
         src = local[first_block:end_block]
         dst = self._remote[first_col:end_col]
         if len(src) != len(dst):
             raise PushPlanError(f"the request has {len(local)} blocks, fewer than its computed pages")
         return LayerPages(layer, first_block, end_block, src, dst, slice(first_col, end_col))
 
+    def _group_blocks(self, layer: int, first_block: int, end_block: int, local: LocalPages) -> LayerPages:
+        # The decoder's pages of this layer's group; -1 where it keeps none (not pushed).
+        assert self._layer_groups is not None
+        group = self._layer_groups.groups[layer]
+        first_col, end_col = first_block - self.first_page, end_block - self.first_page
+        remote = self._group_remote[group][first_col:end_col]
+        src = np.asarray(local[first_block:end_block], dtype=np.int64)
+        if len(src) != len(remote):
+            raise PushPlanError(f"the request has {len(local)} blocks of group {group}, fewer than its computed pages")
+        wanted = remote >= 0
+        if np.any(src[wanted] < 0):
+            page = first_block + int(np.argmax(wanted & (src < 0)))
+            raise PushPlanError(f"the decoder wants prompt page {page} of KV cache group {group}, which this "
+                                "side no longer holds (its sliding window dropped it)")
+        columns = np.arange(first_col, end_col)[wanted]
+        return LayerPages(layer, first_block, end_block, src[wanted].tolist(), remote[wanted], columns)
+
     def final(self, layer: int, final_pages: int, local: LocalPages) -> LayerPages | None:
         """The pages of `layer` that became final since it was last posted (its first
-        `final_pages` prompt pages are final now); None when there are none."""
-        return self.blocks(layer, self.pushed_upto[layer], final_pages, local)
+        `final_pages` prompt pages are final now); None when there are none (pages the
+        decoder keeps none of count as posted)."""
+        pages = self.blocks(layer, self.pushed_upto[layer], final_pages, local)
+        if pages is not None and not len(pages.remote):
+            self.posted(pages)
+            return None
+        return pages
 
     def posted(self, pages: LayerPages) -> None:
         """`pages` were posted: `final` starts after them."""
@@ -138,3 +194,8 @@ class PushPlan:
     def complete(self) -> bool:
         """Every layer posted up to the reservation's last page."""
         return all(upto >= self.end_page for upto in self.pushed_upto)
+
+    @property
+    def num_layers(self) -> int:
+        """Layers the plan pushes (the pushed layers of every group, where there are several)."""
+        return len(self.pushed_upto)

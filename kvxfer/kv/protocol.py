@@ -417,7 +417,15 @@ class KVReservation:
     fails as `checksums_missing`). `checksum_tag` asks for that table tagged under the
     cluster's table key (`mailbox_tag_verifies`): a decoder with a cluster key asks for it
     and admits no table without it; optional too, and in the JSON form only when true, so
-    a decoder without a key hands out the reservation it did before. Construction validates.
+    a decoder without a key hands out the reservation it did before. `group_pages` (vLLM
+    with several KV cache groups, no mailbox; optional, in the JSON form only when set)
+    names the decoder's page of each prompt page `first_page...` per group, -1 where that
+    group keeps none (a sliding window's pages before its window: not pushed); `pages` then
+    lists every page the reservation holds, and `expected_count` counts one write per
+    layer per pushed page of the layer's group. A reader that does not know the field
+    refuses the reservation all the same: its `expected_count` is mostly not layers x
+    pages, and the kv_layout of a cache of several groups carries a tag of the groups'
+    shape that a one-group cache's never has (the kv_layout check). Construction validates.
     """
 
     request_id: str
@@ -436,6 +444,7 @@ class KVReservation:
     mailbox: bool = True
     checksums: bool = False
     checksum_tag: bool = False
+    group_pages: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         _version(self.version)
@@ -466,7 +475,9 @@ class KVReservation:
         if match is None:
             raise ReservationError("kv_layout", f"not a layout string like 'L2-H2-D16-float32-bs16': {self.kv_layout!r:.60}")
         num_layers = int(match.group(1))
-        if not self.mailbox:
+        if self.group_pages is not None:
+            self._check_group_pages(num_layers)
+        elif not self.mailbox:
             if self.expected_count != num_layers * len(self.pages):
                 raise ReservationError("expected_count", f"{self.expected_count!r:.40} is not {num_layers} layers x "
                                        f"{len(self.pages)} pages (no mailbox)")
@@ -485,6 +496,26 @@ class KVReservation:
         if not isinstance(self.checksum_tag, bool):
             raise ReservationError("checksum_tag", f"must be true or false, got {type(self.checksum_tag).__name__}")
 
+    def _check_group_pages(self, num_layers: int) -> None:
+        groups = self.group_pages
+        if self.mailbox:
+            raise ReservationError("group_pages", "only without a mailbox (vLLM's decoder)")
+        if not isinstance(groups, list) or len(groups) < 2 or not all(isinstance(g, list) for g in groups):
+            raise ReservationError("group_pages", "must be a list of at least two lists of page ids")
+        width = len(groups[0])
+        if width < 1 or any(len(g) != width for g in groups):
+            raise ReservationError("group_pages", "every group must name the same number of prompt pages (>= 1)")
+        held = set(self.pages)
+        named: list[int] = []
+        for g, ids in enumerate(groups):
+            for i, page in enumerate(ids):
+                if _int(f"group_pages[{g}][{i}]", page, -1, self.num_pages - 1) >= 0:
+                    named.append(page)
+        if len(set(named)) != len(named) or set(named) != held:
+            raise ReservationError("group_pages", "must name each of `pages` exactly once, in one group")
+        # Each layer of the geometry may hold a layer of every group.
+        _int("expected_count", self.expected_count, 1, num_layers * len(groups) * width)
+
     @property
     def num_layers(self) -> int:
         """Layers of the decoder's model, read from `kv_layout`."""
@@ -494,7 +525,9 @@ class KVReservation:
 
     @property
     def prompt_pages(self) -> int:
-        """Pages the prefiller writes per layer."""
+        """Pages the prefiller writes per layer (per group: prompt pages, pushed or not)."""
+        if self.group_pages is not None:
+            return len(self.group_pages[0])
         if not self.mailbox:
             return len(self.pages)
         return (self.expected_count - 1) // self.num_layers
@@ -520,6 +553,8 @@ class KVReservation:
         }
         if self.checksum_tag:
             data["checksum_tag"] = True
+        if self.group_pages is not None:
+            data["group_pages"] = [list(g) for g in self.group_pages]
         return data
 
     @classmethod
@@ -567,4 +602,5 @@ class KVReservation:
             mailbox=data.get("mailbox", True),
             checksums=data.get("checksums", False),
             checksum_tag=data.get("checksum_tag", False),
+            group_pages=data.get("group_pages"),
         )
