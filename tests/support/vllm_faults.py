@@ -81,7 +81,11 @@ class ConnectorFaults(ConnectorHooks):
         res = push.reservation
         if res is None:
             return
-        pages = [[layer, p, page_digest(region.page_bytes(layer, push.block_ids[p]))]
+        # Several KV cache groups: a layer's pages are its group's blocks; None where the
+        # decoder's group keeps none (a sliding window's pages before its window).
+        groups = res.group_pages
+        pages = [[layer, p, None if groups is not None and groups[region.group(layer)][p - res.first_page] < 0
+                  else page_digest(region.page_bytes(layer, push.local_blocks(region.group(layer))[p]))]
                  for layer in range(push.num_layers) for p in range(res.first_page, push.total_pages)]
         record: dict[str, Any] = {
             "transfer_id": push.transfer_id, "role": "prefill", "pages": pages, "tail_s": tail_s,
@@ -104,8 +108,10 @@ class ConnectorFaults(ConnectorHooks):
         res = load.reservation
         if res is None:
             return
-        pages = [[layer, res.first_page + i, page_digest(region.page_bytes(layer, block))]
-                 for layer in range(region.num_layers) for i, block in enumerate(res.pages)]
+        groups = res.group_pages
+        pages = [[layer, res.first_page + i, None if block < 0 else page_digest(region.page_bytes(layer, block))]
+                 for layer in range(region.num_layers)
+                 for i, block in enumerate(groups[region.group(layer)] if groups is not None else res.pages)]
         record = {"transfer_id": load.spec.transfer_id, "role": "decode", "pages": pages,
                   "admission_wait_s": time.monotonic() - load.sent_at}
         self._write(f"decode-{load.spec.transfer_id}.json", record)

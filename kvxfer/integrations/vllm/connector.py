@@ -23,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from .metadata import KvxferStepMetadata, KvxferWorkerReport
@@ -91,31 +92,47 @@ def _gather_over_tp_group(address: bytes) -> list[bytes]:
     return [bytes(a) for a in out]  # type: ignore[arg-type]
 
 
-def check_one_kv_cache_group(kv_cache_config: KVCacheConfig | None) -> None:
-    """Refuses a KV cache of several groups (ConnectorConfigError naming them and the flag).
-
-    The connector pushes one block table that names a page in every layer. vLLM gives it
-    that for hybrid models too (sliding-window layers unified into full attention) because
-    it does not declare `SupportsHMA`. vLLM 0.32 itself refuses a non-HMA connector when
-    `--no-disable-hybrid-kv-cache-manager` forces the hybrid manager on (its connector
-    factory, before this class is built); this check states the assumption here, for a
-    vLLM that builds the connector with several groups anyway."""
+def kv_cache_group_layers(kv_cache_config: KVCacheConfig | None) -> list[list[str]] | None:
+    """The layer names of each KV cache group; None for one group (or no config)."""
     groups = [] if kv_cache_config is None else list(kv_cache_config.kv_cache_groups)
-    if len(groups) > 1:
-        kinds = ", ".join(f"{type(g.kv_cache_spec).__name__} ({len(g.layer_names)} layers)" for g in groups)
+    return [list(g.layer_names) for g in groups] if len(groups) > 1 else None
+
+
+def check_kv_cache_groups(kv_cache_config: KVCacheConfig | None, tensor_parallel_size: int = 1) -> None:
+    """Refuses a KV cache of several groups the connector cannot push (ConnectorConfigError
+    naming the groups and why).
+
+    The connector declares `SupportsHMA`, so vLLM runs a hybrid model (full plus
+    sliding-window attention) with its hybrid KV cache manager: one group per attention
+    kind, each with its own block table, overlaying one allocation. It pushes each layer's
+    group's blocks. It serves attention groups only (not Mamba/SSM state, whose blocks hold
+    a running state instead of a page per token), and several groups under tensor
+    parallelism size 1 only; `--disable-hybrid-kv-cache-manager` runs such a model as one
+    group (every layer keeps every block) with either."""
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
+    groups = [] if kv_cache_config is None else list(kv_cache_config.kv_cache_groups)
+    if len(groups) <= 1:
+        return
+    kinds = ", ".join(f"{type(g.kv_cache_spec).__name__} ({len(g.layer_names)} layers)" for g in groups)
+    if not all(isinstance(g.kv_cache_spec, AttentionSpec) for g in groups):
         raise ConnectorConfigError(
-            f"KvxferConnector: the KV cache has {len(groups)} groups ({kinds}); the connector serves one "
-            "(a hybrid model with vLLM's hybrid KV cache manager off): drop --no-disable-hybrid-kv-cache-manager")
+            f"KvxferConnector: the KV cache has {len(groups)} groups ({kinds}); the connector pushes attention "
+            "KV only, not Mamba/SSM state")
+    if tensor_parallel_size > 1:
+        raise ConnectorConfigError(
+            f"KvxferConnector: the KV cache has {len(groups)} groups ({kinds}); several groups are pushed with "
+            f"tensor parallel size 1 only (got {tensor_parallel_size}): add --disable-hybrid-kv-cache-manager")
 
 
-class KvxferConnector(KVConnectorBase_V1):
+class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
     """Pushes prefill KV layer by layer with one-sided writes; admits decode requests on
     kvxfer's ImmCounter. Settings: `ConnectorSettings` (kv_connector_extra_config)."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        check_one_kv_cache_group(kv_cache_config)
+        check_kv_cache_groups(kv_cache_config, int(vllm_config.parallel_config.tensor_parallel_size))
         config = vllm_config.kv_transfer_config
         self.settings = ConnectorSettings.from_extra_config(config.kv_connector_extra_config)
         self.kv_role = str(config.kv_role)
@@ -154,7 +171,8 @@ class KvxferConnector(KVConnectorBase_V1):
         assert self._worker is not None
         cache, model = self._vllm_config.cache_config, self._vllm_config.model_config
         layout = cache.get_resolved_kv_cache_layout() if cache.kv_cache_layout is not None else None
-        self._worker.register_kv_caches(kv_caches, layout, latent=bool(model.use_mla))
+        self._worker.register_kv_caches(kv_caches, layout, latent=bool(model.use_mla),
+                                        groups=kv_cache_group_layers(self._kv_cache_config))
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -220,6 +238,11 @@ class KvxferConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._engine_core is not None
         return self._engine_core.request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._engine_core is not None
+        return self._engine_core.request_finished_all_groups(request, block_ids)
 
     def has_pending_push_work(self) -> bool:
         return self._engine_core is not None and self._engine_core.has_pending_push_work()

@@ -12,6 +12,12 @@ blocks hold how many computed tokens, and the worker pushes every layer's finish
 from `save_kv_layer`. `request_finished` keeps the blocks until the worker reports the
 push finished (no write in flight), and `has_pending_push_work` keeps vLLM stepping
 meanwhile.
+
+Several KV cache groups (vLLM's hybrid manager, the connector being `SupportsHMA`): a block
+id names a page of one group only, so loads and pushes carry every group's block ids
+(`group_block_ids`, vLLM's null block as -1: a sliding window's pages before its window,
+which neither side pushes nor keeps). vLLM's prefix-cache hit is one token count for every
+group, so `first_page` is common to the groups.
 """
 
 from __future__ import annotations
@@ -95,9 +101,9 @@ class EngineCoreSide:
         # Loads the worker reported failed: with kv_load_failure_policy=recompute vLLM asks
         # again for the same request, which must then be computed here, not loaded again.
         self._failed_loads: set[str] = set()
-        # Per loading request: (blocks it loads, leading prompt blocks it held already), for
-        # the figures its answer's kv_transfer_params carry to the router.
-        self._load_blocks: dict[str, tuple[int, int]] = {}
+        # Per loading request: (blocks it loads per KV cache group, leading prompt blocks it
+        # held already), for the figures its answer's kv_transfer_params carry to the router.
+        self._load_blocks: dict[str, tuple[list[int], int]] = {}
         self._loads_to_send: list[LoadSpec] = []
         self._pushes: dict[str, _ActivePush] = {}
         self._finished_pushes: list[str] = []
@@ -216,16 +222,29 @@ class EngineCoreSide:
         pending = self._pending_loads.get(request.request_id)
         if pending is None or pending.spec_sent or num_external_tokens <= 0:
             return
-        block_ids = list(blocks.get_block_ids()[0])
         first_page = pending.num_computed // self.block_size
         last_page = math.ceil(request.num_tokens / self.block_size)
-        self._load_blocks[request.request_id] = (len(block_ids[first_page:last_page]), first_page)
+        per_group = self._group_blocks(blocks.get_block_ids())
+        groups = [ids[first_page:last_page] for ids in per_group]
+        loaded = [b for ids in groups for b in ids if b >= 0]
+        self._load_blocks[request.request_id] = ([sum(1 for b in ids if b >= 0) for ids in groups], first_page)
         self._loads_to_send.append(LoadSpec(
             request_id=request.request_id, transfer_id=pending.params.transfer_id,
-            prefill_engine=pending.params.peer_engine, block_ids=block_ids[first_page:last_page],
+            prefill_engine=pending.params.peer_engine, block_ids=loaded,
             first_page=first_page, prefill_liveness=pending.params.peer_liveness,
+            group_block_ids=groups if len(groups) > 1 else None,
         ))
         pending.spec_sent = True
+
+    def _group_blocks(self, block_ids: Any) -> list[list[int]]:
+        """vLLM's block ids per KV cache group; with several groups its null block (a
+        sliding window's page outside the window) as -1."""
+        groups = [list(ids) for ids in block_ids]
+        if len(groups) == 1:
+            return groups
+        pool = getattr(self._kv_cache_manager, "block_pool", None)
+        null = pool.null_block.block_id if pool is not None else 0  # vLLM's null block is block 0
+        return [[-1 if b == null else int(b) for b in ids] for ids in groups]
 
     # ---- every step ----------------------------------------------------------------------
 
@@ -246,10 +265,11 @@ class EngineCoreSide:
             if rid not in scheduled or push.pushed_to >= push.prompt_tokens:
                 continue
             end = min(computed.get(rid, 0) + scheduled[rid], push.prompt_tokens)
-            blocks = list(self._kv_cache_manager.get_block_ids(rid)[0]) if self._kv_cache_manager else []
+            groups = self._group_blocks(self._kv_cache_manager.get_block_ids(rid)) if self._kv_cache_manager else [[]]
             meta.pushes.append(PushSpec(
                 request_id=rid, transfer_id=push.params.transfer_id, decode_engine=push.params.peer_engine,
-                prompt_tokens=push.prompt_tokens, block_ids=blocks, computed_end=end,
+                prompt_tokens=push.prompt_tokens, block_ids=groups[0], computed_end=end,
+                group_block_ids=groups if len(groups) > 1 else None,
             ))
             push.pushed_to = end
         meta.finished_pushes, self._finished_pushes = self._finished_pushes, []
@@ -306,7 +326,13 @@ class EngineCoreSide:
         self._finished_pushes.append(rid)
         return True, {"kvxfer": {"transfer_id": push.params.transfer_id, "role": "prefill"}}
 
-    def _load_report(self, blocks: int, held_blocks: int) -> dict[str, Any] | None:
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """`request_finished` for vLLM's hybrid manager (every group's blocks are kept or
+        freed together)."""
+        return self.request_finished(request, list(block_ids[0]) if block_ids else [])
+
+    def _load_report(self, blocks: list[int], held_blocks: int) -> dict[str, Any] | None:
         """What a decode request's answer tells the router about its load: KV pages (blocks
         of one layer) and bytes that came from the prefill instance, and the pages it held
         already (a prefix-cache hit: they did not travel); None without vLLM's block manager
@@ -314,20 +340,24 @@ class EngineCoreSide:
         `kv_transfer_params`; the router reads it there and gives the client null. A stream
         carries none: the worker half keeps the same figures for the router to ask
         (`load_reports.py`), so the two must be made alike."""
-        layers, block_bytes = self._block_geometry()
-        if layers == 0:
+        geometry = self._block_geometry()
+        if not geometry or len(geometry) != len(blocks):
             return None
-        return {"kvxfer": {"role": "decode", "pages_loaded": blocks * layers, "bytes_loaded": blocks * block_bytes,
+        layers = sum(n for n, _ in geometry)
+        # Held pages count every layer of the prompt blocks before first_page (a
+        # sliding-window layer's null blocks among them).
+        return {"kvxfer": {"role": "decode", "pages_loaded": sum(b * n for b, (n, _) in zip(blocks, geometry)),
+                           "bytes_loaded": sum(b * size for b, (_, size) in zip(blocks, geometry)),
                            "pages_held": held_blocks * layers}}
 
-    def _block_geometry(self) -> tuple[int, int]:
-        """(layers, bytes) behind one block id: a block id names one page in every layer."""
+    def _block_geometry(self) -> list[tuple[int, int]]:
+        """Per KV cache group, (layers, bytes) behind one of its block ids: a block id names
+        one page in every layer of its group."""
         config = getattr(self._kv_cache_manager, "kv_cache_config", None)
         if config is None:
-            return 0, 0
-        groups = config.kv_cache_groups
-        return (sum(len(g.layer_names) for g in groups),
-                sum(len(g.layer_names) * int(g.kv_cache_spec.page_size_bytes) for g in groups))
+            return []
+        return [(len(g.layer_names), len(g.layer_names) * int(g.kv_cache_spec.page_size_bytes))
+                for g in config.kv_cache_groups]
 
     def has_pending_push_work(self) -> bool:
         """True while a finished prefill request's blocks wait for its push to end."""

@@ -14,7 +14,9 @@ with a key, whose tag verifies; it admits a load only once every write landed an
 whole table is there, after recomputing the checksums of its blocks (every one with
 `full`, a seeded random share per layer with `sampled`) and comparing. A block's checksum
 is the CRC-32C of its byte runs in address order (`CacheGeometry.runs`), which both sides
-lay out alike (the kv_layout check made sure).
+lay out alike (the kv_layout check made sure). With several KV cache groups the table has
+a row per layer and a column per prompt page, and a layer's pages are its group's
+(`verify_groups`: the columns its group keeps none of are left out).
 """
 
 from __future__ import annotations
@@ -56,18 +58,19 @@ def block_checksums(region: KVRegion, layer: int, blocks: Sequence[int],
     A device cache is copied to the host block by block (slow: CUDA caches only).
     """
     g = region.geometry
+    slot = region.slot(layer)  # several groups: the geometry layer that holds `layer`
     ids = np.ascontiguousarray(blocks, dtype=np.int64)
     if heads is None and region.buffer is not None and g.block_runs() == [(0, g.page_bytes)] \
             and g.block_stride == g.page_bytes:
         buf = region.buffer
-        return _native.page_crc32c(buf.ctypes.data, buf.nbytes, g.offset(layer, 0), g.page_bytes, ids)
+        return _native.page_crc32c(buf.ctypes.data, buf.nbytes, g.offset(slot, 0), g.page_bytes, ids)
     out = np.empty(len(ids), dtype=np.uint32)
     for i, block in enumerate(ids):
         if region.buffer is None:
             out[i] = crc32c(region.page_bytes(layer, int(block), heads))
             continue
         crc = 0
-        for start, length in g.runs(layer, int(block), heads):
+        for start, length in g.runs(slot, int(block), heads):
             crc = crc32c(region.buffer[start:start + length], crc)
         out[i] = crc
     return out
@@ -180,10 +183,39 @@ class LoadChecksums:
                                    f"arrive for every layer ({int(self._have.sum())} of {self.num_layers})")
         verification = compare_checksums(self.num_layers, blocks, self.table, mode, sample_rate, rng,
                                          lambda layer, ids: block_checksums(region, layer, ids, heads))
+        self._raise_on_mismatch(verification, first_page)
+        return verification
+
+    def verify_groups(self, region: KVRegion, group_pages: Sequence[Sequence[int]], first_page: int,
+                      mode: KVIntegrity, sample_rate: float, rng: random.Random) -> Verification:
+        """As `verify`, for a cache of several KV cache groups: each layer's row against its
+        group's landed pages (`group_pages[g]`, per prompt page from `first_page`, -1 where
+        the group keeps none)."""
+        verification = Verification()
+        if mode is KVIntegrity.OFF:
+            return verification
+        if not self.complete:
+            raise KVIntegrityError(self.request_id, "checksums_missing", "the prefiller's checksum table did not "
+                                   f"arrive for every layer ({int(self._have.sum())} of {self.num_layers})")
+        for group, pages in enumerate(group_pages):
+            layers = region.group_layers(group)
+            columns = np.asarray([i for i, page in enumerate(pages) if page >= 0], dtype=np.int64)
+            if not len(layers) or not len(columns):
+                continue
+            ids = np.asarray(pages, dtype=np.int64)[columns]
+            part = compare_checksums(len(layers), ids, self.table[np.ix_(layers, columns)], mode, sample_rate, rng,
+                                     lambda i, chosen: block_checksums(region, layers[i], chosen))
+            verification.checked += part.checked
+            verification.mismatches += [(layers[i], int(columns[position]), block)
+                                        for i, position, block in part.mismatches]
+        self._raise_on_mismatch(verification, first_page)
+        return verification
+
+    def _raise_on_mismatch(self, verification: Verification, first_page: int) -> None:
         if verification.mismatches:
+            verification.mismatches.sort()
             layer, index, block = verification.mismatches[0]
             raise KVIntegrityError(
                 self.request_id, "checksum_mismatch",
                 f"{len(verification.mismatches)} of {verification.checked} checked blocks differ from the "
                 f"prefiller's CRC-32C; first: layer {layer}, block {block} (prompt page {first_page + index})")
-        return verification

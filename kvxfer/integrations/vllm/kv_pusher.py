@@ -23,6 +23,13 @@ A push that ends early (FAILED, or STOPPING drained) tells the decoder with the 
 abort message, sent only once none of its writes is in flight (the hand-off's
 `AbortSender`, push_abort.py): from then on the decoder may reuse its pages.
 
+With several KV cache groups (a hybrid model under vLLM's hybrid manager) each layer's
+pages are its group's blocks: the step's `PushSpec` carries every group's block ids, the
+reservation the decoder's pages per group (`group_pages`), and the plan posts, per layer,
+its group's pages the decoder keeps (not a sliding window's pages before the window).
+Tensor parallelism and device caches are one-group only: the connector refuses them with
+several groups at start-up.
+
 Where the reservation asks for checksums, each block's CRC-32C is taken just before its
 write is posted, and the table goes to the decoder once the last write is posted
 (kv_checksums.py). Tests and drills slow, stop or corrupt a push through the
@@ -38,7 +45,7 @@ from dataclasses import dataclass, field
 
 from kvxfer.handoff.inflight_writes import InflightWrites
 from kvxfer.handoff.push_abort import AbortSender, AbortWords, PushAbort
-from kvxfer.handoff.push_plan import PushPlan, PushPlanError
+from kvxfer.handoff.push_plan import LayerGroups, PushPlan, PushPlanError
 from kvxfer.handoff.push_state import PushLifecycle, PushState
 from kvxfer.kv.protocol import KVReservation
 from kvxfer.metrics import ConnectorMetrics
@@ -80,6 +87,8 @@ class PrefillPush:
     #: the heads of each block it posts, and where they go (None: whole blocks).
     target: SliceTarget | None = None
     block_ids: list[int] = field(default_factory=list)
+    #: every KV cache group's block ids (-1: none), where there are several; None: one group.
+    group_block_ids: list[list[int]] | None = None
     reservation: KVReservation | None = None
     #: which pages each layer posts and where they land (from the reservation on).
     plan: PushPlan | None = None
@@ -118,6 +127,10 @@ class PrefillPush:
         upto = self.computed_upto[layer]
         return self.total_pages if upto >= self.prompt_tokens else upto // self.block_size
 
+    def local_blocks(self, group: int) -> list[int]:
+        """This side's block ids of KV cache `group`, in prompt page order."""
+        return self.group_block_ids[group] if self.group_block_ids is not None else self.block_ids
+
     @property
     def complete(self) -> bool:
         """Every page of every layer posted."""
@@ -141,6 +154,10 @@ class KVPusher:
         self._table_key = checksum_table_key_of(settings.cluster_key_file)
         self._aborts = AbortSender(engine, ABORT_WORDS)
         self.block_size = region.block_size
+        #: Each layer's slot and group where the cache has several groups (None: one).
+        self.layer_groups = (LayerGroups(tuple(region.slot(i) for i in range(region.num_layers)),
+                                         tuple(region.group(i) for i in range(region.num_layers)))
+                             if region.num_groups > 1 else None)
         #: How a layer's blocks leave this cache: read in place (host memory registered as
         #: `memory`), or through pinned staging (a device cache).
         self.writes = writes or (DirectWrites(engine, memory, region.geometry) if memory is not None
@@ -161,6 +178,7 @@ class KVPusher:
             pushes = self._by_request.get(spec.request_id)
             for push in pushes if pushes is not None else self._adopt(spec):
                 push.block_ids = spec.block_ids
+                push.group_block_ids = spec.group_block_ids
                 push.pending_end = spec.computed_end
                 self._this_step.append(push)
         for rid in meta.preempted:
@@ -264,7 +282,11 @@ class KVPusher:
             self._fail(push, problem)
             return
         if target is None:
-            push.plan = PushPlan(res, self.region.geometry)
+            try:
+                push.plan = PushPlan(res, self.region.geometry, layer_groups=self.layer_groups)
+            except PushPlanError as exc:
+                self._fail(push, str(exc))
+                return
         else:
             push.plan = PushPlan(res, self.region.geometry, src_heads=target.slice.src_heads,
                                  dst_heads=target.slice.dst_heads, dst_num_heads=target.dst_num_heads)
@@ -282,8 +304,20 @@ class KVPusher:
         if target is not None and target.slice.src_heads[1] > self.region.geometry.num_heads:
             return (f"the decoder asks for heads {target.slice.src_heads[0]}..{target.slice.src_heads[1]} of this "
                     f"rank's {self.region.geometry.num_heads} (tensor parallel sizes disagree)")
-        if res.first_page + len(res.pages) != push.total_pages:
-            return (f"the reservation covers prompt pages {res.first_page}..{res.first_page + len(res.pages)}, "
+        if (res.group_pages is None) != (self.layer_groups is None):
+            return (f"the decoder's reservation names {len(res.group_pages or [[]])} KV cache groups, this "
+                    f"prefiller's cache has {self.region.num_groups}; pages of one group cannot land in another's")
+        if self.layer_groups is not None and res.group_pages is not None:
+            if target is not None:
+                return "several KV cache groups are pushed between equal tensor parallel sizes only"
+            if len(res.group_pages) != self.region.num_groups:
+                return (f"the decoder's reservation names {len(res.group_pages)} KV cache groups, this "
+                        f"prefiller's cache has {self.region.num_groups}")
+            if res.expected_count != self.layer_groups.expected_writes(res.group_pages):
+                return (f"the decoder expects {res.expected_count} writes, its pages per group make "
+                        f"{self.layer_groups.expected_writes(res.group_pages)} for this cache's layers")
+        if res.first_page + res.prompt_pages != push.total_pages:
+            return (f"the reservation covers prompt pages {res.first_page}..{res.first_page + res.prompt_pages}, "
                     f"but this prompt has {push.total_pages} pages (prompts differ between the legs?)")
         if res.fence_timeout_s <= self.settings.transfer_timeout_s:
             return (f"the decoder's fence_timeout_s ({res.fence_timeout_s}) does not exceed this prefiller's "
@@ -318,7 +352,8 @@ class KVPusher:
         res, plan = push.reservation, push.plan
         assert res is not None and plan is not None
         try:
-            pages = plan.final(layer, push.final_pages(layer), push.block_ids)
+            group = self.layer_groups.groups[layer] if self.layer_groups is not None else 0
+            pages = plan.final(layer, push.final_pages(layer), push.local_blocks(group))
         except PushPlanError as exc:
             self._fail(push, str(exc))
             return

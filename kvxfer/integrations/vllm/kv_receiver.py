@@ -36,6 +36,12 @@ reservation of its own (slot, immediate, nonce, scope, checksum table over its h
 sent as a sliced reservation (sliced_reservation.py); the request is admitted once every
 part is, and fails (the other parts fenced) when one part fails.
 
+With several KV cache groups (vLLM's hybrid manager; one prefill rank, a host cache) the
+reservation names the decoder's blocks per group (`group_pages`, -1 where a group keeps no
+block: a sliding window's pages before its window), expects one write per layer per
+pushed page of the layer's group, and the checksum check compares each layer with its
+group's blocks (`LoadChecksums.verify_groups`).
+
 The immediate of a reservation is a slot and a generation, handed out by the ledger
 (`handoff.immediate_slots`): a slot comes back only with a new generation, so a late write
 of an earlier holder never counts.
@@ -273,19 +279,25 @@ class KVReceiver:
         except Exception as exc:  # a malformed prefiller address, a registration the provider refused
             self._fail(load, "registration_failed", f"scoping the reservation failed: {exc}")
             return
+        groups = spec.group_block_ids
+        # Several groups land in the request's own blocks (a host cache): pages are blocks.
+        expected = (self.region.num_layers * len(pages) if groups is None else
+                    sum(sum(1 for b in groups[self.region.group(layer)] if b >= 0)
+                        for layer in range(self.region.num_layers)))
         reservation = KVReservation(
             request_id=spec.transfer_id, descriptor=descriptor, pages=list(pages),
             num_pages=self.landing.geometry.num_blocks, imm=entry.imm,
-            expected_count=self.region.num_layers * len(pages), kv_layout=self.region.kv_layout,
+            expected_count=expected, kv_layout=self.region.kv_layout,
             meta_descriptor=b"", meta_offset=0, nonce=entry.nonce, fence_timeout_s=self.settings.fence_timeout_s,
             first_page=spec.first_page, mailbox=False,
             checksums=self.settings.kv_integrity is not KVIntegrity.OFF,
             checksum_tag=self.settings.kv_integrity is not KVIntegrity.OFF and self._table_key is not None,
+            group_pages=[list(g) for g in groups] if groups is not None else None,
         )
         load.reservation = reservation
         if reservation.checksums:
             load.checksums = LoadChecksums(spec.request_id, reservation.nonce, self.region.num_layers,
-                                           len(pages), self._table_key)
+                                           reservation.prompt_pages, self._table_key)
         self.metrics.loads_in_flight.inc()  # _release decrements it, whatever happens next
         self._hooks.load_reserved(self.region, load)
         message = (encode_reservation_message(reservation) if target is None
@@ -579,6 +591,9 @@ class KVReceiver:
 
         def verify() -> Verification:
             assert load.checksums is not None
+            if res.group_pages is not None:
+                return load.checksums.verify_groups(self.region, res.group_pages, res.first_page, mode,
+                                                    self.settings.kv_integrity_sample_rate, self._sample_rng)
             return load.checksums.verify(self.region, list(load.spec.block_ids), res.first_page, mode,
                                          self.settings.kv_integrity_sample_rate, self._sample_rng, load.heads)
 

@@ -8,12 +8,23 @@ the views' strides into one `CacheGeometry` (`kvxfer.kv.cache_geometry`), checks
 are exactly that layout packed densely in one allocation, and refuses anything else with a
 clear error. Offsets, runs and writes come from the geometry; the `kv_layout` string shown to
 peers and the registry is derived from it, for display and compatibility checks only.
+
+Several KV cache groups (a hybrid model under vLLM's hybrid KV cache manager: full and
+sliding-window attention) overlay one allocation: vLLM gives every group the same number
+of layers and puts layer i of each group in the same place (one "slot" of the geometry),
+and block ids come from one pool, so a block id names a page of one group only. The region
+lists every attention layer once (its "layer index", in slot then group order) with the
+geometry layer (slot) that holds it and its group; the kv_layout of such a cache carries
+the groups' shape as a tag, so that a peer with another grouping, or one that knows only
+one group, never matches it.
 """
 
 from __future__ import annotations
 
 import ctypes
 import re
+import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,10 +52,31 @@ class KVRegion:
     element_bytes: int
     isa: str  # the CPU kernel family whose in-block byte order the blocks follow ("cuda" on a GPU)
     device_bytes: Any = None  # flat uint8 tensor over a device allocation (buffer is None then)
+    #: Per layer index: the geometry layer (slot) holding it; None: the same index (one group).
+    slots: list[int] | None = None
+    #: Per layer index: its KV cache group; None: every layer in group 0.
+    groups: list[int] | None = None
     _index: dict[str, int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._index = {name: i for i, name in enumerate(self.layer_names)}
+
+    @property
+    def num_groups(self) -> int:
+        """KV cache groups (1 unless vLLM's hybrid manager split the layers)."""
+        return 1 + max(self.groups) if self.groups else 1
+
+    def slot(self, layer: int) -> int:
+        """The geometry layer that holds layer index `layer` (its own index with one group)."""
+        return self.slots[layer] if self.slots is not None else layer
+
+    def group(self, layer: int) -> int:
+        """The KV cache group of layer index `layer`."""
+        return self.groups[layer] if self.groups is not None else 0
+
+    def group_layers(self, group: int) -> list[int]:
+        """The layer indexes of `group`."""
+        return [i for i in range(self.num_layers) if self.group(i) == group]
 
     @property
     def on_host(self) -> bool:
@@ -60,7 +92,8 @@ class KVRegion:
 
     @property
     def num_layers(self) -> int:
-        """Attention layers, in allocation order."""
+        """Attention layers, in allocation order (more than the geometry's layers where
+        several groups share its slots)."""
         return len(self.layer_names)
 
     @property
@@ -99,7 +132,17 @@ class KVRegion:
         head = f"D{elements}-{self.dtype}" if g.latent else f"D{elements // 2}-{self.dtype}"
         kind = "-mla" if g.latent else ""
         isa = re.sub(r"[^a-z0-9_]", "", self.isa)
-        return f"L{g.num_layers}-H{num_heads}-{head}-bs{g.block_size}-vllm-{g.layout.lower()}{kind}-{isa}"
+        return f"L{g.num_layers}-H{num_heads}-{head}-bs{g.block_size}-vllm-{g.layout.lower()}{kind}-{isa}" \
+               f"{self._groups_tag()}"
+
+    def _groups_tag(self) -> str:
+        # Several groups: their count and a digest of which layer is in which group and
+        # slot, so that only a peer grouping the layers alike matches; one group: nothing
+        # (the one-group kv_layout is unchanged, for peers written before groups).
+        if self.num_groups == 1:
+            return ""
+        shape = ";".join(f"{n}:{self.slot(i)}:{self.group(i)}" for i, n in enumerate(self.layer_names))
+        return f"-hma{self.num_groups}_{zlib.crc32(shape.encode()):08x}"
 
     def layer_index(self, layer_name: str) -> int:
         """Index of `layer_name` in allocation order; KVRegionError if unknown."""
@@ -111,7 +154,7 @@ class KVRegion:
     def page_bytes(self, layer: int, block: int, heads: tuple[int, int] | None = None) -> bytes:
         """A copy of one block of one layer (of heads `heads` of it where given), its runs in
         address order (digest checks)."""
-        runs = self.geometry.runs(layer, block, heads)
+        runs = self.geometry.runs(self.slot(layer), block, heads)
         if self.buffer is not None:
             return b"".join(bytes(self.buffer[start:start + length]) for start, length in runs)
         flat = self.device_bytes
@@ -132,29 +175,57 @@ def _matches(geometry: CacheGeometry, observed: list[int | None]) -> bool:
                for seen, want, extent in zip(observed, geometry.strides, geometry.shape))
 
 
+def _slots_and_groups(tensors: list[tuple[str, Any]], groups: Sequence[Sequence[str]] | None
+                      ) -> tuple[list[tuple[str, Any]], list[int] | None, list[int] | None]:
+    """(the layers in slot then group order, their slots, their groups); slots and groups
+    None for one group. Layers of several groups may share a slot (one per group)."""
+    if groups is None or len(groups) <= 1:
+        return tensors, None, None
+    group_of = {name: g for g, names in enumerate(groups) for name in names}
+    missing = [name for name, _ in tensors if name not in group_of]
+    if missing:
+        raise KVRegionError(f"layers {missing[:4]} are in no KV cache group")
+    starts = sorted({t.data_ptr() for _, t in tensors})
+    slot_of = {ptr: i for i, ptr in enumerate(starts)}
+    ordered = sorted(tensors, key=lambda item: (item[1].data_ptr(), group_of[item[0]]))
+    slots = [slot_of[t.data_ptr()] for _, t in ordered]
+    layer_groups = [group_of[name] for name, _ in ordered]
+    seen = set(zip(slots, layer_groups))
+    if len(seen) != len(ordered):
+        raise KVRegionError("two layers of one KV cache group share a place in the allocation")
+    return ordered, slots, layer_groups
+
+
 def region_from_kv_caches(kv_caches: dict[str, Any], layout: KVCacheLayout | None = None, *,
-                          latent: bool = False, isa: str | None = None) -> KVRegion:
+                          latent: bool = False, isa: str | None = None,
+                          groups: Sequence[Sequence[str]] | None = None) -> KVRegion:
     """Builds the region from `register_kv_caches`' dict.
 
     `layout` is vLLM's resolved layout (None: the one of the six the strides show);
-    `latent` marks MLA content. Host and CUDA tensors; KVRegionError for other devices,
-    views of different shapes, layers spread over several allocations, or strides that
-    are not `layout` packed densely (padded pages).
+    `latent` marks MLA content; `groups` are the layer names of each KV cache group
+    (kv_cache_config.kv_cache_groups; None or one: every layer has a place of its own).
+    Host and CUDA tensors; KVRegionError for other devices, views of different shapes,
+    layers spread over several allocations, or strides that are not `layout` packed
+    densely (padded pages).
     """
     if not kv_caches:
         raise KVRegionError("vLLM registered no KV cache layers")
-    tensors = list(kv_caches.items())
-    for name, t in tensors:
+    tensors = sorted(kv_caches.items(), key=lambda item: item[1].data_ptr())
+    tensors, slots, layer_groups = _slots_and_groups(tensors, groups)
+    names, views = [n for n, _ in tensors], tensors
+    if slots is not None:
+        # One view per slot describes the allocation; the others alias it.
+        tensors = [tensors[i] for i in range(len(tensors)) if i == 0 or slots[i] != slots[i - 1]]
+    for name, t in views:
         if t.device.type not in ("cpu", "cuda"):
             raise KVRegionError(f"layer {name}: only host (CPU) and CUDA KV caches are supported, got {t.device}")
         if t.dim() != 4:
             raise KVRegionError(f"layer {name}: expected a [blocks, heads, block_size, content] view, "
                                 f"got {tuple(t.shape)}")
-    tensors.sort(key=lambda item: item[1].data_ptr())
     first = tensors[0][1]
     element = first.element_size()
     storage = first.untyped_storage()
-    for name, t in tensors:
+    for name, t in views:
         if tuple(t.shape) != tuple(first.shape) or t.dtype != first.dtype or t.stride() != first.stride() \
                 or t.device != first.device:
             raise KVRegionError(f"layer {name}: shape {tuple(t.shape)} {t.dtype} strides {t.stride()} differ "
@@ -194,7 +265,8 @@ def region_from_kv_caches(kv_caches: dict[str, Any], layout: KVCacheLayout | Non
         # Device blocks have no CPU kernel's byte order: "cuda" keeps them apart from CPU ones.
         flat = first.new_empty(0, dtype=torch.uint8).set_(storage, base - storage.data_ptr(),
                                                          (geometry.total_bytes,), (1,))
-        return KVRegion([n for n, _ in tensors], geometry, None, owners, dtype, element, isa or "cuda",
-                        device_bytes=flat)
+        return KVRegion(names, geometry, None, owners, dtype, element, isa or "cuda",
+                        device_bytes=flat, slots=slots, groups=layer_groups)
     buffer = np.ctypeslib.as_array((ctypes.c_uint8 * geometry.total_bytes).from_address(base))
-    return KVRegion([n for n, _ in tensors], geometry, buffer, owners, dtype, element, isa or _cpu_isa())
+    return KVRegion(names, geometry, buffer, owners, dtype, element, isa or _cpu_isa(), slots=slots,
+                    groups=layer_groups)

@@ -73,6 +73,10 @@ class LoadSpec:
     block_ids: list[int]  # this instance's blocks for prompt pages first_page...
     first_page: int
     prefill_liveness: str = ""  # the prefiller's liveness "host:port" ("": watched by probes only)
+    #: Several KV cache groups: each group's blocks for prompt pages first_page... (-1 where
+    #: the group keeps none: a sliding window's pages before its window); `block_ids` is
+    #: then every block they name, once. None: one group.
+    group_block_ids: list[list[int]] | None = None
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,9 @@ class PushSpec:
     prompt_tokens: int
     block_ids: list[int]  # every block of the request so far, in order
     computed_end: int
+    #: Several KV cache groups: each group's blocks so far (-1: none kept); `block_ids` is
+    #: group 0's. None: one group.
+    group_block_ids: list[list[int]] | None = None
 
 
 @dataclass

@@ -32,7 +32,7 @@ from .instance_registration import InstanceRegistration
 from .kv_checksums import decode_table
 from .kv_pusher import KVPusher
 from .kv_receiver import KVReceiver
-from .kv_region import KVRegion, region_from_kv_caches
+from .kv_region import KVRegion, KVRegionError, region_from_kv_caches
 from .load_reports import LoadReport, LoadReportStore, connector_http_app, serve_connector_http
 from .metadata import KvxferStepMetadata, KvxferWorkerReport, LoadSpec
 from .prefiller_liveness import LivenessListener
@@ -99,13 +99,17 @@ class WorkerSide:
                                       if settings.hooks else NO_CONNECTOR_HOOKS)
 
     def register_kv_caches(self, kv_caches: dict[str, Any], layout: KVCacheLayout | None = None, *,
-                           latent: bool = False) -> None:
+                           latent: bool = False, groups: list[list[str]] | None = None) -> None:
         """Register vLLM's whole KV allocation once; start serving transfers and publish.
         `layout` is vLLM's resolved KV cache layout (None: read from the strides);
-        `latent` marks MLA content."""
+        `latent` marks MLA content; `groups` the layer names of each KV cache group where
+        there are several (host caches only)."""
         self._request_amx_permission()
         self.hooks.placed(self.place)
-        self.region = region_from_kv_caches(kv_caches, layout, latent=latent)
+        self.region = region_from_kv_caches(kv_caches, layout, latent=latent, groups=groups)
+        if self.region.num_groups > 1 and not self.region.on_host:
+            raise KVRegionError("several KV cache groups are pushed from host (CPU) caches only; run the hybrid "
+                                "model with --disable-hybrid-kv-cache-manager")
         s = self.settings
         self.engine = TransferEngine(s.provider, s.rails, bind_host=s.bind_host, transfer_timeout_s=s.transfer_timeout_s,
                                      same_host=s.same_host, same_host_imm_ring=s.same_host_imm_ring,
@@ -188,6 +192,10 @@ class WorkerSide:
                                  f"rank ({exc})")
             return
         sources = self.hooks.head_sources(spec.transfer_id, len(prefill_ranks), sources)
+        if spec.group_block_ids is not None and len(prefill_ranks) > 1:
+            self.receiver.refuse(spec, "tp_mismatch", f"several KV cache groups are loaded from a prefiller of "
+                                 f"tensor parallel size 1 only; this one has {len(prefill_ranks)} ranks")
+            return
         if len(prefill_ranks) > 1:
             # The liveness port is rank 0's only: other ranks' loads are watched by the probes.
             spec = replace(spec, prefill_liveness="")
@@ -239,14 +247,17 @@ class WorkerSide:
         """Keep the figures of each load that landed, as the engine core's `_load_report`
         makes them for a non-streamed answer (this rank's page bytes, as its KV cache spec)."""
         assert self.region is not None
-        layers = self.region.num_layers
+        region = self.region
+        layers = region.num_layers
         for rid in finished:
             spec = self._loading.pop(rid, None)
             if spec is None or rid in failed:
                 continue
-            blocks = len(spec.block_ids)
+            groups = spec.group_block_ids or [spec.block_ids]
+            # A layer's pages are its group's blocks (null ones, -1, never travel).
+            pages = sum(sum(1 for b in groups[region.group(layer)] if b >= 0) for layer in range(layers))
             self.load_reports.put(spec.transfer_id, LoadReport(
-                pages_loaded=blocks * layers, bytes_loaded=blocks * layers * self.region.block_bytes,
+                pages_loaded=pages, bytes_loaded=pages * region.block_bytes,
                 pages_held=spec.first_page * layers))
 
     def report(self) -> KvxferWorkerReport | None:
