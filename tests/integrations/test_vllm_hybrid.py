@@ -85,11 +85,13 @@ def _params(role: str, tid: str, peer: str) -> dict[str, Any]:
     return {"kvxfer": {"role": role, "transfer_id": tid, "peer_engine": peer}}
 
 
-def disaggregated(fleet: VllmFleet, prompt: list[int], tid: str) -> tuple[httpx.Response, httpx.Response]:
-    """Both legs at once, as the router sends them: (prefill reply, decode reply)."""
+def disaggregated(fleet: VllmFleet, prompt: list[int], tid: str,
+                  salt: str | None = None) -> tuple[httpx.Response, httpx.Response]:
+    """Both legs at once, as the router sends them: (prefill reply, decode reply); the
+    cache salt is the transfer id unless given."""
     p, d = fleet.record("prefill-h"), fleet.record("decode-h")
     body: dict[str, Any] = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 5,
-                            "cache_salt": tid}
+                            "cache_salt": salt or tid}
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         on_d = pool.submit(httpx.post, fleet.instances["decode-h"].url + "/v1/completions", headers=fleet.headers,
                            json={**body, "kv_transfer_params": _params("decode", tid, p.engine_address)}, timeout=120)
@@ -156,6 +158,25 @@ def test_hybrid_disaggregated_equals_colocated_in_tokens_logprobs_and_kv_bytes(f
     window_pages = pages - (length - 32 + 1) // BLOCK if hybrid else pages
     assert sorted(_group_shape(d_pages).values()) == [window_pages] * (SHAPE.layers // 2) + \
         [pages] * (SHAPE.layers // 2)
+
+
+@with_instances
+def test_a_decoder_prefix_cache_hit_receives_only_the_rest_in_every_group(fleet: VllmFleet) -> None:
+    # The same salt on both requests: the decoder holds the first prompt's 8 full blocks
+    # (the sliding-window group its last window of them, which is all a hit needs), so the
+    # second load starts at page 8 in every group.
+    prompt = _prompt(130, seed=99)
+    salt = f"prefix-{uuid.uuid4().hex}"
+    first, second = f"pfx1-{uuid.uuid4().hex[:8]}", f"pfx2-{uuid.uuid4().hex[:8]}"
+    on_p, on_d = disaggregated(fleet, prompt, first, salt=salt)
+    assert on_p.status_code == 200 and on_d.status_code == 200, (on_p.text, on_d.text)
+    longer = prompt + _prompt(40, seed=5)
+    on_p, on_d = disaggregated(fleet, longer, second, salt=salt)
+    assert on_p.status_code == 200 and on_d.status_code == 200, (on_p.text, on_d.text)
+    assert_same_as_colocated(on_d.json()["choices"][0], colocated(fleet, longer))
+    p_pages, d_pages = digests(fleet, "prefill", second), digests(fleet, "decode", second)
+    assert min(page for _, page, _ in d_pages) == 128 // BLOCK
+    assert p_pages == d_pages
 
 
 @with_instances
