@@ -73,7 +73,7 @@ class ConnectorFaults(ConnectorHooks):
 
     def layer_checksummed(self, region: KVRegion, transfer_id: str, layer: int, src: list[int]) -> None:
         if self._armed("flip_bit", transfer_id) and layer == 1 and src:
-            start, length = region.geometry.runs(layer, src[0])[0]
+            start, length = region.geometry.runs(region.slot(layer), src[0])[0]
             assert region.buffer is not None, "flip_bit: host caches only"
             region.buffer[start + length // 2] ^= 0x04
 
