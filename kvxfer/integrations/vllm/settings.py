@@ -68,11 +68,15 @@ class ConnectorSettings(BaseModel):
         "prefiller process is gone; a live process, even a frozen one, has its kernel take the bytes in well under "
         "a millisecond on loopback (the margin is for the decoder's own progress thread on a starved host)")
     dead_prefiller_fence_s: float = Field(
-        0.005, ge=0, description="with kv_registration per_reservation, how long a load of a gone prefiller keeps its "
-        "blocks (instead of fence_timeout_s). Its writer cannot post any more, and its registration is closed by the "
-        "engine's progress thread (the fabric domain's owner) before the revoke returns, so no new write can start "
-        "into its blocks; this floor only covers a write that thread had already started, whose last bytes still "
-        "sit in this host's socket buffer (copied at memory speed, well under a millisecond per MiB)")
+        1.0, ge=0, description="with kv_registration per_reservation, how long a load of a gone prefiller keeps its "
+        "blocks after its registration was revoked (instead of fence_timeout_s). The revoke stops every op whose "
+        "header arrives after it (the key is checked then, the connection cut), but not the op already under way: "
+        "net checks a write's key once, at its header, and copies the rest as it comes, and forgetting the peer "
+        "(fi_av_remove) does not stop it either (tests/integrations/test_kv_revoked_write_in_progress.py). A killed "
+        "writer's kernel still sends what it held of that op: at most one op (the engine's 4 MiB max_op_bytes and "
+        "max_coalesce_bytes; one page where the provider has no weighted immediates), 34 ms at 1 Gbit/s, plus "
+        "Linux's retransmission timeouts for a lost segment (200 ms, then 400 ms). 1 s covers that; a slower link "
+        "or more losses in a row than that are not covered: raise it there (fence_timeout_s at most)")
     liveness_connect_timeout_s: float = Field(
         1.0, gt=0, description="decode side: a liveness connection to a prefiller (its registry record's "
         "liveness_address) not connected and kept by then gives no signal, and that prefiller is watched by the "
