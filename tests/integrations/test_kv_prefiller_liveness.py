@@ -69,9 +69,11 @@ def decoder_engine() -> Iterator[TransferEngine]:
 class Prefiller:
     """The prefiller process, its engine and liveness addresses and its keeper's pid."""
 
-    def __init__(self, max_held: int) -> None:
+    def __init__(self, max_held: int, cpus: set[int] | None = None) -> None:
+        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus is not None else None
         self.proc = subprocess.Popen([sys.executable, "-c", _PREFILLER, str(max_held)], stdout=subprocess.PIPE,
-                                     text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+                                     text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
+                                     preexec_fn=pin)
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()  # bounded: the process prints or dies (then EOF)
         assert line, "the prefiller process died before printing its addresses"
@@ -254,3 +256,17 @@ def test_a_keeper_killed_alone_is_started_again_on_the_same_port(prefiller: Pref
     os.kill(prefiller.keeper_pid, signal.SIGKILL)
     assert _held_again(prefiller.liveness)
     assert prefiller.proc.poll() is None
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to pin the prefiller to one of them")
+def test_the_keeper_of_a_prefiller_pinned_to_one_cpu_may_run_on_every_cpu() -> None:
+    """An instance pinned to its cores keeps them busy, most of all while the kernel tears it
+    down after a kill: its keeper must be free to exit on another CPU."""
+    allowed = os.sched_getaffinity(0)
+    pf = Prefiller(MAX_HELD, cpus={min(allowed)})
+    try:
+        assert os.sched_getaffinity(pf.proc.pid) == {min(allowed)}
+        assert os.sched_getaffinity(pf.keeper_pid) == allowed
+    finally:
+        pf.signal_group(signal.SIGKILL)
+        pf.proc.wait(timeout=STARTUP_DEADLINE_S)

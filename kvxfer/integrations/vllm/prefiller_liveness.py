@@ -75,6 +75,19 @@ def parse_liveness_address(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def widen_cpu_affinity(pid: int) -> None:
+    """Lets process `pid` run on every CPU its cgroup allows (the kernel keeps only those),
+    whatever its parent was pinned to; left as it is where that is refused.
+
+    For the keeper: an instance pinned to its cores keeps them busy, and busier still while
+    the kernel tears down its GiBs of memory after a kill, which is exactly when the keeper
+    must get a CPU to exit and close its connections. It uses no CPU until then."""
+    try:
+        os.sched_setaffinity(pid, range(os.cpu_count() or 1))
+    except (OSError, AttributeError):  # an empty intersection with the cpuset, or no such call
+        pass
+
+
 class LivenessServer:
     """The liveness port's loop: accepts connections on `server` (a listening socket),
     writes `HELD` on each of at most `max_connections` (closing any beyond without it) and
@@ -178,9 +191,11 @@ class LivenessListener:
 
     def _start_keeper(self) -> subprocess.Popen[bytes]:
         fds = (self._server.fileno(), self._alive_r)
-        return subprocess.Popen(
+        keeper = subprocess.Popen(
             [sys.executable, "-m", "kvxfer.integrations.vllm.liveness_keeper", *map(str, fds),
              str(self.max_connections)], pass_fds=fds, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        widen_cpu_affinity(keeper.pid)
+        return keeper
 
     def _restart_keeper(self) -> None:
         while True:
