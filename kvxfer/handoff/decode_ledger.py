@@ -301,7 +301,8 @@ class ReservationLedger:
     def writer_gone(self, request_id: str, fence_s: float) -> LedgerEntry | None:
         """The prefiller process is gone (it can post nothing more, and the reservation's
         registration is revoked): a FENCED entry's fence ends at most `fence_s` from now,
-        the grace for bytes this decoder already received. None unless it is FENCED."""
+        the grace for the rest of the op under way at the revoke, which the revoke does not
+        stop and the dead writer's kernel still sends. None unless it is FENCED."""
         with self._lock:
             entry = self._entries.get(request_id)
             if entry is None or entry.state is not S.FENCED:

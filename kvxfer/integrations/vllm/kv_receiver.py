@@ -18,7 +18,10 @@ by then no write for them can land: every write landed, or the prefiller said no
 flight, or its deadline and the fence passed. Its pages come from `LoadPages`, the ledger's
 page source here: the request's own blocks, or landing blocks for them (device caches).
 A prefiller frozen longer than `fence_timeout_s` that wakes up refuses to post, because
-its own `transfer_timeout_s` is shorter than the fence (checked on both sides).
+its own `transfer_timeout_s` is shorter than the fence (checked on both sides). Not
+covered: the rest of an op it was sending when it froze still lands when it wakes (with
+per_reservation at most that one op, the next one's header refused: measured in
+tests/integrations/test_kv_revoked_write_in_progress.py), however long the fence was.
 
 Where `kv_integrity` is on, a load is admitted only once every write landed and the
 prefiller's checksum table arrived (a control message, tagged where the cluster has a key:
@@ -66,14 +69,19 @@ message in flight per prefiller address, however many loads wait on it), and a p
 cancel, that fails as unreachable or is not delivered within `prefiller_probe_timeout_s`
 means the process is gone (over the net provider a message to a killed process is neither
 delivered nor failed, so that path takes the whole timeout). Either way every load on it
-is fenced, and with per_reservation registration freed after `dead_prefiller_fence_s`, not
-fence_timeout_s. That is safe because no new write for it can start any more: the process
-that could post one is gone, and the load's registration was revoked when it stopped
-waiting, by the engine's progress thread (the fabric domain's owner) before the revoke
-returned, so even a write some other holder of the descriptor posts fails at the writer;
-the few milliseconds' floor only lets that thread finish a write it had already started,
-whose last bytes are still in this host's socket buffers. With the whole_cache
-registration nothing is revoked, so such a load keeps the full fence.
+is fenced, and with per_reservation registration freed after `dead_prefiller_fence_s`,
+not fence_timeout_s. No new write for it can start any more: the process that could post
+one is gone, and the load's registration was revoked when it stopped waiting, by the
+engine's progress thread (the fabric domain's owner) before the revoke returned, so an op
+whose header arrives after that is refused (and its connection cut). The op already under
+way is not stopped: the provider checked its key at its header and copies the rest as it
+arrives, and forgetting the peer (fi_av_remove) does not stop it either (measured over a
+200 Mbit/s link: tests/integrations/test_kv_revoked_write_in_progress.py). A killed
+writer's kernel keeps sending what it held of that op, at most one op (4 MiB), so the
+blocks are freed only once that can have arrived: `dead_prefiller_fence_s` sizes it for a
+1 Gbit/s link and two lost-segment retransmissions (its description); a slower or lossier
+link needs it raised. With the whole_cache registration nothing is revoked, so such a load
+keeps the full fence.
 """
 
 from __future__ import annotations
