@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -57,12 +58,15 @@ SETTLE_DEADLINE_S = 10.0
 #: How long a stopped writer's kernel is given to hand over what it holds before the revoke.
 STOPPED_DRAIN_QUIET_S = 0.3
 STOP_TRIES = 5
+TC = shutil.which("tc") or "/usr/sbin/tc"
 _CLONE_NEWNET = 0x40000000
 _libc = ctypes.CDLL(None, use_errno=True)
+_NAMESPACES = can_run_pods()
 
 pytestmark = [
     pytest.mark.skipif(PROVIDER not in available_providers(), reason="libfabric net provider missing"),
-    pytest.mark.skipif(can_run_pods() is not None, reason=f"network namespaces: {can_run_pods()}"),
+    pytest.mark.skipif(_NAMESPACES is not None, reason=f"network namespaces: {_NAMESPACES}"),
+    pytest.mark.skipif(not os.path.exists(TC), reason=f"missing tool {TC} (iproute2)"),
 ]
 
 _WRITER = f"""
@@ -116,7 +120,7 @@ def slow_link() -> Iterator[str]:
     try:
         _ip("netns", "exec", ns, IP, "link", "set", "lo", "up", "mtu", "9000")
         # burst above the MTU (tbf drops a packet larger than it); latency bounds its queue.
-        _ip("netns", "exec", ns, "tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", LINK_RATE,
+        _ip("netns", "exec", ns, TC, "qdisc", "add", "dev", "lo", "root", "tbf", "rate", LINK_RATE,
             "burst", "1mb", "latency", "100ms")
         yield ns
     finally:
@@ -183,6 +187,7 @@ class WriteUnderWay:
 
 @pytest.fixture
 def write(receiver: TransferEngine, slow_link: str) -> Iterator[WriteUnderWay]:
+    """A write under way from a writer process of this test's own (killed at the end)."""
     under_way = WriteUnderWay(receiver, slow_link)
     try:
         yield under_way
