@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 
@@ -31,6 +31,19 @@ def shared_vllm_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Share
         yield pair
     finally:
         pair.close()
+
+
+@pytest.fixture(scope="module")
+def decoder_engine() -> Iterator[Any]:
+    """An engine as the connector's decode half makes one, on loopback, for one module."""
+    from support.connector_halves import halves_engine
+    from kvxfer.transfer.engine import available_providers
+
+    engine = halves_engine("net" if "net" in available_providers() else "tcp")
+    try:
+        yield engine
+    finally:
+        engine.close()
 
 
 def _uses_pair(item: pytest.Item) -> bool:

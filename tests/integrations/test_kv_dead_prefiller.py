@@ -6,10 +6,7 @@ the connector's `KVReceiver` over a vLLM-laid-out cache, polled as vLLM's worker
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 
@@ -17,7 +14,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed")
 
-from support.connector_halves import decode_half, halves_engine  # noqa: E402
+from support.connector_halves import decode_half  # noqa: E402
+from support.silent_prefiller import SilentPrefiller  # noqa: E402
 from support.vllm_kv_caches import attention_spec, vllm_cache  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
@@ -34,40 +32,13 @@ FREED_WITHIN_S = 5.0
 FROZEN_WATCH_S = 4.0
 STARTUP_DEADLINE_S = 30.0
 
-#: A prefiller process that takes messages and never pushes (its address on stdout).
-_SILENT_PREFILLER = f"""
-import os
-from kvxfer.transfer.engine import TransferEngine
-engine = TransferEngine({PROVIDER!r}, same_host=False, bind_host="127.0.0.1", imm_admission="claimed")
-print(engine.address.hex(), flush=True)
-parent = os.getppid()
-while os.getppid() == parent:  # never outlives the test process
-    engine.recv(0.2)
-"""
-
-
-@pytest.fixture(scope="module")
-def decoder_engine() -> Iterator[TransferEngine]:
-    engine = halves_engine(PROVIDER)
-    try:
-        yield engine
-    finally:
-        engine.close()
-
-
 @pytest.fixture
-def prefiller() -> Iterator[tuple[subprocess.Popen[str], bytes]]:
-    proc = subprocess.Popen([sys.executable, "-c", _SILENT_PREFILLER], stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+def prefiller() -> Iterator[SilentPrefiller]:
+    pf = SilentPrefiller(PROVIDER, wait_s=STARTUP_DEADLINE_S)
     try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()  # bounded: the process prints or dies (then EOF)
-        assert line, "the prefiller process died before printing its address"
-        yield proc, bytes.fromhex(line.strip())
+        yield pf
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGCONT)
-            proc.kill()
-        proc.wait(timeout=STARTUP_DEADLINE_S)
+        pf.stop()
 
 
 def _reserve(engine: TransferEngine, address: bytes, settings: ConnectorSettings, tid: str) -> KVReceiver:
@@ -97,8 +68,8 @@ def _poll_until_finished(receiver: KVReceiver, request: str, within_s: float) ->
 
 
 def test_a_killed_prefillers_load_fails_and_frees_its_blocks_within_seconds(
-        decoder_engine: TransferEngine, prefiller: tuple[subprocess.Popen[str], bytes]) -> None:
-    proc, address = prefiller
+        decoder_engine: TransferEngine, prefiller: SilentPrefiller) -> None:
+    proc, address = prefiller.proc, prefiller.address
     receiver = _reserve(decoder_engine, address, ConnectorSettings(provider=PROVIDER), "killed")
     proc.kill()
     proc.wait(timeout=STARTUP_DEADLINE_S)
@@ -108,8 +79,8 @@ def test_a_killed_prefillers_load_fails_and_frees_its_blocks_within_seconds(
 
 
 def test_a_load_reserved_at_an_already_killed_prefiller_fails_within_seconds(
-        decoder_engine: TransferEngine, prefiller: tuple[subprocess.Popen[str], bytes]) -> None:
-    proc, address = prefiller
+        decoder_engine: TransferEngine, prefiller: SilentPrefiller) -> None:
+    proc, address = prefiller.proc, prefiller.address
     decoder_engine.send(address, b"hello").wait(STARTUP_DEADLINE_S)  # connected, as after an earlier hand-off
     proc.kill()
     proc.wait(timeout=STARTUP_DEADLINE_S)
@@ -121,8 +92,8 @@ def test_a_load_reserved_at_an_already_killed_prefiller_fails_within_seconds(
 
 
 def test_a_frozen_prefillers_load_keeps_the_full_fence(
-        decoder_engine: TransferEngine, prefiller: tuple[subprocess.Popen[str], bytes]) -> None:
-    proc, address = prefiller
+        decoder_engine: TransferEngine, prefiller: SilentPrefiller) -> None:
+    proc, address = prefiller.proc, prefiller.address
     # A short stall timeout sends the load to FENCING soon; the fence (15 s) must then hold.
     settings = ConnectorSettings(provider=PROVIDER, load_stall_timeout_s=1.0)
     receiver = _reserve(decoder_engine, address, settings, "frozen")

@@ -12,8 +12,6 @@ import logging
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 
@@ -21,7 +19,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed")
 
-from support.connector_halves import decode_half, halves_engine  # noqa: E402
+from support.connector_halves import decode_half  # noqa: E402
+from support.silent_prefiller import SilentPrefiller  # noqa: E402
 from support.vllm_kv_caches import attention_spec, vllm_cache  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
@@ -41,61 +40,13 @@ STARTUP_DEADLINE_S = 30.0
 #: The flooded listener's bound, and the connections the flood opens.
 MAX_HELD, FLOOD = 8, 200
 
-#: A prefiller process: an engine that takes messages and never pushes, and a liveness
-#: listener (its engine address, liveness address and keeper's pid on stdout), in a
-#: process group of its own (with its keeper), as a vLLM instance is.
-_PREFILLER = f"""
-import os, sys
-from kvxfer.integrations.vllm.prefiller_liveness import LivenessListener
-from kvxfer.transfer.engine import TransferEngine
-engine = TransferEngine({PROVIDER!r}, same_host=False, bind_host="127.0.0.1", imm_admission="claimed")
-listener = LivenessListener("127.0.0.1", int(sys.argv[1]))
-print(engine.address.hex(), listener.address, listener.keeper_pid, flush=True)
-parent = os.getppid()
-while os.getppid() == parent:  # never outlives the test process
-    engine.recv(0.2)
-"""
-
-
-@pytest.fixture(scope="module")
-def decoder_engine() -> Iterator[TransferEngine]:
-    engine = halves_engine(PROVIDER)
-    try:
-        yield engine
-    finally:
-        engine.close()
-
-
-class Prefiller:
-    """The prefiller process, its engine and liveness addresses and its keeper's pid."""
-
-    def __init__(self, max_held: int, cpus: set[int] | None = None) -> None:
-        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus is not None else None
-        self.proc = subprocess.Popen([sys.executable, "-c", _PREFILLER, str(max_held)], stdout=subprocess.PIPE,
-                                     text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
-                                     preexec_fn=pin)
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()  # bounded: the process prints or dies (then EOF)
-        assert line, "the prefiller process died before printing its addresses"
-        engine_hex, self.liveness, keeper = line.split()
-        self.address, self.keeper_pid = bytes.fromhex(engine_hex), int(keeper)
-
-    def signal_group(self, sig: int) -> None:
-        os.killpg(self.proc.pid, sig)
-
-
 @pytest.fixture
-def prefiller() -> Iterator[Prefiller]:
-    pf = Prefiller(MAX_HELD)
+def prefiller() -> Iterator[SilentPrefiller]:
+    pf = SilentPrefiller(PROVIDER, liveness_max_held=MAX_HELD, wait_s=STARTUP_DEADLINE_S)
     try:
         yield pf
     finally:
-        try:
-            pf.signal_group(signal.SIGCONT)
-            pf.signal_group(signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        pf.proc.wait(timeout=STARTUP_DEADLINE_S)
+        pf.stop()
 
 
 def _reserve(engine: TransferEngine, address: bytes, liveness: str, settings: ConnectorSettings,
@@ -134,7 +85,7 @@ def _fenced_because(caplog: pytest.LogCaptureFixture, transfer_id: str) -> list[
 
 @pytest.mark.parametrize("killed", ["group", "process"])
 def test_a_killed_prefillers_load_is_freed_by_its_liveness_connection(
-        decoder_engine: TransferEngine, prefiller: Prefiller, caplog: pytest.LogCaptureFixture, killed: str) -> None:
+        decoder_engine: TransferEngine, prefiller: SilentPrefiller, caplog: pytest.LogCaptureFixture, killed: str) -> None:
     # "group": the keeper dies with it; "process": the keeper outlives it until its pipe closes.
     settings = ConnectorSettings(provider=PROVIDER, prefiller_probe_after_s=PROBES_OUT_OF_REACH_S)
     receiver = _reserve(decoder_engine, prefiller.address, prefiller.liveness, settings, killed)
@@ -154,7 +105,7 @@ def test_a_killed_prefillers_load_is_freed_by_its_liveness_connection(
 
 
 def test_a_frozen_prefiller_is_not_declared_gone_by_its_liveness_connection(
-        decoder_engine: TransferEngine, prefiller: Prefiller, caplog: pytest.LogCaptureFixture) -> None:
+        decoder_engine: TransferEngine, prefiller: SilentPrefiller, caplog: pytest.LogCaptureFixture) -> None:
     address, liveness = prefiller.address, prefiller.liveness
     settings = ConnectorSettings(provider=PROVIDER, prefiller_probe_after_s=PROBES_OUT_OF_REACH_S,
                                  load_stall_timeout_s=0.5)
@@ -169,7 +120,7 @@ def test_a_frozen_prefiller_is_not_declared_gone_by_its_liveness_connection(
 
 
 def test_a_liveness_address_without_a_signal_leaves_the_probes_in_charge(
-        decoder_engine: TransferEngine, prefiller: Prefiller, caplog: pytest.LogCaptureFixture) -> None:
+        decoder_engine: TransferEngine, prefiller: SilentPrefiller, caplog: pytest.LogCaptureFixture) -> None:
     proc, address = prefiller.proc, prefiller.address
     # A port whose connections the kernel completes but nobody accepts: no HELD byte comes.
     mute = socket.create_server(("127.0.0.1", 0), backlog=4)
@@ -214,7 +165,7 @@ def _held_byte(sock: socket.socket, within_s: float) -> bytes | None:
 
 
 def test_a_flood_of_connections_to_the_liveness_port_is_bounded_and_the_port_keeps_serving(
-        prefiller: Prefiller) -> None:
+        prefiller: SilentPrefiller) -> None:
     proc, liveness, keeper = prefiller.proc, prefiller.liveness, prefiller.keeper_pid
     host, port = liveness.rsplit(":", 1)
     assert _held_again(liveness)  # the keeper serves: its descriptors are all open
@@ -252,7 +203,7 @@ def _held_again(liveness: str) -> bool:
     return held
 
 
-def test_a_keeper_killed_alone_is_started_again_on_the_same_port(prefiller: Prefiller) -> None:
+def test_a_keeper_killed_alone_is_started_again_on_the_same_port(prefiller: SilentPrefiller) -> None:
     os.kill(prefiller.keeper_pid, signal.SIGKILL)
     assert _held_again(prefiller.liveness)
     assert prefiller.proc.poll() is None
@@ -263,10 +214,9 @@ def test_the_keeper_of_a_prefiller_pinned_to_one_cpu_may_run_on_every_cpu() -> N
     """An instance pinned to its cores keeps them busy, most of all while the kernel tears it
     down after a kill: its keeper must be free to exit on another CPU."""
     allowed = os.sched_getaffinity(0)
-    pf = Prefiller(MAX_HELD, cpus={min(allowed)})
+    pf = SilentPrefiller(PROVIDER, liveness_max_held=MAX_HELD, cpus={min(allowed)}, wait_s=STARTUP_DEADLINE_S)
     try:
         assert os.sched_getaffinity(pf.proc.pid) == {min(allowed)}
         assert os.sched_getaffinity(pf.keeper_pid) == allowed
     finally:
-        pf.signal_group(signal.SIGKILL)
-        pf.proc.wait(timeout=STARTUP_DEADLINE_S)
+        pf.stop()
