@@ -825,6 +825,25 @@ class TransferEngine:
         self._peer_cache = {k: v for k, v in self._peer_cache.items() if v is not peer}
         self._remote_cache.forget_owner(peer.engine_id)
 
+    def sever_peer(self, address: bytes) -> bool:
+        """Cuts this process's TCP connections to the engine at `address` (a dead writer),
+        on the thread that runs the provider's progress; True where that proves that no
+        byte from it lands in this process's memory after this returns.
+
+        Each connection is shut down (Linux queues no new data on it after that) and what
+        its receive queue held is read and dropped before the call returns, so the provider
+        reads EOF or an error, and drops the op it was receiving. True only where every
+        rail of the peer had a connection of ours to its address (we opened it: the
+        decoder's reservation is the first message to a prefiller), the provider is net or
+        tcp (no progress thread of its own), and the peer cannot write through the
+        same-host path (no socket to cut). False proves nothing: a connection the peer
+        opened (an ephemeral port, not its address), another provider, a same-host peer.
+        A new connection is not prevented: revoke the registrations first, so that an op on
+        it is refused at its header."""
+        proven, per_rail = self._native.sever_peer(self._peer(address))
+        log.debug("severed connections to a peer, per rail: %s (proven: %s)", per_rail, proven)
+        return bool(proven)
+
     # -- ImmCounter -------------------------------------------------------------------
     def imm_count(self, imm: int) -> int:
         """Units of `imm` received so far (pages for paged writes, 1 per other write)."""

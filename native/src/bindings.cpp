@@ -450,6 +450,15 @@ PYBIND11_MODULE(_native, m) {
             GilRelease release;
             e.forget(*peer);
           })
+      .def("sever_peer", [](TransferEngine& e, std::shared_ptr<EngineAddress> peer) {
+            std::vector<size_t> per_rail;
+            bool proven = false;
+            {
+              GilRelease release;
+              proven = e.sever_peer(*peer, &per_rail);
+            }
+            return py::make_tuple(proven, per_rail);
+          })
       .def("stats", [](TransferEngine& e) {
             py::list out;
             if (e.closed()) return out;

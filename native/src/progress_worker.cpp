@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "connection_sever.hpp"
 #include "futex_wait.hpp"
 #include "sleep_policy.hpp"
 
@@ -200,6 +201,13 @@ void ProgressWorker::forget_peer(uint64_t engine_id) {
   if (it == peers_.end()) return;
   for (size_t r = 0; r < rails_.size(); ++r) rails_.rail(r).remove_peer(it->second[r]);
   peers_.erase(it);
+}
+
+std::vector<size_t> ProgressWorker::sever_peer_connections(const EngineAddress& peer) {
+  std::vector<size_t> severed;
+  for (const auto& raw : peer.rail_addresses)
+    severed.push_back(sever_tcp_connections_to(RailSocketAddress::from_raw(raw)));
+  return severed;
 }
 
 bool ProgressWorker::wait_transfer(TransferState& t, int64_t deadline_ns) {

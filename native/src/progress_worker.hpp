@@ -147,6 +147,10 @@ class ProgressWorker {
   // Worker-thread-only peer table, used from run_on_worker tasks too.
   std::vector<fi_addr_t>& peer_addresses(const EngineAddress& peer);
   void forget_peer(uint64_t engine_id);
+  // Worker only (run_on_worker), so that no read of the provider is under way: severs this
+  // process's TCP connections to each of the peer's rail addresses (connection_sever.hpp)
+  // and returns how many per rail of the peer.
+  std::vector<size_t> sever_peer_connections(const EngineAddress& peer);
 
  private:
   struct ControlTask {

@@ -1,0 +1,100 @@
+// Severing this process's connections to one peer address (connection_sever.hpp), on real
+// loopback TCP connections made here: bytes queued before the sever and bytes sent after it
+// are never read from the severed socket, and nothing else is touched.
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <string>
+
+#include "connection_sever.hpp"
+
+namespace kvxfer {
+namespace {
+
+// A listener on 127.0.0.1 (the peer's rail) and our connection to it.
+struct Connection {
+  int listener = -1, ours = -1, peers_end = -1;
+  sockaddr_in listen_address = {};
+  ~Connection() {
+    for (int fd : {listener, ours, peers_end})
+      if (fd >= 0) close(fd);
+  }
+};
+
+void connect_pair(Connection* c) {
+  c->listener = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  c->listen_address.sin_family = AF_INET;
+  c->listen_address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(c->listener, reinterpret_cast<sockaddr*>(&c->listen_address), sizeof c->listen_address), 0);
+  socklen_t len = sizeof c->listen_address;
+  ASSERT_EQ(getsockname(c->listener, reinterpret_cast<sockaddr*>(&c->listen_address), &len), 0);
+  ASSERT_EQ(listen(c->listener, 4), 0);
+  c->ours = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_EQ(connect(c->ours, reinterpret_cast<sockaddr*>(&c->listen_address), sizeof c->listen_address), 0);
+  c->peers_end = accept4(c->listener, nullptr, nullptr, SOCK_CLOEXEC);
+  ASSERT_GE(c->peers_end, 0);
+}
+
+RailSocketAddress rail(const sockaddr_in& a) {
+  return RailSocketAddress::from_raw(std::string(reinterpret_cast<const char*>(&a), sizeof a));
+}
+
+// Waits (at most 2 s) until `fd` is readable: data, EOF or an error.
+void wait_readable(int fd) {
+  pollfd p = {fd, POLLIN, 0};
+  ASSERT_EQ(poll(&p, 1, 2000), 1);
+}
+
+// What one non-blocking read of `fd` gives: the byte count, 0 at EOF, -1 on an error or none.
+ssize_t read_once(int fd) {
+  char buf[4096];
+  return recv(fd, buf, sizeof buf, MSG_DONTWAIT);
+}
+
+TEST(ConnectionSever, NoByteIsReadAfterTheSeverNeitherQueuedBeforeNorSentAfter) {
+  Connection c;
+  connect_pair(&c);
+  const std::string before(3000, 'a'), after(3000, 'b');
+  ASSERT_EQ(send(c.peers_end, before.data(), before.size(), 0), static_cast<ssize_t>(before.size()));
+  wait_readable(c.ours);  // queued on our side, unread
+  EXPECT_EQ(sever_tcp_connections_to(rail(c.listen_address)), 1u);
+  EXPECT_LE(read_once(c.ours), 0);
+  (void)send(c.peers_end, after.data(), after.size(), MSG_NOSIGNAL);  // may fail: we shut down
+  usleep(50'000);  // gives loopback time to deliver it, were it queued
+  EXPECT_LE(read_once(c.ours), 0);
+}
+
+TEST(ConnectionSever, TouchesNoOtherConnectionAndNoListener) {
+  Connection severed, other;
+  connect_pair(&severed);
+  connect_pair(&other);
+  EXPECT_EQ(sever_tcp_connections_to(rail(severed.listen_address)), 1u);
+  const std::string message(100, 'x');
+  ASSERT_EQ(send(other.peers_end, message.data(), message.size(), 0), static_cast<ssize_t>(message.size()));
+  wait_readable(other.ours);
+  EXPECT_EQ(read_once(other.ours), static_cast<ssize_t>(message.size()));
+  // The severed peer's listener still accepts connections.
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  EXPECT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&severed.listen_address), sizeof severed.listen_address), 0);
+  close(fd);
+}
+
+TEST(ConnectionSever, AWildcardOrNonSocketAddressSeversNothing) {
+  Connection c;
+  connect_pair(&c);
+  sockaddr_in wildcard = c.listen_address;
+  wildcard.sin_addr.s_addr = htonl(INADDR_ANY);
+  EXPECT_EQ(sever_tcp_connections_to(rail(wildcard)), 0u);
+  EXPECT_EQ(sever_tcp_connections_to(RailSocketAddress::from_raw("shm-name")), 0u);
+  const std::string message(10, 'y');
+  ASSERT_EQ(send(c.peers_end, message.data(), message.size(), 0), static_cast<ssize_t>(message.size()));
+  wait_readable(c.ours);
+  EXPECT_EQ(read_once(c.ours), static_cast<ssize_t>(message.size()));
+}
+
+}  // namespace
+}  // namespace kvxfer
