@@ -830,16 +830,18 @@ class TransferEngine:
         on the thread that runs the provider's progress; True where that proves that no
         byte from it lands in this process's memory after this returns.
 
-        Each connection is shut down (Linux queues no new data on it after that) and what
-        its receive queue held is read and dropped before the call returns, so the provider
-        reads EOF or an error, and drops the op it was receiving. True only where every
-        rail of the peer had a connection of ours to its address (we opened it: the
-        decoder's reservation is the first message to a prefiller), the provider is net or
-        tcp (no progress thread of its own), and the peer cannot write through the
-        same-host path (no socket to cut). False proves nothing: a connection the peer
-        opened (an ephemeral port, not its address), another provider, a same-host peer.
-        A new connection is not prevented: revoke the registrations first, so that an op on
-        it is refused at its header."""
+        Each connection to one of its rail addresses is shut down (Linux queues no new data
+        on it after that) and what its receive queue held is read and dropped before the
+        call returns, so the provider reads EOF or an error and drops the op it was
+        receiving. True only where, besides those, no socket of this process may carry the
+        peer's bytes: none that our listeners accepted from its host (the peer opened it,
+        from a port that names no one), no reset connection with unread bytes (a reset
+        leaves no peer address to tell whose), the provider is net or tcp (no progress
+        thread of its own), and the peer cannot write through the same-host path (no socket
+        to cut). A connection the provider already closed counts as cut. False proves
+        nothing and touches no other peer's connection. A connection opened after this is
+        not prevented: revoke the registrations first, so that an op on it is refused at
+        its header (net checks a write's key at the op's header)."""
         proven, per_rail = self._native.sever_peer(self._peer(address))
         log.debug("severed connections to a peer, per rail: %s (proven: %s)", per_rail, proven)
         return bool(proven)

@@ -1,6 +1,7 @@
 #include "connection_sever.hpp"
 
 #include <netinet/in.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 
 #include <cerrno>
@@ -9,19 +10,32 @@
 namespace kvxfer {
 namespace {
 
-bool same_address(const sockaddr_storage& a, const sockaddr_storage& b) {
-  if (a.ss_family != b.ss_family) return false;
-  if (a.ss_family == AF_INET) {
-    const auto& x = reinterpret_cast<const sockaddr_in&>(a);
-    const auto& y = reinterpret_cast<const sockaddr_in&>(b);
-    return x.sin_port == y.sin_port && x.sin_addr.s_addr == y.sin_addr.s_addr &&
-           x.sin_addr.s_addr != htonl(INADDR_ANY);
+// Same family and IP; a wildcard IP on the peer's side is the same as any (unknown host).
+bool same_host(const sockaddr_storage& peer, const sockaddr_storage& other) {
+  if (peer.ss_family != other.ss_family) return false;
+  if (peer.ss_family == AF_INET) {
+    const auto& x = reinterpret_cast<const sockaddr_in&>(peer);
+    const auto& y = reinterpret_cast<const sockaddr_in&>(other);
+    return x.sin_addr.s_addr == y.sin_addr.s_addr || x.sin_addr.s_addr == htonl(INADDR_ANY);
   }
-  if (a.ss_family != AF_INET6) return false;
-  const auto& x = reinterpret_cast<const sockaddr_in6&>(a);
-  const auto& y = reinterpret_cast<const sockaddr_in6&>(b);
-  return x.sin6_port == y.sin6_port && std::memcmp(&x.sin6_addr, &y.sin6_addr, sizeof x.sin6_addr) == 0 &&
-         !IN6_IS_ADDR_UNSPECIFIED(&x.sin6_addr);
+  if (peer.ss_family != AF_INET6) return false;
+  const auto& x = reinterpret_cast<const sockaddr_in6&>(peer);
+  const auto& y = reinterpret_cast<const sockaddr_in6&>(other);
+  return std::memcmp(&x.sin6_addr, &y.sin6_addr, sizeof x.sin6_addr) == 0 || IN6_IS_ADDR_UNSPECIFIED(&x.sin6_addr);
+}
+
+uint16_t port_of(const sockaddr_storage& a) {
+  return a.ss_family == AF_INET ? reinterpret_cast<const sockaddr_in&>(a).sin_port
+                                : reinterpret_cast<const sockaddr_in6&>(a).sin6_port;
+}
+
+// Exactly the peer's address: its host (not a wildcard) and port.
+bool same_address(const sockaddr_storage& peer, const sockaddr_storage& other) {
+  if (peer.ss_family != AF_INET && peer.ss_family != AF_INET6) return false;
+  const bool wildcard = peer.ss_family == AF_INET
+                            ? reinterpret_cast<const sockaddr_in&>(peer).sin_addr.s_addr == htonl(INADDR_ANY)
+                            : IN6_IS_ADDR_UNSPECIFIED(&reinterpret_cast<const sockaddr_in6&>(peer).sin6_addr);
+  return !wildcard && same_host(peer, other) && port_of(peer) == port_of(other);
 }
 
 // Reads and drops what the receive queue holds. Bounded: after shutdown(SHUT_RDWR) nothing
@@ -36,19 +50,43 @@ void discard_received(int fd) {
   }
 }
 
+bool is_listener(int fd) {
+  int listening = 0;
+  socklen_t len = sizeof listening;
+  return getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &len) == 0 && listening;
+}
+
+// Bytes a read would still return (FIONREAD: for TCP, what the receive queue holds).
+int queued_bytes(int fd) {
+  int n = 0;
+  return ioctl(fd, FIONREAD, &n) == 0 ? n : 0;
+}
+
 }  // namespace
 
-size_t sever_tcp_connections_to(const RailSocketAddress& peer) {
-  if (!peer.valid) return 0;
-  size_t severed = 0;
-  for_each_tcp_socket([&](int fd, const sockaddr_storage&, const sockaddr_storage* remote) {
-    if (!remote || !same_address(peer.addr, *remote)) return;
-    // ENOTCONN: the connection was already gone; its queue is drained all the same.
-    (void)shutdown(fd, SHUT_RDWR);
-    discard_received(fd);
-    ++severed;
+SeverResult sever_tcp_connections_to(const RailSocketAddress& peer, const std::vector<RailSocketAddress>& ours) {
+  SeverResult result;
+  if (!peer.valid) return result;
+  result.proven = true;
+  for_each_tcp_socket([&](int fd, const sockaddr_storage& local, const sockaddr_storage* remote) {
+    if (!remote) {
+      // A listener, or a connection already reset whose peer the kernel no longer names:
+      // harmless unless bytes are left in it for the provider to read.
+      if (!is_listener(fd) && queued_bytes(fd) > 0) result.proven = false;
+      return;
+    }
+    if (same_address(peer.addr, *remote)) {
+      // ENOTCONN: the connection went meanwhile; its queue is drained all the same.
+      (void)shutdown(fd, SHUT_RDWR);
+      discard_received(fd);
+      ++result.severed;
+      return;
+    }
+    if (!same_host(peer.addr, *remote)) return;
+    for (const auto& rail : ours)
+      if (rail.matches(local)) result.proven = false;  // accepted from the peer's host: maybe the peer's
   });
-  return severed;
+  return result;
 }
 
 }  // namespace kvxfer

@@ -9,7 +9,6 @@
 #include <algorithm>
 #include <cstring>
 
-#include "connection_sever.hpp"
 #include "futex_wait.hpp"
 #include "sleep_policy.hpp"
 
@@ -203,11 +202,13 @@ void ProgressWorker::forget_peer(uint64_t engine_id) {
   peers_.erase(it);
 }
 
-std::vector<size_t> ProgressWorker::sever_peer_connections(const EngineAddress& peer) {
-  std::vector<size_t> severed;
+std::vector<SeverResult> ProgressWorker::sever_peer_connections(const EngineAddress& peer) {
+  std::vector<RailSocketAddress> ours;
+  for (size_t r = 0; r < rails_.size(); ++r) ours.push_back(RailSocketAddress::from_raw(rails_.rail(r).address()));
+  std::vector<SeverResult> results;
   for (const auto& raw : peer.rail_addresses)
-    severed.push_back(sever_tcp_connections_to(RailSocketAddress::from_raw(raw)));
-  return severed;
+    results.push_back(sever_tcp_connections_to(RailSocketAddress::from_raw(raw), ours));
+  return results;
 }
 
 bool ProgressWorker::wait_transfer(TransferState& t, int64_t deadline_ns) {

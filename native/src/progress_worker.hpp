@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "bounded_queue.hpp"
+#include "connection_sever.hpp"
 #include "engine_types.hpp"
 #include "control_inbox.hpp"
 #include "control_recv_slots.hpp"
@@ -148,9 +149,9 @@ class ProgressWorker {
   std::vector<fi_addr_t>& peer_addresses(const EngineAddress& peer);
   void forget_peer(uint64_t engine_id);
   // Worker only (run_on_worker), so that no read of the provider is under way: severs this
-  // process's TCP connections to each of the peer's rail addresses (connection_sever.hpp)
-  // and returns how many per rail of the peer.
-  std::vector<size_t> sever_peer_connections(const EngineAddress& peer);
+  // process's TCP connections to each of the peer's rail addresses (connection_sever.hpp),
+  // one result per rail of the peer.
+  std::vector<SeverResult> sever_peer_connections(const EngineAddress& peer);
 
  private:
   struct ControlTask {

@@ -542,12 +542,16 @@ bool TransferEngine::sever_peer(const EngineAddress& peer, std::vector<size_t>* 
   // Other socket providers (sockets) run progress threads of their own: a sever on ours
   // would race their reads. Non-socket providers have no connection to find.
   if (provider_ != "net" && provider_ != "tcp") return false;
-  worker_->run_on_worker([&] { *per_rail = worker_->sever_peer_connections(peer); }, 30'000'000'000LL);
+  std::vector<SeverResult> results;
+  worker_->run_on_worker([&] { results = worker_->sever_peer_connections(peer); }, 30'000'000'000LL);
   const bool same_host = !address_.same_host.host_key.empty() &&
                          peer.same_host.host_key == address_.same_host.host_key;
-  bool every_rail = !per_rail->empty();
-  for (size_t n : *per_rail) every_rail = every_rail && n > 0;
-  return every_rail && !same_host;
+  bool proven = !results.empty() && !same_host;
+  for (size_t r = 0; r < results.size(); ++r) {
+    (*per_rail)[r] = results[r].severed;
+    proven = proven && results[r].proven;
+  }
+  return proven;
 }
 
 }  // namespace kvxfer

@@ -125,12 +125,12 @@ class TransferEngine {
   void release_imm(uint32_t imm);
   void forget(const EngineAddress& peer);
   // Severs, on the thread that runs the provider's progress, every TCP connection of this
-  // process to one of `peer`'s rail addresses; `per_rail` gets how many per rail of the
-  // peer. True only where that proves no byte from the peer lands after this returns: a
-  // socket provider whose progress only that thread makes (net, tcp), every rail's
-  // connection found and severed, and a peer that cannot write through the same-host path
-  // (which has no socket). Not proven (false): no connection of ours to a rail (the peer
-  // opened it: its address is an ephemeral port), another provider, or a same-host peer.
+  // process to one of `peer`'s rail addresses (connection_sever.hpp); `per_rail` gets how
+  // many per rail of the peer. True only where that proves no byte from the peer lands
+  // after this returns: a socket provider whose progress only that thread makes (net,
+  // tcp), no other socket that may carry the peer's bytes (a connection our listeners
+  // accepted from its host, a reset one with unread bytes), and a peer that cannot write
+  // through the same-host path (which has no socket).
   bool sever_peer(const EngineAddress& peer, std::vector<size_t>* per_rail);
 
   ProgressWorker& worker() { return *worker_; }

@@ -1,6 +1,7 @@
 // Severing this process's connections to one peer address (connection_sever.hpp), on real
 // loopback TCP connections made here: bytes queued before the sever and bytes sent after it
-// are never read from the severed socket, and nothing else is touched.
+// are never read from the severed socket, nothing else is touched, and the sever is proven
+// only where no other socket may carry the peer's bytes.
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
@@ -9,6 +10,7 @@
 #include <unistd.h>
 
 #include <string>
+#include <vector>
 
 #include "connection_sever.hpp"
 
@@ -43,6 +45,9 @@ RailSocketAddress rail(const sockaddr_in& a) {
   return RailSocketAddress::from_raw(std::string(reinterpret_cast<const char*>(&a), sizeof a));
 }
 
+// This engine's rails, for tests where no listener of ours matters: an address nobody uses.
+const std::vector<RailSocketAddress> kNoRails;
+
 // Waits (at most 2 s) until `fd` is readable: data, EOF or an error.
 void wait_readable(int fd) {
   pollfd p = {fd, POLLIN, 0};
@@ -61,7 +66,9 @@ TEST(ConnectionSever, NoByteIsReadAfterTheSeverNeitherQueuedBeforeNorSentAfter) 
   const std::string before(3000, 'a'), after(3000, 'b');
   ASSERT_EQ(send(c.peers_end, before.data(), before.size(), 0), static_cast<ssize_t>(before.size()));
   wait_readable(c.ours);  // queued on our side, unread
-  EXPECT_EQ(sever_tcp_connections_to(rail(c.listen_address)), 1u);
+  const SeverResult result = sever_tcp_connections_to(rail(c.listen_address), kNoRails);
+  EXPECT_EQ(result.severed, 1u);
+  EXPECT_TRUE(result.proven);
   EXPECT_LE(read_once(c.ours), 0);
   (void)send(c.peers_end, after.data(), after.size(), MSG_NOSIGNAL);  // may fail: we shut down
   usleep(50'000);  // gives loopback time to deliver it, were it queued
@@ -72,7 +79,7 @@ TEST(ConnectionSever, TouchesNoOtherConnectionAndNoListener) {
   Connection severed, other;
   connect_pair(&severed);
   connect_pair(&other);
-  EXPECT_EQ(sever_tcp_connections_to(rail(severed.listen_address)), 1u);
+  EXPECT_EQ(sever_tcp_connections_to(rail(severed.listen_address), kNoRails).severed, 1u);
   const std::string message(100, 'x');
   ASSERT_EQ(send(other.peers_end, message.data(), message.size(), 0), static_cast<ssize_t>(message.size()));
   wait_readable(other.ours);
@@ -88,12 +95,55 @@ TEST(ConnectionSever, AWildcardOrNonSocketAddressSeversNothing) {
   connect_pair(&c);
   sockaddr_in wildcard = c.listen_address;
   wildcard.sin_addr.s_addr = htonl(INADDR_ANY);
-  EXPECT_EQ(sever_tcp_connections_to(rail(wildcard)), 0u);
-  EXPECT_EQ(sever_tcp_connections_to(RailSocketAddress::from_raw("shm-name")), 0u);
+  EXPECT_EQ(sever_tcp_connections_to(rail(wildcard), kNoRails).severed, 0u);
+  const SeverResult not_a_socket = sever_tcp_connections_to(RailSocketAddress::from_raw("shm-name"), kNoRails);
+  EXPECT_EQ(not_a_socket.severed, 0u);
+  EXPECT_FALSE(not_a_socket.proven);
   const std::string message(10, 'y');
   ASSERT_EQ(send(c.peers_end, message.data(), message.size(), 0), static_cast<ssize_t>(message.size()));
   wait_readable(c.ours);
   EXPECT_EQ(read_once(c.ours), static_cast<ssize_t>(message.size()));
+}
+
+TEST(ConnectionSever, AConnectionOurListenerAcceptedFromThePeersHostIsNotProven) {
+  // `c`'s listener is our rail; its accepted connection comes from 127.0.0.1, the host of
+  // the peer at `other`'s address, and may be that peer's own (an ephemeral port).
+  Connection c, other;
+  connect_pair(&c);
+  connect_pair(&other);
+  const std::vector<RailSocketAddress> ours = {rail(c.listen_address)};
+  const SeverResult result = sever_tcp_connections_to(rail(other.listen_address), ours);
+  EXPECT_EQ(result.severed, 1u);
+  EXPECT_FALSE(result.proven);
+  const std::string message(10, 'z');  // the accepted connection is untouched
+  ASSERT_EQ(send(c.ours, message.data(), message.size(), 0), static_cast<ssize_t>(message.size()));
+  wait_readable(c.peers_end);
+  EXPECT_EQ(read_once(c.peers_end), static_cast<ssize_t>(message.size()));
+}
+
+TEST(ConnectionSever, AResetConnectionWithUnreadBytesIsNotProvenAndNoSocketAtAllIs) {
+  Connection c;
+  connect_pair(&c);
+  sockaddr_in gone = c.listen_address;
+  close(c.listener);
+  c.listener = -1;
+  EXPECT_TRUE(sever_tcp_connections_to(rail(gone), kNoRails).proven);  // our connection: severed
+  Connection reset;
+  connect_pair(&reset);
+  const std::string unread(1000, 'r');
+  ASSERT_EQ(send(reset.peers_end, unread.data(), unread.size(), 0), static_cast<ssize_t>(unread.size()));
+  wait_readable(reset.ours);
+  linger abort_on_close = {1, 0};  // close with a reset, as a writer killed with unread input
+  ASSERT_EQ(setsockopt(reset.peers_end, SOL_SOCKET, SO_LINGER, &abort_on_close, sizeof abort_on_close), 0);
+  close(reset.peers_end);
+  reset.peers_end = -1;
+  usleep(50'000);
+  sockaddr_in nobody = gone;
+  nobody.sin_port = 0;  // no socket is connected to it
+  EXPECT_FALSE(sever_tcp_connections_to(rail(nobody), kNoRails).proven);  // `reset.ours` still holds bytes
+  char buf[2000];
+  EXPECT_EQ(recv(reset.ours, buf, sizeof buf, MSG_DONTWAIT), static_cast<ssize_t>(unread.size()));  // untouched
+  EXPECT_TRUE(sever_tcp_connections_to(rail(nobody), kNoRails).proven);  // read: nothing left in it
 }
 
 }  // namespace
