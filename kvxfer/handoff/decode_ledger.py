@@ -24,7 +24,8 @@ caller's one loop walks it: no thread or timer here):
   progress (`progress()`: more writes counted; the connector's `load_stall_timeout_s`);
   whichever comes first.
 - FENCED: `fence_timeout_s` after the fence, cut to `fence_s` by `writer_gone()` when the
-  prefiller process is known to be gone (the connector's `dead_prefiller_fence_s`).
+  prefiller process is known to be gone (the connector's `dead_prefiller_fence_s`, or 0
+  where the writer's connections were severed after the revoke).
 
 The ledger never touches the engine: `forget_imm` is called with an entry's immediate when
 it is fenced and when it is freed, so the decoder resets its count there; `close_writes` is
@@ -302,7 +303,9 @@ class ReservationLedger:
         """The prefiller process is gone (it can post nothing more, and the reservation's
         registration is revoked): a FENCED entry's fence ends at most `fence_s` from now,
         the grace for the rest of the op under way at the revoke, which the revoke does not
-        stop and the dead writer's kernel still sends. None unless it is FENCED."""
+        stop and the dead writer's kernel still sends; 0 where no connection of the writer
+        is left after the revoke (`TransferEngine.sever_peer` proved it), so none of that op
+        can land. None unless it is FENCED."""
         with self._lock:
             entry = self._entries.get(request_id)
             if entry is None or entry.state is not S.FENCED:

@@ -11,6 +11,12 @@ what can land after the revoke is the rest of one op (at most the engine's 4 MiB
 op), and only as fast as the link delivers it: from a killed writer, the bytes its kernel
 still holds, sent by the kernel after the process is gone.
 
+Severing the writer's connection after the revoke (`TransferEngine.sever_peer`, on the
+progress thread) stops that op too: nothing lands after the sever returns, from a killed
+writer or a frozen one woken after it. The sever proves that only over a connection the
+receiver opened (the connector's decoder opens it with its reservation); one the writer
+opened cannot be told from another process's on its host, and is left alone.
+
 Both processes run in a network namespace of this module's own whose loopback is cut to
 LINK_RATE (tc tbf), as a real link between two hosts is slower than loopback: the receiver
 is this test process (its engine made inside the namespace), the writer a subprocess that
@@ -77,7 +83,11 @@ engine = TransferEngine({PROVIDER!r}, same_host=False, bind_host="127.0.0.1", tr
 source = np.full({REGION_BYTES}, {FILL}, np.uint8)
 memory = engine.register(source)
 print(engine.address.hex(), flush=True)
-descriptor = bytes.fromhex(sys.stdin.readline().strip())
+line = sys.stdin.readline().strip()
+# "message": the descriptor comes as the receiver's first message, over a connection the
+# receiver opens (the connector's reservation); otherwise it is the line itself.
+descriptor = engine.recv({STARTUP_DEADLINE_S}) if line == "message" else bytes.fromhex(line)
+assert descriptor, "no reservation message"
 pages = list(range({REGION_BYTES // PAGE}))
 engine.write_paged(memory, pages, descriptor, pages, {PAGE}, imm={IMM}).wait(60)
 """
@@ -140,9 +150,12 @@ def receiver(slow_link: str) -> Iterator[TransferEngine]:
 
 class WriteUnderWay:
     """A writer process posting one paged write over the slow link into a fresh zeroed
-    region of `receiver`, registered as one MemoryWindows (per_reservation style)."""
+    region of `receiver`, registered as one MemoryWindows (per_reservation style). With
+    `receiver_opens` the receiver sends the descriptor as its first message, so the one
+    connection between the two is the receiver's, as the connector's decoder opens it with
+    its reservation; otherwise the writer opens it with its first op."""
 
-    def __init__(self, receiver: TransferEngine, ns: str) -> None:
+    def __init__(self, receiver: TransferEngine, ns: str, receiver_opens: bool = False) -> None:
         self.target = np.zeros(REGION_BYTES, np.uint8)
         self.region = receiver.register(self.target)
         self.windows = receiver.register_windows(self.region, [(0, REGION_BYTES)])
@@ -153,8 +166,10 @@ class WriteUnderWay:
         line = self.proc.stdout.readline()  # bounded: it prints or dies (then EOF)
         assert line, "the writer process died before printing its address"
         self.address = bytes.fromhex(line.strip())
-        self.proc.stdin.write(self.windows.descriptor.hex() + "\n")
+        self.proc.stdin.write("message\n" if receiver_opens else self.windows.descriptor.hex() + "\n")
         self.proc.stdin.flush()
+        if receiver_opens:
+            receiver.send(self.address, self.windows.descriptor).wait(STARTUP_DEADLINE_S)
 
     def landed(self) -> int:
         return int(np.count_nonzero(self.target))
@@ -189,6 +204,17 @@ class WriteUnderWay:
 def write(receiver: TransferEngine, slow_link: str) -> Iterator[WriteUnderWay]:
     """A write under way from a writer process of this test's own (killed at the end)."""
     under_way = WriteUnderWay(receiver, slow_link)
+    try:
+        yield under_way
+    finally:
+        under_way.close(receiver)
+
+
+@pytest.fixture
+def reserved_write(receiver: TransferEngine, slow_link: str) -> Iterator[WriteUnderWay]:
+    """A write under way over the connection the receiver opened (its reservation message),
+    from a writer process of this test's own (killed at the end)."""
+    under_way = WriteUnderWay(receiver, slow_link, receiver_opens=True)
     try:
         yield under_way
     finally:
@@ -243,3 +269,55 @@ def test_the_op_in_progress_at_the_revoke_lands_in_full_even_after_forget_and_no
     assert final == op_end, (f"landed {at_revoke} at the revoke, {final} in the end: expected the op in "
                              f"progress to finish at {op_end} and nothing after it")
     assert write.proc.wait(timeout=STARTUP_DEADLINE_S) != 0, "the refused op did not fail at the writer"
+
+
+def test_a_killed_writers_op_lands_no_byte_after_revoke_and_sever(
+        reserved_write: WriteUnderWay, receiver: TransferEngine, record_property: pytest.RecordProperty) -> None:
+    # The decoder's dead-prefiller path: the writer is SIGKILLed mid-op (its kernel still
+    # sends what it held), the registration revoked, then its connection severed on the
+    # progress thread. What landed when the sever returned is all that ever lands.
+    write = reserved_write
+    write.wait_first_bytes()
+    write.proc.kill()
+    write.windows.close()
+    proven = receiver.sever_peer(write.address)
+    at_sever = write.landed()
+    final = write.settle(QUIET_S)
+    record_property("bytes_after_sever", final - at_sever)
+    assert proven, "the receiver's connection to the writer was not found"
+    assert final == at_sever, f"{final - at_sever} bytes of the killed writer's op landed after the sever"
+    assert final < REGION_BYTES, "the write finished before the kill: nothing was checked"
+
+
+def test_a_stopped_writer_woken_after_revoke_and_sever_lands_nothing_more_and_fails(
+        reserved_write: WriteUnderWay, receiver: TransferEngine) -> None:
+    # A writer frozen mid-op (declared gone) that wakes after the sever: the rest of the op
+    # it was sending does not land (without the sever it lands in full, test above), and
+    # its transfer fails.
+    write = reserved_write
+    write.wait_first_bytes()
+    _stopped_mid_op(write)
+    write.windows.close()
+    assert receiver.sever_peer(write.address)
+    at_sever = write.landed()
+    write.proc.send_signal(signal.SIGCONT)
+    final = write.settle(QUIET_S)
+    assert final == at_sever, f"{final - at_sever} bytes landed after the sever, from the woken writer"
+    assert write.proc.wait(timeout=STARTUP_DEADLINE_S) != 0, "the writer's transfer did not fail"
+
+
+def test_severing_a_peer_without_a_connection_of_ours_proves_nothing_and_cuts_no_other(
+        write: WriteUnderWay, receiver: TransferEngine, slow_link: str) -> None:
+    # `write`'s writer opened its connection (an ephemeral port on its side, not its
+    # address), and a stranger engine never talked to the receiver: neither sever finds a
+    # connection, and the write under way keeps landing over its connection to the end.
+    with _inside(slow_link):
+        stranger = TransferEngine(PROVIDER, same_host=False, bind_host="127.0.0.1")
+    try:
+        write.wait_first_bytes()
+        assert not receiver.sever_peer(stranger.address)
+        assert not receiver.sever_peer(write.address)
+        assert write.proc.wait(timeout=STARTUP_DEADLINE_S) == 0, "the live writer's transfer failed"
+        assert write.landed() == REGION_BYTES
+    finally:
+        stranger.close()

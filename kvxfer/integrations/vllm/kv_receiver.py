@@ -186,6 +186,8 @@ class DecodeLoad:
     sent: Transfer | None = None  # the reservation message, until it is known to have left
     cancel_sent: Transfer | None = None  # the cancel message (fenced), until it is known to have left
     cancel_sent_at: float = 0.0
+    #: Its prefiller is gone and its connections were severed after the revoke: no byte lands.
+    writer_severed: bool = False
 
     @property
     def pages(self) -> list[int]:
@@ -446,20 +448,43 @@ class KVReceiver:
         self._liveness.keep(watched)
 
     def _prefiller_gone(self, address: bytes, why: str, now: float) -> None:
-        """Every load waiting on the prefiller at `address` fails, freed after the short
-        dead_prefiller_fence_s where its registration was its own (see the module docstring)."""
+        """Every load waiting on the prefiller at `address` fails. Where its registration
+        was its own it is freed at once if the prefiller's connections were severed after
+        every such load's revoke, else after the short dead_prefiller_fence_s (see the
+        module docstring)."""
+        fenced: list[DecodeLoad] = []
         for parts in self._loads.values():
             for load in parts:
                 if load.spec.prefill_engine != address:
                     continue
                 if load.state in WAITING and load.reservation is not None:
-                    self._to_fencing(load, "prefiller_gone", why, send_cancel=False)
+                    self._to_fencing(load, "prefiller_gone", why, send_cancel=False)  # revokes its scope
                 if load.state is Res.FENCED:
-                    self._shorten_fence(load)
+                    fenced.append(load)
+        # Only after every revoke: an op on a connection opened after the sever is refused.
+        severed = bool(fenced) and self.settings.kv_registration == "per_reservation" and self._sever(address)
+        for load in fenced:
+            self._shorten_fence(load, severed)
 
-    def _shorten_fence(self, load: DecodeLoad) -> None:
+    def _sever(self, address: bytes) -> bool:
+        """Cuts this process's connections to the dead prefiller (TransferEngine.sever_peer);
+        True where that proves no byte of it lands any more."""
+        try:
+            severed = self.engine.sever_peer(address)
+        except Exception as exc:  # a closed engine or a malformed address: keep the timer
+            log.info("severing a dead prefiller's connections failed: %s", exc)
+            return False
+        if not severed:
+            log.info("a dead prefiller's connections are not all ours to sever: its loads keep "
+                     "dead_prefiller_fence_s=%s", self.settings.dead_prefiller_fence_s)
+        return severed
+
+    def _shorten_fence(self, load: DecodeLoad, severed: bool = False) -> None:
+        """The prefiller is gone: the fence ends at once where its connections were severed
+        after the revoke, else dead_prefiller_fence_s from now (per_reservation only)."""
         if self.settings.kv_registration == "per_reservation" and load.entry is not None:
-            self.ledger.writer_gone(load.entry.request_id, self.settings.dead_prefiller_fence_s)
+            load.writer_severed = load.writer_severed or severed
+            self.ledger.writer_gone(load.entry.request_id, 0.0 if severed else self.settings.dead_prefiller_fence_s)
 
     # ---- from the prefiller ---------------------------------------------------------------
 
@@ -582,7 +607,11 @@ class KVReceiver:
             elif load.cancel_sent.done():
                 load.cancel_sent = None
         if load.state is Res.FENCED and entry.deadline is not None and now > entry.deadline:
-            if entry.writer_gone:
+            if entry.writer_gone and load.writer_severed:
+                self._fence_over(load, None, f"{load.reason}; the prefiller process is gone and no connection of "
+                                 f"it is left open after the revoke (severed, or closed): no byte of it can land "
+                                 f"(no dead_prefiller_fence_s wait)")
+            elif entry.writer_gone:
                 self._fence_over(load, None, f"{load.reason}; the prefiller process is gone, "
                                  f"dead_prefiller_fence_s={self.settings.dead_prefiller_fence_s} passed")
             else:
