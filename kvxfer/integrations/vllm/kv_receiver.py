@@ -21,7 +21,8 @@ A prefiller frozen longer than `fence_timeout_s` that wakes up refuses to post, 
 its own `transfer_timeout_s` is shorter than the fence (checked on both sides). Not
 covered: the rest of an op it was sending when it froze still lands when it wakes (with
 per_reservation at most that one op, the next one's header refused: measured in
-tests/integrations/test_kv_revoked_write_in_progress.py), however long the fence was.
+tests/integrations/test_kv_revoked_write_in_progress.py), however long the fence was,
+unless it was declared gone and its connections severed (below).
 
 Where `kv_integrity` is on, a load is admitted only once every write landed and the
 prefiller's checksum table arrived (a control message, tagged where the cluster has a key:
@@ -77,11 +78,19 @@ whose header arrives after that is refused (and its connection cut). The op alre
 way is not stopped: the provider checked its key at its header and copies the rest as it
 arrives, and forgetting the peer (fi_av_remove) does not stop it either (measured over a
 200 Mbit/s link: tests/integrations/test_kv_revoked_write_in_progress.py). A killed
-writer's kernel keeps sending what it held of that op, at most one op (4 MiB), so the
-blocks are freed only once that can have arrived: `dead_prefiller_fence_s` sizes it for a
-1 Gbit/s link and two lost-segment retransmissions (its description); a slower or lossier
-link needs it raised. With the whole_cache registration nothing is revoked, so such a load
-keeps the full fence.
+writer's kernel keeps sending what it held of that op, at most one op (4 MiB). So, once
+every load of the prefiller was revoked, the receiver severs the prefiller's connections
+(`TransferEngine.sever_peer`, on the progress thread: each socket connected to its rail
+addresses shut down and its receive queue dropped, so the provider reads EOF and drops the
+op). Where that proves no byte of it lands any more (net or tcp; no connection our
+listener accepted from its host and no reset one with unread bytes, which cannot be told
+from another peer's; not a same-host peer; a connection the provider already closed counts
+as cut), its loads are freed at once. In the connector flow the decoder opens the
+connection (its reservation is the first message), so that is the usual case. Otherwise
+the blocks are freed only once that op can have arrived: `dead_prefiller_fence_s` sizes it
+for a 1 Gbit/s link and two lost-segment retransmissions (its description); a slower or
+lossier link needs it raised. With the whole_cache registration nothing is revoked, so such
+a load keeps the full fence.
 """
 
 from __future__ import annotations

@@ -69,7 +69,10 @@ class ConnectorSettings(BaseModel):
         "a millisecond on loopback (the margin is for the decoder's own progress thread on a starved host)")
     dead_prefiller_fence_s: float = Field(
         1.0, ge=0, description="with kv_registration per_reservation, how long a load of a gone prefiller keeps its "
-        "blocks after its registration was revoked (instead of fence_timeout_s). The revoke stops every op whose "
+        "blocks after its registration was revoked (instead of fence_timeout_s), where severing the prefiller's "
+        "connections after the revoke (TransferEngine.sever_peer) proved nothing: a connection the prefiller "
+        "opened, a reset one with unread bytes, a same-host peer, a provider other than net or tcp. Where it "
+        "proved that no byte of the prefiller can land, the load is freed at once. The revoke stops every op whose "
         "header arrives after it (the key is checked then, the connection cut), but not the op already under way: "
         "net checks a write's key once, at its header, and copies the rest as it comes, and forgetting the peer "
         "(fi_av_remove) does not stop it either (tests/integrations/test_kv_revoked_write_in_progress.py). A killed "
