@@ -29,13 +29,15 @@ uint16_t port_of(const sockaddr_storage& a) {
                                 : reinterpret_cast<const sockaddr_in6&>(a).sin6_port;
 }
 
+bool is_wildcard(const sockaddr_storage& a) {
+  return a.ss_family == AF_INET ? reinterpret_cast<const sockaddr_in&>(a).sin_addr.s_addr == htonl(INADDR_ANY)
+                                : IN6_IS_ADDR_UNSPECIFIED(&reinterpret_cast<const sockaddr_in6&>(a).sin6_addr);
+}
+
 // Exactly the peer's address: its host (not a wildcard) and port.
 bool same_address(const sockaddr_storage& peer, const sockaddr_storage& other) {
   if (peer.ss_family != AF_INET && peer.ss_family != AF_INET6) return false;
-  const bool wildcard = peer.ss_family == AF_INET
-                            ? reinterpret_cast<const sockaddr_in&>(peer).sin_addr.s_addr == htonl(INADDR_ANY)
-                            : IN6_IS_ADDR_UNSPECIFIED(&reinterpret_cast<const sockaddr_in6&>(peer).sin6_addr);
-  return !wildcard && same_host(peer, other) && port_of(peer) == port_of(other);
+  return !is_wildcard(peer) && same_host(peer, other) && port_of(peer) == port_of(other);
 }
 
 // Reads and drops what the receive queue holds. Bounded: after shutdown(SHUT_RDWR) nothing
@@ -67,7 +69,9 @@ int queued_bytes(int fd) {
 SeverResult sever_tcp_connections_to(const RailSocketAddress& peer, const std::vector<RailSocketAddress>& ours) {
   SeverResult result;
   if (!peer.valid) return result;
-  result.proven = true;
+  // A peer that names no host (bound to a wildcard): our connection to it shows the host's
+  // real address, which nothing here can match.
+  result.proven = !is_wildcard(peer.addr);
   for_each_tcp_socket([&](int fd, const sockaddr_storage& local, const sockaddr_storage* remote) {
     if (!remote) {
       // A listener, or a connection already reset whose peer the kernel no longer names:

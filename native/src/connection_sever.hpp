@@ -41,8 +41,9 @@ struct SeverResult {
 };
 
 // Severs every connected TCP socket of this process whose peer address is exactly `peer`
-// (family, IP and port; a wildcard IP matches nothing). `ours`: this engine's rail
-// addresses, whose listeners' accepted connections are checked against the peer's host.
+// (family, IP and port; a wildcard IP matches nothing and proves nothing). `ours`: this
+// engine's rail addresses, whose listeners' accepted connections are checked against the
+// peer's host.
 // An invalid `peer` (not a socket provider's address) severs nothing and proves nothing.
 SeverResult sever_tcp_connections_to(const RailSocketAddress& peer, const std::vector<RailSocketAddress>& ours);
 

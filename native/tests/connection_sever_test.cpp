@@ -95,7 +95,9 @@ TEST(ConnectionSever, AWildcardOrNonSocketAddressSeversNothing) {
   connect_pair(&c);
   sockaddr_in wildcard = c.listen_address;
   wildcard.sin_addr.s_addr = htonl(INADDR_ANY);
-  EXPECT_EQ(sever_tcp_connections_to(rail(wildcard), kNoRails).severed, 0u);
+  const SeverResult to_wildcard = sever_tcp_connections_to(rail(wildcard), kNoRails);
+  EXPECT_EQ(to_wildcard.severed, 0u);
+  EXPECT_FALSE(to_wildcard.proven);  // our connection to that port is not known to be the peer's
   const SeverResult not_a_socket = sever_tcp_connections_to(RailSocketAddress::from_raw("shm-name"), kNoRails);
   EXPECT_EQ(not_a_socket.severed, 0u);
   EXPECT_FALSE(not_a_socket.proven);
