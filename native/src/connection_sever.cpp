@@ -72,7 +72,7 @@ SeverResult sever_tcp_connections_to(const RailSocketAddress& peer, const std::v
   // A peer that names no host (bound to a wildcard): our connection to it shows the host's
   // real address, which nothing here can match.
   result.proven = !is_wildcard(peer.addr);
-  for_each_tcp_socket([&](int fd, const sockaddr_storage& local, const sockaddr_storage* remote) {
+  const bool looked = for_each_tcp_socket([&](int fd, const sockaddr_storage& local, const sockaddr_storage* remote) {
     if (!remote) {
       // A listener, or a connection already reset whose peer the kernel no longer names:
       // harmless unless bytes are left in it for the provider to read.
@@ -90,6 +90,8 @@ SeverResult sever_tcp_connections_to(const RailSocketAddress& peer, const std::v
     for (const auto& rail : ours)
       if (rail.matches(local)) result.proven = false;  // accepted from the peer's host: maybe the peer's
   });
+  // Without /proc/self/fd (not mounted, no descriptor left) no socket was seen: no proof.
+  if (!looked) result.proven = false;
   return result;
 }
 

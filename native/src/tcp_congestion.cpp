@@ -99,10 +99,10 @@ void TcpCongestionSetter::set_preferred(int fd) {
   refused_.fetch_add(1, std::memory_order_relaxed);
 }
 
-void for_each_tcp_socket(const std::function<void(int fd, const sockaddr_storage& local,
+bool for_each_tcp_socket(const std::function<void(int fd, const sockaddr_storage& local,
                                                  const sockaddr_storage* peer)>& visit) {
   DIR* dir = opendir("/proc/self/fd");
-  if (!dir) return;
+  if (!dir) return false;
   const int dir_fd = dirfd(dir);
   while (dirent* entry = readdir(dir)) {
     char* end = nullptr;
@@ -121,6 +121,7 @@ void for_each_tcp_socket(const std::function<void(int fd, const sockaddr_storage
     visit(static_cast<int>(fd), local, connected ? &peer : nullptr);
   }
   closedir(dir);
+  return true;
 }
 
 void TcpCongestionSetter::apply(const std::vector<RailSocketAddress>& locals,

@@ -38,8 +38,9 @@ struct RailSocketAddress {
 };
 
 // Calls `visit` for every TCP socket among this process's descriptors, with its local
-// address and its peer's (nullptr for a socket that is not connected: a listener).
-void for_each_tcp_socket(const std::function<void(int fd, const sockaddr_storage& local,
+// address and its peer's (nullptr for a socket that is not connected: a listener). False
+// where /proc/self/fd could not be read (then nothing was visited).
+bool for_each_tcp_socket(const std::function<void(int fd, const sockaddr_storage& local,
                                                  const sockaddr_storage* peer)>& visit);
 
 class TcpCongestionSetter {

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -146,6 +147,25 @@ TEST(ConnectionSever, AResetConnectionWithUnreadBytesIsNotProvenAndNoSocketAtAll
   char buf[2000];
   EXPECT_EQ(recv(reset.ours, buf, sizeof buf, MSG_DONTWAIT), static_cast<ssize_t>(unread.size()));  // untouched
   EXPECT_TRUE(sever_tcp_connections_to(rail(nobody), kNoRails).proven);  // read: nothing left in it
+}
+
+TEST(ConnectionSever, WithoutADescriptorToReadProcSelfFdNothingIsProven) {
+  Connection c;
+  connect_pair(&c);
+  sockaddr_in nobody = c.listen_address;
+  nobody.sin_port = 0;  // no socket is connected to it: proven, when the descriptors can be read
+  ASSERT_TRUE(sever_tcp_connections_to(rail(nobody), kNoRails).proven);
+  rlimit limit;
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &limit), 0);
+  rlimit low = limit;
+  low.rlim_cur = 256;  // every descriptor below it taken: opendir("/proc/self/fd") fails
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
+  std::vector<int> taken;
+  for (int fd; (fd = dup(c.ours)) >= 0;) taken.push_back(fd);
+  const SeverResult blind = sever_tcp_connections_to(rail(nobody), kNoRails);
+  for (int fd : taken) close(fd);
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &limit), 0);
+  EXPECT_FALSE(blind.proven);
 }
 
 }  // namespace
