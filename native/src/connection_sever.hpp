@@ -14,7 +14,10 @@
 // before stays readable, and the provider would copy that into the target: hence the drain.
 // Once this returns, a read of the socket gives EOF or an error and no byte. That holds for
 // the provider only if no read of it is under way meanwhile: call it on the thread that runs
-// the provider's progress.
+// the provider's progress. Nor does net keep bytes of the op under way in a buffer of its
+// own between two progress calls: its receive loop (xnet_progress_rx) goes on while its
+// prefetch buffer holds bytes, so what it has not copied is still in the socket; prefetched
+// bytes of a later op are refused at that op's header once the registration was revoked.
 //
 // When that proves that no byte from the peer lands any more (`proven`): no other socket of
 // this process can carry its bytes. Two kinds could, and neither can be told apart from
