@@ -70,12 +70,14 @@ async def _serve_connection(stub: StubInstance, reader: asyncio.StreamReader, wr
                              % (len(_ANSWER), _ANSWER))
                 await writer.drain()
                 continue
+            hang = body["prompt"] == "hang"
+            if hang:  # counted before its event leaves: the client may see the event first
+                with stub.lock:
+                    stub.hung_streams += 1
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
             writer.write(_chunk(b"data: " + _EVENT + b"\n\n"))
             await writer.drain()
-            if body["prompt"] == "hang":
-                with stub.lock:
-                    stub.hung_streams += 1
+            if hang:
                 await reader.read(1)  # b"" once the router closes the connection
                 with stub.lock:
                     stub.hung_streams_closed += 1
