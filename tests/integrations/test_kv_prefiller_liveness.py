@@ -4,7 +4,12 @@ connection at once. A frozen prefiller keeps it open, so it is not declared gone
 an address that gives no signal leaves the probes in charge; a flood of connections to the
 port is bounded and the port keeps serving. The prefiller is a real process holding a real
 engine and a liveness listener; the decoder is the connector's `KVReceiver` over a
-vLLM-laid-out cache, polled as vLLM's worker would."""
+vLLM-laid-out cache, polled as vLLM's worker would.
+
+Once gone, a prefiller's loads are freed at once where the decoder severed its connections
+after revoking their registrations (TransferEngine.sever_peer) and that proves no byte of it
+can land any more, and keep `dead_prefiller_fence_s` where the sever proves nothing. What a
+sever stops on the wire is measured in test_kv_revoked_write_in_progress.py."""
 
 from __future__ import annotations
 
@@ -24,6 +29,8 @@ from support.silent_prefiller import SilentPrefiller  # noqa: E402
 from support.vllm_kv_caches import attention_spec, vllm_cache  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
+from kvxfer.handoff.decode_ledger import DeadlineSetting  # noqa: E402
+from kvxfer.handoff.reservation_state import ReservationState as Res  # noqa: E402
 from kvxfer.integrations.vllm.kv_receiver import KVReceiver  # noqa: E402
 from kvxfer.integrations.vllm.metadata import LoadSpec  # noqa: E402
 from kvxfer.integrations.vllm.prefiller_liveness import HELD, LivenessWatch  # noqa: E402
@@ -33,6 +40,11 @@ from kvxfer.transfer.engine import TransferEngine, available_providers  # noqa: 
 PROVIDER = "net" if "net" in available_providers() else "tcp"
 #: Probes so late that within a test only the liveness connection can free a load.
 PROBES_OUT_OF_REACH_S = 60.0
+#: A fence far beyond REPORTED_WITHIN_S: a load reported within it was not freed by the timer.
+FENCE_OUT_OF_REACH_S = 60.0
+#: A fence the unproven-sever test does not see end: shorter than fence_timeout_s
+#: (writer_gone only shortens a fence), far beyond the few polls that test makes after the death.
+UNPROVEN_FENCE_S = 5.0
 #: Bounds of the waits below (generous: the machine is shared); none is a speed assertion.
 REPORTED_WITHIN_S = 10.0
 FROZEN_WATCH_S = 2.0
@@ -102,6 +114,51 @@ def test_a_killed_prefillers_load_is_freed_by_its_liveness_connection(
     why = _fenced_because(caplog, killed)
     assert why and "its liveness connection was" in why[0], why
     assert any("dead_prefiller_fence_s" in r.getMessage() for r in caplog.records)  # the short fence, not 15 s
+
+
+def test_a_killed_prefillers_load_is_freed_without_the_fence_once_no_connection_of_it_is_left(
+        decoder_engine: TransferEngine, prefiller: SilentPrefiller, caplog: pytest.LogCaptureFixture) -> None:
+    settings = ConnectorSettings(provider=PROVIDER, prefiller_probe_after_s=PROBES_OUT_OF_REACH_S,
+                                 dead_prefiller_fence_s=FENCE_OUT_OF_REACH_S)
+    # The reservation is the first message between the two: the connection is ours to sever.
+    receiver = _reserve(decoder_engine, prefiller.address, prefiller.liveness, settings, "severed")
+    assert receiver._liveness.phase(prefiller.liveness) == "held"
+    caplog.set_level(logging.INFO, logger="kvxfer")
+    prefiller.signal_group(signal.SIGKILL)
+    prefiller.proc.wait(timeout=STARTUP_DEADLINE_S)
+    reported = _poll_until_finished(receiver, "d-severed", REPORTED_WITHIN_S)
+    assert reported, "not freed: the fence timer was kept"
+    freed = [r.getMessage() for r in caplog.records
+             if "(request d-severed)" in r.getMessage() and "prefiller process is gone" in r.getMessage()]
+    assert freed and "no connection of it is left open after the revoke" in freed[-1], freed
+    assert receiver.pending == 0
+
+
+def test_a_prefiller_whose_sever_proves_nothing_keeps_the_fence(
+        decoder_engine: TransferEngine, prefiller: SilentPrefiller, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The sever proves nothing (a connection the prefiller opened, a reset one with unread
+    # bytes, a same-host peer: test_kv_revoked_write_in_progress.py and the C++ tests): the
+    # load is fenced for dead_prefiller_fence_s, not freed.
+    settings = ConnectorSettings(provider=PROVIDER, prefiller_probe_after_s=PROBES_OUT_OF_REACH_S,
+                                 dead_prefiller_fence_s=UNPROVEN_FENCE_S)
+    receiver = _reserve(decoder_engine, prefiller.address, prefiller.liveness, settings, "unproven")
+    assert receiver._liveness.phase(prefiller.liveness) == "held"
+    monkeypatch.setattr(decoder_engine, "sever_peer", lambda address: False)
+    caplog.set_level(logging.INFO, logger="kvxfer")
+    prefiller.signal_group(signal.SIGKILL)
+    prefiller.proc.wait(timeout=STARTUP_DEADLINE_S)
+    load = receiver._loads["d-unproven"][0]
+    end = time.monotonic() + REPORTED_WITHIN_S
+    while not (load.entry is not None and load.entry.writer_gone) and time.monotonic() < end:
+        finished, _ = receiver.poll(set())
+        assert "d-unproven" not in finished, "freed although the sever proved nothing"
+        time.sleep(0.002)
+    assert load.entry is not None and load.entry.writer_gone, "the prefiller's death was not noticed"
+    assert (load.state, load.entry.deadline_setting, load.writer_severed) == \
+        (Res.FENCED, DeadlineSetting.WRITER_GONE, False)
+    finished, _ = receiver.poll(set())
+    assert "d-unproven" not in finished
 
 
 def test_a_frozen_prefiller_is_not_declared_gone_by_its_liveness_connection(
