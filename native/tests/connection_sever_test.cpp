@@ -14,33 +14,10 @@
 #include <vector>
 
 #include "connection_sever.hpp"
+#include "loopback_pair.hpp"
 
 namespace kvxfer {
 namespace {
-
-// A listener on 127.0.0.1 (the peer's rail) and our connection to it.
-struct Connection {
-  int listener = -1, ours = -1, peers_end = -1;
-  sockaddr_in listen_address = {};
-  ~Connection() {
-    for (int fd : {listener, ours, peers_end})
-      if (fd >= 0) close(fd);
-  }
-};
-
-void connect_pair(Connection* c) {
-  c->listener = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  c->listen_address.sin_family = AF_INET;
-  c->listen_address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(bind(c->listener, reinterpret_cast<sockaddr*>(&c->listen_address), sizeof c->listen_address), 0);
-  socklen_t len = sizeof c->listen_address;
-  ASSERT_EQ(getsockname(c->listener, reinterpret_cast<sockaddr*>(&c->listen_address), &len), 0);
-  ASSERT_EQ(listen(c->listener, 4), 0);
-  c->ours = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  ASSERT_EQ(connect(c->ours, reinterpret_cast<sockaddr*>(&c->listen_address), sizeof c->listen_address), 0);
-  c->peers_end = accept4(c->listener, nullptr, nullptr, SOCK_CLOEXEC);
-  ASSERT_GE(c->peers_end, 0);
-}
 
 RailSocketAddress rail(const sockaddr_in& a) {
   return RailSocketAddress::from_raw(std::string(reinterpret_cast<const char*>(&a), sizeof a));
@@ -62,29 +39,29 @@ ssize_t read_once(int fd) {
 }
 
 TEST(ConnectionSever, NoByteIsReadAfterTheSeverNeitherQueuedBeforeNorSentAfter) {
-  Connection c;
+  LoopbackPair c;
   connect_pair(&c);
   const std::string before(3000, 'a'), after(3000, 'b');
-  ASSERT_EQ(send(c.peers_end, before.data(), before.size(), 0), static_cast<ssize_t>(before.size()));
-  wait_readable(c.ours);  // queued on our side, unread
+  ASSERT_EQ(send(c.accepted, before.data(), before.size(), 0), static_cast<ssize_t>(before.size()));
+  wait_readable(c.client);  // queued on our side, unread
   const SeverResult result = sever_tcp_connections_to(rail(c.listen_address), kNoRails);
   EXPECT_EQ(result.severed, 1u);
   EXPECT_TRUE(result.proven);
-  EXPECT_LE(read_once(c.ours), 0);
-  (void)send(c.peers_end, after.data(), after.size(), MSG_NOSIGNAL);  // may fail: we shut down
+  EXPECT_LE(read_once(c.client), 0);
+  (void)send(c.accepted, after.data(), after.size(), MSG_NOSIGNAL);  // may fail: we shut down
   usleep(50'000);  // gives loopback time to deliver it, were it queued
-  EXPECT_LE(read_once(c.ours), 0);
+  EXPECT_LE(read_once(c.client), 0);
 }
 
 TEST(ConnectionSever, TouchesNoOtherConnectionAndNoListener) {
-  Connection severed, other;
+  LoopbackPair severed, other;
   connect_pair(&severed);
   connect_pair(&other);
   EXPECT_EQ(sever_tcp_connections_to(rail(severed.listen_address), kNoRails).severed, 1u);
   const std::string message(100, 'x');
-  ASSERT_EQ(send(other.peers_end, message.data(), message.size(), 0), static_cast<ssize_t>(message.size()));
-  wait_readable(other.ours);
-  EXPECT_EQ(read_once(other.ours), static_cast<ssize_t>(message.size()));
+  ASSERT_EQ(send(other.accepted, message.data(), message.size(), 0), static_cast<ssize_t>(message.size()));
+  wait_readable(other.client);
+  EXPECT_EQ(read_once(other.client), static_cast<ssize_t>(message.size()));
   // The severed peer's listener still accepts connections.
   int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   EXPECT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&severed.listen_address), sizeof severed.listen_address), 0);
@@ -92,7 +69,7 @@ TEST(ConnectionSever, TouchesNoOtherConnectionAndNoListener) {
 }
 
 TEST(ConnectionSever, AWildcardOrNonSocketAddressSeversNothing) {
-  Connection c;
+  LoopbackPair c;
   connect_pair(&c);
   sockaddr_in wildcard = c.listen_address;
   wildcard.sin_addr.s_addr = htonl(INADDR_ANY);
@@ -103,15 +80,15 @@ TEST(ConnectionSever, AWildcardOrNonSocketAddressSeversNothing) {
   EXPECT_EQ(not_a_socket.severed, 0u);
   EXPECT_FALSE(not_a_socket.proven);
   const std::string message(10, 'y');
-  ASSERT_EQ(send(c.peers_end, message.data(), message.size(), 0), static_cast<ssize_t>(message.size()));
-  wait_readable(c.ours);
-  EXPECT_EQ(read_once(c.ours), static_cast<ssize_t>(message.size()));
+  ASSERT_EQ(send(c.accepted, message.data(), message.size(), 0), static_cast<ssize_t>(message.size()));
+  wait_readable(c.client);
+  EXPECT_EQ(read_once(c.client), static_cast<ssize_t>(message.size()));
 }
 
 TEST(ConnectionSever, AConnectionOurListenerAcceptedFromThePeersHostIsNotProven) {
   // `c`'s listener is our rail; its accepted connection comes from 127.0.0.1, the host of
   // the peer at `other`'s address, and may be that peer's own (an ephemeral port).
-  Connection c, other;
+  LoopbackPair c, other;
   connect_pair(&c);
   connect_pair(&other);
   const std::vector<RailSocketAddress> ours = {rail(c.listen_address)};
@@ -119,38 +96,38 @@ TEST(ConnectionSever, AConnectionOurListenerAcceptedFromThePeersHostIsNotProven)
   EXPECT_EQ(result.severed, 1u);
   EXPECT_FALSE(result.proven);
   const std::string message(10, 'z');  // the accepted connection is untouched
-  ASSERT_EQ(send(c.ours, message.data(), message.size(), 0), static_cast<ssize_t>(message.size()));
-  wait_readable(c.peers_end);
-  EXPECT_EQ(read_once(c.peers_end), static_cast<ssize_t>(message.size()));
+  ASSERT_EQ(send(c.client, message.data(), message.size(), 0), static_cast<ssize_t>(message.size()));
+  wait_readable(c.accepted);
+  EXPECT_EQ(read_once(c.accepted), static_cast<ssize_t>(message.size()));
 }
 
 TEST(ConnectionSever, AResetConnectionWithUnreadBytesIsNotProvenAndNoSocketAtAllIs) {
-  Connection c;
+  LoopbackPair c;
   connect_pair(&c);
   sockaddr_in gone = c.listen_address;
   close(c.listener);
   c.listener = -1;
   EXPECT_TRUE(sever_tcp_connections_to(rail(gone), kNoRails).proven);  // our connection: severed
-  Connection reset;
+  LoopbackPair reset;
   connect_pair(&reset);
   const std::string unread(1000, 'r');
-  ASSERT_EQ(send(reset.peers_end, unread.data(), unread.size(), 0), static_cast<ssize_t>(unread.size()));
-  wait_readable(reset.ours);
+  ASSERT_EQ(send(reset.accepted, unread.data(), unread.size(), 0), static_cast<ssize_t>(unread.size()));
+  wait_readable(reset.client);
   linger abort_on_close = {1, 0};  // close with a reset, as a writer killed with unread input
-  ASSERT_EQ(setsockopt(reset.peers_end, SOL_SOCKET, SO_LINGER, &abort_on_close, sizeof abort_on_close), 0);
-  close(reset.peers_end);
-  reset.peers_end = -1;
+  ASSERT_EQ(setsockopt(reset.accepted, SOL_SOCKET, SO_LINGER, &abort_on_close, sizeof abort_on_close), 0);
+  close(reset.accepted);
+  reset.accepted = -1;
   usleep(50'000);
   sockaddr_in nobody = gone;
   nobody.sin_port = 0;  // no socket is connected to it
-  EXPECT_FALSE(sever_tcp_connections_to(rail(nobody), kNoRails).proven);  // `reset.ours` still holds bytes
+  EXPECT_FALSE(sever_tcp_connections_to(rail(nobody), kNoRails).proven);  // `reset.client` still holds bytes
   char buf[2000];
-  EXPECT_EQ(recv(reset.ours, buf, sizeof buf, MSG_DONTWAIT), static_cast<ssize_t>(unread.size()));  // untouched
+  EXPECT_EQ(recv(reset.client, buf, sizeof buf, MSG_DONTWAIT), static_cast<ssize_t>(unread.size()));  // untouched
   EXPECT_TRUE(sever_tcp_connections_to(rail(nobody), kNoRails).proven);  // read: nothing left in it
 }
 
 TEST(ConnectionSever, WithoutADescriptorToReadProcSelfFdNothingIsProven) {
-  Connection c;
+  LoopbackPair c;
   connect_pair(&c);
   sockaddr_in nobody = c.listen_address;
   nobody.sin_port = 0;  // no socket is connected to it: proven, when the descriptors can be read
@@ -161,7 +138,7 @@ TEST(ConnectionSever, WithoutADescriptorToReadProcSelfFdNothingIsProven) {
   low.rlim_cur = 256;  // every descriptor below it taken: opendir("/proc/self/fd") fails
   ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
   std::vector<int> taken;
-  for (int fd; (fd = dup(c.ours)) >= 0;) taken.push_back(fd);
+  for (int fd; (fd = dup(c.client)) >= 0;) taken.push_back(fd);
   const SeverResult blind = sever_tcp_connections_to(rail(nobody), kNoRails);
   for (int fd : taken) close(fd);
   ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &limit), 0);

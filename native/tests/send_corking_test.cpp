@@ -13,33 +13,10 @@
 #include <vector>
 
 #include "send_corking.hpp"
+#include "loopback_pair.hpp"
 
 namespace kvxfer {
 namespace {
-
-struct Connection {
-  int listener = -1, client = -1, accepted = -1;
-  sockaddr_in listen_address = {};
-  ~Connection() {
-    for (int fd : {listener, client, accepted})
-      if (fd >= 0) close(fd);
-  }
-};
-
-// A listener on 127.0.0.1 and one connection to it, both ends open.
-void connect_pair(Connection* c) {
-  c->listener = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  c->listen_address.sin_family = AF_INET;
-  c->listen_address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(bind(c->listener, reinterpret_cast<sockaddr*>(&c->listen_address), sizeof c->listen_address), 0);
-  socklen_t len = sizeof c->listen_address;
-  ASSERT_EQ(getsockname(c->listener, reinterpret_cast<sockaddr*>(&c->listen_address), &len), 0);
-  ASSERT_EQ(listen(c->listener, 4), 0);
-  c->client = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  ASSERT_EQ(connect(c->client, reinterpret_cast<sockaddr*>(&c->listen_address), sizeof c->listen_address), 0);
-  c->accepted = accept4(c->listener, nullptr, nullptr, SOCK_CLOEXEC);
-  ASSERT_GE(c->accepted, 0);
-}
 
 std::string raw(const sockaddr_in& a) { return std::string(reinterpret_cast<const char*>(&a), sizeof a); }
 
@@ -51,7 +28,7 @@ int corked(int fd) {
 }
 
 TEST(SendCorking, FindsTheAcceptedAndTheOpenedConnectionsAndNothingElse) {
-  Connection ours_in, ours_out, unrelated;
+  LoopbackPair ours_in, ours_out, unrelated;
   connect_pair(&ours_in);
   connect_pair(&ours_out);
   connect_pair(&unrelated);
@@ -80,7 +57,7 @@ TEST(SendCorking, FindsTheAcceptedAndTheOpenedConnectionsAndNothingElse) {
 }
 
 TEST(SendCorking, OffOrWithoutSocketAddressesItFindsNothing) {
-  Connection c;
+  LoopbackPair c;
   connect_pair(&c);
   SendCorker off(false);
   off.add_local(raw(c.listen_address));
@@ -94,7 +71,7 @@ TEST(SendCorking, OffOrWithoutSocketAddressesItFindsNothing) {
 }
 
 TEST(SendCorking, ABurstOfSmallSendsLeavesTogetherWhenUncorked) {
-  Connection c;
+  LoopbackPair c;
   connect_pair(&c);
   int nodelay = 1;  // as libfabric's providers set it: each send would leave at once
   ASSERT_EQ(setsockopt(c.client, IPPROTO_TCP, TCP_NODELAY, &nodelay, sizeof nodelay), 0);
