@@ -446,14 +446,16 @@ class KVReceiver:
         stops watching prefillers no load waits on any more."""
         gone = self._liveness.poll(now)
         watched: set[str] = set()
+        gone_engines: dict[bytes, str] = {}  # once per prefiller, however many loads wait on it
         for parts in self._loads.values():
             for load in parts:
                 address = load.spec.prefill_liveness
                 if address in gone:
-                    self._prefiller_gone(load.spec.prefill_engine, f"the prefiller process is gone: {gone[address]}",
-                                         now)
+                    gone_engines.setdefault(load.spec.prefill_engine, gone[address])
                 elif address and (load.state in WAITING or load.state is Res.FENCED):
                     watched.add(address)
+        for engine_address, why in gone_engines.items():
+            self._prefiller_gone(engine_address, f"the prefiller process is gone: {why}", now)
         self._liveness.keep(watched)
 
     def _prefiller_gone(self, address: bytes, why: str, now: float) -> None:
