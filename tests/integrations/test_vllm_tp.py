@@ -10,7 +10,7 @@ every decode rank's KV heads byte-identical to the prefill ranks' that computed 
 Opt-in (KVXFER_VLLM_TP_TEST=1): a TP 2 instance takes about 90 s to start on 2 cores and
 two of them run four ranks there, more than the default suite's budget allows.
 The pure parts (the head plan, the rank address list, the router's pairing) are
-tested in tests/integrations/test_tensor_parallel_plan.py, in the default suite.
+tested in tests/integrations/test_kv_tp_plan.py and test_kv_tp_halves.py, in the default suite.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import signal
+import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -49,6 +51,8 @@ TP_TIMEOUTS = {"transfer_timeout_s": 30.0, "load_stall_timeout_s": 90.0, "load_t
                "fence_timeout_s": 45.0, "reservation_wait_s": 90.0}
 #: GiB the machine must have available before the instances start (about 3 GiB per rank set).
 MIN_AVAILABLE_GIB = 7.0
+#: How long a stopped instance may take to exit, seconds (SIGTERM, then SIGKILL).
+STOP_WAIT_S = 30.0
 
 
 def _available_gib() -> float:
@@ -60,8 +64,10 @@ def _available_gib() -> float:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmFleet]:
-    """A TP 2 prefiller and a TP 2 decoder (both on cores 0 and 1, one rank each), and a TP 1
-    instance that serves either leg (kv_both), for the pairs of different sizes."""
+    """Two TP 2 instances (both on cores 0 and 1, one rank each) that serve either leg
+    (kv_both): `tp2-a` prefills into `tp2-b`. Four ranks at most run at once: five (a
+    third, TP 1 instance beside them) starved etcd on 2 cores, so `tp1` replaces `tp2-a`
+    for the pairs of different sizes."""
     from kvxfer.integrations.vllm.checkpoint import make_checkpoint
 
     assert _available_gib() >= MIN_AVAILABLE_GIB, f"{_available_gib():.1f} GiB available, want {MIN_AVAILABLE_GIB}"
@@ -73,12 +79,27 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmFleet]:
               "hooks_config": {"digest_dir": str(digests)}, **TP_TIMEOUTS}
     with VllmFleet(model, work, common_extra=common) as f:
         # Each rank serves its connector metrics on metrics_port + rank (read when a leg fails).
-        f.start("prefill-tp2", "kv_producer", "0|1", tensor_parallel_size=2, extra={"metrics_port": free_port()})
-        f.start("decode-tp2", "kv_consumer", "0|1", tensor_parallel_size=2, extra={"metrics_port": free_port()})
-        f.start("both-tp1", "kv_both", "1", extra={"metrics_port": free_port()})
+        f.start("tp2-a", "kv_both", "0|1", tensor_parallel_size=2, extra={"metrics_port": free_port()})
+        f.start("tp2-b", "kv_both", "0|1", tensor_parallel_size=2, extra={"metrics_port": free_port()})
         f.wait_ready(*f.instances)
         f.digests = digests  # type: ignore[attr-defined]
         yield f
+
+
+@pytest.fixture(scope="module")
+def with_tp1(fleet: VllmFleet) -> VllmFleet:
+    """The fleet with `tp2-a` stopped and a TP 1 instance `tp1` (kv_both) in its place."""
+    if "tp1" not in fleet.instances:
+        stopping = fleet.instances["tp2-a"]
+        stopping.kill(signal.SIGTERM)
+        try:
+            stopping.process.wait(STOP_WAIT_S)
+        except subprocess.TimeoutExpired:
+            stopping.kill()
+            stopping.process.wait(STOP_WAIT_S)
+        fleet.start("tp1", "kv_both", "1", extra={"metrics_port": free_port()})
+        fleet.wait_ready("tp1")
+    return fleet
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -147,9 +168,9 @@ def _expected_keys(pages: int, heads: range) -> set[str]:
 def test_tp2_into_tp2_equals_colocated_tp2_and_each_decode_rank_holds_its_heads_exactly(fleet: VllmFleet) -> None:
     prompt = _prompt(100, seed=31)
     tid = f"tp22-{uuid.uuid4().hex[:8]}"
-    on_p, on_d = _legs(fleet, "prefill-tp2", "decode-tp2", prompt, tid)
+    on_p, on_d = _legs(fleet, "tp2-a", "tp2-b", prompt, tid)
     assert on_p.status_code == 200 and on_d.status_code == 200, (on_p.text, on_d.text)
-    assert_same_as_colocated(on_d.json()["choices"][0], _colocated(fleet, "prefill-tp2", prompt))
+    assert_same_as_colocated(on_d.json()["choices"][0], _colocated(fleet, "tp2-a", prompt))
     pushed = _rank_heads(fleet, "prefill", tid, 2)
     landed = _rank_heads(fleet, "decode", tid, 2)
     pages = -(-len(prompt) // BLOCK)
@@ -164,7 +185,7 @@ def test_a_head_slice_on_the_wrong_decode_rank_fails_the_oracle(fleet: VllmFleet
     # that head: the oracle must see it.
     prompt = _prompt(100, seed=32)
     tid = f"fault-wrong_rank-{uuid.uuid4().hex[:8]}"
-    on_p, on_d = _legs(fleet, "prefill-tp2", "decode-tp2", prompt, tid)
+    on_p, on_d = _legs(fleet, "tp2-a", "tp2-b", prompt, tid)
     assert on_p.status_code == 200 and on_d.status_code == 200, (on_p.text, on_d.text)
     pushed = _rank_heads(fleet, "prefill", tid, 2)
     landed = _rank_heads(fleet, "decode", tid, 2)
@@ -173,12 +194,13 @@ def test_a_head_slice_on_the_wrong_decode_rank_fails_the_oracle(fleet: VllmFleet
     assert len(wrong) == LAYERS * -(-len(prompt) // BLOCK) * 2, wrong
 
 
-def test_tp1_into_tp2_equals_colocated_tp2_and_each_decode_rank_holds_its_head_slice(fleet: VllmFleet) -> None:
+def test_tp1_into_tp2_equals_colocated_tp2_and_each_decode_rank_holds_its_head_slice(with_tp1: VllmFleet) -> None:
+    fleet = with_tp1
     prompt = _prompt(100, seed=33)
     tid = f"tp12-{uuid.uuid4().hex[:8]}"
-    on_p, on_d = _legs(fleet, "both-tp1", "decode-tp2", prompt, tid)
+    on_p, on_d = _legs(fleet, "tp1", "tp2-b", prompt, tid)
     assert on_p.status_code == 200 and on_d.status_code == 200, (on_p.text, on_d.text)
-    assert_same_as_colocated(on_d.json()["choices"][0], _colocated(fleet, "prefill-tp2", prompt))
+    assert_same_as_colocated(on_d.json()["choices"][0], _colocated(fleet, "tp2-b", prompt))
     (pushed,) = _rank_heads(fleet, "prefill", tid, 1)
     landed = _rank_heads(fleet, "decode", tid, 2)
     pages = -(-len(prompt) // BLOCK)
@@ -188,12 +210,13 @@ def test_tp1_into_tp2_equals_colocated_tp2_and_each_decode_rank_holds_its_head_s
         assert landed[rank] == {key: pushed[key] for key in landed[rank]}
 
 
-def test_tp2_into_tp1_equals_colocated_tp1_and_the_decoder_holds_both_ranks_heads(fleet: VllmFleet) -> None:
+def test_tp2_into_tp1_equals_colocated_tp1_and_the_decoder_holds_both_ranks_heads(with_tp1: VllmFleet) -> None:
+    fleet = with_tp1
     prompt = _prompt(100, seed=34)
     tid = f"tp21-{uuid.uuid4().hex[:8]}"
-    on_p, on_d = _legs(fleet, "prefill-tp2", "both-tp1", prompt, tid)
+    on_p, on_d = _legs(fleet, "tp2-b", "tp1", prompt, tid)
     assert on_p.status_code == 200 and on_d.status_code == 200, (on_p.text, on_d.text)
-    assert_same_as_colocated(on_d.json()["choices"][0], _colocated(fleet, "both-tp1", prompt))
+    assert_same_as_colocated(on_d.json()["choices"][0], _colocated(fleet, "tp1", prompt))
     pushed = _rank_heads(fleet, "prefill", tid, 2)
     (landed,) = _rank_heads(fleet, "decode", tid, 1)
     assert set(landed) == _expected_keys(-(-len(prompt) // BLOCK), range(KV_HEADS))
