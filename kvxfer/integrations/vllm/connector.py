@@ -105,10 +105,11 @@ def check_kv_cache_groups(kv_cache_config: KVCacheConfig | None, tensor_parallel
     The connector declares `SupportsHMA`, so vLLM runs a hybrid model (full plus
     sliding-window attention) with its hybrid KV cache manager: one group per attention
     kind, each with its own block table, overlaying one allocation. It pushes each layer's
-    group's blocks. It serves attention groups only (not Mamba/SSM state, whose blocks hold
-    a running state instead of a page per token), and several groups under tensor
-    parallelism size 1 only; `--disable-hybrid-kv-cache-manager` runs such a model as one
-    group (every layer keeps every block) with either."""
+    group's blocks, at any tensor parallel size (`tensor_parallel_size`: each rank its
+    heads, head-sliced between sizes). It serves attention groups only (not Mamba/SSM
+    state, whose blocks hold a running state instead of a page per token);
+    `--disable-hybrid-kv-cache-manager` runs such a model as one group (every layer keeps
+    every block)."""
     from vllm.v1.kv_cache_interface import AttentionSpec
 
     groups = [] if kv_cache_config is None else list(kv_cache_config.kv_cache_groups)
@@ -119,10 +120,6 @@ def check_kv_cache_groups(kv_cache_config: KVCacheConfig | None, tensor_parallel
         raise ConnectorConfigError(
             f"KvxferConnector: the KV cache has {len(groups)} groups ({kinds}); the connector pushes attention "
             "KV only, not Mamba/SSM state")
-    if tensor_parallel_size > 1:
-        raise ConnectorConfigError(
-            f"KvxferConnector: the KV cache has {len(groups)} groups ({kinds}); several groups are pushed with "
-            f"tensor parallel size 1 only (got {tensor_parallel_size}): add --disable-hybrid-kv-cache-manager")
 
 
 class KvxferConnector(KVConnectorBase_V1, SupportsHMA):

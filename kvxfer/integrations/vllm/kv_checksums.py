@@ -187,10 +187,11 @@ class LoadChecksums:
         return verification
 
     def verify_groups(self, region: KVRegion, group_pages: Sequence[Sequence[int]], first_page: int,
-                      mode: KVIntegrity, sample_rate: float, rng: random.Random) -> Verification:
+                      mode: KVIntegrity, sample_rate: float, rng: random.Random,
+                      heads: tuple[int, int] | None = None) -> Verification:
         """As `verify`, for a cache of several KV cache groups: each layer's row against its
         group's landed pages (`group_pages[g]`, per prompt page from `first_page`, -1 where
-        the group keeps none)."""
+        the group keeps none; heads `heads` of them where given)."""
         verification = Verification()
         if mode is KVIntegrity.OFF:
             return verification
@@ -204,7 +205,7 @@ class LoadChecksums:
                 continue
             ids = np.asarray(pages, dtype=np.int64)[columns]
             part = compare_checksums(len(layers), ids, self.table[np.ix_(layers, columns)], mode, sample_rate, rng,
-                                     lambda i, chosen: block_checksums(region, layers[i], chosen))
+                                     lambda i, chosen: block_checksums(region, layers[i], chosen, heads))
             verification.checked += part.checked
             verification.mismatches += [(layers[i], int(columns[position]), block)
                                         for i, position, block in part.mismatches]

@@ -27,8 +27,10 @@ With several KV cache groups (a hybrid model under vLLM's hybrid manager) each l
 pages are its group's blocks: the step's `PushSpec` carries every group's block ids, the
 reservation the decoder's pages per group (`group_pages`), and the plan posts, per layer,
 its group's pages the decoder keeps (not a sliding window's pages before the window).
-Tensor parallelism and device caches are one-group only: the connector refuses them with
-several groups at start-up.
+Under tensor parallelism each rank does the same with its heads: whole blocks for a
+decoder of the same size, and for one of another size the layer's group's pages, each
+block's head slice (the sliced reservation carries `group_pages` like any other). Device
+caches are one-group only: the worker refuses them with several groups at start-up.
 
 Where the reservation asks for checksums, each block's CRC-32C is taken just before its
 write is posted, and the table goes to the decoder once the last write is posted
@@ -281,15 +283,17 @@ class KVPusher:
         if problem:
             self._fail(push, problem)
             return
-        if target is None:
-            try:
-                push.plan = PushPlan(res, self.region.geometry, layer_groups=self.layer_groups)
-            except PushPlanError as exc:
-                self._fail(push, str(exc))
-                return
-        else:
-            push.plan = PushPlan(res, self.region.geometry, src_heads=target.slice.src_heads,
-                                 dst_heads=target.slice.dst_heads, dst_num_heads=target.dst_num_heads)
+        # A decode rank of another TP size takes the same pages of each layer's group as
+        # whole blocks would be, only this slice of each.
+        head_slice = target.slice if target is not None else None
+        try:
+            push.plan = PushPlan(res, self.region.geometry, layer_groups=self.layer_groups,
+                                 src_heads=head_slice.src_heads if head_slice else None,
+                                 dst_heads=head_slice.dst_heads if head_slice else None,
+                                 dst_num_heads=target.dst_num_heads if target is not None else None)
+        except PushPlanError as exc:
+            self._fail(push, str(exc))
+            return
         push.lifecycle.move(PushState.PUSHING)
 
     def _check(self, push: PrefillPush, res: KVReservation) -> str:
@@ -308,8 +312,6 @@ class KVPusher:
             return (f"the decoder's reservation names {len(res.group_pages or [[]])} KV cache groups, this "
                     f"prefiller's cache has {self.region.num_groups}; pages of one group cannot land in another's")
         if self.layer_groups is not None and res.group_pages is not None:
-            if target is not None:
-                return "several KV cache groups are pushed between equal tensor parallel sizes only"
             if len(res.group_pages) != self.region.num_groups:
                 return (f"the decoder's reservation names {len(res.group_pages)} KV cache groups, this "
                         f"prefiller's cache has {self.region.num_groups}")

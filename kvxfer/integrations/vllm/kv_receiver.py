@@ -40,11 +40,12 @@ reservation of its own (slot, immediate, nonce, scope, checksum table over its h
 sent as a sliced reservation (sliced_reservation.py); the request is admitted once every
 part is, and fails (the other parts fenced) when one part fails.
 
-With several KV cache groups (vLLM's hybrid manager; one prefill rank, a host cache) the
-reservation names the decoder's blocks per group (`group_pages`, -1 where a group keeps no
-block: a sliding window's pages before its window), expects one write per layer per
-pushed page of the layer's group, and the checksum check compares each layer with its
-group's blocks (`LoadChecksums.verify_groups`).
+With several KV cache groups (vLLM's hybrid manager; a host cache) the reservation names
+the decoder's blocks per group (`group_pages`, -1 where a group keeps no block: a sliding
+window's pages before its window), expects one write per layer per pushed page of the
+layer's group, and the checksum check compares each layer with its group's blocks
+(`LoadChecksums.verify_groups`); under tensor parallelism every part's reservation, sliced
+or not, carries the same `group_pages`, and a sliced part's check covers its heads only.
 
 The immediate of a reservation is a slot and a generation, handed out by the ledger
 (`handoff.immediate_slots`): a slot comes back only with a new generation, so a late write
@@ -641,7 +642,8 @@ class KVReceiver:
             assert load.checksums is not None
             if res.group_pages is not None:
                 return load.checksums.verify_groups(self.region, res.group_pages, res.first_page, mode,
-                                                    self.settings.kv_integrity_sample_rate, self._sample_rng)
+                                                    self.settings.kv_integrity_sample_rate, self._sample_rng,
+                                                    load.heads)
             return load.checksums.verify(self.region, list(load.spec.block_ids), res.first_page, mode,
                                          self.settings.kv_integrity_sample_rate, self._sample_rng, load.heads)
 

@@ -192,10 +192,6 @@ class WorkerSide:
                                  f"rank ({exc})")
             return
         sources = self.hooks.head_sources(spec.transfer_id, len(prefill_ranks), sources)
-        if spec.group_block_ids is not None and len(prefill_ranks) > 1:
-            self.receiver.refuse(spec, "tp_mismatch", f"several KV cache groups are loaded from a prefiller of "
-                                 f"tensor parallel size 1 only; this one has {len(prefill_ranks)} ranks")
-            return
         if len(prefill_ranks) > 1:
             # The liveness port is rank 0's only: other ranks' loads are watched by the probes.
             spec = replace(spec, prefill_liveness="")
