@@ -3,7 +3,9 @@ plugged in from outside (kvxfer/integrations/vllm/connector_hooks.py).
 
 Each rank writes a digest of every KV head of every block it pushed (prefill) or admitted
 (decode) to `digest_dir`, as `{role}-{transfer}-r{rank}.json`, keyed by the head's global
-index: the oracle then compares heads across ranks of different TP sizes. The decoder makes
+index: the oracle then compares heads across ranks of different TP sizes. With several KV
+cache groups (a hybrid model) a layer's blocks are its group's, and a page its group keeps
+none of on the decoder (-1 in the reservation's `group_pages`) has no digest. The decoder makes
 a fault for transfers whose id starts with `fault-wrong_rank`: each decode rank asks for
 the heads of the next rank (`head_sources` of rank + 1), so a head slice lands on the wrong
 rank (the oracle must fail).
@@ -49,25 +51,30 @@ class TensorParallelDigests(ConnectorHooks):
     def push_finished(self, region: KVRegion, push: PrefillPush, tail_s: float) -> None:
         res = push.reservation
         if res is not None:
-            blocks = {p: push.block_ids[p] for p in range(res.first_page, push.total_pages)}
+            kept = res.group_pages
+            blocks = [{p: push.local_blocks(g)[p] for p in range(res.first_page, push.total_pages)
+                       if kept is None or kept[g][p - res.first_page] >= 0} for g in range(region.num_groups)]
             self._write("prefill", push.transfer_id, self._heads(region, blocks))
 
     def load_admitted(self, region: KVRegion, load: DecodeLoad) -> None:
         res = load.reservation
         if res is not None:
-            blocks = {res.first_page + i: block for i, block in enumerate(load.spec.block_ids)}
+            groups = res.group_pages if res.group_pages is not None else [list(load.spec.block_ids)]
+            blocks = [{res.first_page + i: block for i, block in enumerate(ids) if block >= 0} for ids in groups]
             self._write("decode", load.spec.transfer_id, self._heads(region, blocks))
 
-    def _heads(self, region: KVRegion, blocks: dict[int, int]) -> dict[str, str]:
-        """{"layer/page/global head": digest} of every head of `blocks` (prompt page -> block)."""
+    def _heads(self, region: KVRegion, blocks: list[dict[int, int]]) -> dict[str, str]:
+        """{"layer/page/global head": digest} of every head of each layer's blocks (per KV
+        cache group: prompt page -> block)."""
         assert region.buffer is not None, "host caches only"
         g = region.geometry
         first = self.place.heads[0]
         out: dict[str, str] = {}
-        for layer in range(g.num_layers):
-            for page, block in blocks.items():
+        for layer in range(region.num_layers):
+            for page, block in blocks[region.group(layer)].items():
                 for h in range(g.num_heads):
-                    raw = b"".join(bytes(region.buffer[s:s + n]) for s, n in g.runs(layer, block, (h, h + 1)))
+                    runs = g.runs(region.slot(layer), block, (h, h + 1))
+                    raw = b"".join(bytes(region.buffer[s:s + n]) for s, n in runs)
                     out[f"{layer}/{page}/{first + h}"] = hashlib.blake2b(raw, digest_size=16).hexdigest()
         return out
 
