@@ -6,8 +6,9 @@ memory only. A KV cache on a GPU still moves with one-sided writes this way:
 
 - the sender (`DevicePageSender`, the prefiller) gathers the pages on the device, copies
   them into a ring of slots in pinned host memory registered with its engine, and posts one
-  paged write per chunk from those slots into the receiver's landing pages. Chunks pipeline:
-  while chunk k is on the fabric, chunk k+1 is copied off the device;
+  paged write per chunk from those slots into the receiver's landing pages (or one piece of
+  each page, a head slice for a peer of another tensor parallel size, packed in the slots).
+  Chunks pipeline: while chunk k is on the fabric, chunk k+1 is copied off the device;
 - the receiver (`DevicePageReceiver`, the decoder) registers pinned host landing pages. Its
   ImmCounter admits the request exactly as for host memory (one count per page, however the
   pages were chunked), then `land()` copies the landing pages into the device cache.
@@ -243,9 +244,8 @@ class DevicePageSender:
         self.page_bytes = page_bytes
         self.chunk_pages = chunk_pages
         self.staging_wait_s = staging_wait_s
-        staging = host_staging_buffer(staging_pages * page_bytes, self.device)
-        self._staging_rows = staging.view(staging_pages, page_bytes)
-        self._region: "RegisteredMemory" = engine.register(staging)  # keeps it alive
+        self._staging = host_staging_buffer(staging_pages * page_bytes, self.device)
+        self._region: "RegisteredMemory" = engine.register(self._staging)  # keeps it alive
         self._ring = StagingRing(staging_pages)
         self._fence = _CopyFence(self.device)
 
@@ -256,39 +256,51 @@ class DevicePageSender:
 
     def push(self, src_pages: Sequence[int] | np.ndarray | torch.Tensor, remote_descriptor: bytes,
              dst_pages: Sequence[int] | np.ndarray | torch.Tensor, *, dst_offset: int = 0,
-             dst_stride: int | None = None, imm: int | None = None, request_id: Any = None) -> StagedPush:
-        """Writes cache page src_pages[i] to the receiver's page dst_pages[i] for every i.
+             dst_stride: int | None = None, imm: int | None = None, request_id: Any = None,
+             src_column: int = 0, length: int | None = None) -> StagedPush:
+        """Writes cache page src_pages[i] to the receiver's page dst_pages[i] for every i;
+        with `src_column` and `length`, only bytes [src_column, src_column + length) of
+        each page (a head slice of a block, for a peer of another tensor parallel size).
 
         Every index is checked before anything is copied or posted (destination pages
         against the receiver's region). Returns once every chunk is posted; wait on the
         result."""
+        length = self.page_bytes if length is None else length
+        if length <= 0 or src_column < 0 or src_column + length > self.page_bytes:
+            raise BoundsError(f"bytes {src_column}..{src_column + length} are not a piece of a "
+                              f"{self.page_bytes}-byte page")
         src = _indices(src_pages, "src_pages", self._pages.shape[0])
         # Checked whole against the receiver's region here, so a bad page list posts no
         # chunk; the engine checks each chunk again (and a windows descriptor's windows).
-        stride = self.page_bytes if dst_stride is None else dst_stride
+        stride = length if dst_stride is None else dst_stride
         remote_length = self._engine.remote_length(remote_descriptor)
-        dst = _indices(dst_pages, "dst_pages", max((remote_length - dst_offset - self.page_bytes) // stride + 1, 0))
+        dst = _indices(dst_pages, "dst_pages", max((remote_length - dst_offset - length) // stride + 1, 0))
         if src.size != dst.size:
             raise BoundsError(f"src_pages has {src.size} pages, dst_pages {dst.size}")
         transfers = []
         self._ring.reap()
+        pieces = self._pages[:, src_column:src_column + length]
         for first in range(0, src.size, self.chunk_pages):
             chunk_src = src[first:first + self.chunk_pages]
             n = chunk_src.size
             # The wait is per chunk: a long push that keeps moving never times out.
             slot = self._ring.acquire(n, time.monotonic() + self.staging_wait_s)
-            # Gather on the device, then one contiguous copy into the slots; ordered after
-            # whatever the caller's stream already holds (the layer that wrote these pages).
+            # Gather on the device, then one contiguous copy into the slots, the pieces
+            # packed from the first slot's start (a piece is never longer than a slot);
+            # ordered after whatever the caller's stream already holds (the layer that
+            # wrote these pages).
             index = torch.from_numpy(chunk_src).to(self.device, non_blocking=True)
-            self._staging_rows[slot:slot + n].copy_(self._pages.index_select(0, index), non_blocking=True)
+            start = slot * self.page_bytes
+            packed = self._staging[start:start + n * length].view(n, length)
+            packed.copy_(pieces.index_select(0, index), non_blocking=True)
             self._fence.wait()
             transfer = self._engine.write_paged(
-                self._region, np.arange(slot, slot + n, dtype=np.int64), remote_descriptor,
-                dst[first:first + n], self.page_bytes, dst_stride=dst_stride, dst_offset=dst_offset,
+                self._region, np.arange(n, dtype=np.int64), remote_descriptor, dst[first:first + n], length,
+                src_stride=length, src_offset=start, dst_stride=dst_stride, dst_offset=dst_offset,
                 imm=imm, request_id=request_id)
             self._ring.lease(slot, n, transfer)
             transfers.append(transfer)
-        return StagedPush(transfers, int(src.size), int(src.size) * self.page_bytes)
+        return StagedPush(transfers, int(src.size), int(src.size) * length)
 
     def close(self, timeout: float = DEFAULT_STAGING_WAIT_S) -> None:
         """Waits for in-flight writes (bounded), then deregisters the staging memory. A write

@@ -12,7 +12,12 @@ BHLNC cut a block into one run per head and are refused here with a clear error;
 connector asks vLLM for LBHNC, which every backend that offers them offers too.
 On the staged path the decoder hands out landing blocks instead of its cache blocks: a
 small pinned cache of the same layout (`landing_blocks` blocks), copied into the device
-cache once every write landed, and handed out again only after that. The staged classes
+cache once every write landed, and handed out again only after that. Between different
+tensor parallel sizes the prefiller posts its head slice of each block (one run per block:
+LBHNC, BLHNC), packed in its staging rows, and a decoder's landing blocks gather the slices
+of every prefill rank its heads come from, copied to the device once, when every part of the
+load landed (`KVReceiver`); MLA's latent is replicated, a whole block from one prefill rank.
+The staged classes
 take any tensor, so the CPU tests drive them with host caches (`tests/integrations/
 test_kv_cache_paths.py`); a device cache picks them in `KVPusher` and `KVReceiver`.
 """
@@ -112,20 +117,22 @@ class StagedWrites:
 
     def post(self, runs: list[PagedRun], src: list[int], res: KVReservation, dst: list[int], request_id: str,
              writes: InflightWrites, target: SliceTarget | None = None) -> int:
-        """As `DirectWrites.post`, through the staging rows (whole blocks only)."""
-        if target is not None:
-            raise GeometryError("a device cache pushes whole blocks only: its decoder must run the same tensor "
-                                "parallel size")
+        """As `DirectWrites.post`, through the staging rows: a whole block, or the head
+        slice `target` names (one run of each block, `PushPlan`), is a piece of one row."""
         posted = 0
         blocks = np.asarray(src, dtype=np.int64)
         for run in runs:
-            if run.length != self.row:
-                raise GeometryError(f"a piece of {run.length} bytes does not match the staging rows of {self.row}")
+            # Every (layer, block) starts a row (one run per block), so a piece of a block
+            # sits at the same column of each row it is read from.
+            column = run.src_offset % self.row
+            if run.src_stride % self.row or column + run.length > self.row:
+                raise GeometryError(f"a piece of {run.length} bytes at byte {column} of a block (stride "
+                                    f"{run.src_stride}) is not within one staging row of {self.row} bytes")
             rows = (run.src_offset + blocks * run.src_stride) // self.row
             nbytes = len(src) * run.length
             writes.add(_StagedWrite(self.sender.push(rows, res.descriptor, dst, dst_offset=run.dst_offset,
-                                                     dst_stride=run.dst_stride, imm=res.imm,
-                                                     request_id=request_id)), nbytes)
+                                                     dst_stride=run.dst_stride, imm=res.imm, request_id=request_id,
+                                                     src_column=column, length=run.length)), nbytes)
             posted += nbytes
         return posted
 
@@ -151,7 +158,8 @@ class DirectLanding:
 
 class StagedLanding:
     """The decoder's cache is device memory: writes land in pinned landing blocks (a small
-    cache of the same layout), copied into the request's device blocks once all landed."""
+    cache of the same layout), copied into the request's device blocks once all landed
+    (from every prefill rank the load draws heads from: the receiver copies once per load)."""
 
     def __init__(self, engine: TransferEngine, region: KVRegion, *,
                  landing_blocks: int = DEFAULT_LANDING_BLOCKS) -> None:

@@ -38,7 +38,10 @@ from one prefill rank of the same size reserves there as above. Otherwise its lo
 part per prefill rank it draws heads from (`tensor_parallel.head_sources`), each a
 reservation of its own (slot, immediate, nonce, scope, checksum table over its head slice)
 sent as a sliced reservation (sliced_reservation.py); the request is admitted once every
-part is, and fails (the other parts fenced) when one part fails.
+part is, and fails (the other parts fenced) when one part fails. On a device cache the
+parts share the request's landing blocks, each landing its heads, and the blocks are copied
+to the device once, when every part counted its writes (the landing blocks go back only
+when every part handed them back: no write for them can land any more).
 
 With several KV cache groups (vLLM's hybrid manager; a host cache) the reservation names
 the decoder's blocks per group (`group_pages`, -1 where a group keeps no block: a sliding
@@ -198,6 +201,10 @@ class DecodeLoad:
     cancel_sent_at: float = 0.0
     #: Its prefiller is gone and its connections were severed after the revoke: no byte lands.
     writer_severed: bool = False
+    #: Every write counted (and its table in): it waits for the landing copy and admission.
+    counted: bool = False
+    #: The writes counted when it was (its immediate is forgotten once revoked).
+    landed: int = 0
 
     @property
     def pages(self) -> list[int]:
@@ -271,10 +278,6 @@ class KVReceiver:
         if self.ledger.free_slots < len(parts):
             self.refuse(spec, "no_slot", f"{self.settings.max_concurrent_loads} loads already in flight "
                         "(max_concurrent_loads)")
-            return
-        if len(parts) > 1 and not isinstance(self.landing, DirectLanding):
-            self.refuse(spec, "tp_mismatch", "a device cache takes a request's KV from one prefill rank only; this "
-                        f"decode rank's heads are on {len(parts)} (use equal tensor parallel sizes)")
             return
         keys = self.pages.take(spec.request_id, list(spec.block_ids), len(parts))
         if keys is None:
@@ -593,12 +596,8 @@ class KVReceiver:
             table_missing = load.checksums is not None and not load.checksums.complete
             if landed >= res.expected_count and not table_missing:
                 self._revoke(load)  # every write landed: none may come any more
-                try:
-                    self.landing.land(load.pages, list(load.spec.block_ids))
-                except Exception as exc:  # a device copy that failed: vLLM must not read the blocks
-                    self._fail(load, "landing_failed", f"copying the landed blocks to the cache failed: {exc}")
-                else:
-                    self._admit(load, landed, now)
+                load.counted, load.landed = True, landed
+                self._land(load, now)
             elif now > entry.expires_at:
                 self._to_fencing(load, "load_timeout", f"not every write landed within load_timeout_s="
                                  f"{self.settings.load_timeout_s} ({landed} of {res.expected_count} pages"
@@ -629,6 +628,22 @@ class KVReceiver:
             else:
                 self._fence_over(load, "fence_timeout", f"{load.reason}; the prefiller never confirmed, "
                                  f"fence_timeout_s={self.settings.fence_timeout_s} passed")
+
+    def _land(self, load: DecodeLoad, now: float) -> None:
+        """Copies the landed blocks into the cache and admits, once every part that writes
+        them counted its writes: a device cache's parts (one per prefill rank its heads come
+        from) share landing blocks, copied whole, once; a host cache's part lands in place."""
+        parts = self._loads[load.spec.request_id] if isinstance(self.landing, StagedLanding) else [load]
+        if not all(ld.counted and ld.state in WAITING for ld in parts):
+            return  # the copy waits for the other parts; one that fails fences this one (poll)
+        try:
+            self.landing.land(load.pages, list(load.spec.block_ids))
+        except Exception as exc:  # a device copy that failed: vLLM must not read the blocks
+            for ld in parts:
+                self._fail(ld, "landing_failed", f"copying the landed blocks to the cache failed: {exc}")
+            return
+        for ld in parts:
+            self._admit(ld, ld.landed, now)
 
     def _admit(self, load: DecodeLoad, landed: int, now: float) -> None:
         """Every write landed (in the request's blocks): the hand-off's admission step
