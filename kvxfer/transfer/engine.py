@@ -57,6 +57,10 @@ def _switch_from_env(name: str) -> bool:
 #: an unprivileged process, whose tcp_allowed_congestion_control is by default reno and the
 #: system's default only.
 DEFAULT_TCP_CONGESTION = "cubic,reno"
+#: Same-host writers pinned at once (a pidfd each): one per prefill engine a decoder loads
+#: from, so far above a deployment's prefillers; past it they are dropped, and a dropped
+#: writer's loads keep dead_prefiller_fence_s.
+_MAX_SAME_HOST_WRITERS = 1024
 _AVAILABLE_CONGESTION = Path("/proc/sys/net/ipv4/tcp_available_congestion_control")
 
 
@@ -515,6 +519,8 @@ class TransferEngine:
         self.transfer_timeout_s = float(transfer_timeout_s)
         self._remote_cache = RemoteDescriptorCache(self._native.parse_remote)
         self._peer_cache: dict[bytes, Any] = {}
+        #: engine id -> its pinned same-host writer (watch_same_host_writer); None: not one
+        self._same_host_writers: dict[int, Any] = {}
         self._bridges: dict[int, _AsyncBridge] = {}
         self._expect_tokens = iter(range(1, 1 << 62))
         self._token_lock = threading.Lock()
@@ -822,6 +828,7 @@ class TransferEngine:
         """Drops a peer that went away; a later transfer to it reconnects."""
         peer = self._peer(address)
         self._native.forget(peer)
+        self._same_host_writers.pop(peer.engine_id, None)
         self._peer_cache = {k: v for k, v in self._peer_cache.items() if v is not peer}
         self._remote_cache.forget_owner(peer.engine_id)
 
@@ -838,13 +845,47 @@ class TransferEngine:
         from a port that names no one), no reset connection with unread bytes (a reset
         leaves no peer address to tell whose), the provider is net or tcp (no progress
         thread of its own), and the peer cannot write through the same-host path (no socket
-        to cut). A connection the provider already closed counts as cut. False proves
-        nothing and touches no other peer's connection. A connection opened after this is
-        not prevented: revoke the registrations first, so that an op on it is refused at
-        its header (net checks a write's key at the op's header)."""
-        proven, per_rail = self._native.sever_peer(self._peer(address))
+        to cut) or is a pinned same-host writer whose process can no longer write
+        (`same_host_writes_ended`, checked first). A connection the provider already closed
+        counts as cut. False proves nothing and touches no other peer's connection. A
+        connection opened after this is not prevented: revoke the registrations first, so
+        that an op on it is refused at its header (net checks a write's key at the op's
+        header)."""
+        peer = self._peer(address)
+        # The same-host writes' end is proven before the sever: each proves from its own
+        # moment on, so after both no byte of the peer lands by either way.
+        writes_ended = self.same_host_writes_ended(address) == ""
+        proven, per_rail = self._native.sever_peer(peer, writes_ended)
         log.debug("severed connections to a peer, per rail: %s (proven: %s)", per_rail, proven)
         return bool(proven)
+
+    def watch_same_host_writer(self, address: bytes) -> bool:
+        """Pins the process of the engine at `address` if it can write into this one through
+        the same-host path (same kernel and PID namespace, this engine offering the path):
+        a pidfd of the pid its address declares, checked to be that engine's process. Call
+        it while the peer runs (before it may write), so that a later `sever_peer` can prove
+        its same-host writes ended (`same_host_writes_ended`). Returns whether it is such a
+        writer and is pinned; idempotent, at most _MAX_SAME_HOST_WRITERS kept.
+
+        Trusting the pid the peer declares is safe for what it proves: a process that can
+        write here by the same-host path holds ptrace rights over this one and could write
+        anything anyway; the proof is about an honest writer's copy in flight when it died.
+        """
+        peer = self._peer(address)
+        if peer.engine_id not in self._same_host_writers:
+            if len(self._same_host_writers) >= _MAX_SAME_HOST_WRITERS:
+                self._same_host_writers.clear()  # unpinned writers keep dead_prefiller_fence_s: safe
+            self._same_host_writers[peer.engine_id] = self._native.open_same_host_writer(peer)
+        return self._same_host_writers[peer.engine_id] is not None
+
+    def same_host_writes_ended(self, address: bytes) -> str | None:
+        """Whether the pinned same-host writer at `address` (`watch_same_host_writer`) can no
+        longer write here: "" once every thread of its process is exiting or gone (a killed
+        process runs no more user code and enters no new system call, so no copy of it is
+        under way or can start), else why not; None where it is not a pinned same-host
+        writer (the path proves nothing for it). Never blocks; reads /proc."""
+        writer = self._same_host_writers.get(self._peer(address).engine_id)
+        return None if writer is None else str(writer.still_writing())
 
     # -- ImmCounter -------------------------------------------------------------------
     def imm_count(self, imm: int) -> int:

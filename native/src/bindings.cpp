@@ -10,6 +10,7 @@
 #include "futex_wait.hpp"
 #include "gil_release.hpp"
 #include "page_locks.hpp"
+#include "same_host_writer_exit.hpp"
 #include "transfer_engine.hpp"
 
 namespace kvxfer {
@@ -163,6 +164,13 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("engine_id", [](const EngineAddress& a) { return a.engine_id; })
       .def_property_readonly("provider", [](const EngineAddress& a) { return a.provider; })
       .def_property_readonly("rails", [](const EngineAddress& a) { return a.rail_addresses.size(); });
+
+  py::class_<SameHostWriter>(m, "SameHostWriter")
+      .def_property_readonly("pid", &SameHostWriter::pid)
+      .def("still_writing", [](const SameHostWriter& w) {
+        GilRelease release;  // a /proc walk of the writer's threads
+        return w.still_writing();
+      });
 
   py::class_<PyTransfer>(m, "Transfer")
       .def_property_readonly("id", [](const PyTransfer& t) { return t.state->id; })
@@ -450,14 +458,18 @@ PYBIND11_MODULE(_native, m) {
             GilRelease release;
             e.forget(*peer);
           })
-      .def("sever_peer", [](TransferEngine& e, std::shared_ptr<EngineAddress> peer) {
+      .def("sever_peer", [](TransferEngine& e, std::shared_ptr<EngineAddress> peer, bool same_host_writes_ended) {
             std::vector<size_t> per_rail;
             bool proven = false;
             {
               GilRelease release;
-              proven = e.sever_peer(*peer, &per_rail);
+              proven = e.sever_peer(*peer, &per_rail, same_host_writes_ended);
             }
             return py::make_tuple(proven, per_rail);
+          }, py::arg("peer"), py::arg("same_host_writes_ended") = false)
+      .def("open_same_host_writer", [](const TransferEngine& e, std::shared_ptr<EngineAddress> peer) {
+            // None where `peer` cannot write here through the same-host path, or cannot be pinned.
+            return SameHostWriter::open(*peer, EngineAddress::parse(e.address()).same_host);
           })
       .def("stats", [](TransferEngine& e) {
             py::list out;

@@ -536,7 +536,8 @@ void TransferEngine::forget(const EngineAddress& peer) {
   worker_->run_on_worker([&] { worker_->forget_peer(id); }, 30'000'000'000LL);
 }
 
-bool TransferEngine::sever_peer(const EngineAddress& peer, std::vector<size_t>* per_rail) {
+bool TransferEngine::sever_peer(const EngineAddress& peer, std::vector<size_t>* per_rail,
+                                bool same_host_writes_ended) {
   check_open();
   per_rail->assign(peer.rail_addresses.size(), 0);
   // Other socket providers (sockets) run progress threads of their own: a sever on ours
@@ -546,7 +547,7 @@ bool TransferEngine::sever_peer(const EngineAddress& peer, std::vector<size_t>* 
   worker_->run_on_worker([&] { results = worker_->sever_peer_connections(peer); }, 30'000'000'000LL);
   const bool same_host = !address_.same_host.host_key.empty() &&
                          peer.same_host.host_key == address_.same_host.host_key;
-  bool proven = !results.empty() && !same_host;
+  bool proven = !results.empty() && (!same_host || same_host_writes_ended);
   for (size_t r = 0; r < results.size(); ++r) {
     (*per_rail)[r] = results[r].severed;
     proven = proven && results[r].proven;

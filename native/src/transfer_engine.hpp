@@ -130,8 +130,9 @@ class TransferEngine {
   // after this returns: a socket provider whose progress only that thread makes (net,
   // tcp), no other socket that may carry the peer's bytes (a connection our listeners
   // accepted from its host, a reset one with unread bytes), and a peer that cannot write
-  // through the same-host path (which has no socket).
-  bool sever_peer(const EngineAddress& peer, std::vector<size_t>* per_rail);
+  // through the same-host path (which has no socket), unless the caller proved its
+  // same-host writes ended (`same_host_writes_ended`: SameHostWriter::still_writing).
+  bool sever_peer(const EngineAddress& peer, std::vector<size_t>* per_rail, bool same_host_writes_ended = false);
 
   ProgressWorker& worker() { return *worker_; }
   void close();

@@ -9,7 +9,12 @@ vLLM-laid-out cache, polled as vLLM's worker would.
 Once gone, a prefiller's loads are freed at once where the decoder severed its connections
 after revoking their registrations (TransferEngine.sever_peer) and that proves no byte of it
 can land any more, and keep `dead_prefiller_fence_s` where the sever proves nothing. What a
-sever stops on the wire is measured in test_kv_revoked_write_in_progress.py."""
+sever stops on the wire is measured in test_kv_revoked_write_in_progress.py.
+
+A same-host prefiller writes by memcpy, with no socket to sever: its loads are freed at once
+only once every thread of its process is exiting or gone (TransferEngine.
+same_host_writes_ended); alive, or frozen mid-copy, it keeps the fence, and once proven
+nothing of its copy lands any more."""
 
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ from support.silent_prefiller import SilentPrefiller  # noqa: E402
 from support.vllm_kv_caches import attention_spec, vllm_cache  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
+from kvxfer import SharedBuffer  # noqa: E402
 from kvxfer.handoff.decode_ledger import DeadlineSetting  # noqa: E402
 from kvxfer.handoff.reservation_state import ReservationState as Res  # noqa: E402
 from kvxfer.integrations.vllm.kv_receiver import KVReceiver  # noqa: E402
@@ -277,3 +283,98 @@ def test_the_keeper_of_a_prefiller_pinned_to_one_cpu_may_run_on_every_cpu() -> N
         assert os.sched_getaffinity(pf.keeper_pid) == allowed
     finally:
         pf.stop()
+
+
+# ---- a same-host prefiller: no socket carries its writes, its threads' exit is the proof ----
+
+#: Bytes the same-host writer copies again and again (several 4 MiB slices: always mid-copy).
+COPY_BYTES = 32 << 20
+#: How long the decoder watches for a byte landing after it proved the writer gone.
+NOTHING_LANDS_WATCH_S = 0.3
+
+
+@pytest.fixture(scope="module")
+def same_host_decoder() -> Iterator[TransferEngine]:
+    """A decoder engine that offers the same-host path (a prefiller on this host writes into
+    it by memcpy), for this module."""
+    engine = TransferEngine(PROVIDER, same_host=True, bind_host="127.0.0.1", imm_admission="claimed")
+    try:
+        yield engine
+    finally:
+        engine.close()
+
+
+@pytest.fixture
+def same_host_prefiller() -> Iterator[SilentPrefiller]:
+    pf = SilentPrefiller(PROVIDER, liveness_max_held=MAX_HELD, wait_s=STARTUP_DEADLINE_S, same_host=True)
+    try:
+        yield pf
+    finally:
+        pf.stop()
+
+
+def _process_state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rpartition(")")[2].split()[0]
+
+
+def test_a_same_host_prefiller_alive_when_declared_gone_keeps_the_fence_and_once_killed_is_freed_at_once(
+        same_host_decoder: TransferEngine, same_host_prefiller: SilentPrefiller,
+        caplog: pytest.LogCaptureFixture) -> None:
+    pf = same_host_prefiller
+    settings = ConnectorSettings(provider=PROVIDER, prefiller_probe_after_s=PROBES_OUT_OF_REACH_S,
+                                 dead_prefiller_fence_s=FENCE_OUT_OF_REACH_S)
+    receiver = _reserve(same_host_decoder, pf.address, pf.liveness, settings, "same-host")
+    assert receiver._liveness.phase(pf.liveness) == "held"
+    assert same_host_decoder.same_host_writes_ended(pf.address), "a same-host prefiller that runs was not pinned"
+    caplog.set_level(logging.INFO, logger="kvxfer")
+    os.kill(pf.keeper_pid, signal.SIGKILL)  # its liveness connection closes; the prefiller runs on
+    load = receiver._loads["d-same-host"][0]
+    end = time.monotonic() + REPORTED_WITHIN_S
+    while not (load.entry is not None and load.entry.writer_gone) and time.monotonic() < end:
+        finished, _ = receiver.poll(set())
+        assert "d-same-host" not in finished, "freed while the same-host prefiller could still write"
+        time.sleep(0.002)
+    assert load.entry is not None and load.entry.writer_gone, "the closed liveness connection was not noticed"
+    # Rechecked every dead_writer_recheck_s: a live writer never proves anything.
+    watch_end = time.monotonic() + 20 * settings.dead_writer_recheck_s
+    while time.monotonic() < watch_end:
+        finished, _ = receiver.poll(set())
+        assert "d-same-host" not in finished, "freed while the same-host prefiller could still write"
+        time.sleep(0.002)
+    assert (load.state, load.writer_severed) == (Res.FENCED, False)
+    pf.signal_group(signal.SIGKILL)
+    reported = _poll_until_finished(receiver, "d-same-host", REPORTED_WITHIN_S)
+    assert reported == {"finished", "d-same-host"}, "not freed once every thread of it was exiting"
+    freed = [r.getMessage() for r in caplog.records
+             if "(request d-same-host)" in r.getMessage() and "prefiller process is gone" in r.getMessage()]
+    assert freed and "no byte of it can land" in freed[-1], freed
+
+
+def test_a_same_host_writer_killed_mid_copy_lands_nothing_once_proven_unable_to_write(
+        same_host_decoder: TransferEngine, same_host_prefiller: SilentPrefiller) -> None:
+    pf = same_host_prefiller
+    cache = SharedBuffer(COPY_BYTES).array  # a memfd, as the connector's KV cache: the writer memcpys into it
+    cache[:] = 0
+    mr = same_host_decoder.register(cache)
+    assert same_host_decoder.watch_same_host_writer(pf.address)
+    pf.copy_into(mr.descriptor, COPY_BYTES)
+    end = time.monotonic() + STARTUP_DEADLINE_S
+    while not cache[-1] and time.monotonic() < end:
+        time.sleep(0.002)
+    assert cache[-1] == 0xAB, "no copy landed"
+    assert "is not exiting" in same_host_decoder.same_host_writes_ended(pf.address), "a copying writer proved gone"
+    pf.signal_group(signal.SIGSTOP)  # frozen mid-copy: it would copy on when woken
+    end = time.monotonic() + STARTUP_DEADLINE_S
+    while _process_state(pf.proc.pid) != "T" and time.monotonic() < end:
+        time.sleep(0.002)
+    assert "is not exiting" in same_host_decoder.same_host_writes_ended(pf.address), "a frozen writer proved gone"
+    pf.signal_group(signal.SIGKILL)
+    end = time.monotonic() + REPORTED_WITHIN_S
+    while same_host_decoder.same_host_writes_ended(pf.address) and time.monotonic() < end:
+        time.sleep(0.001)
+    assert same_host_decoder.same_host_writes_ended(pf.address) == "", "a killed writer not proven unable to write"
+    cache[:] = 0  # the decoder frees the blocks; the next request's KV goes here
+    time.sleep(NOTHING_LANDS_WATCH_S)
+    assert not cache.any(), f"{int((cache != 0).sum())} bytes landed after the writer was proven gone"
+    same_host_decoder.deregister(mr)

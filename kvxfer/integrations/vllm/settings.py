@@ -71,7 +71,8 @@ class ConnectorSettings(BaseModel):
         1.0, ge=0, description="with kv_registration per_reservation, how long a load of a gone prefiller keeps its "
         "blocks after its registration was revoked (instead of fence_timeout_s), where severing the prefiller's "
         "connections after the revoke (TransferEngine.sever_peer) proved nothing: a connection the prefiller "
-        "opened, a reset one with unread bytes, a same-host peer, a provider other than net or tcp. Where it "
+        "opened, a reset one with unread bytes, a same-host peer not proven unable to write (some thread of its process "
+        "not exiting yet: see dead_writer_recheck_s), a provider other than net or tcp. Where it "
         "proved that no byte of the prefiller can land, the load is freed at once. The revoke stops every op whose "
         "header arrives after it (the key is checked then, the connection cut), but not the op already under way: "
         "net checks a write's key once, at its header, and copies the rest as it comes, and forgetting the peer "
@@ -80,6 +81,12 @@ class ConnectorSettings(BaseModel):
         "max_coalesce_bytes; one page where the provider has no weighted immediates), 34 ms at 1 Gbit/s, plus "
         "Linux's retransmission timeouts for a lost segment (200 ms, then 400 ms). 1 s covers that; a slower link "
         "or more losses in a row than that are not covered: raise it there (fence_timeout_s at most)")
+    dead_writer_recheck_s: float = Field(
+        0.005, gt=0, description="decode side, a gone same-host prefiller (it writes into this cache by memcpy, no "
+        "socket to sever): its loads are freed at once once every thread of its process is exiting or gone (a "
+        "killed thread runs no more user code and enters no new system call: TransferEngine.same_host_writes_ended). "
+        "While some thread is not exiting yet (not scheduled since the kill, in an uninterruptible sleep, or the "
+        "process is alive) its threads are looked at again this often, until dead_prefiller_fence_s ends")
     liveness_connect_timeout_s: float = Field(
         1.0, gt=0, description="decode side: a liveness connection to a prefiller (its registry record's "
         "liveness_address) not connected and kept by then gives no signal, and that prefiller is watched by the "
