@@ -88,8 +88,10 @@ every load of the prefiller was revoked, the receiver severs the prefiller's con
 addresses shut down and its receive queue dropped, so the provider reads EOF and drops the
 op). Where that proves no byte of it lands any more (net or tcp; no connection our
 listener accepted from its host and no reset one with unread bytes, which cannot be told
-from another peer's; not a same-host peer; a connection the provider already closed counts
-as cut), its loads are freed at once. In the connector flow the decoder opens the
+from another peer's; a connection the provider already closed counts as cut; a same-host
+peer, which copies by memcpy with no socket, only once every thread of its process is
+exiting or gone, looked at again every dead_writer_recheck_s: TransferEngine.
+same_host_writes_ended), its loads are freed at once. In the connector flow the decoder opens the
 connection (its reservation is the first message), so that is the usual case. Otherwise
 the blocks are freed only once that op can have arrived: `dead_prefiller_fence_s` sizes it
 for a 1 Gbit/s link and two lost-segment retransmissions (its description); a slower or
@@ -260,6 +262,8 @@ class KVReceiver:
         self._probes: dict[bytes, tuple[Transfer | None, float]] = {}
         #: one connection per prefiller liveness address that loads wait on (prefiller_liveness.py)
         self._liveness = LivenessWatch(settings.liveness_connect_timeout_s)
+        #: gone same-host prefillers whose threads were not all exiting yet -> when to look again
+        self._exiting_writers: dict[bytes, float] = {}
         metrics.foreign_immediates.set_function(lambda: float(engine.engine_stats().get("imm_foreign_dropped", 0)))
 
     # ---- starting and cancelling ----------------------------------------------------------
@@ -296,6 +300,7 @@ class KVReceiver:
         self._parts[key] = load
         if spec.prefill_liveness:
             self._liveness.watch(spec.prefill_liveness, now)
+        self._watch_writer(spec.prefill_engine)
         pages = entry.pages
         try:
             descriptor = self._open_scope(load, entry.imm)
@@ -461,6 +466,44 @@ class KVReceiver:
         for engine_address, why in gone_engines.items():
             self._prefiller_gone(engine_address, f"the prefiller process is gone: {why}", now)
         self._liveness.keep(watched)
+        self._recheck_exiting_writers(now)
+
+    def _watch_writer(self, address: bytes) -> None:
+        """Pins a same-host prefiller's process while it runs (TransferEngine.
+        watch_same_host_writer), so that once it is gone its loads can be freed as soon as
+        every thread of it is exiting, instead of after dead_prefiller_fence_s."""
+        if self.settings.kv_registration != "per_reservation":
+            return  # nothing is revoked: the full fence holds anyway
+        try:
+            self.engine.watch_same_host_writer(address)
+        except Exception as exc:  # a malformed address: the load fails on its own, unpinned
+            log.debug("not pinning a same-host prefiller: %s", exc)
+
+    def _recheck_exiting_writers(self, now: float) -> None:
+        """A gone same-host prefiller some thread of which was not exiting yet when it was
+        declared gone (not scheduled since the kill, or in an uninterruptible sleep): looked
+        at again every dead_writer_recheck_s until its loads are freed (then at once) or
+        their dead_prefiller_fence_s ends."""
+        for address, at in list(self._exiting_writers.items()):
+            fenced = [ld for parts in self._loads.values() for ld in parts
+                      if ld.spec.prefill_engine == address and ld.state is Res.FENCED and not ld.writer_severed]
+            if not fenced:
+                del self._exiting_writers[address]
+            elif now >= at:
+                if self._still_writing(address) == "" and self._sever(address):
+                    del self._exiting_writers[address]
+                    for load in fenced:
+                        self._shorten_fence(load, True)
+                else:
+                    self._exiting_writers[address] = now + self.settings.dead_writer_recheck_s
+
+    def _still_writing(self, address: bytes) -> str | None:
+        """Why the same-host prefiller at `address` may still write ("" once it cannot; None:
+        not a pinned same-host writer, or its address does not parse)."""
+        try:
+            return self.engine.same_host_writes_ended(address)
+        except Exception:  # a malformed address: nothing to prove with
+            return None
 
     def _prefiller_gone(self, address: bytes, why: str, now: float) -> None:
         """Every load waiting on the prefiller at `address` fails. Where its registration
@@ -480,6 +523,8 @@ class KVReceiver:
         severed = bool(fenced) and self.settings.kv_registration == "per_reservation" and self._sever(address)
         for load in fenced:
             self._shorten_fence(load, severed)
+        if fenced and not severed and self._still_writing(address):
+            self._exiting_writers[address] = now + self.settings.dead_writer_recheck_s
 
     def _sever(self, address: bytes) -> bool:
         """Cuts this process's connections to the dead prefiller (TransferEngine.sever_peer);
@@ -490,8 +535,10 @@ class KVReceiver:
             log.info("severing a dead prefiller's connections failed: %s", exc)
             return False
         if not severed:
-            log.info("a dead prefiller's connections are not all ours to sever: its loads keep "
-                     "dead_prefiller_fence_s=%s", self.settings.dead_prefiller_fence_s)
+            still = self._still_writing(address)
+            log.info("a dead prefiller's connections are not all ours to sever%s: its loads keep "
+                     "dead_prefiller_fence_s=%s", f", or its same-host writes may go on ({still})" if still else "",
+                     self.settings.dead_prefiller_fence_s)
         return severed
 
     def _shorten_fence(self, load: DecodeLoad, severed: bool = False) -> None:
