@@ -20,6 +20,10 @@ group, its pages are named by that group's block ids on both sides, and the geom
 reservation's `group_pages`, and leaves out the pages the decoder's group keeps none of
 (-1: a sliding window's pages before its window); the sender passes its own block ids of
 the layer's group as `local`.
+
+A Mamba/SSM state group is one more group to the plan: its pages are -1 but for the last
+prompt page, which names the request's state block, and its layers' writes cover the
+first `state_bytes` of that block's page (the state) instead of the whole page.
 """
 
 from __future__ import annotations
@@ -46,6 +50,9 @@ class LayerGroups:
 
     slots: tuple[int, ...]
     groups: tuple[int, ...]
+    #: Per pushed layer: bytes of its Mamba/SSM state at the start of its page (0: KV, the
+    #: whole page); None: no state layers.
+    state_bytes: tuple[int, ...] | None = None
 
     def expected_writes(self, group_pages: list[list[int]]) -> int:
         """The writes a push of `group_pages` makes: each layer's group's pages that are not -1."""
@@ -137,6 +144,11 @@ class PushPlan:
         pages and for LBHNC), each covering every page of a `LayerPages` at both strides."""
         dst, pieces = self._plan()
         slot = self._layer_groups.slots[layer] if self._layer_groups is not None else layer
+        state = self._layer_groups.state_bytes[layer] if self._layer_groups and self._layer_groups.state_bytes else 0
+        if state:
+            if self._heads[2] is not None:
+                raise GeometryError("a Mamba/SSM state is pushed whole, never as a head slice")
+            pieces = ((0, 0, state),)
         return self.geometry.layer_writes(slot, dst, pieces)
 
     def blocks(self, layer: int, first_block: int, end_block: int, local: LocalPages) -> LayerPages | None:

@@ -195,7 +195,8 @@ def test_a_misplaced_block_of_a_layer_fails_the_byte_oracle(fleet: VllmFleet) ->
 
 def test_kv_cache_groups_the_connector_cannot_push_are_refused_naming_them() -> None:
     # Attention groups (full plus sliding window: the hybrid manager's Gemma-2) are pushed
-    # at any tensor parallel size; Mamba state is refused.
+    # at any tensor parallel size; Mamba state at tensor parallel size 1 without prefix
+    # caching only (one state per request; test_vllm_mamba.py pushes it).
     import torch
     from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec,
                                             SlidingWindowSpec)
@@ -214,6 +215,13 @@ def test_kv_cache_groups_the_connector_cannot_push_are_refused_naming_them() -> 
     check_kv_cache_groups(KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[full]), 2)
     check_kv_cache_groups(KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[full, window]), 1)
     check_kv_cache_groups(KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[full, window]), 2)
-    with pytest.raises(ConnectorConfigError, match=r"3 groups .*MambaSpec \(1 layers\).*not Mamba/SSM state"):
+    check_kv_cache_groups(KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[full, window, mamba]), 1)
+    with pytest.raises(ConnectorConfigError, match=r"state group \(1 layers\).*tensor parallel size 1 only"):
         check_kv_cache_groups(KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
-                                            kv_cache_groups=[full, window, mamba]), 1)
+                                            kv_cache_groups=[full, window, mamba]), 2)
+    aligned = KVCacheGroupSpec(["model.layers.4.mixer"], MambaSpec(block_size=BLOCK, shapes=((4, 8),),
+                                                                   dtypes=(torch.bfloat16,), mamba_cache_mode="align"))
+    with pytest.raises(ConnectorConfigError, match=r"mamba_cache_mode 'align'.*--no-enable-prefix-caching"):
+        check_kv_cache_groups(KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[full, aligned]), 1)
+    with pytest.raises(ConnectorConfigError, match=r"no attention layer"):
+        check_kv_cache_groups(KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[mamba, mamba]), 1)

@@ -1,5 +1,6 @@
-"""Seeded checkpoints in Hugging Face format, made here without downloads: a Llama, and a
-Gemma-2 whose layers alternate between sliding-window and full attention (a hybrid model).
+"""Seeded checkpoints in Hugging Face format, made here without downloads: a Llama, a
+Gemma-2 whose layers alternate between sliding-window and full attention (a hybrid model),
+and a GraniteMoeHybrid whose layers alternate between Mamba-2 mixers and attention.
 
 Tests and benchmarks need a model vLLM can load, and nothing may be downloaded: this module
 trains a byte-level BPE tokenizer on local text and saves a `LlamaForCausalLM` (or
@@ -154,4 +155,46 @@ def make_sliding_window_checkpoint(out_dir: Path, shape: CheckpointShape = Check
     stamp.write_text(json.dumps(wanted))
     log.info("wrote a %d-layer seeded Gemma-2 checkpoint (sliding window %d) to %s", shape.layers,
              sliding_window, out_dir)
+    return out_dir
+
+
+#: The Mamba-2 mixers of the Mamba hybrid checkpoint: heads x head size is the mixer's
+#: inner width (2 x hidden), a small state per head so instances start fast.
+MAMBA_HEADS, MAMBA_HEAD_SIZE, MAMBA_STATE_SIZE = 8, 64, 16
+
+
+def make_mamba_hybrid_checkpoint(out_dir: Path, shape: CheckpointShape = CheckpointShape()) -> Path:
+    """Writes a seeded GraniteMoeHybrid checkpoint (a Mamba hybrid: its layers alternate
+    between a Mamba-2 mixer and full attention; dense MLPs, no experts) to `out_dir` and
+    returns it; idempotent as `make_checkpoint` is. vLLM on CPU serves it with its CPU
+    Mamba-2 kernels; the mixer's state (a conv window and an SSM state per request) is a
+    KV cache group of its own (MambaSpec). The smallest Mamba-bearing architecture
+    transformers and vLLM both have without custom code."""
+    out_dir = Path(out_dir)
+    stamp = out_dir / _STAMP
+    wanted = {**asdict(shape), "architecture": "GraniteMoeHybridForCausalLM",
+              "mamba": [MAMBA_HEADS, MAMBA_HEAD_SIZE, MAMBA_STATE_SIZE]}
+    if _is_current(stamp, wanted):
+        return out_dir
+    import torch
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = _save_tokenizer(out_dir, shape.vocab)
+    config = GraniteMoeHybridConfig(
+        vocab_size=len(tokenizer), hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+        shared_intermediate_size=shape.intermediate, num_local_experts=0, num_experts_per_tok=0,
+        num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+        layer_types=["linear_attention" if i % 2 == 0 else "full_attention" for i in range(shape.layers)],
+        mamba_n_heads=MAMBA_HEADS, mamba_d_head=MAMBA_HEAD_SIZE, mamba_d_state=MAMBA_STATE_SIZE,
+        mamba_n_groups=1, mamba_d_conv=4, mamba_expand=MAMBA_HEADS * MAMBA_HEAD_SIZE // shape.hidden,
+        max_position_embeddings=shape.max_positions, position_embedding_type="rope",
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.unk_token_id, tie_word_embeddings=False, torch_dtype=shape.dtype,
+    )
+    torch.manual_seed(shape.seed)
+    model = GraniteMoeHybridForCausalLM(config).to(getattr(torch, shape.dtype))
+    model.save_pretrained(out_dir, safe_serialization=True)
+    stamp.write_text(json.dumps(wanted))
+    log.info("wrote a %d-layer seeded Mamba hybrid (GraniteMoeHybrid) checkpoint to %s", shape.layers, out_dir)
     return out_dir

@@ -29,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from .metadata import KvxferStepMetadata, KvxferWorkerReport
 from .engine_core_side import EngineCoreSide
 from .settings import ConnectorConfigError, ConnectorSettings
+from .state_groups import check_state_groups, state_groups
 from .tensor_parallel import TensorParallelPlace
 from .worker_side import WorkerSide
 
@@ -106,20 +107,22 @@ def check_kv_cache_groups(kv_cache_config: KVCacheConfig | None, tensor_parallel
     sliding-window attention) with its hybrid KV cache manager: one group per attention
     kind, each with its own block table, overlaying one allocation. It pushes each layer's
     group's blocks, at any tensor parallel size (`tensor_parallel_size`: each rank its
-    heads, head-sliced between sizes). It serves attention groups only (not Mamba/SSM
-    state, whose blocks hold a running state instead of a page per token);
-    `--disable-hybrid-kv-cache-manager` runs such a model as one group (every layer keeps
-    every block)."""
-    from vllm.v1.kv_cache_interface import AttentionSpec
+    heads, head-sliced between sizes). Mamba/SSM state groups (a request's one state
+    block, pushed after the prompt) it pushes under the conditions `check_state_groups`
+    names (no prefix caching, tensor parallel size 1); other groups it refuses.
+    `--disable-hybrid-kv-cache-manager` runs an attention-only hybrid model as one group
+    (every layer keeps every block)."""
+    from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
 
     groups = [] if kv_cache_config is None else list(kv_cache_config.kv_cache_groups)
     if len(groups) <= 1:
         return
     kinds = ", ".join(f"{type(g.kv_cache_spec).__name__} ({len(g.layer_names)} layers)" for g in groups)
-    if not all(isinstance(g.kv_cache_spec, AttentionSpec) for g in groups):
+    if not all(isinstance(g.kv_cache_spec, (AttentionSpec, MambaSpec)) for g in groups):
         raise ConnectorConfigError(
             f"KvxferConnector: the KV cache has {len(groups)} groups ({kinds}); the connector pushes attention "
-            "KV only, not Mamba/SSM state")
+            "KV and Mamba/SSM state only")
+    check_state_groups(kv_cache_config, tensor_parallel_size)  # type: ignore[arg-type]
 
 
 class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
@@ -138,7 +141,8 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._engine_core = EngineCoreSide(block_size, self.settings.reservation_wait_s,
-                                               wait_for_reservation=self.settings.wait_for_reservation)
+                                               wait_for_reservation=self.settings.wait_for_reservation,
+                                               state_groups=frozenset(g.group for g in state_groups(kv_cache_config)))
             self._engine_core.watch_sigterm()
         else:
             model = vllm_config.model_config
@@ -169,7 +173,8 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         cache, model = self._vllm_config.cache_config, self._vllm_config.model_config
         layout = cache.get_resolved_kv_cache_layout() if cache.kv_cache_layout is not None else None
         self._worker.register_kv_caches(kv_caches, layout, latent=bool(model.use_mla),
-                                        groups=kv_cache_group_layers(self._kv_cache_config))
+                                        groups=kv_cache_group_layers(self._kv_cache_config),
+                                        state_groups=state_groups(self._kv_cache_config))
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -190,7 +195,9 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
 
     def wait_for_save(self) -> None:
         # Writes stay in flight past the step; vLLM keeps the blocks until get_finished says so.
-        return
+        # Mamba/SSM states are final only now (their mixers call no save_kv_layer).
+        assert self._worker is not None
+        self._worker.wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)
@@ -215,6 +222,10 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         super().bind_kv_cache_manager(kv_cache_manager)
         if self._engine_core is not None:
             self._engine_core.bind_kv_cache_manager(kv_cache_manager)
+
+    def on_new_request(self, request: Request) -> None:
+        assert self._engine_core is not None
+        self._engine_core.on_new_request(request)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._engine_core is not None

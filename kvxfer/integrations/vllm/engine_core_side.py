@@ -18,6 +18,12 @@ id names a page of one group only, so loads and pushes carry every group's block
 (`group_block_ids`, vLLM's null block as -1: a sliding window's pages before its window,
 which neither side pushes nor keeps). vLLM's prefix-cache hit is one token count for every
 group, so `first_page` is common to the groups.
+
+Mamba/SSM state groups (`state_groups.py`): a request holds one block of each, which the
+loads and pushes carry as that group's block of the last prompt page (-1 before it). The
+decoder recomputes the last prompt token on top of a loaded state, so a decode leg loads
+the prompt less that token, and a prefill leg computes only that much (its prompt is
+truncated when it arrives, `on_new_request`).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .metadata import KvxferStepMetadata, KvxferWorkerReport, LoadSpec, PushSpec, TransferParams, TransferParamsError
+from .state_groups import RECOMPUTED_TOKENS, per_prompt_page, truncate_prefill_prompt
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -80,8 +87,13 @@ def _prompt_key(request: Request) -> int:
 class EngineCoreSide:
     """Bookkeeping of kvxfer legs in vLLM's scheduler; builds each step's metadata."""
 
-    def __init__(self, block_size: int, reservation_wait_s: float, *, wait_for_reservation: bool = False) -> None:
+    def __init__(self, block_size: int, reservation_wait_s: float, *, wait_for_reservation: bool = False,
+                 state_groups: frozenset[int] = frozenset()) -> None:
         self.block_size = block_size
+        #: The KV cache groups that hold Mamba/SSM state (one block per request).
+        self.state_groups = state_groups
+        # Prefill legs whose prompt could not be truncated for a state push: computed, not pushed.
+        self._unpushable: set[str] = set()
         self.reservation_wait_s = reservation_wait_s
         self.wait_for_reservation = wait_for_reservation
         self._arrived: set[str] = set()  # transfer ids whose reservation the worker holds
@@ -144,6 +156,15 @@ class EngineCoreSide:
             request.kv_transfer_params = None
             return None
 
+    def on_new_request(self, request: Request) -> None:
+        """A prefill leg of a model with Mamba/SSM state computes its prompt less the token
+        the decoder recomputes (state_groups.py)."""
+        if not self.state_groups:
+            return
+        params = self._params(request)
+        if params is not None and params.role == "prefill" and not truncate_prefill_prompt(request):
+            self._unpushable.add(request.request_id)
+
     # ---- decode ------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -160,7 +181,8 @@ class EngineCoreSide:
         sibling = self._sibling_answer(rid, params.transfer_id, prompt)
         if sibling is not None:
             return sibling
-        n = request.num_tokens - num_computed_tokens
+        # With state groups the decoder's last prompt token is computed here, on the loaded state.
+        n = request.num_tokens - num_computed_tokens - (RECOMPUTED_TOKENS if self.state_groups else 0)
         if n <= 0:
             return 0, False
         self._pending_loads[rid] = _PendingLoad(params, num_computed_tokens)
@@ -193,7 +215,7 @@ class EngineCoreSide:
         # does, which costs less than the decoder's reservation round trip before compute
         # (one vLLM step on each side: about 30 ms of a 64-token TTFT on this machine).
         rid = request.request_id
-        if rid in self._pushes:
+        if rid in self._pushes or rid in self._unpushable:
             return 0, False
         if any(push.params.transfer_id == params.transfer_id for push in self._pushes.values()):
             # Another request of this instance pushes for that transfer (a batch of prompts
@@ -223,8 +245,8 @@ class EngineCoreSide:
         if pending is None or pending.spec_sent or num_external_tokens <= 0:
             return
         first_page = pending.num_computed // self.block_size
-        last_page = math.ceil(request.num_tokens / self.block_size)
-        per_group = self._group_blocks(blocks.get_block_ids())
+        last_page = math.ceil((pending.num_computed + num_external_tokens) / self.block_size)
+        per_group = self._group_blocks(blocks.get_block_ids(), last_page)
         groups = [ids[first_page:last_page] for ids in per_group]
         loaded = [b for ids in groups for b in ids if b >= 0]
         self._load_blocks[request.request_id] = ([sum(1 for b in ids if b >= 0) for ids in groups], first_page)
@@ -236,15 +258,17 @@ class EngineCoreSide:
         ))
         pending.spec_sent = True
 
-    def _group_blocks(self, block_ids: Any) -> list[list[int]]:
+    def _group_blocks(self, block_ids: Any, pages: int = 0) -> list[list[int]]:
         """vLLM's block ids per KV cache group; with several groups its null block (a
-        sliding window's page outside the window) as -1."""
+        sliding window's page outside the window) as -1, and a state group's block as its
+        block of the last of `pages` prompt pages."""
         groups = [list(ids) for ids in block_ids]
         if len(groups) == 1:
             return groups
         pool = getattr(self._kv_cache_manager, "block_pool", None)
         null = pool.null_block.block_id if pool is not None else 0  # vLLM's null block is block 0
-        return [[-1 if b == null else int(b) for b in ids] for ids in groups]
+        return [per_prompt_page(ids, pages) if g in self.state_groups else [-1 if b == null else int(b) for b in ids]
+                for g, ids in enumerate(groups)]
 
     # ---- every step ----------------------------------------------------------------------
 
@@ -265,7 +289,9 @@ class EngineCoreSide:
             if rid not in scheduled or push.pushed_to >= push.prompt_tokens:
                 continue
             end = min(computed.get(rid, 0) + scheduled[rid], push.prompt_tokens)
-            groups = self._group_blocks(self._kv_cache_manager.get_block_ids(rid)) if self._kv_cache_manager else [[]]
+            groups = (self._group_blocks(self._kv_cache_manager.get_block_ids(rid),
+                                         math.ceil(push.prompt_tokens / self.block_size))
+                      if self._kv_cache_manager else [[]])
             meta.pushes.append(PushSpec(
                 request_id=rid, transfer_id=push.params.transfer_id, decode_engine=push.params.peer_engine,
                 prompt_tokens=push.prompt_tokens, block_ids=groups[0], computed_end=end,
@@ -312,6 +338,7 @@ class EngineCoreSide:
         if self._pending_loads.pop(rid, None) is not None:
             self._load_ended(rid)  # never sent to the worker: nothing in flight for its siblings to wait on
         self._gated_since.pop(rid, None)
+        self._unpushable.discard(rid)
         load_failed = rid in self._failed_loads
         self._failed_loads.discard(rid)
         loaded = self._load_blocks.pop(rid, None)

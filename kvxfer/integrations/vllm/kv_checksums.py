@@ -61,7 +61,7 @@ def block_checksums(region: KVRegion, layer: int, blocks: Sequence[int],
     slot = region.slot(layer)  # several groups: the geometry layer that holds `layer`
     ids = np.ascontiguousarray(blocks, dtype=np.int64)
     if heads is None and region.buffer is not None and g.block_runs() == [(0, g.page_bytes)] \
-            and g.block_stride == g.page_bytes:
+            and g.block_stride == g.page_bytes and not region.state_length(layer):
         buf = region.buffer
         return _native.page_crc32c(buf.ctypes.data, buf.nbytes, g.offset(slot, 0), g.page_bytes, ids)
     out = np.empty(len(ids), dtype=np.uint32)
@@ -70,7 +70,7 @@ def block_checksums(region: KVRegion, layer: int, blocks: Sequence[int],
             out[i] = crc32c(region.page_bytes(layer, int(block), heads))
             continue
         crc = 0
-        for start, length in g.runs(slot, int(block), heads):
+        for start, length in region.layer_runs(layer, int(block), heads):  # a Mamba layer's state only
             crc = crc32c(region.buffer[start:start + length], crc)
         out[i] = crc
     return out

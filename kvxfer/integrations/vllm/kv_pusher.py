@@ -158,7 +158,8 @@ class KVPusher:
         self.block_size = region.block_size
         #: Each layer's slot and group where the cache has several groups (None: one).
         self.layer_groups = (LayerGroups(tuple(region.slot(i) for i in range(region.num_layers)),
-                                         tuple(region.group(i) for i in range(region.num_layers)))
+                                         tuple(region.group(i) for i in range(region.num_layers)),
+                                         tuple(region.state_bytes) if region.state_bytes is not None else None)
                              if region.num_groups > 1 else None)
         #: How a layer's blocks leave this cache: read in place (host memory registered as
         #: `memory`), or through pinned staging (a device cache).

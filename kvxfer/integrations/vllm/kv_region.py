@@ -17,6 +17,12 @@ lists every attention layer once (its "layer index", in slot then group order) w
 geometry layer (slot) that holds it and its group; the kv_layout of such a cache carries
 the groups' shape as a tag, so that a peer with another grouping, or one that knows only
 one group, never matches it.
+
+Mamba/SSM state groups (`state_groups.py`) overlay the same allocation: a mixer layer's
+state for a block is the first `state_bytes` of that block's page in one of the attention
+slots (vLLM pads the state page to the attention page). The region lists those layers too,
+in their slot and group, with their state length: their runs, copies and checksums cover
+the state only, and the kv_layout's groups tag covers the state shapes.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import ctypes
 import re
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -34,6 +40,8 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvxfer.errors import KvxferError
 from kvxfer.kv.cache_geometry import CacheGeometry
+
+from .state_groups import StateGroup
 
 
 class KVRegionError(KvxferError, ValueError):
@@ -56,6 +64,10 @@ class KVRegion:
     slots: list[int] | None = None
     #: Per layer index: its KV cache group; None: every layer in group 0.
     groups: list[int] | None = None
+    #: Per layer index: bytes of its Mamba/SSM state (0: an attention layer); None: no state layers.
+    state_bytes: list[int] | None = None
+    #: The state groups' tensor shapes, for the kv_layout.
+    state_shapes: tuple[str, ...] = ()
     _index: dict[str, int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -73,6 +85,19 @@ class KVRegion:
     def group(self, layer: int) -> int:
         """The KV cache group of layer index `layer`."""
         return self.groups[layer] if self.groups is not None else 0
+
+    def state_length(self, layer: int) -> int:
+        """Bytes of layer index `layer`'s Mamba/SSM state at the start of its page; 0 for an
+        attention layer (its whole page is KV)."""
+        return self.state_bytes[layer] if self.state_bytes is not None else 0
+
+    def layer_runs(self, layer: int, block: int, heads: tuple[int, int] | None = None) -> list[tuple[int, int]]:
+        """(offset, length) of the byte runs that hold one block of layer index `layer`
+        (`heads` of it, where given): its state only for a Mamba/SSM layer."""
+        state = self.state_length(layer)
+        if state:
+            return [(self.geometry.offset(self.slot(layer), block), state)]
+        return self.geometry.runs(self.slot(layer), block, heads)
 
     def group_layers(self, group: int) -> list[int]:
         """The layer indexes of `group`."""
@@ -141,8 +166,14 @@ class KVRegion:
         # (the one-group kv_layout is unchanged, for peers written before groups).
         if self.num_groups == 1:
             return ""
-        shape = ";".join(f"{n}:{self.slot(i)}:{self.group(i)}" for i, n in enumerate(self.layer_names))
-        return f"-hma{self.num_groups}_{zlib.crc32(shape.encode()):08x}"
+        shape = ";".join(f"{n}:{self.slot(i)}:{self.group(i)}" + (f":s{self.state_length(i)}" if self.state_length(i)
+                                                                   else "") for i, n in enumerate(self.layer_names))
+        # A state group's shapes join the digest (and mark the tag): a peer whose mixers
+        # hold another state never matches. Attention-only tags are as before.
+        ssm = ""
+        if self.state_shapes:
+            shape, ssm = shape + "|" + ";".join(self.state_shapes), "-ssm"
+        return f"-hma{self.num_groups}{ssm}_{zlib.crc32(shape.encode()):08x}"
 
     def layer_index(self, layer_name: str) -> int:
         """Index of `layer_name` in allocation order; KVRegionError if unknown."""
@@ -154,7 +185,7 @@ class KVRegion:
     def page_bytes(self, layer: int, block: int, heads: tuple[int, int] | None = None) -> bytes:
         """A copy of one block of one layer (of heads `heads` of it where given), its runs in
         address order (digest checks)."""
-        runs = self.geometry.runs(self.slot(layer), block, heads)
+        runs = self.layer_runs(layer, block, heads)
         if self.buffer is not None:
             return b"".join(bytes(self.buffer[start:start + length]) for start, length in runs)
         flat = self.device_bytes
@@ -198,16 +229,61 @@ def _slots_and_groups(tensors: list[tuple[str, Any]], groups: Sequence[Sequence[
 
 def region_from_kv_caches(kv_caches: dict[str, Any], layout: KVCacheLayout | None = None, *,
                           latent: bool = False, isa: str | None = None,
-                          groups: Sequence[Sequence[str]] | None = None) -> KVRegion:
+                          groups: Sequence[Sequence[str]] | None = None,
+                          state_groups: Sequence[StateGroup] = ()) -> KVRegion:
     """Builds the region from `register_kv_caches`' dict.
 
     `layout` is vLLM's resolved layout (None: the one of the six the strides show);
     `latent` marks MLA content; `groups` are the layer names of each KV cache group
-    (kv_cache_config.kv_cache_groups; None or one: every layer has a place of its own).
+    (kv_cache_config.kv_cache_groups; None or one: every layer has a place of its own);
+    `state_groups` those of them that hold Mamba/SSM state (their layers' views are
+    vLLM's raw `[blocks, 1, 1, state bytes]` pages over the attention slots).
     Host and CUDA tensors; KVRegionError for other devices, views of different shapes,
     layers spread over several allocations, or strides that are not `layout` packed
-    densely (padded pages).
+    densely (padded pages), or a state that is not at the start of an attention page.
     """
+    state_names = {name for group in state_groups for name in group.layer_names}
+    attention = {name: view for name, view in kv_caches.items() if name not in state_names}
+    region = _attention_region(attention, layout, latent=latent, isa=isa, groups=groups)
+    states = {name: view for name, view in kv_caches.items() if name in state_names}
+    return _with_state_layers(region, states, state_groups) if states else region
+
+
+def _with_state_layers(region: KVRegion, views: dict[str, Any], state_groups: Sequence[StateGroup]) -> KVRegion:
+    """`region` with the Mamba/SSM layers of `views` placed in their slots and groups."""
+    g = region.geometry
+    if not region.on_host:
+        raise KVRegionError("Mamba/SSM state is pushed from host (CPU) caches only")
+    if g.block_runs() != [(0, g.page_bytes)]:
+        raise KVRegionError(f"a block of layout {g.layout} is not one run of its page; a Mamba/SSM state page "
+                            "overlays one (LBHNC)")
+    group_of = {name: group for group in state_groups for name in group.layer_names}
+    base, layer_stride = region.owners[0].data_ptr(), g.strides[0]
+    entries = [(name, region.slot(i), region.group(i), 0) for i, name in enumerate(region.layer_names)]
+    for name, view in views.items():
+        offset = view.data_ptr() - base
+        slot = offset // layer_stride if layer_stride else 0
+        if view.device.type != "cpu" or offset != slot * layer_stride or not 0 <= slot < g.num_layers:
+            raise KVRegionError(f"Mamba/SSM layer {name}: its state is not at the start of an attention layer's "
+                                "place in the allocation")
+        state = int(np.prod(view.shape[1:])) * view.element_size()
+        if view.stride(0) * view.element_size() != g.block_stride or state != group_of[name].state_bytes \
+                or state > g.page_bytes:
+            raise KVRegionError(f"Mamba/SSM layer {name}: {state} state bytes every "
+                                f"{view.stride(0) * view.element_size()} bytes; expected "
+                                f"{group_of[name].state_bytes} every {g.block_stride} (one attention page)")
+        entries.append((name, slot, group_of[name].group, state))
+    entries.sort(key=lambda e: (e[1], e[2]))
+    if len({(slot, group) for _, slot, group, _ in entries}) != len(entries):
+        raise KVRegionError("two layers of one KV cache group share a place in the allocation")
+    return replace(region, layer_names=[e[0] for e in entries], slots=[e[1] for e in entries],
+                   groups=[e[2] for e in entries], state_bytes=[e[3] for e in entries],
+                   state_shapes=tuple(group.shapes for group in state_groups))
+
+
+def _attention_region(kv_caches: dict[str, Any], layout: KVCacheLayout | None, *, latent: bool,
+                      isa: str | None, groups: Sequence[Sequence[str]] | None) -> KVRegion:
+    """The region of the attention layers (`region_from_kv_caches` without state layers)."""
     if not kv_caches:
         raise KVRegionError("vLLM registered no KV cache layers")
     tensors = sorted(kv_caches.items(), key=lambda item: item[1].data_ptr())

@@ -38,6 +38,7 @@ from .metadata import KvxferStepMetadata, KvxferWorkerReport, LoadSpec
 from .prefiller_liveness import LivenessListener
 from .settings import ConnectorSettings
 from .sliced_reservation import SliceTarget, decode_sliced_reservation
+from .state_groups import StateGroup
 from .tensor_parallel import (
     TensorParallelError,
     TensorParallelPlace,
@@ -99,14 +100,16 @@ class WorkerSide:
                                       if settings.hooks else NO_CONNECTOR_HOOKS)
 
     def register_kv_caches(self, kv_caches: dict[str, Any], layout: KVCacheLayout | None = None, *,
-                           latent: bool = False, groups: list[list[str]] | None = None) -> None:
+                           latent: bool = False, groups: list[list[str]] | None = None,
+                           state_groups: list[StateGroup] | None = None) -> None:
         """Register vLLM's whole KV allocation once; start serving transfers and publish.
         `layout` is vLLM's resolved KV cache layout (None: read from the strides);
         `latent` marks MLA content; `groups` the layer names of each KV cache group where
-        there are several (host caches only)."""
+        there are several (host caches only), `state_groups` those holding Mamba/SSM state."""
         self._request_amx_permission()
         self.hooks.placed(self.place)
-        self.region = region_from_kv_caches(kv_caches, layout, latent=latent, groups=groups)
+        self.region = region_from_kv_caches(kv_caches, layout, latent=latent, groups=groups,
+                                            state_groups=state_groups or ())
         if self.region.num_groups > 1 and not self.region.on_host:
             raise KVRegionError("several KV cache groups are pushed from host (CPU) caches only; run the hybrid "
                                 "model with --disable-hybrid-kv-cache-manager")
@@ -211,6 +214,16 @@ class WorkerSide:
             return
         self._drain_messages()
         self.pusher.save_layer(self.region.layer_index(layer_name))
+
+    def wait_for_save(self) -> None:
+        """The step's forward is done: push the Mamba/SSM states that became final (a
+        mixer layer never calls save_kv_layer, and its state is final only once the whole
+        step ran: the pusher posts it with the prompt's last step only)."""
+        if self.pusher is None or self.region is None or self.region.state_bytes is None:
+            return
+        for layer in range(self.region.num_layers):
+            if self.region.state_length(layer):
+                self.pusher.save_layer(layer)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving) for this step."""

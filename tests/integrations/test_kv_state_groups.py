@@ -1,0 +1,203 @@
+"""Mamba/SSM state through the connector's worker halves, without vLLM processes: an
+attention group plus a state group over one allocation, laid out as vLLM's workers lay out
+a Mamba hybrid (GraniteMoeHybrid under the hybrid KV cache manager).
+
+vLLM views both groups over the same allocation from byte 0 (`create_kv_cache_views`): a
+mixer layer's page for a block is the attention page in the same place, of which its state
+(conv window, then SSM state) fills the first `real_page_size_bytes`; block ids come from
+one pool. A request holds one state block, which loads and pushes carry as the state
+group's block of the last prompt page. The oracle is vLLM's views: every layer's pushed
+pages and each mixer's state equal the prefiller's, byte for byte, and nothing else of the
+decoder's cache changed (the rest of the state block's page, the attention pages in the
+same places, every other block).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm", reason="the vllm extra is not installed")
+
+import torch  # noqa: E402
+from support.connector_halves import decode_half, halves_engine, prefill_half  # noqa: E402
+from support.vllm_kv_caches import same_bytes  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheTensor,
+    MambaSpec,
+    compute_layout_strides,
+    create_kv_cache_views,
+)
+from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+
+from kvxfer.integrations.vllm.kv_checksums import decode_table  # noqa: E402
+from kvxfer.integrations.vllm.kv_pusher import KVPusher  # noqa: E402
+from kvxfer.integrations.vllm.kv_region import KVRegion, region_from_kv_caches  # noqa: E402
+from kvxfer.integrations.vllm.metadata import KvxferStepMetadata, LoadSpec, PushSpec  # noqa: E402
+from kvxfer.integrations.vllm.settings import ConnectorSettings  # noqa: E402
+from kvxfer.integrations.vllm.state_groups import StateGroup, per_prompt_page  # noqa: E402
+from kvxfer.kv.protocol import decode_abort, decode_reservation_message  # noqa: E402
+from kvxfer.transfer.engine import TransferEngine, available_providers  # noqa: E402
+
+PROVIDER = "net" if "net" in available_providers() else "tcp"
+TOKENS, HEADS, HEAD_SIZE = 4, 2, 8
+# vLLM's group order for GraniteMoeHybrid: the mixers' state group first, then attention.
+MIXERS = ["model.layers.0.mixer", "model.layers.2.mixer"]
+ATTENTION = ["model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn"]
+STATE_GROUP, ATTENTION_GROUP = 0, 1
+PROMPT_PAGES = 5
+# Per group, the block of each prompt page (one pool); the state group's one block at the last page.
+SRC = [per_prompt_page([6], PROMPT_PAGES), [1, 2, 3, 4, 5]]
+DST = [per_prompt_page([8], PROMPT_PAGES), [9, 3, 11, 5, 2]]
+DEADLINE_S = 20.0
+
+
+class HybridMambaCache:
+    """An attention group and a Mamba-2 state group over one seeded allocation, as vLLM's
+    `allocate_kv_cache` views them (the state page padded to the attention page)."""
+
+    def __init__(self, num_blocks: int, seed: int) -> None:
+        attention = FullAttentionSpec(block_size=TOKENS, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.bfloat16)
+        # A conv window of 3 x 10 bf16 then an SSM state of 2 x 4 x 4 fp32: 188 of the page's 256 bytes.
+        self.mamba = MambaSpec(block_size=TOKENS * PROMPT_PAGES, shapes=((3, 10), (2, 4, 4)),
+                               dtypes=(torch.bfloat16, torch.float32), page_size_padded=attention.page_size_bytes)
+        layout = KVCacheLayout.LBHNC
+        layer_stride, block_stride, *_ = compute_layout_strides(attention, num_blocks, 2, layout)
+        size = 2 * num_blocks * attention.page_size_bytes
+        self.raw = torch.from_numpy(np.random.default_rng(seed).integers(-128, 128, size, dtype=np.int8))
+        self.views: dict[str, torch.Tensor] = {}
+        for names, spec in ((MIXERS, self.mamba), (ATTENTION, attention)):  # both from byte 0: overlaid
+            tensor = KVCacheTensor(size=size, layers=names, layer_stride=layer_stride, block_stride=block_stride,
+                                   offset=0)
+            self.views.update(zip(names, create_kv_cache_views(self.raw, spec, num_blocks, layout, tensor)))
+        self.state = StateGroup(STATE_GROUP, tuple(MIXERS), self.mamba.real_page_size_bytes, "3x10-bf16+2x4x4-f32")
+        self.region: KVRegion = region_from_kv_caches(self.views, layout, isa="test", groups=[MIXERS, ATTENTION],
+                                                      state_groups=[self.state])
+
+    def host_bytes(self) -> np.ndarray:
+        return self.raw.numpy().view(np.uint8)
+
+    def conv_and_ssm(self, mixer: str, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's conv window and SSM state as the mixer reads them (vLLM's views of its page)."""
+        page = self.views[mixer][block].flatten()
+        conv_bytes = 3 * 10 * 2
+        conv = page[:conv_bytes].view(torch.bfloat16).view(3, 10)
+        ssm = page[conv_bytes:self.mamba.real_page_size_bytes].view(torch.float32).view(2, 4, 4)
+        return conv, ssm
+
+    def page_range(self, name: str, block: int) -> tuple[int, int]:
+        view = self.views[name][block]
+        return view.data_ptr() - self.raw.data_ptr(), view.numel() * view.element_size()
+
+
+@pytest.fixture(scope="module")
+def engines() -> Iterator[tuple[TransferEngine, TransferEngine]]:
+    pair = halves_engine(PROVIDER), halves_engine(PROVIDER)
+    try:
+        yield pair
+    finally:
+        for engine in pair:
+            engine.close()
+
+
+def test_the_region_places_each_mixers_state_at_the_start_of_its_slots_page_and_tags_the_layout() -> None:
+    cache = HybridMambaCache(num_blocks=12, seed=1)
+    region = cache.region
+    assert region.num_groups == 2 and region.num_layers == 4 and region.geometry.num_layers == 2
+    for name in MIXERS:
+        layer = region.layer_index(name)
+        start, _ = cache.page_range(name, 7)
+        assert region.group(layer) == STATE_GROUP
+        assert region.layer_runs(layer, 7) == [(start, cache.mamba.real_page_size_bytes)]
+        assert region.page_bytes(layer, 7) == cache.views[name][7].numpy().tobytes()
+    for name in ATTENTION:
+        layer = region.layer_index(name)
+        assert region.state_length(layer) == 0 and region.layer_runs(layer, 7) == [cache.page_range(name, 7)]
+    assert "-hma2-ssm_" in region.kv_layout
+    # Another state shape is another layout: a peer with other mixers is refused as a layout mismatch.
+    other = HybridMambaCache(num_blocks=12, seed=1)
+    other.state = StateGroup(STATE_GROUP, tuple(MIXERS), other.mamba.real_page_size_bytes, "3x10-bf16+2x4x8-f32")
+    assert region_from_kv_caches(other.views, KVCacheLayout.LBHNC, isa="test", groups=[MIXERS, ATTENTION],
+                                 state_groups=[other.state]).kv_layout != region.kv_layout
+
+
+def _pump(pusher: KVPusher, receiver_engine: TransferEngine, receiver, request: str) -> tuple[set[str], set[str]]:
+    """One round of both halves' messages and polls: (finished, failed) loads."""
+    raw = pusher.engine.recv(0.0)
+    reservation = decode_reservation_message(bytes(raw)) if raw is not None else None
+    if reservation is not None:
+        pusher.on_reservation(reservation)
+    pusher.poll(set())
+    raw = receiver_engine.recv(0.0)
+    if raw is not None:
+        table, stopped = decode_table(bytes(raw)), decode_abort(bytes(raw))
+        if table is not None:
+            receiver.on_checksum_table(table)
+        if stopped is not None:
+            receiver.on_prefill_stopped(*stopped)
+    return receiver.poll(set())
+
+
+def _step(pusher: KVPusher, tid: str, end: int, engine: TransferEngine, tokens: int) -> None:
+    """One prefill step computing the prompt up to token `end`: each attention layer saved
+    (save_kv_layer), then the step's end (wait_for_save: the mixers' states)."""
+    pusher.on_step(KvxferStepMetadata(pushes=[PushSpec(f"prefill-{tid}", tid, engine.address, tokens,
+                                                       list(SRC[ATTENTION_GROUP]), end,
+                                                       group_block_ids=[list(g) for g in SRC])]))
+    region = pusher.region
+    for layer in range(region.num_layers):
+        if not region.state_length(layer):
+            pusher.save_layer(layer)
+    for layer in range(region.num_layers):
+        if region.state_length(layer):
+            pusher.save_layer(layer)
+
+
+def test_the_state_lands_in_the_decoders_state_block_after_the_last_step_and_nothing_else_changes(
+        engines: tuple[TransferEngine, TransferEngine]) -> None:
+    prefill, decode = HybridMambaCache(num_blocks=8, seed=11), HybridMambaCache(num_blocks=16, seed=12)
+    before = decode.host_bytes().copy()
+    settings = ConnectorSettings(provider=PROVIDER, kv_integrity="full")
+    pusher = prefill_half(engines[0], prefill.region, settings, staged=False)
+    receiver = decode_half(engines[1], decode.region, settings, staged=False)
+    tid, tokens = "mamba-bytes", PROMPT_PAGES * TOKENS - 1
+    request = f"decode-{tid}"
+    loaded = [b for g in DST for b in g if b >= 0]
+    receiver.start(LoadSpec(request, tid, engines[0].address, loaded, 0, group_block_ids=[list(g) for g in DST]))
+    _step(pusher, tid, 0, engines[1], tokens)  # the request reaches the prefiller; nothing computed yet
+    (push,) = pusher._by_request[f"prefill-{tid}"]
+    end = time.monotonic() + DEADLINE_S
+    while pusher.awaiting_reservation:
+        _pump(pusher, engines[1], receiver, request)
+        assert time.monotonic() < end, "no reservation"
+    # A first chunk: two pages of each attention layer final, no state (the prompt is not done).
+    _step(pusher, tid, 2 * TOKENS, engines[1], tokens)
+    assert push.writes.pages_posted == 2 * len(ATTENTION)
+    _step(pusher, tid, tokens, engines[1], tokens)
+    while time.monotonic() < end:
+        finished, failed = _pump(pusher, engines[1], receiver, request)
+        if request in finished:
+            assert request not in failed, receiver.failure(request)
+            break
+        time.sleep(0.002)
+    else:
+        pytest.fail(f"no outcome within {DEADLINE_S} s ({receiver.failure(request)})")
+    moved = np.zeros(before.size, dtype=bool)
+    for name in MIXERS:
+        src, dst = SRC[STATE_GROUP][-1], DST[STATE_GROUP][-1]
+        for mine, theirs in zip(decode.conv_and_ssm(name, dst), prefill.conv_and_ssm(name, src)):
+            assert same_bytes(mine, theirs), name  # bytes: random bits hold NaNs
+        start, _ = decode.page_range(name, dst)
+        moved[start:start + decode.mamba.real_page_size_bytes] = True
+    for name in ATTENTION:
+        for src, dst in zip(SRC[ATTENTION_GROUP], DST[ATTENTION_GROUP]):
+            assert same_bytes(decode.views[name][dst], prefill.views[name][src]), (name, src, dst)
+            start, length = decode.page_range(name, dst)
+            moved[start:start + length] = True
+    after = decode.host_bytes()
+    assert (after[~moved] == before[~moved]).all()
+    assert not (after[moved] == before[moved]).all()
