@@ -1,0 +1,128 @@
+"""A Mamba hybrid through KvxferConnector, with real vLLM processes: a seeded
+GraniteMoeHybrid checkpoint whose layers alternate between Mamba-2 mixers and full
+attention (`make_mamba_hybrid_checkpoint`).
+
+vLLM runs it under its hybrid KV cache manager with two groups over one allocation: the
+mixers' state group (one block per request: conv window and SSM state) and the attention
+group. Prefix caching is off (`--no-enable-prefix-caching`: vLLM's one-state-per-request
+mode, the one the connector pushes). The prefill leg computes the prompt less its last
+token and pushes the attention pages layer by layer and each mixer's state after the last
+chunk; the decoder loads them and computes the last prompt token on the loaded state. The
+prefill instance prefills in 64-token chunks, so the state is pushed only after several
+steps. The oracle: tokens and top-5 logprobs equal to colocated (the prefill instance
+computing the whole prompt itself) within one bf16 step, the decoder's attention pages
+equal to the prefiller's page by page, and each mixer's state bytes equal to the
+prefiller's.
+
+One prefill and one decode instance of their own start in over a minute on 2 cores,
+beyond the default suite's budget: opt-in (KVXFER_VLLM_MAMBA_TEST=1).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import math
+import os
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import pytest
+
+pytest.importorskip("vllm", reason="the vllm extra is not installed")
+
+from support.vllm_faults import HOOKS_SPEC  # noqa: E402
+from support.vllm_instances import CONNECTOR_TIMEOUTS, VllmFleet  # noqa: E402
+from support.vllm_oracle import assert_same_as_colocated  # noqa: E402
+from support.waiting import wait_until  # noqa: E402
+
+from kvxfer.integrations.vllm.checkpoint import CheckpointShape, make_mamba_hybrid_checkpoint  # noqa: E402
+
+pytestmark = [pytest.mark.timeout(600), pytest.mark.skipif(
+    os.environ.get("KVXFER_VLLM_MAMBA_TEST") != "1", reason=(
+        "a Mamba hybrid prefill and decode instance of their own start in over a minute on 2 cores: "
+        "set KVXFER_VLLM_MAMBA_TEST=1 to run them"))]
+
+SHAPE = CheckpointShape()
+#: vLLM's CPU block size: the attention page (2 heads x 128 tokens) holds a mixer's state.
+BLOCK = 128
+CHUNK = 64  # the prefill instance's max_num_batched_tokens: prompts over it prefill in chunks
+FLAGS = ["--no-enable-prefix-caching", "--max-model-len", "1024"]
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmFleet]:
+    work = tmp_path_factory.mktemp("vllm-mamba")
+    model_dir = Path(os.environ.get("KVXFER_TEST_MAMBA_MODEL_DIR", work / "model"))
+    model = make_mamba_hybrid_checkpoint(model_dir, SHAPE)
+    digests = work / "digests"
+    digests.mkdir()
+    common = {"same_host": False, "bind_host": "127.0.0.1", "hooks": HOOKS_SPEC, "kv_integrity": "full",
+              "hooks_config": {"digest_dir": str(digests)}, **CONNECTOR_TIMEOUTS}
+    with VllmFleet(model, work, common_extra=common) as fleet:
+        fleet.start("prefill-m", "kv_producer", "0", block_size=None, max_num_batched_tokens=CHUNK, user_args=FLAGS)
+        fleet.start("decode-m", "kv_consumer", "1", block_size=None, user_args=FLAGS)
+        fleet.wait_ready("prefill-m", "decode-m")
+        fleet.digests = digests  # type: ignore[attr-defined]
+        yield fleet
+        # Nothing to drain: SIGKILL now rather than wait out vLLM's SIGTERM shutdown.
+        for inst in fleet.instances.values():
+            inst.kill()
+            inst.process.wait(30)
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    # Token ids, so the prompt has exactly n tokens; ids above the specials (0-2).
+    return [3 + (seed * 7919 + i * 104729) % 1900 for i in range(n)]
+
+
+def _params(role: str, tid: str, peer: str) -> dict[str, Any]:
+    return {"kvxfer": {"role": role, "transfer_id": tid, "peer_engine": peer}}
+
+
+def disaggregated(fleet: VllmFleet, prompt: list[int], tid: str) -> tuple[httpx.Response, httpx.Response]:
+    """Both legs at once, as the router sends them: (prefill reply, decode reply)."""
+    p, d = fleet.record("prefill-m"), fleet.record("decode-m")
+    body: dict[str, Any] = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 5}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        on_d = pool.submit(httpx.post, fleet.instances["decode-m"].url + "/v1/completions", headers=fleet.headers,
+                           json={**body, "kv_transfer_params": _params("decode", tid, p.engine_address)}, timeout=120)
+        on_p = pool.submit(httpx.post, fleet.instances["prefill-m"].url + "/v1/completions", headers=fleet.headers,
+                           json={**body, "max_tokens": 1,
+                                 "kv_transfer_params": _params("prefill", tid, d.engine_address)}, timeout=120)
+        return on_p.result(), on_d.result()
+
+
+def colocated(fleet: VllmFleet, prompt: list[int]) -> dict[str, Any]:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 5}
+    r = httpx.post(fleet.instances["prefill-m"].url + "/v1/completions", headers=fleet.headers, json=body,
+                   timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+def digests(fleet: VllmFleet, role: str, tid: str) -> list[list[Any]]:
+    path: Path = fleet.digests / f"{role}-{tid}.json"  # type: ignore[attr-defined]
+    wait_until(path.exists, timeout_s=30, interval_s=0.1, what=f"{role} digests of {tid}")
+    return list(json.loads(path.read_text())["pages"])
+
+
+@pytest.mark.parametrize("length", [100, 230])
+def test_mamba_disaggregated_equals_colocated_in_tokens_logprobs_kv_and_state_bytes(fleet: VllmFleet,
+                                                                                 length: int) -> None:
+    prompt = _prompt(length, seed=length)
+    tid = f"mamba-{length}-{uuid.uuid4().hex[:8]}"
+    on_p, on_d = disaggregated(fleet, prompt, tid)
+    assert on_p.status_code == 200 and on_d.status_code == 200, (on_p.text, on_d.text)
+    assert_same_as_colocated(on_d.json()["choices"][0], colocated(fleet, prompt))
+    p_pages, d_pages = digests(fleet, "prefill", tid), digests(fleet, "decode", tid)
+    # The region's layers: per slot the mixer (state group 0), then the attention layer.
+    pages = math.ceil((length - 1) / BLOCK)  # the decoder computes the last prompt token itself
+    assert len(d_pages) == SHAPE.layers * pages
+    assert p_pages == d_pages
+    for layer in range(SHAPE.layers):
+        pushed = [page for lay, page, digest in d_pages if lay == layer and digest is not None]
+        # A mixer pushed its state once (as the last prompt page's block); attention every page.
+        assert pushed == ([pages - 1] if layer % 2 == 0 else list(range(pages))), layer
