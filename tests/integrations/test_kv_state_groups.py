@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -34,6 +36,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
+from kvxfer.integrations.vllm.engine_core_side import EngineCoreSide  # noqa: E402
 from kvxfer.integrations.vllm.kv_checksums import decode_table  # noqa: E402
 from kvxfer.integrations.vllm.kv_pusher import KVPusher  # noqa: E402
 from kvxfer.integrations.vllm.kv_region import KVRegion, region_from_kv_caches  # noqa: E402
@@ -201,3 +204,53 @@ def test_the_state_lands_in_the_decoders_state_block_after_the_last_step_and_not
     after = decode.host_bytes()
     assert (after[~moved] == before[~moved]).all()
     assert not (after[moved] == before[moved]).all()
+
+
+# ---- the EngineCore half (stand-ins for vLLM's request objects, as test_engine_core_side.py) ----
+
+def _leg(rid: str, tokens: int, role: str) -> Any:  # stands in for vllm.v1.request.Request
+    ids = list(range(3, 3 + tokens))
+    return SimpleNamespace(request_id=rid, num_tokens=tokens, num_prompt_tokens=tokens, prompt_token_ids=ids,
+                           _all_token_ids=list(ids), max_tokens=16, kv_transfer_params={
+                               "kvxfer": {"role": role, "transfer_id": f"t-{rid}", "peer_engine": "00ff"}})
+
+
+def _engine_core(blocks: dict[str, tuple[list[int], ...]]) -> EngineCoreSide:
+    side = EngineCoreSide(block_size=TOKENS, reservation_wait_s=5.0, state_groups=frozenset({STATE_GROUP}))
+    side.bind_kv_cache_manager(SimpleNamespace(get_block_ids=lambda rid: blocks[rid],
+                                               block_pool=SimpleNamespace(null_block=SimpleNamespace(block_id=0))))
+    return side
+
+
+def test_a_decode_leg_loads_the_prompt_less_its_last_token_and_names_its_state_block_at_the_last_page() -> None:
+    side = _engine_core({})
+    req = _leg("d", PROMPT_PAGES * TOKENS, "decode")
+    # The decoder computes the last prompt token itself, on the loaded state.
+    assert side.get_num_new_matched_tokens(req, 0) == (PROMPT_PAGES * TOKENS - 1, True)
+    side.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([8], DST[ATTENTION_GROUP])),
+                                  PROMPT_PAGES * TOKENS - 1)
+    (load,) = side.build_connector_meta(SimpleNamespace(
+        total_num_scheduled_tokens=0, num_scheduled_tokens={}, scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]), preempted_req_ids=None)).loads
+    assert load.group_block_ids == DST
+    assert sorted(load.block_ids) == sorted([8, *DST[ATTENTION_GROUP]])
+
+
+def test_a_prefill_leg_computes_its_prompt_less_the_last_token_and_pushes_its_state_block_at_the_last_page() -> None:
+    side = _engine_core({"p": ([6], SRC[ATTENTION_GROUP])})
+    req = _leg("p", PROMPT_PAGES * TOKENS, "prefill")
+    side.on_new_request(req)
+    tokens = PROMPT_PAGES * TOKENS - 1
+    assert (req.num_prompt_tokens, len(req.prompt_token_ids), len(req._all_token_ids), req.max_tokens) == \
+        (tokens, tokens, tokens, 1)
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    (push,) = side.build_connector_meta(SimpleNamespace(
+        total_num_scheduled_tokens=tokens, num_scheduled_tokens={"p": tokens},
+        scheduled_new_reqs=[SimpleNamespace(req_id="p", num_computed_tokens=0)],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]), preempted_req_ids=None)).pushes
+    assert (push.prompt_tokens, push.computed_end, push.group_block_ids) == (tokens, tokens, SRC)
+    # A one-token prompt has no state to hand over: computed here, never pushed.
+    one = _leg("p1", 1, "prefill")
+    side.on_new_request(one)
+    assert one.num_prompt_tokens == 1 and side.get_num_new_matched_tokens(one, 0) == (0, False)
+    assert side.request_finished(one, [])[0] is False
