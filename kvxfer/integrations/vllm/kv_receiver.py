@@ -547,6 +547,15 @@ class KVReceiver:
         if self.settings.kv_registration == "per_reservation" and load.entry is not None:
             load.writer_severed = load.writer_severed or severed
             self.ledger.writer_gone(load.entry.request_id, 0.0 if severed else self.settings.dead_prefiller_fence_s)
+            if load.writer_severed and load.state is Res.FENCED:
+                # Freed now, not at the next poll's deadline check: that is a vLLM step later.
+                self._free_severed(load)
+
+    def _free_severed(self, load: DecodeLoad) -> None:
+        """A fenced part whose gone prefiller can land no byte any more: FREE."""
+        self._fence_over(load, None, f"{load.reason}; the prefiller process is gone and no connection of "
+                         f"it is left open after the revoke (severed, or closed), nor a thread that could copy "
+                         f"on the same host: no byte of it can land (no dead_prefiller_fence_s wait)")
 
     # ---- from the prefiller ---------------------------------------------------------------
 
@@ -666,9 +675,7 @@ class KVReceiver:
                 load.cancel_sent = None
         if load.state is Res.FENCED and entry.deadline is not None and now > entry.deadline:
             if entry.writer_gone and load.writer_severed:
-                self._fence_over(load, None, f"{load.reason}; the prefiller process is gone and no connection of "
-                                 f"it is left open after the revoke (severed, or closed): no byte of it can land "
-                                 f"(no dead_prefiller_fence_s wait)")
+                self._free_severed(load)
             elif entry.writer_gone:
                 self._fence_over(load, None, f"{load.reason}; the prefiller process is gone, "
                                  f"dead_prefiller_fence_s={self.settings.dead_prefiller_fence_s} passed")
