@@ -39,7 +39,8 @@ class StateGroup:
     layer_names: tuple[str, ...]
     #: Bytes of one layer's state at the start of its page (conv window then SSM state).
     state_bytes: int
-    #: The state tensors' shapes and dtypes, for the kv_layout (peers must agree on them).
+    #: The state tensors' shapes and dtypes, for the kv_layout (peers must agree on them;
+    #: the conv window's orientation, vLLM's SD or DS conv state layout, is in its shape).
     shapes: str
 
 
