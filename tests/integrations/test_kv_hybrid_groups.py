@@ -157,11 +157,12 @@ def test_a_reservation_of_the_wrong_group_shape_is_refused() -> None:
 
 
 def _hand_off(engines: tuple[TransferEngine, TransferEngine], prefill: GroupedCache, decode: GroupedCache,
-              tid: str) -> tuple[bool, str]:
-    """One request through the halves with kv_integrity full: (admitted, failure reason)."""
+              tid: str, staged: bool = False) -> tuple[bool, str]:
+    """One request through the halves with kv_integrity full (through staging and landing
+    blocks where `staged`, the device caches' path): (admitted, failure reason)."""
     settings = ConnectorSettings(provider=PROVIDER, kv_integrity="full")
-    pusher = prefill_half(engines[0], prefill.region, settings, staged=False)
-    receiver = decode_half(engines[1], decode.region, settings, staged=False)
+    pusher = prefill_half(engines[0], prefill.region, settings, staged=staged)
+    receiver = decode_half(engines[1], decode.region, settings, staged=staged)
     request = f"decode-{tid}"
     loaded = [b for g in DST for b in g if b >= 0]
     receiver.start(LoadSpec(request, tid, engines[0].address, loaded, 0, group_block_ids=[list(g) for g in DST]))
@@ -193,11 +194,12 @@ def _hand_off(engines: tuple[TransferEngine, TransferEngine], prefill: GroupedCa
     return False, f"no outcome within {DEADLINE_S} s ({reason})"
 
 
+@pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
 def test_two_groups_land_each_layers_pages_in_its_groups_blocks_and_nothing_else(
-        engines: tuple[TransferEngine, TransferEngine]) -> None:
+        engines: tuple[TransferEngine, TransferEngine], staged: bool) -> None:
     prefill, decode = GroupedCache(num_blocks=8, seed=11), GroupedCache(num_blocks=16, seed=12)
     before = decode.host_bytes().copy()
-    admitted, reason = _hand_off(engines, prefill, decode, "hybrid-bytes")
+    admitted, reason = _hand_off(engines, prefill, decode, f"hybrid-bytes-{staged}", staged)
     assert admitted, reason
     moved = np.zeros(before.size, dtype=bool)
     for names, g in ((FULL, 0), (WINDOW, 1)):

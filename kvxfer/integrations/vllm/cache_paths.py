@@ -17,6 +17,8 @@ tensor parallel sizes the prefiller posts its head slice of each block (one run 
 LBHNC, BLHNC), packed in its staging rows, and a decoder's landing blocks gather the slices
 of every prefill rank its heads come from, copied to the device once, when every part of the
 load landed (`KVReceiver`); MLA's latent is replicated, a whole block from one prefill rank.
+With several KV cache groups each block a load names gets a landing block, every slot of it
+copied (a block id names a page of one group only); Mamba/SSM state stays on host caches.
 The staged classes
 take any tensor, so the CPU tests drive them with host caches (`tests/integrations/
 test_kv_cache_paths.py`); a device cache picks them in `KVPusher` and `KVReceiver`.

@@ -29,8 +29,8 @@ reservation the decoder's pages per group (`group_pages`), and the plan posts, p
 its group's pages the decoder keeps (not a sliding window's pages before the window).
 Under tensor parallelism each rank does the same with its heads: whole blocks for a
 decoder of the same size, and for one of another size the layer's group's pages, each
-block's head slice (the sliced reservation carries `group_pages` like any other). Device
-caches are one-group only: the worker refuses them with several groups at start-up.
+block's head slice (the sliced reservation carries `group_pages` like any other); from a
+device cache through the staging rows alike (cache_paths.py).
 
 Where the reservation asks for checksums, each block's CRC-32C is taken just before its
 write is posted, and the table goes to the decoder once the last write is posted

@@ -43,12 +43,13 @@ parts share the request's landing blocks, each landing its heads, and the blocks
 to the device once, when every part counted its writes (the landing blocks go back only
 when every part handed them back: no write for them can land any more).
 
-With several KV cache groups (vLLM's hybrid manager; a host cache) the reservation names
-the decoder's blocks per group (`group_pages`, -1 where a group keeps no block: a sliding
-window's pages before its window), expects one write per layer per pushed page of the
-layer's group, and the checksum check compares each layer with its group's blocks
-(`LoadChecksums.verify_groups`); under tensor parallelism every part's reservation, sliced
-or not, carries the same `group_pages`, and a sliced part's check covers its heads only.
+With several KV cache groups (vLLM's hybrid manager) the reservation names the decoder's
+blocks per group (`group_pages`, -1 where a group keeps no block: a sliding window's pages
+before its window; on a device cache the landing block of each), expects one write per
+layer per pushed page of the layer's group, and the checksum check compares each layer with
+its group's blocks (`LoadChecksums.verify_groups`, after the landing copy); under tensor
+parallelism every part's reservation, sliced or not, carries the same `group_pages`, and a
+sliced part's check covers its heads only.
 
 The immediate of a reservation is a slot and a generation, handed out by the ledger
 (`handoff.immediate_slots`): a slot comes back only with a new generation, so a late write
@@ -308,7 +309,12 @@ class KVReceiver:
             self._fail(load, "registration_failed", f"scoping the reservation failed: {exc}")
             return
         groups = spec.group_block_ids
-        # Several groups land in the request's own blocks (a host cache): pages are blocks.
+        if groups is not None:
+            # Each group's blocks as the pages they land in: themselves on a host cache, the
+            # landing block set aside for each on a device cache (whole blocks, every slot:
+            # a block id names a page of one group only); -1 stays -1 (not pushed).
+            page_of = dict(zip(spec.block_ids, pages))
+            groups = [[page_of[b] if b >= 0 else -1 for b in ids] for ids in groups]
         expected = (self.region.num_layers * len(pages) if groups is None else
                     sum(sum(1 for b in groups[self.region.group(layer)] if b >= 0)
                         for layer in range(self.region.num_layers)))
@@ -709,8 +715,8 @@ class KVReceiver:
 
         def verify() -> Verification:
             assert load.checksums is not None
-            if res.group_pages is not None:
-                return load.checksums.verify_groups(self.region, res.group_pages, res.first_page, mode,
+            if load.spec.group_block_ids is not None:  # the cache's blocks, where the landing copy put them
+                return load.checksums.verify_groups(self.region, load.spec.group_block_ids, res.first_page, mode,
                                                     self.settings.kv_integrity_sample_rate, self._sample_rng,
                                                     load.heads)
             return load.checksums.verify(self.region, list(load.spec.block_ids), res.first_page, mode,

@@ -32,7 +32,7 @@ from .instance_registration import InstanceRegistration
 from .kv_checksums import decode_table
 from .kv_pusher import KVPusher
 from .kv_receiver import KVReceiver
-from .kv_region import KVRegion, KVRegionError, region_from_kv_caches
+from .kv_region import KVRegion, region_from_kv_caches
 from .load_reports import LoadReport, LoadReportStore, connector_http_app, serve_connector_http
 from .metadata import KvxferStepMetadata, KvxferWorkerReport, LoadSpec
 from .prefiller_liveness import LivenessListener
@@ -105,14 +105,11 @@ class WorkerSide:
         """Register vLLM's whole KV allocation once; start serving transfers and publish.
         `layout` is vLLM's resolved KV cache layout (None: read from the strides);
         `latent` marks MLA content; `groups` the layer names of each KV cache group where
-        there are several (host caches only), `state_groups` those holding Mamba/SSM state."""
+        there are several, `state_groups` those holding Mamba/SSM state (host caches only)."""
         self._request_amx_permission()
         self.hooks.placed(self.place)
         self.region = region_from_kv_caches(kv_caches, layout, latent=latent, groups=groups,
                                             state_groups=state_groups or ())
-        if self.region.num_groups > 1 and not self.region.on_host:
-            raise KVRegionError("several KV cache groups are pushed from host (CPU) caches only; run the hybrid "
-                                "model with --disable-hybrid-kv-cache-manager")
         s = self.settings
         self.engine = TransferEngine(s.provider, s.rails, bind_host=s.bind_host, transfer_timeout_s=s.transfer_timeout_s,
                                      same_host=s.same_host, same_host_imm_ring=s.same_host_imm_ring,
