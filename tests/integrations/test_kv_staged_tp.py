@@ -6,7 +6,8 @@ its heads come from in its landing blocks and copies them into its cache once al
 copies), the worker halves between real engines as in test_kv_tp_halves.py, over caches
 vLLM's own code lays out. The oracle is vLLM's views: every decode rank's blocks hold
 exactly its heads, taken from the prefill rank that holds each, and no other byte of its
-cache changed; where one prefill rank's part fails, nothing is copied into the cache at all.
+cache changed (with two KV cache groups too, each layer's pages in its group's blocks);
+where one prefill rank's part fails, nothing is copied into the cache at all.
 """
 
 from __future__ import annotations
@@ -20,14 +21,17 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed")
 
+import torch  # noqa: E402
 from support.connector_halves import halves_engine  # noqa: E402
 from support.vllm_kv_caches import TOKENS, Cache, attention_spec, mla_spec, same_bytes, vllm_cache  # noqa: E402
+from vllm.v1.kv_cache_interface import KVCacheTensor, compute_layout_strides, create_kv_cache_views  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
 from kvxfer.integrations.vllm.cache_paths import StagedLanding, StagedWrites  # noqa: E402
 from kvxfer.integrations.vllm.kv_checksums import decode_table  # noqa: E402
 from kvxfer.integrations.vllm.kv_pusher import KVPusher  # noqa: E402
 from kvxfer.integrations.vllm.kv_receiver import KVReceiver  # noqa: E402
+from kvxfer.integrations.vllm.kv_region import region_from_kv_caches  # noqa: E402
 from kvxfer.integrations.vllm.metadata import KvxferStepMetadata, LoadSpec, PushSpec  # noqa: E402
 from kvxfer.integrations.vllm.settings import ConnectorSettings  # noqa: E402
 from kvxfer.integrations.vllm.sliced_reservation import SliceTarget, decode_sliced_reservation  # noqa: E402
@@ -74,10 +78,16 @@ def _ranks(engines: list[TransferEngine], tp: int, kv_heads: int, blocks: int, s
                  TensorParallelPlace(r, tp, kv_heads)) for r in range(tp)]
 
 
-def _hand_off(prefill: list[Rank], decode: list[Rank], tid: str) -> dict[int, str]:
+def _hand_off(prefill: list[Rank], decode: list[Rank], tid: str,
+              groups: tuple[list[list[int]], list[list[int]]] | None = None) -> dict[int, str]:
     """One request from every prefill rank into every decode rank, each through the staged
-    path, as the worker halves run under vLLM; each decode rank's outcome ("" admitted,
-    else why it failed)."""
+    path, as the worker halves run under vLLM (with `groups`: every KV cache group's blocks,
+    prefill side then decode side); each decode rank's outcome ("" admitted, else why it
+    failed)."""
+    src_groups, dst_groups = groups if groups is not None else (None, None)
+    dst = [b for g in dst_groups for b in g if b >= 0] if dst_groups is not None else DST
+    src = src_groups[0] if src_groups is not None else SRC
+    pages = len(src)
     settings = ConnectorSettings(provider=PROVIDER)
     kv_heads = prefill[0].place.total_kv_heads
     for p in prefill:
@@ -91,13 +101,14 @@ def _hand_off(prefill: list[Rank], decode: list[Rank], tid: str) -> dict[int, st
         sources = head_sources(kv_heads, len(prefill), len(decode), d.place.rank)
         heads = d.cache.region.geometry.num_heads
         parts = [(prefill_addresses[s.src_rank], SliceTarget(d.place.rank, len(decode), s, heads)) for s in sources]
-        d.receiver.start(LoadSpec(f"d-{tid}", tid, encode_rank_addresses(prefill_addresses), list(DST), 0), parts)
+        d.receiver.start(LoadSpec(f"d-{tid}", tid, encode_rank_addresses(prefill_addresses), list(dst), 0,
+                                  group_block_ids=dst_groups), parts)
     decode_engines = encode_rank_addresses([d.engine.address for d in decode])
-    tokens = len(SRC) * TOKENS
+    tokens = pages * TOKENS
     for p in prefill:
         assert p.pusher is not None
-        p.pusher.on_step(KvxferStepMetadata(pushes=[PushSpec(f"p-{tid}", tid, decode_engines, tokens, list(SRC),
-                                                             tokens)]))
+        p.pusher.on_step(KvxferStepMetadata(pushes=[PushSpec(f"p-{tid}", tid, decode_engines, tokens, list(src),
+                                                             tokens, group_block_ids=src_groups)]))
         for layer in range(p.cache.region.num_layers):
             p.pusher.save_layer(layer)
     outcome: dict[int, str] = {}
@@ -186,3 +197,51 @@ def test_a_failed_part_fences_the_other_and_nothing_is_copied_into_the_cache(eng
     assert (decode[0].cache.host_bytes() == before).all()
     receiver = decode[0].receiver
     assert receiver is not None and len(receiver.landing._free) == LANDING_BLOCKS
+
+
+# Two KV cache groups over one allocation, as vLLM's hybrid manager lays them out (full and
+# sliding-window attention, every group's views from byte 0; one block pool, so no block id
+# in both groups; the window keeps the last two of five pages only, -1 before).
+FULL, WINDOW = [f"model.layers.{i}.attn" for i in (1, 3)], [f"model.layers.{i}.attn" for i in (0, 2)]
+GROUP_SRC = [[1, 2, 3, 4, 5], [-1, -1, -1, 6, 7]]
+GROUP_DST = [[9, 3, 11, 5, 2], [-1, -1, -1, 8, 12]]
+
+
+def _grouped_cache(heads: int, num_blocks: int, seed: int) -> Cache:
+    """One rank's two-group cache of `heads` heads (views by layer name in `Cache.views`
+    order: FULL then WINDOW)."""
+    spec = attention_spec(heads=heads)
+    layout = KVCacheLayout.LBHNC
+    layer_stride, block_stride, *_ = compute_layout_strides(spec, num_blocks, len(FULL), layout)
+    size = len(FULL) * num_blocks * spec.page_size_bytes
+    raw = torch.from_numpy(np.random.default_rng(seed).integers(-128, 128, size, dtype=np.int8))
+    views: dict[str, torch.Tensor] = {}
+    for names in (FULL, WINDOW):
+        tensor = KVCacheTensor(size=size, layers=names, layer_stride=layer_stride, block_stride=block_stride,
+                               offset=0)
+        views.update(zip(names, create_kv_cache_views(raw, spec, num_blocks, layout, tensor)))
+    region = region_from_kv_caches(views, layout, isa="test", groups=[FULL, WINDOW])
+    return Cache(raw, [views[name] for name in FULL + WINDOW], region)
+
+
+def test_two_kv_cache_groups_reach_each_staged_decode_rank_head_sliced_in_their_own_blocks(
+        engines: list[TransferEngine]) -> None:
+    # Prefill TP 1 into decode TP 2: each decode rank's landing blocks take its heads of
+    # every group's pages, copied whole into the blocks of each page's group.
+    prefill = [Rank(engines[0], _grouped_cache(4, 8, 101), TensorParallelPlace(0, 1, 4))]
+    decode = [Rank(engines[1 + r], _grouped_cache(2, 16, 111 + r), TensorParallelPlace(r, 2, 4)) for r in range(2)]
+    before = [d.cache.host_bytes().copy() for d in decode]
+    assert _hand_off(prefill, decode, "staged-groups-1into2", (GROUP_SRC, GROUP_DST)) == {0: "", 1: ""}
+    for d, untouched in zip(decode, before):
+        d0 = d.place.heads[0]
+        moved = np.zeros(untouched.size, dtype=bool)
+        for index, group in enumerate([0] * len(FULL) + [1] * len(WINDOW)):
+            for src, dst in zip(GROUP_SRC[group], GROUP_DST[group]):
+                if dst < 0:
+                    continue  # the window keeps no block for this page: nothing pushed
+                for head in range(2):
+                    got = d.cache.views[index][dst, head]
+                    assert same_bytes(got, prefill[0].cache.views[index][src, d0 + head]), (index, dst, head)
+                    start = got.data_ptr() - d.cache.raw.data_ptr()
+                    moved[start:start + got.numel() * got.element_size()] = True
+        assert (d.cache.host_bytes()[~moved] == untouched[~moved]).all()
