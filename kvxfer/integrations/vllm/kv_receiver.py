@@ -596,7 +596,8 @@ class KVReceiver:
         """On an idle step, block up to idle_wait_ms until any pending load is complete,
         instead of running vLLM's empty steps back to back."""
         wanted = [(ld.reservation.imm, ld.reservation.expected_count) for parts in self._loads.values()
-                  for ld in parts if ld.state in WAITING and ld.reservation is not None]
+                  for ld in parts if ld.state in WAITING and ld.reservation is not None
+                  and not ld.counted]  # a counted part waits for its siblings, not for a count
         if not wanted or self.settings.idle_wait_ms <= 0:
             return
         try:
