@@ -29,6 +29,8 @@ from support.connector_halves import decode_half, halves_engine, prefill_half  #
 from support.vllm_kv_caches import same_bytes  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
     KVCacheTensor,
     MambaSpec,
     compute_layout_strides,
@@ -40,6 +42,7 @@ from kvxfer.integrations.vllm.engine_core_side import EngineCoreSide  # noqa: E4
 from kvxfer.integrations.vllm.kv_checksums import decode_table  # noqa: E402
 from kvxfer.integrations.vllm.kv_pusher import KVPusher  # noqa: E402
 from kvxfer.integrations.vllm.kv_region import KVRegion, region_from_kv_caches  # noqa: E402
+from kvxfer.integrations.vllm.load_reports import landed_load_report  # noqa: E402
 from kvxfer.integrations.vllm.metadata import KvxferStepMetadata, LoadSpec, PushSpec  # noqa: E402
 from kvxfer.integrations.vllm.settings import ConnectorSettings  # noqa: E402
 from kvxfer.integrations.vllm.state_groups import StateGroup, per_prompt_page  # noqa: E402
@@ -64,7 +67,7 @@ class HybridMambaCache:
     `allocate_kv_cache` views them (the state page padded to the attention page)."""
 
     def __init__(self, num_blocks: int, seed: int) -> None:
-        attention = FullAttentionSpec(block_size=TOKENS, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.bfloat16)
+        self.attention = attention = FullAttentionSpec(block_size=TOKENS, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.bfloat16)
         # A conv window of 3 x 10 bf16 then an SSM state of 2 x 4 x 4 fp32: 188 of the page's 256 bytes.
         self.mamba = MambaSpec(block_size=TOKENS * PROMPT_PAGES, shapes=((3, 10), (2, 4, 4)),
                                dtypes=(torch.bfloat16, torch.float32), page_size_padded=attention.page_size_bytes)
@@ -204,6 +207,32 @@ def test_the_state_lands_in_the_decoders_state_block_after_the_last_step_and_not
     after = decode.host_bytes()
     assert (after[~moved] == before[~moved]).all()
     assert not (after[moved] == before[moved]).all()
+    # The pushed-bytes metric counts what moved: each mixer's state, not its padded page.
+    assert push.writes.bytes_posted == moved_bytes(decode)
+
+
+def moved_bytes(cache: HybridMambaCache) -> int:
+    """What a push or load of SRC/DST moves: each mixer's state once, each attention page."""
+    return len(MIXERS) * cache.mamba.real_page_size_bytes + \
+        len(ATTENTION) * PROMPT_PAGES * cache.region.block_bytes
+
+
+def test_a_loads_figures_count_each_mixers_state_bytes_alike_in_the_answer_and_the_stream() -> None:
+    cache = HybridMambaCache(num_blocks=16, seed=3)
+    assert cache.mamba.real_page_size_bytes < cache.region.block_bytes  # padded: the figures must not count it
+    spec = LoadSpec("decode-figures", "figures", b"", [b for g in DST for b in g if b >= 0], 0,
+                    group_block_ids=[list(g) for g in DST])
+    # The worker half's figure (kept for a streamed request's router) ...
+    streamed = landed_load_report(cache.region, spec)
+    # ... and the engine core's (a non-streamed answer's kv_transfer_params), from vLLM's specs.
+    side = _engine_core({})
+    side.bind_kv_cache_manager(SimpleNamespace(kv_cache_config=KVCacheConfig(
+        num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(MIXERS, cache.mamba),
+                                                             KVCacheGroupSpec(ATTENTION, cache.attention)])))
+    answered = side._load_report([sum(1 for b in g if b >= 0) for g in DST], 0)
+    assert answered == streamed.as_params()
+    assert streamed.bytes_loaded == moved_bytes(cache)
+    assert streamed.pages_loaded == len(MIXERS) + len(ATTENTION) * PROMPT_PAGES
 
 
 # ---- the EngineCore half (stand-ins for vLLM's request objects, as test_engine_core_side.py) ----

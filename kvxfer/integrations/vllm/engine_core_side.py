@@ -379,12 +379,14 @@ class EngineCoreSide:
 
     def _block_geometry(self) -> list[tuple[int, int]]:
         """Per KV cache group, (layers, bytes) behind one of its block ids: a block id names
-        one page in every layer of its group."""
+        one page in every layer of its group, of which a Mamba/SSM layer moves its state only
+        (`real_page_size_bytes`: the padding to the attention page never travels)."""
         config = getattr(self._kv_cache_manager, "kv_cache_config", None)
         if config is None:
             return []
-        return [(len(g.layer_names), len(g.layer_names) * int(g.kv_cache_spec.page_size_bytes))
-                for g in config.kv_cache_groups]
+        return [(len(g.layer_names), len(g.layer_names) * int(
+            g.kv_cache_spec.real_page_size_bytes if i in self.state_groups else g.kv_cache_spec.page_size_bytes))
+            for i, g in enumerate(config.kv_cache_groups)]
 
     def has_pending_push_work(self) -> bool:
         """True while a finished prefill request's blocks wait for its push to end."""

@@ -14,7 +14,8 @@ processes), and it learns of a finished request only when vLLM finishes it, with
 afterwards that could carry the figures to a worker. The worker's receiver knows the load
 landed (`get_finished`), and the load's spec gives its blocks and the prompt blocks held
 already; the bytes use this rank's page size, as the engine core's figure uses vLLM's
-per-rank KV cache spec. The router asks rank 0 (the registry record's `metrics_url`).
+per-rank KV cache spec, and a Mamba/SSM layer's block counts its state bytes, not its
+padded page (what moved; `state_groups.bytes_moved_per_block` on the engine core's side). The router asks rank 0 (the registry record's `metrics_url`).
 
 The endpoint checks the instance's own API key (`VLLM_API_KEY`, which the router derives
 from the cluster key): a call without it, or with another, gets 401 and nothing else. An
@@ -33,7 +34,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
@@ -42,6 +43,10 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 LOADS_PATH = "/kvxfer/loads/"
 # Transfer ids are the router's (`kx-` and hex); anything else is no id of ours.
 _TRANSFER_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+if TYPE_CHECKING:
+    from .kv_region import KVRegion
+    from .metadata import LoadSpec
 
 StartResponse = Callable[..., Any]
 WsgiApp = Callable[[dict[str, Any], StartResponse], Iterable[bytes]]
@@ -60,6 +65,20 @@ class LoadReport:
         """The report in the shape of the connector's `kv_transfer_params` in a non-streamed answer."""
         return {"kvxfer": {"role": "decode", "pages_loaded": self.pages_loaded, "bytes_loaded": self.bytes_loaded,
                            "pages_held": self.pages_held}}
+
+
+def landed_load_report(region: KVRegion, spec: LoadSpec) -> LoadReport:
+    """The figures of load `spec`, landed in `region`, as the engine core's `_load_report`
+    makes them: per layer, its group's blocks (null ones, -1, never travel), each moving a
+    state layer's state or an attention layer's page; the held pages are every layer's
+    prompt blocks before `first_page`."""
+    groups = spec.group_block_ids or [spec.block_ids]
+    pages = bytes_loaded = 0
+    for layer in range(region.num_layers):
+        blocks = sum(1 for b in groups[region.group(layer)] if b >= 0)
+        pages += blocks
+        bytes_loaded += blocks * (region.state_length(layer) or region.block_bytes)
+    return LoadReport(pages_loaded=pages, bytes_loaded=bytes_loaded, pages_held=spec.first_page * region.num_layers)
 
 
 class LoadReportStore:
@@ -152,4 +171,5 @@ def serve_connector_http(port: int, app: WsgiApp, host: str = "0.0.0.0") -> WSGI
     return server
 
 
-__all__ = ["LOADS_PATH", "LoadReport", "LoadReportStore", "connector_http_app", "serve_connector_http"]
+__all__ = ["LOADS_PATH", "LoadReport", "LoadReportStore", "connector_http_app", "landed_load_report",
+           "serve_connector_http"]

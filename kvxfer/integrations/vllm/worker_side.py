@@ -33,7 +33,7 @@ from .kv_checksums import decode_table
 from .kv_pusher import KVPusher
 from .kv_receiver import KVReceiver
 from .kv_region import KVRegion, region_from_kv_caches
-from .load_reports import LoadReport, LoadReportStore, connector_http_app, serve_connector_http
+from .load_reports import LoadReportStore, connector_http_app, landed_load_report, serve_connector_http
 from .metadata import KvxferStepMetadata, KvxferWorkerReport, LoadSpec
 from .prefiller_liveness import LivenessListener
 from .settings import ConnectorSettings
@@ -253,18 +253,11 @@ class WorkerSide:
         """Keep the figures of each load that landed, as the engine core's `_load_report`
         makes them for a non-streamed answer (this rank's page bytes, as its KV cache spec)."""
         assert self.region is not None
-        region = self.region
-        layers = region.num_layers
         for rid in finished:
             spec = self._loading.pop(rid, None)
             if spec is None or rid in failed:
                 continue
-            groups = spec.group_block_ids or [spec.block_ids]
-            # A layer's pages are its group's blocks (null ones, -1, never travel).
-            pages = sum(sum(1 for b in groups[region.group(layer)] if b >= 0) for layer in range(layers))
-            self.load_reports.put(spec.transfer_id, LoadReport(
-                pages_loaded=pages, bytes_loaded=pages * region.block_bytes,
-                pages_held=spec.first_page * layers))
+            self.load_reports.put(spec.transfer_id, landed_load_report(self.region, spec))
 
     def report(self) -> KvxferWorkerReport | None:
         """Transfers whose reservation arrived since the last report (for the scheduler's gate)."""
