@@ -35,7 +35,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed")
 
-from support.vllm_instances import SharedConnectorFleet, VllmFleet, free_port  # noqa: E402
+from support.vllm_instances import TEST_KV_BLOCKS, SharedConnectorFleet, VllmFleet, free_port  # noqa: E402
 
 from kvxfer.cli import main as kvxfer_main  # noqa: E402
 from kvxfer.registry.signing import load_cluster_key, vllm_api_key  # noqa: E402
@@ -271,6 +271,7 @@ def test_kvxfer_join_adds_a_decoder_that_then_gets_traffic_under_load(fleet: Vll
          str(fleet.model_dir), "--port", str(port), "--cpu-cores", "1", "--etcd", fleet.etcd.client_url,
          "--cluster-key-file", str(fleet.key_file),
          "--", "--served-model-name", served, "--block-size", "32", "--enforce-eager",
+         "--num-gpu-blocks-override", str(TEST_KV_BLOCKS),
          "--max-num-batched-tokens", "256"],  # a short warm-up (a chunk and a block) before it registers
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
     stop = threading.Event()

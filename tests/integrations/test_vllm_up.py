@@ -26,7 +26,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed")
 
-from support.vllm_instances import free_port  # noqa: E402
+from support.vllm_instances import TEST_KV_BLOCKS, free_port  # noqa: E402
 
 from kvxfer.cluster.prometheus_runner import PrometheusRunner, find_prometheus_binary  # noqa: E402
 from kvxfer.integrations.vllm.checkpoint import CheckpointShape, make_checkpoint  # noqa: E402
@@ -97,7 +97,7 @@ def up(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProc
              "--max-restarts", "0",
              "--decode-args", f"--max-num-seqs {MAX_NUM_SEQS}", "--", "--served-model-name", SERVED,
              # Also makes the connector's warm-up (a chunk and a block) short: 288 tokens, not 2,046.
-             "--max-num-batched-tokens", "256"],
+             "--max-num-batched-tokens", "256", "--num-gpu-blocks-override", str(TEST_KV_BLOCKS)],
             stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     up = UpProcess(proc, out_path, work / "logs", f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}")

@@ -251,8 +251,14 @@ CONNECTOR_TIMEOUTS = {"transfer_timeout_s": 2.0, "load_stall_timeout_s": 6.0, "l
 SLOW_LAYER_MS = 2500  # fault slow_layers: 4 layers take 10 s in all, 2.5 s apart
 ROUTER_READY_TIMEOUT_S = 60.0
 ROUTER_START_ATTEMPTS = 2
-#: The shared pair's own vLLM flags (the README's, and a fixed seed).
-SHARED_PAIR_FLAGS = ["--block-size", str(BLOCK), "--enforce-eager", "--seed", "0"]
+#: The KV cache of the test suite's instances, in blocks (vLLM's --num-gpu-blocks-override):
+#: 2,048 blocks of BLOCK tokens hold 16 prompts of the model's full 4,096 positions, more than
+#: any test keeps. vLLM's least on CPU (VLLM_CPU_KVCACHE_SPACE=1, 16,384 blocks) cost every
+#: start-up 3 to 7 s more, allocating, registering and locking its pages.
+TEST_KV_BLOCKS = 2048
+#: The shared pair's own vLLM flags (the README's, a fixed seed and the suite's cache size).
+SHARED_PAIR_FLAGS = ["--block-size", str(BLOCK), "--enforce-eager", "--seed", "0",
+                     "--num-gpu-blocks-override", str(TEST_KV_BLOCKS)]
 
 
 class SharedConnectorFleet:
