@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -36,6 +37,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     compute_layout_strides,
     create_kv_cache_views,
 )
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
 from kvxfer.integrations.vllm.engine_core_side import EngineCoreSide  # noqa: E402
@@ -44,8 +46,8 @@ from kvxfer.integrations.vllm.kv_pusher import KVPusher  # noqa: E402
 from kvxfer.integrations.vllm.kv_region import KVRegion, region_from_kv_caches  # noqa: E402
 from kvxfer.integrations.vllm.load_reports import landed_load_report  # noqa: E402
 from kvxfer.integrations.vllm.metadata import KvxferStepMetadata, LoadSpec, PushSpec  # noqa: E402
-from kvxfer.integrations.vllm.settings import ConnectorSettings  # noqa: E402
-from kvxfer.integrations.vllm.state_groups import StateGroup, per_prompt_page  # noqa: E402
+from kvxfer.integrations.vllm.settings import ConnectorConfigError, ConnectorSettings  # noqa: E402
+from kvxfer.integrations.vllm.state_groups import StateGroup, check_state_groups, per_prompt_page  # noqa: E402
 from kvxfer.kv.protocol import decode_abort, decode_reservation_message  # noqa: E402
 from kvxfer.transfer.engine import TransferEngine, available_providers  # noqa: E402
 
@@ -129,6 +131,25 @@ def test_the_region_places_each_mixers_state_at_the_start_of_its_slots_page_and_
     other.state = StateGroup(STATE_GROUP, tuple(MIXERS), other.mamba.real_page_size_bytes, "3x10-bf16+2x4x8-f32")
     assert region_from_kv_caches(other.views, KVCacheLayout.LBHNC, isa="test", groups=[MIXERS, ATTENTION],
                                  state_groups=[other.state]).kv_layout != region.kv_layout
+
+
+def _config_of(mixers: MambaSpec, attention: FullAttentionSpec) -> KVCacheConfig:
+    return KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(MIXERS, mixers),
+                                                                             KVCacheGroupSpec(ATTENTION, attention)])
+
+
+@pytest.mark.parametrize("kind", sorted(MambaAttentionBackendEnum.__members__))
+def test_a_mixer_kind_is_pushed_only_where_it_was_shown_equal_to_colocated_and_refused_by_name_else(
+        kind: str) -> None:
+    cache = HybridMambaCache(num_blocks=4, seed=0)
+    config = _config_of(replace(cache.mamba, mamba_type=MambaAttentionBackendEnum[kind]), cache.attention)
+    if kind == "MAMBA2":  # GraniteMoeHybrid (tests/integrations/test_vllm_mamba.py)
+        check_state_groups(config, 1)
+        return
+    # The delta-net was run (its own reason); the others never were.
+    reason = "one-token delta-rule step" if kind == "GDN_ATTN" else "never shown to hand their state over"
+    with pytest.raises(ConnectorConfigError, match=f"holds {kind} mixers: .*{reason}"):
+        check_state_groups(config, 1)
 
 
 def _pump(pusher: KVPusher, receiver_engine: TransferEngine, receiver, request: str) -> tuple[set[str], set[str]]:
@@ -226,9 +247,7 @@ def test_a_loads_figures_count_each_mixers_state_bytes_alike_in_the_answer_and_t
     streamed = landed_load_report(cache.region, spec)
     # ... and the engine core's (a non-streamed answer's kv_transfer_params), from vLLM's specs.
     side = _engine_core({})
-    side.bind_kv_cache_manager(SimpleNamespace(kv_cache_config=KVCacheConfig(
-        num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(MIXERS, cache.mamba),
-                                                             KVCacheGroupSpec(ATTENTION, cache.attention)])))
+    side.bind_kv_cache_manager(SimpleNamespace(kv_cache_config=_config_of(cache.mamba, cache.attention)))
     answered = side._load_report([sum(1 for b in g if b >= 0) for g in DST], 0)
     assert answered == streamed.as_params()
     assert streamed.bytes_loaded == moved_bytes(cache)

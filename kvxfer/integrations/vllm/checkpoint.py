@@ -198,3 +198,59 @@ def make_mamba_hybrid_checkpoint(out_dir: Path, shape: CheckpointShape = Checkpo
     stamp.write_text(json.dumps(wanted))
     log.info("wrote a %d-layer seeded Mamba hybrid (GraniteMoeHybrid) checkpoint to %s", shape.layers, out_dir)
     return out_dir
+
+
+#: The gated delta-net mixers of the linear-attention hybrid checkpoint: one key and one
+#: value head of the size vLLM's CPU kernel takes (128), the smallest state it serves (conv
+#: window plus a 128 x 128 fp32 matrix: vLLM widens the attention block to hold it).
+LINEAR_KEY_HEADS, LINEAR_VALUE_HEADS, LINEAR_HEAD_SIZE = 1, 1, 128
+#: Experts of its sparse MLPs (vLLM's Qwen3-Next refuses a model without one).
+LINEAR_EXPERTS = 4
+#: Standard deviation of its seeded weights (see the config below).
+LINEAR_INITIALIZER_RANGE = 0.2
+
+
+def make_linear_attention_hybrid_checkpoint(out_dir: Path, shape: CheckpointShape = CheckpointShape()) -> Path:
+    """Writes a seeded Qwen3-Next checkpoint (a linear-attention hybrid: its layers
+    alternate between gated delta-net mixers and gated full attention; each MLP a few
+    small experts and a shared one) to `out_dir` and returns it; idempotent as `make_checkpoint` is. vLLM keeps
+    each mixer's conv window and recurrent state as a state group (MambaSpec), like a
+    Mamba-2 mixer's, computed by other kernels (the CPU's GDN path)."""
+    out_dir = Path(out_dir)
+    stamp = out_dir / _STAMP
+    wanted = {**asdict(shape), "architecture": "Qwen3NextForCausalLM",
+              "linear": [LINEAR_KEY_HEADS, LINEAR_VALUE_HEADS, LINEAR_HEAD_SIZE, LINEAR_EXPERTS],
+              "initializer_range": LINEAR_INITIALIZER_RANGE}
+    if _is_current(stamp, wanted):
+        return out_dir
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = _save_tokenizer(out_dir, shape.vocab)
+    config = Qwen3NextConfig(
+        vocab_size=len(tokenizer), hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+        head_dim=shape.hidden // shape.heads,
+        layer_types=["linear_attention" if i % 2 == 0 else "full_attention" for i in range(shape.layers)],
+        linear_num_key_heads=LINEAR_KEY_HEADS, linear_num_value_heads=LINEAR_VALUE_HEADS,
+        linear_key_head_dim=LINEAR_HEAD_SIZE, linear_value_head_dim=LINEAR_HEAD_SIZE, linear_conv_kernel_dim=4,
+        # vLLM's Qwen3-Next wants a sparse MLP somewhere: a few small experts in every layer.
+        num_experts=LINEAR_EXPERTS, num_experts_per_tok=2, moe_intermediate_size=shape.intermediate // 4,
+        shared_expert_intermediate_size=shape.intermediate // 4, decoder_sparse_step=1, mlp_only_layers=[],
+        max_position_embeddings=shape.max_positions,
+        # Wider weights than the default 0.02 give peaked logits: at 0.02 the next-token
+        # distribution is nearly flat, and the rounding that differs between vLLM's chunked
+        # delta-rule kernel and its one-token step (a decoder computes the last prompt token
+        # in the latter) flips greedy picks between near-equal tokens.
+        initializer_range=LINEAR_INITIALIZER_RANGE,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.unk_token_id, tie_word_embeddings=False, torch_dtype=shape.dtype,
+    )
+    torch.manual_seed(shape.seed)
+    model = Qwen3NextForCausalLM(config).to(getattr(torch, shape.dtype))
+    model.save_pretrained(out_dir, safe_serialization=True)
+    stamp.write_text(json.dumps(wanted))
+    log.info("wrote a %d-layer seeded linear-attention hybrid (Qwen3-Next) checkpoint to %s", shape.layers,
+             out_dir)
+    return out_dir

@@ -30,6 +30,19 @@ if TYPE_CHECKING:
 #: Prompt tokens a decoder recomputes on top of a loaded state (vLLM's last-token recompute).
 RECOMPUTED_TOKENS = 1
 
+#: The mixer kinds (vLLM's `MambaAttentionBackendEnum` names) whose state the connector
+#: pushes, each with the model on which vLLM decoding it was shown equal to colocated
+#: (tests/integrations/test_vllm_mamba.py). Kinds differ in their state tensors and kernels:
+#: one not run through the connector is refused rather than assumed alike.
+SHOWN_MIXER_KINDS = {"MAMBA2": "GraniteMoeHybrid (Mamba-2)"}
+#: Kinds run through the connector and refused for what was seen there.
+REFUSED_MIXER_KINDS = {
+    "GDN_ATTN": "run through the connector on a seeded Qwen3-Next, the state arrives byte-equal, but the decoder "
+                "computes the last prompt token with vLLM's one-token delta-rule step where colocated vLLM uses its "
+                "chunked kernel, and the two round differently: greedy tokens and logprobs differ from colocated "
+                "(vLLM alone differs between the two kernels as much)",
+}
+
 
 @dataclass(frozen=True)
 class StateGroup:
@@ -60,10 +73,11 @@ def state_groups(kv_cache_config: KVCacheConfig | None) -> list[StateGroup]:
 
 def check_state_groups(kv_cache_config: KVCacheConfig, tensor_parallel_size: int) -> None:
     """Refuses Mamba/SSM state the connector cannot push (ConnectorConfigError with the
-    reason): prefix caching's per-block states (`mamba_cache_mode` align or all), speculative
-    state blocks, tensor parallelism above 1 (each rank's state is a slice of the heads,
-    which the head-slice plans of attention do not describe), and a model with no attention
-    layer (the state rides in the attention groups' allocation)."""
+    reason): a mixer kind not in `SHOWN_MIXER_KINDS`, prefix caching's per-block states
+    (`mamba_cache_mode` align or all), speculative state blocks, tensor parallelism above 1
+    (each rank's state is a slice of the heads, which the head-slice plans of attention do
+    not describe), and a model with no attention layer (the state rides in the attention
+    groups' allocation)."""
     from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
 
     groups = list(kv_cache_config.kv_cache_groups)
@@ -72,6 +86,12 @@ def check_state_groups(kv_cache_config: KVCacheConfig, tensor_parallel_size: int
         if not isinstance(spec, MambaSpec):
             continue
         name = f"KvxferConnector: the Mamba/SSM state group ({len(group.layer_names)} layers)"
+        kind = getattr(spec.mamba_type, "name", str(spec.mamba_type))
+        if kind not in SHOWN_MIXER_KINDS:
+            seen = REFUSED_MIXER_KINDS.get(kind, "the connector was never shown to hand their state over equal to "
+                                                 "colocated vLLM")
+            raise ConnectorConfigError(f"{name} holds {kind} mixers: {seen}; it pushes the state of "
+                                       f"{', '.join(SHOWN_MIXER_KINDS.values())} mixers only")
         if spec.mamba_cache_mode != "none":
             raise ConnectorConfigError(
                 f"{name} keeps a state per block position (mamba_cache_mode {spec.mamba_cache_mode!r}, prefix "
