@@ -1,6 +1,9 @@
-"""A Mamba hybrid through KvxferConnector, with real vLLM processes: a seeded
-GraniteMoeHybrid checkpoint whose layers alternate between Mamba-2 mixers and full
-attention (`make_mamba_hybrid_checkpoint`).
+"""State-bearing hybrids through KvxferConnector, with real vLLM processes: seeded
+checkpoints whose layers alternate between a state mixer and full attention, one prefill
+and decode pair per model shown (`MODELS`, a module fixture per model, started one model at
+a time): a GraniteMoeHybrid with Mamba-2 mixers (`make_mamba_hybrid_checkpoint`). A
+Qwen3-Next with gated delta-net mixers (`make_linear_attention_hybrid_checkpoint`) is
+refused at start-up, naming its mixer kind (`state_groups.REFUSED_MIXER_KINDS`).
 
 vLLM runs it under its hybrid KV cache manager with two groups over one allocation: the
 mixers' state group (one block per request: conv window and SSM state) and the attention
@@ -14,8 +17,10 @@ computing the whole prompt itself) within one bf16 step, the decoder's attention
 equal to the prefiller's page by page, and each mixer's state bytes equal to the
 prefiller's.
 
-One prefill and one decode instance of their own start in over a minute on 2 cores,
-beyond the default suite's budget: opt-in (KVXFER_VLLM_MAMBA_TEST=1).
+One prefill and one decode instance of their own per model start in over a minute on 2
+cores, beyond the default suite's budget: opt-in (KVXFER_VLLM_MAMBA_TEST=1). A model's
+checkpoint is kept where KVXFER_TEST_MAMBA_MODEL_DIR names a folder (one subfolder per
+model).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import math
 import os
 import uuid
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import httpx
 import pytest
@@ -38,7 +43,11 @@ from support.vllm_instances import CONNECTOR_TIMEOUTS, VllmFleet  # noqa: E402
 from support.vllm_oracle import assert_same_as_colocated  # noqa: E402
 from support.waiting import wait_until  # noqa: E402
 
-from kvxfer.integrations.vllm.checkpoint import CheckpointShape, make_mamba_hybrid_checkpoint  # noqa: E402
+from kvxfer.integrations.vllm.checkpoint import (  # noqa: E402
+    CheckpointShape,
+    make_linear_attention_hybrid_checkpoint,
+    make_mamba_hybrid_checkpoint,
+)
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.skipif(
     os.environ.get("KVXFER_VLLM_MAMBA_TEST") != "1", reason=(
@@ -46,17 +55,39 @@ pytestmark = [pytest.mark.timeout(600), pytest.mark.skipif(
         "set KVXFER_VLLM_MAMBA_TEST=1 to run them"))]
 
 SHAPE = CheckpointShape()
-#: vLLM's CPU block size: the attention page (2 heads x 128 tokens) holds a mixer's state.
-BLOCK = 128
 CHUNK = 64  # the prefill instance's max_num_batched_tokens: prompts over it prefill in chunks
 FLAGS = ["--no-enable-prefix-caching", "--max-model-len", "1024"]
+#: The hybrids shown, by name: the maker of its checkpoint (in the folder it is given) and
+#: the attention block vLLM picks, whose page must hold a mixer's state (vLLM's CPU block,
+#: 128 tokens, for the Mamba-2 mixers).
+MODELS: dict[str, tuple[Callable[[Path, CheckpointShape], Path], int]] = {
+    "mamba2-granitemoehybrid": (make_mamba_hybrid_checkpoint, 128),
+}
 
 
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmFleet]:
-    work = tmp_path_factory.mktemp("vllm-mamba")
-    model_dir = Path(os.environ.get("KVXFER_TEST_MAMBA_MODEL_DIR", work / "model"))
-    model = make_mamba_hybrid_checkpoint(model_dir, SHAPE)
+def _model_dir(name: str, work: Path) -> Path:
+    model_root = os.environ.get("KVXFER_TEST_MAMBA_MODEL_DIR")
+    return Path(model_root) / name if model_root else work / "model"
+
+
+def test_a_gated_deltanet_hybrid_is_refused_at_start_up_naming_its_mixer_kind(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    # Run through the connector, a Qwen3-Next's state arrived byte-equal but its decoder's
+    # text differed from colocated (state_groups.REFUSED_MIXER_KINDS): vLLM refuses to start.
+    work = tmp_path_factory.mktemp("vllm-gated-deltanet")
+    model = make_linear_attention_hybrid_checkpoint(_model_dir("gated-deltanet-qwen3next", work), SHAPE)
+    with VllmFleet(model, work, common_extra={"bind_host": "127.0.0.1"}) as fleet:
+        fleet.start("decode-g", "kv_consumer", "1", block_size=None, user_args=FLAGS)
+        with pytest.raises(RuntimeError, match="exited"):
+            fleet.wait_ready("decode-g")
+        assert "holds GDN_ATTN mixers: run through the connector" in fleet.instances["decode-g"].log_text()
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def fleet(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmFleet]:
+    work = tmp_path_factory.mktemp(f"vllm-{request.param}")
+    make, block = MODELS[request.param]
+    model = make(_model_dir(request.param, work), SHAPE)
     digests = work / "digests"
     digests.mkdir()
     common = {"same_host": False, "bind_host": "127.0.0.1", "hooks": HOOKS_SPEC, "kv_integrity": "full",
@@ -66,6 +97,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmFleet]:
         fleet.start("decode-m", "kv_consumer", "1", block_size=None, user_args=FLAGS)
         fleet.wait_ready("prefill-m", "decode-m")
         fleet.digests = digests  # type: ignore[attr-defined]
+        fleet.block = block  # type: ignore[attr-defined]
         yield fleet
         # Nothing to drain: SIGKILL now rather than wait out vLLM's SIGTERM shutdown.
         for inst in fleet.instances.values():
@@ -109,7 +141,7 @@ def digests(fleet: VllmFleet, role: str, tid: str) -> list[list[Any]]:
     return list(json.loads(path.read_text())["pages"])
 
 
-@pytest.mark.parametrize("length", [100, 230])
+@pytest.mark.parametrize("length", [100, 300])
 def test_mamba_disaggregated_equals_colocated_in_tokens_logprobs_kv_and_state_bytes(fleet: VllmFleet,
                                                                                  length: int) -> None:
     prompt = _prompt(length, seed=length)
@@ -119,10 +151,13 @@ def test_mamba_disaggregated_equals_colocated_in_tokens_logprobs_kv_and_state_by
     assert_same_as_colocated(on_d.json()["choices"][0], colocated(fleet, prompt))
     p_pages, d_pages = digests(fleet, "prefill", tid), digests(fleet, "decode", tid)
     # The region's layers: per slot the mixer (state group 0), then the attention layer.
-    pages = math.ceil((length - 1) / BLOCK)  # the decoder computes the last prompt token itself
+    # The decoder computes the last prompt token itself.
+    pages = math.ceil((length - 1) / fleet.block)  # type: ignore[attr-defined]
     assert len(d_pages) == SHAPE.layers * pages
     assert p_pages == d_pages
     for layer in range(SHAPE.layers):
         pushed = [page for lay, page, digest in d_pages if lay == layer and digest is not None]
         # A mixer pushed its state once (as the last prompt page's block); attention every page.
         assert pushed == ([pages - 1] if layer % 2 == 0 else list(range(pages))), layer
+
+

@@ -1,6 +1,7 @@
 """Seeded checkpoints in Hugging Face format, made here without downloads: a Llama, a
 Gemma-2 whose layers alternate between sliding-window and full attention (a hybrid model),
-and a GraniteMoeHybrid whose layers alternate between Mamba-2 mixers and attention.
+a GraniteMoeHybrid whose layers alternate between Mamba-2 mixers and attention, and a
+Qwen3-Next whose layers alternate between gated delta-net mixers and attention.
 
 Tests and benchmarks need a model vLLM can load, and nothing may be downloaded: this module
 trains a byte-level BPE tokenizer on local text and saves a `LlamaForCausalLM` (or
