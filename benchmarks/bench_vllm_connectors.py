@@ -11,7 +11,9 @@ cores and the memory hold one pair at a time), prefill instance on core 0, decod
   3. multi-turn: --conversations conversations of --turns turns, each turn re-sending the
      whole conversation plus --turn-tokens new tokens (prefix hits on both instances);
   4. faults: a decode leg the client drops mid-load, then the prefill instance SIGKILLed
-     mid-transfer; time until the decoder's request ends and until its blocks are free.
+     mid-transfer; time until the decoder's request ends and until its blocks are free:
+     when its scheduler had them back (benchmarks/probes/sitecustomize.py, loaded into
+     the decode instance, records it), and when a read of its usage gauge showed 0.
 Outputs (text and token ids, greedy) of every request are compared with colocated's. A
 configuration that cannot run here is shown with its reason.
 
@@ -44,6 +46,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_vllm_connector import prompt_of  # noqa: E402
+from decoder_free_figures import free_cell, gauge_cell, ratio_line, scheduler_free_after  # noqa: E402
 from paired_overhead import goodput_rps, paired_overhead_s, ratio_to_best_peer  # noqa: E402
 from vllm_connector_flows import (CONFIGS, Config, Pair, PeerUnavailable, StreamResult, ensure_peer_env,
                                   stream_completion,  # noqa: E402
@@ -286,6 +289,23 @@ def wait_free(url: str, deadline_s: float, start: float) -> float | None:
     return None
 
 
+def monotonic_s() -> float:
+    """CLOCK_MONOTONIC, the system-wide clock the decoder's block probe stamps its frees with."""
+    return time.clock_gettime(time.CLOCK_MONOTONIC)
+
+
+def scheduler_free(pair: Pair, since: float, deadline_s: float) -> dict[str, Any]:
+    """When the decoder's scheduler had its blocks back after `since` (monotonic_s), from
+    its block probe's log: {"free_s", "reason"}."""
+    if pair.decoder_probe is None:
+        return {"free_s": None, "reason": "no probe"}
+    try:
+        text: str | None = pair.decoder_probe.read_text()
+    except FileNotFoundError:
+        text = None
+    return scheduler_free_after(text, since, deadline_s)
+
+
 def run_faults(pair: Pair, args: argparse.Namespace, prefill_s: float) -> dict[str, Any]:
     """Phase part 4: the client drops the decode leg mid-load; then the prefill instance is
     SIGKILLed mid-transfer. `prefill_s`: colocated TTFT of the drill's prompt length, to
@@ -308,10 +328,14 @@ def run_faults(pair: Pair, args: argparse.Namespace, prefill_s: float) -> dict[s
         pair.serve(body, decode_read_timeout_s=max(0.02, fault_delay_s))
         out["abort"] = {"outcome": "completed before the client dropped it"}
     except httpx.ReadTimeout:
-        dropped = time.perf_counter()
+        dropped, dropped_mono = time.perf_counter(), monotonic_s()
         out["abort"] = {"outcome": "dropped", "dropped_after_s": dropped - start,
-                        "decoder_free_s": wait_free(d_url, args.fault_deadline_s, dropped),
+                        "usage_gauge_zero_s": wait_free(d_url, args.fault_deadline_s, dropped),
                         "prefiller_free_s": wait_free(p_url, args.fault_deadline_s, dropped)}
+        # Read after the gauge showed 0 (or gave up): the scheduler freed before that.
+        sched = scheduler_free(pair, dropped_mono, args.fault_deadline_s)
+        out["abort"]["blocks_free_scheduler_s"] = sched["free_s"]
+        out["abort"]["blocks_free_scheduler_reason"] = sched["reason"]
     except (httpx.HTTPError, RuntimeError) as e:
         out["abort"] = {"outcome": f"failed: {str(e)[:160]}"}
 
@@ -322,6 +346,7 @@ def run_faults(pair: Pair, args: argparse.Namespace, prefill_s: float) -> dict[s
     def kill_later() -> None:
         time.sleep(fault_delay_s)
         killed["at"] = time.perf_counter()
+        killed["monotonic"] = monotonic_s()  # the decoder's block probe stamps with this clock
         killed["unix"] = time.time()  # to line up with the instances' own log stamps
         pair.fleet.instances[pair.prefill].kill(signal.SIGKILL)
 
@@ -349,9 +374,12 @@ def run_faults(pair: Pair, args: argparse.Namespace, prefill_s: float) -> dict[s
     ended = result.get("ended")
     free_watch.request_ended = ended if ended is not None else time.perf_counter()
     freed = free_watch.free_after(kill_at)
+    sched = (scheduler_free(pair, killed["monotonic"], args.fault_deadline_s) if "monotonic" in killed
+             else {"free_s": None, "reason": "the prefiller was not killed"})
     kill_row = {"outcome": result.get("outcome", "no answer"), "killed_after_s": kill_at - t_start,
                 "request_end_s": (ended - kill_at) if ended else None,
-                "decoder_free_s": freed["free_s"], "decoder_free_resolution_ms": freed["resolution_ms"]}
+                "blocks_free_scheduler_s": sched["free_s"], "blocks_free_scheduler_reason": sched["reason"],
+                "usage_gauge_zero_s": freed["free_s"], "usage_gauge_read_gap_ms": freed["resolution_ms"]}
     if "unix" in killed:
         kill_row["killed_at_unix"] = killed["unix"]
     if "at" in closed:  # kvxfer only (the others have no liveness port to watch)
@@ -403,8 +431,10 @@ def _run_phase_on_fleet(phase: dict[str, Any], config: Config, model: Path, work
     t0 = time.perf_counter()
     with VllmFleet(model, work / config.name.replace(" ", "-"), served_model_name="bench") as fleet:
         try:
+            probe = (work / f"{config.name.replace(' ', '-')}-decoder-blocks.log"
+                     if config.kind != "colocated" and not args.no_faults else None)
             pair = start_pair(config, fleet, peer_python, spec_fields, kvxfer_extra, args.request_timeout_s,
-                              args.ready_timeout_s)
+                              args.ready_timeout_s, decoder_probe=probe)
         except (PeerUnavailable, RuntimeError) as e:
             phase["unavailable"] = str(e) if isinstance(e, PeerUnavailable) else last_error_line(str(e))
             return
@@ -547,15 +577,19 @@ def goal_verdicts(summary: dict[str, Any], args: argparse.Namespace) -> list[str
             verdict = "n/a" if ratio is None else ("met" if ratio >= 1.2 else "NOT met")
             lines.append(f"{k['config']}: goodput at concurrency {c8}: {fmt(ratio, '.2f')}x the best peer's "
                          f"(goal >= 1.2x) -> {verdict}")
-        mine_free = (k.get("kill") or {}).get("decoder_free_s")
-        theirs_free = [(p.get("kill") or {}).get("decoder_free_s") for p in peers if p.get("kill")]
-        if mine_free is not None and theirs_free:
-            # A peer that never freed within the deadline counts as the deadline (a lower bound).
-            bounds = [t if t is not None else args.fault_deadline_s for t in theirs_free]
-            ratio = mine_free / min(bounds) if min(bounds) > 0 else None
-            verdict = "n/a" if ratio is None else ("met" if ratio < 0.1 else "NOT met")
-            lines.append(f"{k['config']}: decoder blocks free {mine_free:.3f} s after a killed prefiller vs best "
-                         f"peer {min(bounds):.3f} s: {fmt(ratio, '.3f')}x (goal < 0.1x) -> {verdict}")
+        # The scheduler's free is the goal's figure; the gauge read, the same for every
+        # connector's lag included, is shown beside it.
+        for what, key in (("scheduler", "blocks_free_scheduler_s"), ("usage gauge read 0", "usage_gauge_zero_s")):
+            peers_with_kill = [p["kill"] for p in peers if p.get("kill")]
+            if key == "blocks_free_scheduler_s":
+                # A peer whose probe did not load has no figure: not a lower bound, left out.
+                peers_with_kill = [p for p in peers_with_kill if p.get(key) is not None
+                                   or not str(p.get("blocks_free_scheduler_reason") or "").startswith(
+                                       ("probe not loaded", "no probe"))]
+            line = ratio_line(k["config"], what, (k.get("kill") or {}).get(key),
+                              [p.get(key) for p in peers_with_kill], args.fault_deadline_s)
+            if line:
+                lines.append(line)
     return lines
 
 
@@ -578,24 +612,30 @@ def print_tables(summary: dict[str, Any], args: argparse.Namespace) -> str:
                      f"{r['ok']}/{r['failed']} |")
     conc = "".join(f" goodput c={c} req/s |" for c in args.concurrency)
     lines += ["", f"| configuration | outputs equal | KV GB | CPU s/GB (extra over colocated) |{conc} "
-              "multi-turn TTFT ms (overhead) | abort: decoder free s | kill: request end s, decoder free s |",
-              "|---|---|---:|---:|" + "---:|" * len(args.concurrency) + "---:|---|---|"]
+              "multi-turn TTFT ms (overhead) | abort: decoder blocks free (scheduler) s, usage gauge read 0 s | "
+              "kill: request end s | kill: decoder blocks free (scheduler) s | kill: usage gauge read 0 s |",
+              "|---|---|---:|---:|" + "---:|" * len(args.concurrency) + "---:|---|---|---|---|"]
     for c in summary["per_config"]:
         if "unavailable" in c:
-            lines.append(f"| {c['config']} | not run: {c['unavailable']} |" + " |" * (6 + len(args.concurrency)))
+            lines.append(f"| {c['config']} | not run: {c['unavailable']} |" + " |" * (8 + len(args.concurrency)))
             continue
         gp = "".join(f" {c['goodput_rps'].get(k, 0):.2f} |" for k in args.concurrency)
         if c.get("conc_failed"):
             gp = gp[:-1] + f"({c['conc_failed']} failed) |"
         ab, kl = c.get("abort") or {}, c.get("kill") or {}
         deadline = c.get("fault_deadline_s", args.fault_deadline_s)
-        abort = fmt(ab.get("decoder_free_s"), ".2f") if ab.get("outcome") == "dropped" else (ab.get("outcome") or "-")
-        if ab.get("outcome") == "dropped" and ab.get("decoder_free_s") is None:
-            abort = f"> {deadline:g}"
-        kill = (f"{fmt(kl.get('request_end_s'), '.2f')} ({kl.get('outcome', '-')}), "
-                f"{fmt(kl.get('decoder_free_s'), '.3f') if kl.get('decoder_free_s') is not None else '> %g' % deadline}"
-                f" (+-{fmt(kl.get('decoder_free_resolution_ms'), '.0f')} ms)"
-                if kl else c.get("fault_error", "-")[:80])
+        if ab.get("outcome") == "dropped":
+            gauge = fmt(ab.get("usage_gauge_zero_s"), ".3f") if ab.get("usage_gauge_zero_s") is not None \
+                else f"> {deadline:g}"
+            abort = f"{free_cell(ab.get('blocks_free_scheduler_s'), ab.get('blocks_free_scheduler_reason'))}, {gauge}"
+        else:
+            abort = ab.get("outcome") or "-"
+        if kl:
+            kill = (f"{fmt(kl.get('request_end_s'), '.2f')} ({kl.get('outcome', '-')}) | "
+                    f"{free_cell(kl.get('blocks_free_scheduler_s'), kl.get('blocks_free_scheduler_reason'))} | "
+                    f"{gauge_cell(kl.get('usage_gauge_zero_s'), kl.get('usage_gauge_read_gap_ms'), deadline)}")
+        else:
+            kill = c.get("fault_error", "-")[:80] + " | - | -"
         lines.append(f"| {c['config']} | {c['outputs_equal']} | {fmt(c['kv_gb'], '.3f')} | "
                      f"{fmt(c['cpu_s_per_gb'], '.1f')} ({fmt(c['extra_cpu_s_per_gb'], '+.1f')}) |{gp} "
                      f"{fmt(c['multi_turn_ttft_ms'])} ({fmt(c['multi_turn_overhead_ms'], '+.0f')}) | {abort} | {kill} |")
@@ -605,7 +645,8 @@ def print_tables(summary: dict[str, Any], args: argparse.Namespace) -> str:
 
 
 def plot(summary: dict[str, Any], args: argparse.Namespace, path: Path) -> None:
-    """TTFT overhead by prompt length per configuration, and goodput by concurrency."""
+    """TTFT overhead by prompt length per configuration, goodput by concurrency, and the kill
+    drill's decoder free: the scheduler's (block probe) beside the usage gauge's read."""
     try:
         import matplotlib
 
@@ -614,7 +655,7 @@ def plot(summary: dict[str, Any], args: argparse.Namespace, path: Path) -> None:
     except ImportError:
         print("matplotlib missing: no PNG")
         return
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4))
     for c in summary["per_config"]:
         if "unavailable" in c or c["config"] == "vllm colocated":
             continue
@@ -633,6 +674,16 @@ def plot(summary: dict[str, Any], args: argparse.Namespace, path: Path) -> None:
             title=f"{args.conc_tokens}-token prompts")
     ax1.legend(fontsize=7)
     ax2.legend(fontsize=7)
+    killed = [c for c in summary["per_config"] if c.get("kill")]
+    xs = range(len(killed))
+    # A missing figure (no probe, never freed) is drawn as no bar, never as a number.
+    sched = [(c["kill"].get("blocks_free_scheduler_s") or math.nan) * 1e3 for c in killed]
+    gauge = [(c["kill"].get("usage_gauge_zero_s") or math.nan) * 1e3 for c in killed]
+    ax3.bar([x - 0.2 for x in xs], sched, width=0.4, label="decoder blocks free (scheduler)")
+    ax3.bar([x + 0.2 for x in xs], gauge, width=0.4, label="usage gauge read 0")
+    ax3.set_xticks(list(xs), [c["config"] for c in killed], rotation=20, fontsize=7)
+    ax3.set(ylabel="ms after SIGKILL of the prefiller", yscale="log", title="kill drill: decoder blocks free")
+    ax3.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -667,7 +718,16 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--fault-deadline-s", type=float, default=60.0,
                    help="how long a drill waits for the decoder's request to end and its blocks to free; "
                         "longer shows as '> N' (default 60)")
-    p.add_argument("--no-faults", action="store_true", help="skip the fault drills")
+    p.add_argument("--no-faults", action="store_true",
+                   help="skip the fault drills (and the decode instances' block probe). The drills report, per "
+                        "configuration, 'decoder blocks free (scheduler)': seconds from the fault (SIGKILL of the "
+                        "prefiller, or the client dropping the decode leg) until the decode instance's scheduler "
+                        "had every block back, recorded in its EngineCore by benchmarks/probes/sitecustomize.py "
+                        "(on the decode instance's PYTHONPATH, any connector); the goal's ratio uses it. Beside "
+                        "it 'usage gauge read 0': until a read of /metrics showed vllm:kv_cache_usage_perc 0, "
+                        "later by the API server's stats update and the read itself, with the gap to the read "
+                        "before ('gap N ms'). '-' with a reason: no figure (probe not loaded, pool never back "
+                        "at idle); '> N': not within --fault-deadline-s")
     p.add_argument("--faults-only", action="store_true",
                    help="the fault drills only: no concurrency runs, no multi-turn conversations; each configuration "
                         "still serves --lengths x --repeats single requests first (give --lengths N --repeats 1 "

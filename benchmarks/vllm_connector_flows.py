@@ -21,7 +21,9 @@ adds nixl and mooncake installed without their dependencies, so nothing pulls CU
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
+import os
 import re
 import subprocess
 import sys
@@ -29,7 +31,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import httpx
 import psutil
@@ -46,6 +48,10 @@ PEER_PACKAGES = ["nixl==1.5.1", "nixl-cu12==1.5.1", "mooncake-transfer-engine-no
 PIP_TIMEOUT_S = 900.0
 PROBE_TIMEOUT_S = 120.0
 PREFILL_ENGINE_ID = "bench-prefill"
+#: The block probe (probes/sitecustomize.py): its directory goes first on the decode
+#: instance's PYTHONPATH, and it records into the file this variable names.
+PROBE_DIR = Path(__file__).resolve().parent / "probes"
+PROBE_ENV = "KVXFER_BENCH_BLOCK_PROBE"
 #: Set in a NIXL instance's environment: the peer environment's startup hook (below) then
 #: keeps NixlConnector from moving the worker's compute thread.
 KEEP_PINNING_ENV = "KVXFER_BENCH_NIXL_KEEP_PINNING"
@@ -243,6 +249,8 @@ class Pair:
     bootstrap_port: int = 0
     engine_addresses: tuple[str, str] = ("", "")
     prefill_liveness: str = ""  # kvxfer: the prefiller's liveness port, as the router copies it
+    #: Where the decode instance's block probe records its scheduler's frees (None: no probe).
+    decoder_probe: Path | None = None
 
     def counters(self) -> dict[str, float]:
         """CONNECTOR_COUNTERS summed over both instances (and kvxfer's own metrics port)."""
@@ -352,9 +360,36 @@ def start_peer_instance(fleet: VllmFleet, name: str, core: str, python: Path, kv
     return inst
 
 
+def probe_env(probe_file: Path | None) -> dict[str, str]:
+    """The environment that loads the block probe into an instance (every process of it,
+    the EngineCore included, inherits it), recording into `probe_file`; {} for None."""
+    if probe_file is None:
+        return {}
+    path = os.pathsep.join(p for p in (str(PROBE_DIR), os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path, PROBE_ENV: str(probe_file)}
+
+
+@contextlib.contextmanager
+def environment(extra: dict[str, str]) -> Iterator[None]:
+    """os.environ with `extra` for the block (VllmFleet.start takes the instance's
+    environment from os.environ)."""
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def start_pair(config: Config, fleet: VllmFleet, peer_python: Path | None, spec_fields: dict[str, Any],
-               kvxfer_extra: dict[str, Any], request_timeout_s: float, ready_timeout_s: float) -> Pair:
-    """Starts the configuration's instances on `fleet` and waits until they serve."""
+               kvxfer_extra: dict[str, Any], request_timeout_s: float, ready_timeout_s: float,
+               decoder_probe: Path | None = None) -> Pair:
+    """Starts the configuration's instances on `fleet` and waits until they serve; with
+    `decoder_probe`, the decode instance runs the block probe recording into that file."""
     kind = config.kind
     tag = re.sub(r"\W+", "-", config.name)
     if kind == "colocated":
@@ -367,17 +402,18 @@ def start_pair(config: Config, fleet: VllmFleet, peer_python: Path | None, spec_
         metrics_port = free_port()
         extra = {"same_host": config.same_host, **kvxfer_extra}
         fleet.start(p_name, "kv_producer", "0", extra={**extra, "metrics_port": metrics_port}, **spec_fields)
-        fleet.start(d_name, "kv_consumer", "1", extra=extra, **spec_fields)
+        with environment(probe_env(decoder_probe)):
+            fleet.start(d_name, "kv_consumer", "1", extra=extra, **spec_fields)
         fleet.wait_ready(p_name, d_name, timeout_s=ready_timeout_s)
         pair = Pair(config, fleet, p_name, d_name, request_timeout_s,
-                    kvxfer_metrics_url=f"http://127.0.0.1:{metrics_port}")
+                    kvxfer_metrics_url=f"http://127.0.0.1:{metrics_port}", decoder_probe=decoder_probe)
         pair.engine_addresses = (fleet.record(p_name).engine_address, fleet.record(d_name).engine_address)
         pair.prefill_liveness = fleet.record(p_name).liveness_address
         return pair
     if peer_python is None:
         raise PeerUnavailable("no peer environment")
     common_env = {"VLLM_HOST_IP": "127.0.0.1", KEEP_PINNING_ENV: "1", **config.env}
-    pair = Pair(config, fleet, p_name, d_name, request_timeout_s)
+    pair = Pair(config, fleet, p_name, d_name, request_timeout_s, decoder_probe=decoder_probe)
     if kind in ("nixl-pull", "nixl-push"):
         probe_import(peer_python, "import nixl._api")
         connector = "NixlConnector" if kind == "nixl-pull" else "NixlPushConnector"
@@ -389,7 +425,7 @@ def start_pair(config: Config, fleet: VllmFleet, peer_python: Path | None, spec_
                              "VLLM_NIXL_SIDE_CHANNEL_PORT": str(pair.prefill_side_port)}, spec_fields)
         start_peer_instance(fleet, d_name, "1", peer_python, {**base, "kv_role": "kv_consumer"},
                             {**common_env, "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-                             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(d_side_port)}, spec_fields)
+                             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(d_side_port), **probe_env(decoder_probe)}, spec_fields)
     elif kind == "mooncake":
         probe_import(peer_python, "from mooncake.engine import TransferEngine")
         pair.bootstrap_port = free_port()
@@ -399,7 +435,8 @@ def start_pair(config: Config, fleet: VllmFleet, peer_python: Path | None, spec_
                             {**base, "kv_role": "kv_producer", "engine_id": PREFILL_ENGINE_ID},
                             {**common_env, "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(pair.bootstrap_port)}, spec_fields)
         start_peer_instance(fleet, d_name, "1", peer_python, {**base, "kv_role": "kv_consumer"},
-                            {**common_env, "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(free_port())}, spec_fields)
+                            {**common_env, "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(free_port()),
+                             **probe_env(decoder_probe)}, spec_fields)
     else:
         raise ValueError(kind)
     try:
