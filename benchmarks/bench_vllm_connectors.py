@@ -324,11 +324,19 @@ def run_faults(pair: Pair, args: argparse.Namespace, prefill_s: float) -> dict[s
     # (a) the client drops the decode leg mid-load
     body = body_of(prompt_of(args.fault_tokens, 424242), args.max_tokens, uuid.uuid4().hex)
     start = time.perf_counter()
+    drop: dict[str, float] = {}
+
+    def on_dropped() -> None:
+        # Stamped as the client gives up, not after serve() waited for the prefill leg:
+        # the decoder may free its blocks meanwhile.
+        drop["at"], drop["monotonic"] = time.perf_counter(), monotonic_s()
+
     try:
-        pair.serve(body, decode_read_timeout_s=max(0.02, fault_delay_s))
+        pair.serve(body, decode_read_timeout_s=max(0.02, fault_delay_s), on_dropped=on_dropped)
         out["abort"] = {"outcome": "completed before the client dropped it"}
     except httpx.ReadTimeout:
-        dropped, dropped_mono = time.perf_counter(), monotonic_s()
+        dropped = drop.get("at", time.perf_counter())
+        dropped_mono = drop.get("monotonic", monotonic_s())
         out["abort"] = {"outcome": "dropped", "dropped_after_s": dropped - start,
                         "usage_gauge_zero_s": wait_free(d_url, args.fault_deadline_s, dropped),
                         "prefiller_free_s": wait_free(p_url, args.fault_deadline_s, dropped)}

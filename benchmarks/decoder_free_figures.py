@@ -14,26 +14,24 @@ def scheduler_free_after(log_text: str | None, since: float, deadline_s: float) 
     """{"free_s": seconds from `since` (CLOCK_MONOTONIC, as the probe stamps) until the
     scheduler's block pool was back at its idle free count by returning blocks, or None;
     "reason": why None}. Idle means every pool the probe saw is at its idle free count,
-    and the record counts only if that call returned blocks (its free count rose): a call
-    that freed nothing is not the request's blocks coming back."""
+    and the record counts only if that call returned blocks (its own free count before
+    and after): a call that freed nothing is not the request's blocks coming back."""
     if log_text is None or not any(ln.startswith("patched ") for ln in log_text.splitlines()):
         return {"free_s": None, "reason": "probe not loaded in the decoder's EngineCore"}
     records = []
     for ln in log_text.splitlines():
         parts = ln.split()
-        if len(parts) == 6 and parts[0] == "free":
-            records.append((float(parts[1]), (parts[2], parts[3]), int(parts[4]), int(parts[5])))
+        if len(parts) == 7 and parts[0] == "free":
+            records.append((float(parts[1]), (parts[2], parts[3]), int(parts[4]), int(parts[5]), int(parts[6])))
     records.sort(key=lambda r: r[0])
     free_of: dict[tuple[str, str], tuple[int, int]] = {}
     after = 0
-    for t, pool, free, idle in records:
-        before = free_of.get(pool)
+    for t, pool, before, free, idle in records:
         free_of[pool] = (free, idle)
         if t < since:
             continue
         after += 1
-        returned = before is None or free > before[0]
-        if returned and all(f == i for f, i in free_of.values()):
+        if free > before and all(f == i for f, i in free_of.values()):
             if t - since > deadline_s:
                 break
             return {"free_s": t - since, "reason": None}

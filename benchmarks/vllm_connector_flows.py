@@ -267,20 +267,31 @@ class Pair:
         return [self.fleet.instances[n] for n in (self.prefill, self.decode) if n]
 
     def serve(self, body: dict[str, Any], on_sent: Callable[[], None] | None = None,
-              decode_read_timeout_s: float | None = None) -> StreamResult:
+              decode_read_timeout_s: float | None = None,
+              on_dropped: Callable[[], None] | None = None) -> StreamResult:
         """Serves one completion request the configuration's way; TTFT from the first leg sent.
         `on_sent` runs as the decode leg is sent (fault drills hook there); a decode leg silent
         for `decode_read_timeout_s` is dropped by the client (httpx.ReadTimeout), which vLLM
-        sees as a disconnect and aborts."""
+        sees as a disconnect and aborts; `on_dropped` runs right then (before a concurrent
+        prefill leg is waited for), so a drill times the abort from the drop itself."""
         h = self.fleet.headers
         t = self.request_timeout_s
         d_t: Any = t if decode_read_timeout_s is None else httpx.Timeout(t, read=decode_read_timeout_s)
         start = time.perf_counter()
         kind = self.config.kind
+
+        def decode_leg(url: str, leg_body: dict[str, Any], headers: dict[str, str], since: float | None) -> StreamResult:
+            try:
+                return stream_completion(url, leg_body, headers, d_t, since)
+            except httpx.ReadTimeout:
+                if on_dropped:
+                    on_dropped()
+                raise
+
         if kind == "colocated":
             if on_sent:
                 on_sent()
-            return stream_completion(self.url(None), body, h, d_t)
+            return decode_leg(self.url(None), body, h, None)
         p_url, d_url = self.url(self.prefill), self.url(self.decode)
         if kind == "nixl-pull":
             r = httpx.post(p_url + "/v1/completions", headers=h, timeout=t, json={
@@ -293,7 +304,7 @@ class Pair:
             prefill_leg_s = time.perf_counter() - start
             if on_sent:
                 on_sent()
-            res = stream_completion(d_url, {**body, "kv_transfer_params": params}, h, d_t, start)
+            res = decode_leg(d_url, {**body, "kv_transfer_params": params}, h, start)
             res.prefill_leg_s = prefill_leg_s
             return res
         p_params, d_params, p_headers = self._concurrent_params()
@@ -306,7 +317,7 @@ class Pair:
             leg_p = pool.submit(prefill_leg)
             if on_sent:
                 on_sent()
-            res = stream_completion(d_url, {**body, "kv_transfer_params": d_params}, {**h, **p_headers}, d_t, start)
+            res = decode_leg(d_url, {**body, "kv_transfer_params": d_params}, {**h, **p_headers}, start)
             try:
                 res.prefill_leg_s = leg_p.result(timeout=t)
             except (httpx.HTTPError, concurrent.futures.TimeoutError):

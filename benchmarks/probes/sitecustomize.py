@@ -4,8 +4,9 @@ back, in the process that owns the pool (the EngineCore), whatever the connector
 
 Active only with KVXFER_BENCH_BLOCK_PROBE=<file>; without it nothing is patched. Either
 way, a sitecustomize this one shadows (later on sys.path) still runs. Each line appended:
-"free <CLOCK_MONOTONIC s> <pid> <pool id> <free blocks after> <idle free count>", where
-the idle free count is the pool's blocks less vLLM's null block (usage 0); and one
+"free <CLOCK_MONOTONIC s> <pid> <pool id> <free blocks before> <free blocks after> <idle
+free count>", where the idle free count is the pool's blocks less vLLM's null block (usage
+0); and one
 "patched <CLOCK_MONOTONIC s> <pid>" line per process that patched vLLM's BlockPool, so the
 drill tells a probe that never loaded from one that saw nothing freed.
 """
@@ -53,9 +54,12 @@ def patch_block_pool(module: ModuleType, path: str) -> None:
 
         @functools.wraps(original)
         def recorded(self: Any, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            # The count before the call too: allocations in between are not recorded, so
+            # only this call's own before and after say whether it returned blocks.
+            before = self.get_num_free_blocks()
             result = _original(self, *args, **kwargs)
             try:
-                _append(path, f"free {_now():.6f} {os.getpid()} {id(self)} {self.get_num_free_blocks()} "
+                _append(path, f"free {_now():.6f} {os.getpid()} {id(self)} {before} {self.get_num_free_blocks()} "
                               f"{self.num_gpu_blocks - 1}\n")
             except OSError:
                 pass  # a probe must never break the instance it watches

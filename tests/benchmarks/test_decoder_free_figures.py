@@ -20,11 +20,11 @@ from decoder_free_figures import free_cell, gauge_cell, ratio_line, scheduler_fr
 #: A pool of 100 blocks (99 usable): idle before the fault at 10.0, 40 blocks held, 8
 #: returned at 10.02, then a call that returns nothing, the rest at 10.05.
 LOG = """patched 1.000000 7
-free 5.000000 7 140 99 99
-free 10.020000 7 140 91 99
-free 10.030000 7 140 91 99
-free 10.050000 7 140 99 99
-free 10.060000 7 140 99 99
+free 5.000000 7 140 98 99 99
+free 10.020000 7 140 59 67 99
+free 10.030000 7 140 67 67 99
+free 10.050000 7 140 67 99 99
+free 10.060000 7 140 99 99 99
 """
 
 
@@ -34,16 +34,23 @@ def test_scheduler_free_is_the_first_return_to_idle_after_the_fault() -> None:
     assert got["reason"] is None
 
 
+def test_blocks_taken_between_two_frees_and_returned_in_one_call_are_the_free() -> None:
+    # Allocations are not recorded: the pool was idle after the last free before the
+    # fault, the request took 32 blocks unseen, and one call returned them all.
+    log = "patched 1.0 7\nfree 5.0 7 140 98 99 99\nfree 10.04 7 140 67 99 99\n"
+    assert scheduler_free_after(log, since=10.0, deadline_s=60)["free_s"] == pytest.approx(0.04)
+
+
 def test_a_call_that_returns_no_blocks_is_not_the_free() -> None:
     # At idle already before the fault: the empty free at 10.06 is not the request's.
-    log = "patched 1.0 7\nfree 5.0 7 140 99 99\nfree 10.06 7 140 99 99\n"
+    log = "patched 1.0 7\nfree 5.0 7 140 98 99 99\nfree 10.06 7 140 99 99 99\n"
     got = scheduler_free_after(log, since=10.0, deadline_s=60)
     assert got["free_s"] is None
     assert got["reason"] == "pool not back at idle within 60 s (1 frees recorded after the fault)"
 
 
 def test_a_probe_that_never_loaded_gives_no_figure_but_its_reason() -> None:
-    for text in (None, "", "free 10.05 7 140 99 99\n"):
+    for text in (None, "", "free 10.05 7 140 67 99 99\n"):
         got = scheduler_free_after(text, since=10.0, deadline_s=60)
         assert got == {"free_s": None, "reason": "probe not loaded in the decoder's EngineCore"}
     assert free_cell(None, "probe not loaded in the decoder's EngineCore") == \
@@ -96,8 +103,8 @@ def test_probe_records_each_free_and_chains_to_the_shadowed_sitecustomize(tmp_pa
     assert r.stdout.split() == ["1", "True"]
     lines = log.read_text().splitlines()
     assert [ln.split()[0] for ln in lines] == ["patched", "free"]
-    _, t, pid, _, free, idle = lines[1].split()
-    assert (int(free), int(idle)) == (9, 9)
+    _, t, pid, _, before, after, idle = lines[1].split()
+    assert (int(before), int(after), int(idle)) == (5, 9, 9)
     assert int(pid) > 0 and float(t) > 0
 
 
