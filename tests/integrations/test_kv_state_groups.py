@@ -40,15 +40,21 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
+from kvxfer.handoff.push_state import PushState  # noqa: E402
+from kvxfer.integrations.vllm.cache_paths import DirectWrites  # noqa: E402
 from kvxfer.integrations.vllm.engine_core_side import EngineCoreSide  # noqa: E402
 from kvxfer.integrations.vllm.kv_checksums import decode_table  # noqa: E402
 from kvxfer.integrations.vllm.kv_pusher import KVPusher  # noqa: E402
+from kvxfer.integrations.vllm.kv_receiver import KVReceiver  # noqa: E402
 from kvxfer.integrations.vllm.kv_region import KVRegion, region_from_kv_caches  # noqa: E402
 from kvxfer.integrations.vllm.load_reports import landed_load_report  # noqa: E402
 from kvxfer.integrations.vllm.metadata import KvxferStepMetadata, LoadSpec, PushSpec  # noqa: E402
 from kvxfer.integrations.vllm.settings import ConnectorConfigError, ConnectorSettings  # noqa: E402
 from kvxfer.integrations.vllm.state_groups import StateGroup, check_state_groups, per_prompt_page  # noqa: E402
+from kvxfer.integrations.vllm.tensor_parallel import TensorParallelPlace, encode_rank_addresses  # noqa: E402
+from kvxfer.integrations.vllm.worker_side import WorkerSide  # noqa: E402
 from kvxfer.kv.protocol import decode_abort, decode_reservation_message  # noqa: E402
+from kvxfer.metrics import ConnectorMetrics  # noqa: E402
 from kvxfer.transfer.engine import TransferEngine, available_providers  # noqa: E402
 
 PROVIDER = "net" if "net" in available_providers() else "tcp"
@@ -103,6 +109,17 @@ class HybridMambaCache:
 
 
 @pytest.fixture(scope="module")
+def rank_engines() -> Iterator[tuple[TransferEngine, TransferEngine]]:
+    """Each side's second rank, for the tensor parallel cases."""
+    pair = halves_engine(PROVIDER), halves_engine(PROVIDER)
+    try:
+        yield pair
+    finally:
+        for engine in pair:
+            engine.close()
+
+
+@pytest.fixture(scope="module")
 def engines() -> Iterator[tuple[TransferEngine, TransferEngine]]:
     pair = halves_engine(PROVIDER), halves_engine(PROVIDER)
     try:
@@ -144,12 +161,12 @@ def test_a_mixer_kind_is_pushed_only_where_it_was_shown_equal_to_colocated_and_r
     cache = HybridMambaCache(num_blocks=4, seed=0)
     config = _config_of(replace(cache.mamba, mamba_type=MambaAttentionBackendEnum[kind]), cache.attention)
     if kind == "MAMBA2":  # GraniteMoeHybrid (tests/integrations/test_vllm_mamba.py)
-        check_state_groups(config, 1)
+        check_state_groups(config)
         return
     # The delta-net was run (its own reason); the others never were.
     reason = "one-token delta-rule step" if kind == "GDN_ATTN" else "never shown to hand their state over"
     with pytest.raises(ConnectorConfigError, match=f"holds {kind} mixers: .*{reason}"):
-        check_state_groups(config, 1)
+        check_state_groups(config)
 
 
 def _pump(pusher: KVPusher, receiver_engine: TransferEngine, receiver, request: str) -> tuple[set[str], set[str]]:
@@ -169,10 +186,10 @@ def _pump(pusher: KVPusher, receiver_engine: TransferEngine, receiver, request: 
     return receiver.poll(set())
 
 
-def _step(pusher: KVPusher, tid: str, end: int, engine: TransferEngine, tokens: int) -> None:
+def _step(pusher: KVPusher, tid: str, end: int, decode_engines: bytes, tokens: int) -> None:
     """One prefill step computing the prompt up to token `end`: each attention layer saved
     (save_kv_layer), then the step's end (wait_for_save: the mixers' states)."""
-    pusher.on_step(KvxferStepMetadata(pushes=[PushSpec(f"prefill-{tid}", tid, engine.address, tokens,
+    pusher.on_step(KvxferStepMetadata(pushes=[PushSpec(f"prefill-{tid}", tid, decode_engines, tokens,
                                                        list(SRC[ATTENTION_GROUP]), end,
                                                        group_block_ids=[list(g) for g in SRC])]))
     region = pusher.region
@@ -184,35 +201,34 @@ def _step(pusher: KVPusher, tid: str, end: int, engine: TransferEngine, tokens: 
             pusher.save_layer(layer)
 
 
-def test_the_state_lands_in_the_decoders_state_block_after_the_last_step_and_nothing_else_changes(
-        engines: tuple[TransferEngine, TransferEngine]) -> None:
-    prefill, decode = HybridMambaCache(num_blocks=8, seed=11), HybridMambaCache(num_blocks=16, seed=12)
-    before = decode.host_bytes().copy()
-    settings = ConnectorSettings(provider=PROVIDER, kv_integrity="full")
-    pusher = prefill_half(engines[0], prefill.region, settings, staged=False)
-    receiver = decode_half(engines[1], decode.region, settings, staged=False)
-    tid, tokens = "mamba-bytes", PROMPT_PAGES * TOKENS - 1
-    request = f"decode-{tid}"
+def _hand_off_state(pusher: KVPusher, receiver: KVReceiver, tid: str, decode_engines: bytes) -> Any:
+    """One request from the prefill half into the decode half, the prompt computed in two
+    chunks; the prefiller's push (its writes' figures)."""
+    tokens, request = PROMPT_PAGES * TOKENS - 1, f"decode-{tid}"
     loaded = [b for g in DST for b in g if b >= 0]
-    receiver.start(LoadSpec(request, tid, engines[0].address, loaded, 0, group_block_ids=[list(g) for g in DST]))
-    _step(pusher, tid, 0, engines[1], tokens)  # the request reaches the prefiller; nothing computed yet
+    receiver.start(LoadSpec(request, tid, pusher.engine.address, loaded, 0, group_block_ids=[list(g) for g in DST]))
+    _step(pusher, tid, 0, decode_engines, tokens)  # the request reaches the prefiller; nothing computed yet
     (push,) = pusher._by_request[f"prefill-{tid}"]
     end = time.monotonic() + DEADLINE_S
     while pusher.awaiting_reservation:
-        _pump(pusher, engines[1], receiver, request)
+        _pump(pusher, receiver.engine, receiver, request)
         assert time.monotonic() < end, "no reservation"
     # A first chunk: two pages of each attention layer final, no state (the prompt is not done).
-    _step(pusher, tid, 2 * TOKENS, engines[1], tokens)
+    _step(pusher, tid, 2 * TOKENS, decode_engines, tokens)
     assert push.writes.pages_posted == 2 * len(ATTENTION)
-    _step(pusher, tid, tokens, engines[1], tokens)
+    _step(pusher, tid, tokens, decode_engines, tokens)
     while time.monotonic() < end:
-        finished, failed = _pump(pusher, engines[1], receiver, request)
+        finished, failed = _pump(pusher, receiver.engine, receiver, request)
         if request in finished:
             assert request not in failed, receiver.failure(request)
-            break
+            return push
         time.sleep(0.002)
-    else:
-        pytest.fail(f"no outcome within {DEADLINE_S} s ({receiver.failure(request)})")
+    pytest.fail(f"no outcome within {DEADLINE_S} s ({receiver.failure(request)})")
+
+
+def _assert_state_landed(prefill: HybridMambaCache, decode: HybridMambaCache, before: np.ndarray) -> None:
+    """Each mixer's state and every attention page equal the prefiller's, byte for byte
+    (vLLM's views), and nothing else of the decoder's cache changed."""
     moved = np.zeros(before.size, dtype=bool)
     for name in MIXERS:
         src, dst = SRC[STATE_GROUP][-1], DST[STATE_GROUP][-1]
@@ -228,8 +244,67 @@ def test_the_state_lands_in_the_decoders_state_block_after_the_last_step_and_not
     after = decode.host_bytes()
     assert (after[~moved] == before[~moved]).all()
     assert not (after[moved] == before[moved]).all()
+
+
+def test_the_state_lands_in_the_decoders_state_block_after_the_last_step_and_nothing_else_changes(
+        engines: tuple[TransferEngine, TransferEngine]) -> None:
+    prefill, decode = HybridMambaCache(num_blocks=8, seed=11), HybridMambaCache(num_blocks=16, seed=12)
+    before = decode.host_bytes().copy()
+    settings = ConnectorSettings(provider=PROVIDER, kv_integrity="full")
+    pusher = prefill_half(engines[0], prefill.region, settings, staged=False)
+    receiver = decode_half(engines[1], decode.region, settings, staged=False)
+    push = _hand_off_state(pusher, receiver, "mamba-bytes", engines[1].address)
+    _assert_state_landed(prefill, decode, before)
     # The pushed-bytes metric counts what moved: each mixer's state, not its padded page.
     assert push.writes.bytes_posted == moved_bytes(decode)
+
+
+def test_under_equal_tensor_parallel_sizes_each_ranks_state_goes_whole_to_the_same_decode_rank(
+        engines: tuple[TransferEngine, TransferEngine], rank_engines: tuple[TransferEngine, TransferEngine]) -> None:
+    # TP 2 into TP 2: each rank's cache holds its heads (here: its own seeded bytes); the
+    # decode ranks' engines travel as one rank list, as WorkerSide hands them to the pusher,
+    # and each decode rank reserves at the prefill rank of its own index (WorkerSide, equal sizes).
+    settings = ConnectorSettings(provider=PROVIDER, kv_integrity="full")
+    prefill_engines, decode_engines = (engines[0], rank_engines[0]), (engines[1], rank_engines[1])
+    ranks = encode_rank_addresses([e.address for e in decode_engines])
+    for rank in range(2):
+        prefill, decode = HybridMambaCache(8, seed=20 + rank), HybridMambaCache(16, seed=30 + rank)
+        before = decode.host_bytes().copy()
+        engine = prefill_engines[rank]
+        pusher = KVPusher(settings, engine, prefill.region, None, ConnectorMetrics("kv_producer"),
+                          writes=DirectWrites(engine, engine.register(prefill.region.buffer), prefill.region.geometry),
+                          place=TensorParallelPlace(rank, 2, 2 * HEADS))
+        receiver = decode_half(decode_engines[rank], decode.region, settings, staged=False)
+        _hand_off_state(pusher, receiver, f"mamba-tp2-{rank}", ranks)
+        _assert_state_landed(prefill, decode, before)
+
+
+def test_state_between_different_tensor_parallel_sizes_is_refused_on_both_sides_with_the_reason(
+        engines: tuple[TransferEngine, TransferEngine]) -> None:
+    settings = ConnectorSettings(provider=PROVIDER, same_host=False, bind_host="127.0.0.1")
+    # The prefill rank (TP 1) handed a decoder of two ranks fails the push, naming the sizes.
+    prefill = HybridMambaCache(8, seed=40)
+    pusher = prefill_half(engines[0], prefill.region, settings, staged=False)
+    _step(pusher, "tp-1-into-2", 0, encode_rank_addresses([engines[1].address, engines[1].address]), 9)
+    (push,) = pusher._by_request["prefill-tp-1-into-2"]
+    assert push.lifecycle.state is PushState.FAILED
+    assert "equal tensor parallel sizes only (prefill 1, decode 2)" in push.lifecycle.reason
+    # A decode rank (TP 2) handed a single prefill rank refuses the load before reserving.
+    decode = HybridMambaCache(16, seed=41)
+    worker = WorkerSide(settings, "kv_consumer", "m", place=TensorParallelPlace(1, 2, 2 * HEADS))
+    try:
+        worker.register_kv_caches(decode.views, KVCacheLayout.LBHNC, groups=[MIXERS, ATTENTION],
+                                  state_groups=[decode.state])
+        worker.bind(KvxferStepMetadata(loads=[LoadSpec("r1", "tp-1-into-2", encode_rank_addresses(
+            [engines[0].address]), [8, 9], 0, group_block_ids=[[8], [9]])]))
+        assert worker.receiver is not None
+        worker.start_load_kv()
+        reason = worker.receiver.failure("r1")
+        _, finished, failed = worker.get_finished(set())
+    finally:
+        worker.shutdown()
+    assert finished == failed == {"r1"}
+    assert "equal tensor parallel sizes only (prefill 1, decode 2)" in (reason or ""), reason
 
 
 def moved_bytes(cache: HybridMambaCache) -> int:

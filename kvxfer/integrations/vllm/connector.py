@@ -109,7 +109,8 @@ def check_kv_cache_groups(kv_cache_config: KVCacheConfig | None, tensor_parallel
     group's blocks, at any tensor parallel size (`tensor_parallel_size`: each rank its
     heads, head-sliced between sizes). Mamba/SSM state groups (a request's one state
     block, pushed after the prompt) it pushes under the conditions `check_state_groups`
-    names (no prefix caching, tensor parallel size 1); other groups it refuses.
+    names (a mixer kind shown, no prefix caching; equal TP sizes per request); other groups
+    it refuses.
     `--disable-hybrid-kv-cache-manager` runs an attention-only hybrid model as one group
     (every layer keeps every block)."""
     from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
@@ -122,7 +123,7 @@ def check_kv_cache_groups(kv_cache_config: KVCacheConfig | None, tensor_parallel
         raise ConnectorConfigError(
             f"KvxferConnector: the KV cache has {len(groups)} groups ({kinds}); the connector pushes attention "
             "KV and Mamba/SSM state only")
-    check_state_groups(kv_cache_config, tensor_parallel_size)  # type: ignore[arg-type]
+    check_state_groups(kv_cache_config)  # type: ignore[arg-type]
 
 
 class KvxferConnector(KVConnectorBase_V1, SupportsHMA):

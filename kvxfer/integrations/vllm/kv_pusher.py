@@ -61,6 +61,7 @@ from .kv_region import KVRegion
 from .metadata import KvxferStepMetadata, PushSpec
 from .settings import ConnectorSettings
 from .sliced_reservation import SliceTarget
+from .state_groups import unequal_tensor_parallel_state
 from .tensor_parallel import TensorParallelError, TensorParallelPlace, decode_rank_addresses, head_targets
 
 log = logging.getLogger(__name__)
@@ -201,7 +202,10 @@ class KVPusher:
             decode_tp = len(decode_rank_addresses(spec.decode_engine))
             ranks = ([WHOLE_BLOCKS] if decode_tp == self.place.size else
                      head_targets(self.place.total_kv_heads, self.place.size, decode_tp, self.place.rank))
-            problem = ""
+            problem = unequal_tensor_parallel_state(self.place.size, decode_tp) \
+                if self.region.state_bytes is not None else ""
+            if problem:
+                ranks = [WHOLE_BLOCKS]
         except TensorParallelError as exc:
             ranks, problem = [WHOLE_BLOCKS], f"the decoder's KV heads cannot be mapped to this prefill rank ({exc})"
         pushes = [PrefillPush(spec.request_id, spec.transfer_id, spec.decode_engine, spec.prompt_tokens,

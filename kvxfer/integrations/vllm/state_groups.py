@@ -71,13 +71,13 @@ def state_groups(kv_cache_config: KVCacheConfig | None) -> list[StateGroup]:
     return out
 
 
-def check_state_groups(kv_cache_config: KVCacheConfig, tensor_parallel_size: int) -> None:
+def check_state_groups(kv_cache_config: KVCacheConfig) -> None:
     """Refuses Mamba/SSM state the connector cannot push (ConnectorConfigError with the
     reason): a mixer kind not in `SHOWN_MIXER_KINDS`, prefix caching's per-block states
-    (`mamba_cache_mode` align or all), speculative state blocks, tensor parallelism above 1
-    (each rank's state is a slice of the heads, which the head-slice plans of attention do
-    not describe), and a model with no attention layer (the state rides in the attention
-    groups' allocation)."""
+    (`mamba_cache_mode` align or all), speculative state blocks, and a model with no
+    attention layer (the state rides in the attention groups' allocation). Any tensor
+    parallel size passes here: a pairing of different sizes is refused per request
+    (`unequal_tensor_parallel_state`), as a peer's size is known only then."""
     from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
 
     groups = list(kv_cache_config.kv_cache_groups)
@@ -99,12 +99,21 @@ def check_state_groups(kv_cache_config: KVCacheConfig, tensor_parallel_size: int
         if spec.num_speculative_blocks:
             raise ConnectorConfigError(f"{name} has {spec.num_speculative_blocks} speculative state blocks; the "
                                        "connector pushes one state per request (no speculative decoding)")
-        if tensor_parallel_size > 1:
-            raise ConnectorConfigError(f"{name} is pushed with tensor parallel size 1 only (got "
-                                       f"{tensor_parallel_size})")
     if not any(isinstance(g.kv_cache_spec, AttentionSpec) for g in groups):
         raise ConnectorConfigError("KvxferConnector: the KV cache has no attention layer; Mamba/SSM state is pushed "
                                    "for hybrid models (attention plus state) only")
+
+
+def unequal_tensor_parallel_state(prefill_tp: int, decode_tp: int) -> str:
+    """Why a hand-off with Mamba/SSM state between these tensor parallel sizes is refused
+    ("" where it is not): a rank's state holds its heads' slice of every mixer (conv
+    channels, SSM heads), which goes whole from prefill rank r to decode rank r at equal
+    sizes; between different sizes it would have to be cut per head, which the head-slice
+    plans of attention pages do not describe."""
+    if prefill_tp == decode_tp:
+        return ""
+    return (f"Mamba/SSM state is handed over between equal tensor parallel sizes only (prefill {prefill_tp}, decode "
+            f"{decode_tp}): a rank's state is its heads' slice of each mixer, which is not cut between sizes")
 
 
 def per_prompt_page(block_ids: list[int], pages: int) -> list[int]:

@@ -38,7 +38,7 @@ from .metadata import KvxferStepMetadata, KvxferWorkerReport, LoadSpec
 from .prefiller_liveness import LivenessListener
 from .settings import ConnectorSettings
 from .sliced_reservation import SliceTarget, decode_sliced_reservation
-from .state_groups import StateGroup
+from .state_groups import StateGroup, unequal_tensor_parallel_state
 from .tensor_parallel import (
     TensorParallelError,
     TensorParallelPlace,
@@ -190,6 +190,11 @@ class WorkerSide:
         except TensorParallelError as exc:
             self.receiver.refuse(spec, "tp_mismatch", f"the prefiller's KV heads cannot be mapped to this decode "
                                  f"rank ({exc})")
+            return
+        unequal = unequal_tensor_parallel_state(len(prefill_ranks), place.size) \
+            if self.region is not None and self.region.state_bytes is not None else ""
+        if unequal:
+            self.receiver.refuse(spec, "tp_mismatch", unequal)
             return
         sources = self.hooks.head_sources(spec.transfer_id, len(prefill_ranks), sources)
         if len(prefill_ranks) > 1:
