@@ -625,7 +625,7 @@ def print_tables(summary: dict[str, Any], args: argparse.Namespace) -> str:
               "|---|---|---:|---:|" + "---:|" * len(args.concurrency) + "---:|---|---|---|---|"]
     for c in summary["per_config"]:
         if "unavailable" in c:
-            lines.append(f"| {c['config']} | not run: {c['unavailable']} |" + " |" * (8 + len(args.concurrency)))
+            lines.append(f"| {c['config']} | not run: {c['unavailable']} |" + " |" * (7 + len(args.concurrency)))
             continue
         gp = "".join(f" {c['goodput_rps'].get(k, 0):.2f} |" for k in args.concurrency)
         if c.get("conc_failed"):
