@@ -587,15 +587,19 @@ def goal_verdicts(summary: dict[str, Any], args: argparse.Namespace) -> list[str
                          f"(goal >= 1.2x) -> {verdict}")
         # The scheduler's free is the goal's figure; the gauge read, the same for every
         # connector's lag included, is shown beside it.
+        killed = [p for p in peers if p.get("kill")]
         for what, key in (("scheduler", "blocks_free_scheduler_s"), ("usage gauge read 0", "usage_gauge_zero_s")):
-            peers_with_kill = [p["kill"] for p in peers if p.get("kill")]
             if key == "blocks_free_scheduler_s":
-                # A peer whose probe did not load has no figure: not a lower bound, left out.
-                peers_with_kill = [p for p in peers_with_kill if p.get(key) is not None
-                                   or not str(p.get("blocks_free_scheduler_reason") or "").startswith(
-                                       ("probe not loaded", "no probe"))]
+                # A figure the probe could not give (not loaded) is neither a time nor a lower
+                # bound: comparing with the other peers only could flatter the ratio.
+                unknown = [c["config"] for c in [k, *killed] if c.get("kill") and c["kill"].get(key) is None
+                           and "probe" in str(c["kill"].get("blocks_free_scheduler_reason"))]
+                if unknown:
+                    lines.append(f"{k['config']}: decoder blocks free (scheduler): no verdict, no probe figure for "
+                                 f"{', '.join(unknown)}")
+                    continue
             line = ratio_line(k["config"], what, (k.get("kill") or {}).get(key),
-                              [p.get(key) for p in peers_with_kill], args.fault_deadline_s)
+                              [p["kill"].get(key) for p in killed], args.fault_deadline_s)
             if line:
                 lines.append(line)
     return lines

@@ -23,6 +23,10 @@ def scheduler_free_after(log_text: str | None, since: float, deadline_s: float) 
         parts = ln.split()
         if len(parts) == 7 and parts[0] == "free":
             records.append((float(parts[1]), (parts[2], parts[3]), int(parts[4]), int(parts[5]), int(parts[6])))
+    if not records:
+        # Patched in a process that never frees (the API server imports the pool module
+        # too): the EngineCore, which frees after every request, did not load it.
+        return {"free_s": None, "reason": "probe recorded no free: not loaded in the decoder's EngineCore"}
     records.sort(key=lambda r: r[0])
     free_of: dict[tuple[str, str], tuple[int, int]] = {}
     after = 0

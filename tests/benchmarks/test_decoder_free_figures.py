@@ -53,6 +53,9 @@ def test_a_probe_that_never_loaded_gives_no_figure_but_its_reason() -> None:
     for text in (None, "", "free 10.05 7 140 67 99 99\n"):
         got = scheduler_free_after(text, since=10.0, deadline_s=60)
         assert got == {"free_s": None, "reason": "probe not loaded in the decoder's EngineCore"}
+    # Loaded by the API server only: patched, never a free.
+    got = scheduler_free_after("patched 1.0 7\n", since=10.0, deadline_s=60)
+    assert got == {"free_s": None, "reason": "probe recorded no free: not loaded in the decoder's EngineCore"}
     assert free_cell(None, "probe not loaded in the decoder's EngineCore") == \
         "- (probe not loaded in the decoder's EngineCore)"
     assert free_cell(0.0184, None) == "0.018"
