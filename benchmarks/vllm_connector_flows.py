@@ -280,7 +280,8 @@ class Pair:
         start = time.perf_counter()
         kind = self.config.kind
 
-        def decode_leg(url: str, leg_body: dict[str, Any], headers: dict[str, str], since: float | None) -> StreamResult:
+        def decode_leg(url: str, leg_body: dict[str, Any], headers: dict[str, str],
+                       since: float | None) -> StreamResult:
             try:
                 return stream_completion(url, leg_body, headers, d_t, since)
             except httpx.ReadTimeout:
