@@ -12,9 +12,7 @@ where one prefill rank's part fails, nothing is copied into the cache at all.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -22,26 +20,14 @@ import pytest
 pytest.importorskip("vllm", reason="the vllm extra is not installed")
 
 import torch  # noqa: E402
-from support.connector_halves import halves_engine  # noqa: E402
+from support.connector_halves import halves_engines  # noqa: E402
+from support.sliced_halves import Rank, StagedPath, assert_heads_landed, sliced_hand_off  # noqa: E402
 from support.vllm_kv_caches import TOKENS, Cache, attention_spec, mla_spec, same_bytes, vllm_cache  # noqa: E402
 from vllm.v1.kv_cache_interface import KVCacheTensor, compute_layout_strides, create_kv_cache_views  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
-from kvxfer.integrations.vllm.cache_paths import StagedLanding, StagedWrites  # noqa: E402
-from kvxfer.integrations.vllm.kv_checksums import decode_table  # noqa: E402
-from kvxfer.integrations.vllm.kv_pusher import KVPusher  # noqa: E402
-from kvxfer.integrations.vllm.kv_receiver import KVReceiver  # noqa: E402
 from kvxfer.integrations.vllm.kv_region import region_from_kv_caches  # noqa: E402
-from kvxfer.integrations.vllm.metadata import KvxferStepMetadata, LoadSpec, PushSpec  # noqa: E402
-from kvxfer.integrations.vllm.settings import ConnectorSettings  # noqa: E402
-from kvxfer.integrations.vllm.sliced_reservation import SliceTarget, decode_sliced_reservation  # noqa: E402
-from kvxfer.integrations.vllm.tensor_parallel import (  # noqa: E402
-    TensorParallelPlace,
-    encode_rank_addresses,
-    head_sources,
-)
-from kvxfer.kv.protocol import decode_abort, decode_cancel  # noqa: E402
-from kvxfer.metrics import ConnectorMetrics  # noqa: E402
+from kvxfer.integrations.vllm.tensor_parallel import TensorParallelPlace  # noqa: E402
 from kvxfer.transfer.engine import TransferEngine, available_providers  # noqa: E402
 
 PROVIDER = "net" if "net" in available_providers() else "tcp"
@@ -52,23 +38,8 @@ DEADLINE_S = 20.0
 
 @pytest.fixture(scope="module")
 def engines() -> Iterator[list[TransferEngine]]:
-    out = [halves_engine(PROVIDER) for _ in range(6)]
-    try:
+    with halves_engines(PROVIDER, 6) as out:
         yield out
-    finally:
-        for engine in out:
-            engine.close()
-
-
-@dataclass
-class Rank:
-    """One rank's engine and cache (staged halves over it once made)."""
-
-    engine: TransferEngine
-    cache: Cache
-    place: TensorParallelPlace
-    pusher: KVPusher | None = None
-    receiver: KVReceiver | None = None
 
 
 def _ranks(engines: list[TransferEngine], tp: int, kv_heads: int, blocks: int, seed: int, layout: str = "LBHNC",
@@ -80,85 +51,11 @@ def _ranks(engines: list[TransferEngine], tp: int, kv_heads: int, blocks: int, s
 
 def _hand_off(prefill: list[Rank], decode: list[Rank], tid: str,
               groups: tuple[list[list[int]], list[list[int]]] | None = None) -> dict[int, str]:
-    """One request from every prefill rank into every decode rank, each through the staged
-    path, as the worker halves run under vLLM (with `groups`: every KV cache group's blocks,
-    prefill side then decode side); each decode rank's outcome ("" admitted, else why it
-    failed)."""
-    src_groups, dst_groups = groups if groups is not None else (None, None)
-    dst = [b for g in dst_groups for b in g if b >= 0] if dst_groups is not None else DST
-    src = src_groups[0] if src_groups is not None else SRC
-    pages = len(src)
-    settings = ConnectorSettings(provider=PROVIDER)
-    kv_heads = prefill[0].place.total_kv_heads
-    for p in prefill:
-        p.pusher = KVPusher(settings, p.engine, p.cache.region, None, ConnectorMetrics("kv_producer"),
-                            writes=StagedWrites(p.engine, p.cache.region, staging_rows=STAGING_ROWS), place=p.place)
-    prefill_addresses = [p.engine.address for p in prefill]
-    for d in decode:
-        landing = StagedLanding(d.engine, d.cache.region, landing_blocks=LANDING_BLOCKS)
-        d.receiver = KVReceiver(settings, d.engine, d.cache.region, None, ConnectorMetrics("kv_consumer"),
-                                landing=landing)
-        sources = head_sources(kv_heads, len(prefill), len(decode), d.place.rank)
-        heads = d.cache.region.geometry.num_heads
-        parts = [(prefill_addresses[s.src_rank], SliceTarget(d.place.rank, len(decode), s, heads)) for s in sources]
-        d.receiver.start(LoadSpec(f"d-{tid}", tid, encode_rank_addresses(prefill_addresses), list(dst), 0,
-                                  group_block_ids=dst_groups), parts)
-    decode_engines = encode_rank_addresses([d.engine.address for d in decode])
-    tokens = pages * TOKENS
-    for p in prefill:
-        assert p.pusher is not None
-        p.pusher.on_step(KvxferStepMetadata(pushes=[PushSpec(f"p-{tid}", tid, decode_engines, tokens, list(src),
-                                                             tokens, group_block_ids=src_groups)]))
-        for layer in range(p.cache.region.num_layers):
-            p.pusher.save_layer(layer)
-    outcome: dict[int, str] = {}
-    end = time.monotonic() + DEADLINE_S
-    while len(outcome) < len(decode) and time.monotonic() < end:
-        for p in prefill:
-            assert p.pusher is not None
-            raw = p.engine.recv(0.0)
-            sliced = decode_sliced_reservation(bytes(raw), p.place.rank) if raw is not None else None
-            if sliced is not None:
-                p.pusher.on_reservation(sliced[1], sliced[0])
-            cancel = decode_cancel(bytes(raw)) if raw is not None and sliced is None else None
-            if cancel is not None:
-                p.pusher.on_cancel(*cancel)
-            p.pusher.poll(set())
-        for d in decode:
-            assert d.receiver is not None
-            raw = d.engine.recv(0.0)
-            table = decode_table(bytes(raw)) if raw is not None else None
-            if table is not None:
-                d.receiver.on_checksum_table(table)
-            stopped = decode_abort(bytes(raw)) if raw is not None else None
-            if stopped is not None:
-                d.receiver.on_prefill_stopped(*stopped)
-            reason = d.receiver.failure(f"d-{tid}")  # read before the poll that reports (and forgets) it
-            finished, failed = d.receiver.poll(set())
-            if f"d-{tid}" in finished:
-                outcome[d.place.rank] = (reason or "failed") if failed else ""
-        time.sleep(0.001)
-    assert len(outcome) == len(decode), f"decode ranks got no outcome within {DEADLINE_S} s: {outcome}"
-    return outcome
-
-
-def _assert_heads_landed(prefill: list[Rank], decode: list[Rank], before: list[np.ndarray]) -> None:
-    """Every decode rank's heads are the prefill heads of the same global index (MLA: the
-    one latent slot every rank holds), byte for byte, and nothing else of its cache changed."""
-    for d, untouched in zip(decode, before):
-        d0, d1 = d.place.heads
-        moved = np.zeros(untouched.size, dtype=bool)
-        for layer in range(d.cache.region.num_layers):
-            for s, block in zip(SRC, DST):
-                for head in range(d0, d1):
-                    p = next(p for p in prefill if p.place.heads[0] <= head < p.place.heads[1])
-                    local = 0 if d.cache.region.geometry.latent else head - d0
-                    remote = 0 if p.cache.region.geometry.latent else head - p.place.heads[0]
-                    assert same_bytes(d.cache.views[layer][block, local], p.cache.views[layer][s, remote]), \
-                        (layer, block, head)
-                for offset, length in d.cache.cells(layer, block):
-                    moved[offset:offset + length] = True
-        assert (d.cache.host_bytes()[~moved] == untouched[~moved]).all()
+    """One request from every prefill rank into every decode rank through the staged path
+    (with `groups`: every KV cache group's blocks, prefill side then decode side); each
+    decode rank's outcome ("" admitted, else why it failed)."""
+    return sliced_hand_off(prefill, decode, tid, SRC, DST, PROVIDER, DEADLINE_S,
+                           StagedPath(STAGING_ROWS, LANDING_BLOCKS), groups)
 
 
 #: (prefill TP, decode TP, KV heads, layout, MLA content)
@@ -178,7 +75,7 @@ def test_each_staged_decode_rank_receives_exactly_its_heads_through_its_landing_
     before = [d.cache.host_bytes().copy() for d in decode]
     outcome = _hand_off(prefill, decode, f"staged-{prefill_tp}{decode_tp}{kv_heads}{layout}{mla}")
     assert outcome == {d.place.rank: "" for d in decode}
-    _assert_heads_landed(prefill, decode, before)
+    assert_heads_landed(prefill, decode, before, SRC, DST)
     for d in decode:  # every landing block handed back once the load was reported
         assert d.receiver is not None and len(d.receiver.landing._free) == LANDING_BLOCKS
 

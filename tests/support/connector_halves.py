@@ -7,6 +7,8 @@ reservation and the prefiller's messages travelling over the fabric as in produc
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from kvxfer.integrations.vllm.cache_paths import DirectLanding, DirectWrites, StagedLanding, StagedWrites
@@ -27,6 +29,17 @@ STAGING_ROWS, LANDING_BLOCKS = 64, 16
 def halves_engine(provider: str) -> TransferEngine:
     """An engine as the worker half makes one (claimed immediates), on loopback."""
     return TransferEngine(provider, same_host=False, bind_host="127.0.0.1", imm_admission="claimed")
+
+
+@contextmanager
+def halves_engines(provider: str, count: int) -> Iterator[list[TransferEngine]]:
+    """`count` engines as `halves_engine` makes them, closed on exit (a module's fixture)."""
+    engines = [halves_engine(provider) for _ in range(count)]
+    try:
+        yield engines
+    finally:
+        for engine in engines:
+            engine.close()
 
 
 def prefill_half(engine: TransferEngine, region: KVRegion, settings: ConnectorSettings, staged: bool,
