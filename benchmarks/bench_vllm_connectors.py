@@ -694,7 +694,10 @@ def plot(summary: dict[str, Any], args: argparse.Namespace, path: Path) -> None:
     ax3.bar([x - 0.2 for x in xs], sched, width=0.4, label="decoder blocks free (scheduler)")
     ax3.bar([x + 0.2 for x in xs], gauge, width=0.4, label="usage gauge read 0")
     ax3.set_xticks(list(xs), [c["config"] for c in killed], rotation=20, fontsize=7)
-    ax3.set(ylabel="ms after SIGKILL of the prefiller", yscale="log", title="kill drill: decoder blocks free")
+    # Log scale only with a bar to draw: a run whose every decoder missed the deadline has none.
+    drawn = any(not math.isnan(v) for v in sched + gauge)
+    ax3.set(ylabel="ms after SIGKILL of the prefiller", yscale="log" if drawn else "linear",
+            title="kill drill: decoder blocks free")
     ax3.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
