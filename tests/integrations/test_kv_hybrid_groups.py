@@ -21,14 +21,9 @@ import pytest
 pytest.importorskip("vllm", reason="the vllm extra is not installed")
 
 import torch  # noqa: E402
-from support.connector_halves import decode_half, halves_engine, prefill_half  # noqa: E402
-from support.vllm_kv_caches import same_bytes  # noqa: E402
-from vllm.v1.kv_cache_interface import (  # noqa: E402
-    FullAttentionSpec,
-    KVCacheTensor,
-    compute_layout_strides,
-    create_kv_cache_views,
-)
+from support.connector_halves import decode_half, halves_engines, prefill_half  # noqa: E402
+from support.vllm_kv_caches import OverlaidGroupsCache, same_bytes  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
 from kvxfer.handoff.push_plan import LayerGroups, PushPlan, PushPlanError  # noqa: E402
@@ -40,7 +35,7 @@ from kvxfer.kv.protocol import KVReservation, ReservationError, decode_abort, de
 from kvxfer.transfer.engine import TransferEngine, available_providers  # noqa: E402
 
 PROVIDER = "net" if "net" in available_providers() else "tcp"
-TOKENS, HEADS, HEAD_SIZE, LAYERS_PER_GROUP = 4, 2, 8, 2
+TOKENS, HEADS, HEAD_SIZE = 4, 2, 8
 FULL = [f"model.layers.{i}.attn" for i in (1, 3)]
 WINDOW = [f"model.layers.{i}.attn" for i in (0, 2)]
 PROMPT_PAGES = 5
@@ -51,38 +46,20 @@ DST = [[9, 3, 11, 5, 2], [-1, -1, -1, 8, 12]]
 DEADLINE_S = 20.0
 
 
-class GroupedCache:
-    """Two KV cache groups over one seeded allocation, as vLLM's `allocate_kv_cache` views them."""
+class GroupedCache(OverlaidGroupsCache):
+    """Two KV cache groups (full and sliding-window attention) over one seeded allocation."""
 
     def __init__(self, num_blocks: int, seed: int) -> None:
         spec = FullAttentionSpec(block_size=TOKENS, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.bfloat16)
-        layout = KVCacheLayout.LBHNC
-        layer_stride, block_stride, *_ = compute_layout_strides(spec, num_blocks, LAYERS_PER_GROUP, layout)
-        size = LAYERS_PER_GROUP * num_blocks * spec.page_size_bytes
-        self.raw = torch.from_numpy(np.random.default_rng(seed).integers(-128, 128, size, dtype=np.int8))
-        self.views: dict[str, torch.Tensor] = {}
-        for names in (FULL, WINDOW):  # every group from byte 0: they overlay each other
-            tensor = KVCacheTensor(size=size, layers=names, layer_stride=layer_stride, block_stride=block_stride,
-                                   offset=0)
-            self.views.update(zip(names, create_kv_cache_views(self.raw, spec, num_blocks, layout, tensor)))
-        self.region: KVRegion = region_from_kv_caches(self.views, layout, isa="test", groups=[FULL, WINDOW])
-
-    def host_bytes(self) -> np.ndarray:
-        return self.raw.numpy().view(np.uint8)
-
-    def page_range(self, name: str, block: int) -> tuple[int, int]:
-        view = self.views[name][block]
-        return view.data_ptr() - self.raw.data_ptr(), view.numel() * view.element_size()
+        super().__init__([(FULL, spec), (WINDOW, spec)], spec, num_blocks, seed)
+        self.region: KVRegion = region_from_kv_caches(self.views, KVCacheLayout.LBHNC, isa="test",
+                                                      groups=[FULL, WINDOW])
 
 
 @pytest.fixture(scope="module")
-def engines() -> Iterator[tuple[TransferEngine, TransferEngine]]:
-    pair = halves_engine(PROVIDER), halves_engine(PROVIDER)
-    try:
+def engines() -> Iterator[list[TransferEngine]]:
+    with halves_engines(PROVIDER, 2) as pair:
         yield pair
-    finally:
-        for engine in pair:
-            engine.close()
 
 
 def _group_of(region: KVRegion, name: str) -> int:
@@ -156,7 +133,7 @@ def test_a_reservation_of_the_wrong_group_shape_is_refused() -> None:
     assert region.kv_layout.startswith(one.kv_layout + "-hma2_") and region.kv_layout != one.kv_layout
 
 
-def _hand_off(engines: tuple[TransferEngine, TransferEngine], prefill: GroupedCache, decode: GroupedCache,
+def _hand_off(engines: list[TransferEngine], prefill: GroupedCache, decode: GroupedCache,
               tid: str, staged: bool = False) -> tuple[bool, str]:
     """One request through the halves with kv_integrity full (through staging and landing
     blocks where `staged`, the device caches' path): (admitted, failure reason)."""
@@ -196,7 +173,7 @@ def _hand_off(engines: tuple[TransferEngine, TransferEngine], prefill: GroupedCa
 
 @pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
 def test_two_groups_land_each_layers_pages_in_its_groups_blocks_and_nothing_else(
-        engines: tuple[TransferEngine, TransferEngine], staged: bool) -> None:
+        engines: list[TransferEngine], staged: bool) -> None:
     prefill, decode = GroupedCache(num_blocks=8, seed=11), GroupedCache(num_blocks=16, seed=12)
     before = decode.host_bytes().copy()
     admitted, reason = _hand_off(engines, prefill, decode, f"hybrid-bytes-{staged}", staged)

@@ -19,11 +19,17 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed")
 
-import torch  # noqa: E402
 from support.connector_halves import halves_engines  # noqa: E402
 from support.sliced_halves import Rank, StagedPath, assert_heads_landed, sliced_hand_off  # noqa: E402
-from support.vllm_kv_caches import TOKENS, Cache, attention_spec, mla_spec, same_bytes, vllm_cache  # noqa: E402
-from vllm.v1.kv_cache_interface import KVCacheTensor, compute_layout_strides, create_kv_cache_views  # noqa: E402
+from support.vllm_kv_caches import (  # noqa: E402
+    TOKENS,
+    Cache,
+    OverlaidGroupsCache,
+    attention_spec,
+    mla_spec,
+    same_bytes,
+    vllm_cache,
+)
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
 from kvxfer.integrations.vllm.kv_region import region_from_kv_caches  # noqa: E402
@@ -108,17 +114,9 @@ def _grouped_cache(heads: int, num_blocks: int, seed: int) -> Cache:
     """One rank's two-group cache of `heads` heads (views by layer name in `Cache.views`
     order: FULL then WINDOW)."""
     spec = attention_spec(heads=heads)
-    layout = KVCacheLayout.LBHNC
-    layer_stride, block_stride, *_ = compute_layout_strides(spec, num_blocks, len(FULL), layout)
-    size = len(FULL) * num_blocks * spec.page_size_bytes
-    raw = torch.from_numpy(np.random.default_rng(seed).integers(-128, 128, size, dtype=np.int8))
-    views: dict[str, torch.Tensor] = {}
-    for names in (FULL, WINDOW):
-        tensor = KVCacheTensor(size=size, layers=names, layer_stride=layer_stride, block_stride=block_stride,
-                               offset=0)
-        views.update(zip(names, create_kv_cache_views(raw, spec, num_blocks, layout, tensor)))
-    region = region_from_kv_caches(views, layout, isa="test", groups=[FULL, WINDOW])
-    return Cache(raw, [views[name] for name in FULL + WINDOW], region)
+    groups = OverlaidGroupsCache([(FULL, spec), (WINDOW, spec)], spec, num_blocks, seed)
+    region = region_from_kv_caches(groups.views, KVCacheLayout.LBHNC, isa="test", groups=[FULL, WINDOW])
+    return Cache(groups.raw, [groups.views[name] for name in FULL + WINDOW], region)
 
 
 def test_two_kv_cache_groups_reach_each_staged_decode_rank_head_sliced_in_their_own_blocks(

@@ -26,16 +26,13 @@ import pytest
 pytest.importorskip("vllm", reason="the vllm extra is not installed")
 
 import torch  # noqa: E402
-from support.connector_halves import decode_half, halves_engine, prefill_half  # noqa: E402
-from support.vllm_kv_caches import same_bytes  # noqa: E402
+from support.connector_halves import decode_half, halves_engines, prefill_half  # noqa: E402
+from support.vllm_kv_caches import OverlaidGroupsCache, same_bytes  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
-    KVCacheTensor,
     MambaSpec,
-    compute_layout_strides,
-    create_kv_cache_views,
 )
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
@@ -70,30 +67,20 @@ DST = [per_prompt_page([8], PROMPT_PAGES), [9, 3, 11, 5, 2]]
 DEADLINE_S = 20.0
 
 
-class HybridMambaCache:
+class HybridMambaCache(OverlaidGroupsCache):
     """An attention group and a Mamba-2 state group over one seeded allocation, as vLLM's
     `allocate_kv_cache` views them (the state page padded to the attention page)."""
 
     def __init__(self, num_blocks: int, seed: int) -> None:
-        self.attention = attention = FullAttentionSpec(block_size=TOKENS, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.bfloat16)
+        self.attention = attention = FullAttentionSpec(block_size=TOKENS, num_kv_heads=HEADS, head_size=HEAD_SIZE,
+                                                       dtype=torch.bfloat16)
         # A conv window of 3 x 10 bf16 then an SSM state of 2 x 4 x 4 fp32: 188 of the page's 256 bytes.
         self.mamba = MambaSpec(block_size=TOKENS * PROMPT_PAGES, shapes=((3, 10), (2, 4, 4)),
                                dtypes=(torch.bfloat16, torch.float32), page_size_padded=attention.page_size_bytes)
-        layout = KVCacheLayout.LBHNC
-        layer_stride, block_stride, *_ = compute_layout_strides(attention, num_blocks, 2, layout)
-        size = 2 * num_blocks * attention.page_size_bytes
-        self.raw = torch.from_numpy(np.random.default_rng(seed).integers(-128, 128, size, dtype=np.int8))
-        self.views: dict[str, torch.Tensor] = {}
-        for names, spec in ((MIXERS, self.mamba), (ATTENTION, attention)):  # both from byte 0: overlaid
-            tensor = KVCacheTensor(size=size, layers=names, layer_stride=layer_stride, block_stride=block_stride,
-                                   offset=0)
-            self.views.update(zip(names, create_kv_cache_views(self.raw, spec, num_blocks, layout, tensor)))
+        super().__init__([(MIXERS, self.mamba), (ATTENTION, attention)], attention, num_blocks, seed)
         self.state = StateGroup(STATE_GROUP, tuple(MIXERS), self.mamba.real_page_size_bytes, "3x10-bf16+2x4x4-f32")
-        self.region: KVRegion = region_from_kv_caches(self.views, layout, isa="test", groups=[MIXERS, ATTENTION],
-                                                      state_groups=[self.state])
-
-    def host_bytes(self) -> np.ndarray:
-        return self.raw.numpy().view(np.uint8)
+        self.region: KVRegion = region_from_kv_caches(self.views, KVCacheLayout.LBHNC, isa="test",
+                                                      groups=[MIXERS, ATTENTION], state_groups=[self.state])
 
     def conv_and_ssm(self, mixer: str, block: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The block's conv window and SSM state as the mixer reads them (vLLM's views of its page)."""
@@ -103,30 +90,18 @@ class HybridMambaCache:
         ssm = page[conv_bytes:self.mamba.real_page_size_bytes].view(torch.float32).view(2, 4, 4)
         return conv, ssm
 
-    def page_range(self, name: str, block: int) -> tuple[int, int]:
-        view = self.views[name][block]
-        return view.data_ptr() - self.raw.data_ptr(), view.numel() * view.element_size()
-
 
 @pytest.fixture(scope="module")
-def rank_engines() -> Iterator[tuple[TransferEngine, TransferEngine]]:
+def rank_engines() -> Iterator[list[TransferEngine]]:
     """Each side's second rank, for the tensor parallel cases."""
-    pair = halves_engine(PROVIDER), halves_engine(PROVIDER)
-    try:
+    with halves_engines(PROVIDER, 2) as pair:
         yield pair
-    finally:
-        for engine in pair:
-            engine.close()
 
 
 @pytest.fixture(scope="module")
-def engines() -> Iterator[tuple[TransferEngine, TransferEngine]]:
-    pair = halves_engine(PROVIDER), halves_engine(PROVIDER)
-    try:
+def engines() -> Iterator[list[TransferEngine]]:
+    with halves_engines(PROVIDER, 2) as pair:
         yield pair
-    finally:
-        for engine in pair:
-            engine.close()
 
 
 def test_the_region_places_each_mixers_state_at_the_start_of_its_slots_page_and_tags_the_layout() -> None:
@@ -247,7 +222,7 @@ def _assert_state_landed(prefill: HybridMambaCache, decode: HybridMambaCache, be
 
 
 def test_the_state_lands_in_the_decoders_state_block_after_the_last_step_and_nothing_else_changes(
-        engines: tuple[TransferEngine, TransferEngine]) -> None:
+        engines: list[TransferEngine]) -> None:
     prefill, decode = HybridMambaCache(num_blocks=8, seed=11), HybridMambaCache(num_blocks=16, seed=12)
     before = decode.host_bytes().copy()
     settings = ConnectorSettings(provider=PROVIDER, kv_integrity="full")
@@ -260,7 +235,7 @@ def test_the_state_lands_in_the_decoders_state_block_after_the_last_step_and_not
 
 
 def test_under_equal_tensor_parallel_sizes_each_ranks_state_goes_whole_to_the_same_decode_rank(
-        engines: tuple[TransferEngine, TransferEngine], rank_engines: tuple[TransferEngine, TransferEngine]) -> None:
+        engines: list[TransferEngine], rank_engines: list[TransferEngine]) -> None:
     # TP 2 into TP 2: each rank's cache holds its heads (here: its own seeded bytes); the
     # decode ranks' engines travel as one rank list, as WorkerSide hands them to the pusher,
     # and each decode rank reserves at the prefill rank of its own index (WorkerSide, equal sizes).
@@ -280,7 +255,7 @@ def test_under_equal_tensor_parallel_sizes_each_ranks_state_goes_whole_to_the_sa
 
 
 def test_state_between_different_tensor_parallel_sizes_is_refused_on_both_sides_with_the_reason(
-        engines: tuple[TransferEngine, TransferEngine]) -> None:
+        engines: list[TransferEngine]) -> None:
     settings = ConnectorSettings(provider=PROVIDER, same_host=False, bind_host="127.0.0.1")
     # The prefill rank (TP 1) handed a decoder of two ranks fails the push, naming the sizes.
     prefill = HybridMambaCache(8, seed=40)

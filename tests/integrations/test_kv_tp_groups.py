@@ -25,13 +25,8 @@ import pytest
 pytest.importorskip("vllm", reason="the vllm extra is not installed")
 
 import torch  # noqa: E402
-from support.vllm_kv_caches import same_bytes  # noqa: E402
-from vllm.v1.kv_cache_interface import (  # noqa: E402
-    FullAttentionSpec,
-    KVCacheTensor,
-    compute_layout_strides,
-    create_kv_cache_views,
-)
+from support.vllm_kv_caches import OverlaidGroupsCache, same_bytes  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
 from kvxfer.integrations.vllm.metadata import KvxferStepMetadata, LoadSpec, PushSpec  # noqa: E402
@@ -65,30 +60,12 @@ SRC_BLOCKS, DST_BLOCKS = 8, 16
 DEADLINE_S = 20.0
 
 
-class GroupedCache:
-    """One rank's cache: two KV cache groups of `heads` heads over one seeded allocation,
-    as vLLM's `allocate_kv_cache` views them (every group from byte 0)."""
+class GroupedCache(OverlaidGroupsCache):
+    """One rank's cache: two KV cache groups of `heads` heads over one seeded allocation."""
 
     def __init__(self, heads: int, num_blocks: int, seed: int) -> None:
         spec = FullAttentionSpec(block_size=TOKENS, num_kv_heads=heads, head_size=HEAD_SIZE, dtype=torch.bfloat16)
-        layout = KVCacheLayout.LBHNC
-        layer_stride, block_stride, *_ = compute_layout_strides(spec, num_blocks, LAYERS_PER_GROUP, layout)
-        size = LAYERS_PER_GROUP * num_blocks * spec.page_size_bytes
-        self.raw = torch.from_numpy(np.random.default_rng(seed).integers(-128, 128, size, dtype=np.int8))
-        self.views: dict[str, torch.Tensor] = {}
-        for names in (FULL, WINDOW):
-            tensor = KVCacheTensor(size=size, layers=names, layer_stride=layer_stride, block_stride=block_stride,
-                                   offset=0)
-            self.views.update(zip(names, create_kv_cache_views(self.raw, spec, num_blocks, layout, tensor)))
-
-    def host_bytes(self) -> np.ndarray:
-        """The whole allocation, as bytes (a view: copy it to keep a snapshot)."""
-        return self.raw.numpy().view(np.uint8)
-
-    def head_range(self, name: str, block: int, head: int) -> tuple[int, int]:
-        """(offset, length) of one head of one block of layer `name`, where vLLM's view puts it."""
-        view = self.views[name][block, head]
-        return view.data_ptr() - self.raw.data_ptr(), view.numel() * view.element_size()
+        super().__init__([(FULL, spec), (WINDOW, spec)], spec, num_blocks, seed)
 
 
 @dataclass

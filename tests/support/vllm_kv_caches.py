@@ -82,3 +82,36 @@ def mask_of(ranges: list[tuple[int, int]], size: int) -> np.ndarray:
         assert not mask[start:start + length].any(), f"byte range {start}+{length} named twice"
         mask[start:start + length] = True
     return mask
+
+
+class OverlaidGroupsCache:
+    """Several KV cache groups over one seeded allocation, as vLLM's `allocate_kv_cache` views
+    a hybrid model's (every group's views from byte 0, so they overlay each other; one block
+    pool, so no block is in two groups): `groups` names each group's layers and its spec, and
+    the strides come from `page_spec` (the page every group's page is padded to)."""
+
+    def __init__(self, groups: list[tuple[list[str], KVCacheSpec]], page_spec: KVCacheSpec, num_blocks: int,
+                 seed: int, layout: KVCacheLayout = KVCacheLayout.LBHNC) -> None:
+        layers_per_group = len(groups[0][0])
+        layer_stride, block_stride, *_ = compute_layout_strides(page_spec, num_blocks, layers_per_group, layout)
+        size = layers_per_group * num_blocks * page_spec.page_size_bytes
+        self.raw = torch.from_numpy(np.random.default_rng(seed).integers(-128, 128, size, dtype=np.int8))
+        self.views: dict[str, torch.Tensor] = {}
+        for names, spec in groups:
+            tensor = KVCacheTensor(size=size, layers=names, layer_stride=layer_stride, block_stride=block_stride,
+                                   offset=0)
+            self.views.update(zip(names, create_kv_cache_views(self.raw, spec, num_blocks, layout, tensor)))
+
+    def host_bytes(self) -> np.ndarray:
+        """The whole allocation, as bytes (a view: copy it to keep a snapshot)."""
+        return self.raw.numpy().view(np.uint8)
+
+    def page_range(self, name: str, block: int) -> tuple[int, int]:
+        """(offset, length) of one block's page of layer `name`, where vLLM's view puts it."""
+        view = self.views[name][block]
+        return view.data_ptr() - self.raw.data_ptr(), view.numel() * view.element_size()
+
+    def head_range(self, name: str, block: int, head: int) -> tuple[int, int]:
+        """(offset, length) of one head of one block of layer `name`, where vLLM's view puts it."""
+        view = self.views[name][block, head]
+        return view.data_ptr() - self.raw.data_ptr(), view.numel() * view.element_size()
