@@ -13,10 +13,8 @@ pair, and the last test of the latter kills its prefiller (a restart costs a min
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import uuid
-from typing import Any
 
 import httpx
 import pytest
@@ -24,6 +22,7 @@ import pytest
 pytest.importorskip("vllm", reason="the vllm extra is not installed")
 
 from support.vllm_instances import SharedConnectorFleet, VllmFleet  # noqa: E402
+from support.vllm_legs import disaggregated_legs, prompt_ids  # noqa: E402
 from support.waiting import wait_until  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -36,29 +35,13 @@ def fleet(shared_vllm_pair: SharedConnectorFleet) -> VllmFleet:
 
 def _legs(fleet: VllmFleet, prompt: list[int], tid: str) -> tuple[httpx.Response, httpx.Response]:
     """Both legs at once, as the router sends them: (prefill reply, decode reply)."""
-    p, d = fleet.record("prefill-a"), fleet.record("decode-a")
-    body: dict[str, Any] = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, "cache_salt": tid}
-
-    def params(role: str, peer: str) -> dict[str, Any]:
-        return {"kvxfer": {"role": role, "transfer_id": tid, "peer_engine": peer}}
-
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        on_d = pool.submit(httpx.post, fleet.instances["decode-a"].url + "/v1/completions", headers=fleet.headers,
-                           json={**body, "kv_transfer_params": params("decode", p.engine_address)}, timeout=120)
-        on_p = pool.submit(httpx.post, fleet.instances["prefill-a"].url + "/v1/completions", headers=fleet.headers,
-                           json={**body, "max_tokens": 1, "kv_transfer_params": params("prefill", d.engine_address)},
-                           timeout=120)
-        return on_p.result(), on_d.result()
-
-
-def _prompt(n: int, seed: int) -> list[int]:
-    return [3 + (seed * 7919 + i * 104729) % 1900 for i in range(n)]
+    return disaggregated_legs(fleet, "prefill-a", "decode-a", prompt, tid, salt=tid, logprobs=None)
 
 
 def test_a_flipped_bit_in_one_pushed_block_fails_that_request_and_is_never_admitted(fleet: VllmFleet) -> None:
     digests = fleet.digests  # type: ignore[attr-defined]
     tid = f"fault-flip_bit-{uuid.uuid4().hex[:8]}"
-    on_p, on_d = _legs(fleet, _prompt(100, seed=81), tid)
+    on_p, on_d = _legs(fleet, prompt_ids(100, seed=81), tid)
     assert on_p.status_code == 200, on_p.text  # the prefiller does not know: only the check can tell
     assert on_d.status_code >= 400 or on_d.json()["choices"][0].get("finish_reason") == "error", on_d.text
     decode_log = fleet.instances["decode-a"].log_text
@@ -71,7 +54,7 @@ def test_a_flipped_bit_in_one_pushed_block_fails_that_request_and_is_never_admit
     assert not (digests / f"decode-{tid}.json").exists(), "the corrupted load was admitted"
     # The decoder serves the next hand-off, its blocks exactly the prefiller's.
     ok = f"after-flip-{uuid.uuid4().hex[:8]}"
-    _, on_d = _legs(fleet, _prompt(100, seed=81), ok)
+    _, on_d = _legs(fleet, prompt_ids(100, seed=81), ok)
     assert on_d.status_code == 200, on_d.text
     files = [digests / f"{role}-{ok}.json" for role in ("prefill", "decode")]
     wait_until(lambda: all(f.exists() for f in files), timeout_s=30, interval_s=0.1, what=f"the digests of {ok}")

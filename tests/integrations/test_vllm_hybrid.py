@@ -18,8 +18,6 @@ groups the connector cannot push runs always.
 
 from __future__ import annotations
 
-import concurrent.futures
-import json
 import os
 import uuid
 from pathlib import Path
@@ -32,8 +30,8 @@ pytest.importorskip("vllm", reason="the vllm extra is not installed")
 
 from support.vllm_faults import HOOKS_SPEC  # noqa: E402
 from support.vllm_instances import BLOCK, CONNECTOR_TIMEOUTS, VllmFleet  # noqa: E402
+from support.vllm_legs import colocated_choice, disaggregated_legs, page_digests, prompt_ids  # noqa: E402
 from support.vllm_oracle import assert_same_as_colocated  # noqa: E402
-from support.waiting import wait_until  # noqa: E402
 
 from kvxfer.integrations.vllm.checkpoint import CheckpointShape, make_sliding_window_checkpoint  # noqa: E402
 
@@ -76,44 +74,19 @@ def fleet(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
             inst.process.wait(30)
 
 
-def _prompt(n: int, seed: int) -> list[int]:
-    # Token ids, so the prompt has exactly n tokens; ids above the specials (0-2).
-    return [3 + (seed * 7919 + i * 104729) % 1900 for i in range(n)]
-
-
-def _params(role: str, tid: str, peer: str) -> dict[str, Any]:
-    return {"kvxfer": {"role": role, "transfer_id": tid, "peer_engine": peer}}
-
-
 def disaggregated(fleet: VllmFleet, prompt: list[int], tid: str,
                   salt: str | None = None) -> tuple[httpx.Response, httpx.Response]:
     """Both legs at once, as the router sends them: (prefill reply, decode reply); the
     cache salt is the transfer id unless given."""
-    p, d = fleet.record("prefill-h"), fleet.record("decode-h")
-    body: dict[str, Any] = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 5,
-                            "cache_salt": salt or tid}
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        on_d = pool.submit(httpx.post, fleet.instances["decode-h"].url + "/v1/completions", headers=fleet.headers,
-                           json={**body, "kv_transfer_params": _params("decode", tid, p.engine_address)}, timeout=120)
-        on_p = pool.submit(httpx.post, fleet.instances["prefill-h"].url + "/v1/completions", headers=fleet.headers,
-                           json={**body, "max_tokens": 1,
-                                 "kv_transfer_params": _params("prefill", tid, d.engine_address)}, timeout=120)
-        return on_p.result(), on_d.result()
+    return disaggregated_legs(fleet, "prefill-h", "decode-h", prompt, tid, salt=salt or tid)
 
 
 def colocated(fleet: VllmFleet, prompt: list[int]) -> dict[str, Any]:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 5,
-            "cache_salt": f"ref-{uuid.uuid4().hex}"}
-    r = httpx.post(fleet.instances["prefill-h"].url + "/v1/completions", headers=fleet.headers, json=body,
-                   timeout=120)
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]
+    return colocated_choice(fleet, "prefill-h", prompt)
 
 
 def digests(fleet: VllmFleet, role: str, tid: str) -> list[list[Any]]:
-    path: Path = fleet.digests / f"{role}-{tid}.json"  # type: ignore[attr-defined]
-    wait_until(path.exists, timeout_s=30, interval_s=0.1, what=f"{role} digests of {tid}")
-    return list(json.loads(path.read_text())["pages"])
+    return page_digests(fleet.digests, role, tid)  # type: ignore[attr-defined]
 
 
 
@@ -140,7 +113,7 @@ def _group_shape(pages: list[list[Any]]) -> dict[int, int]:
 @pytest.mark.parametrize("length", [100, 230])
 def test_hybrid_disaggregated_equals_colocated_in_tokens_logprobs_and_kv_bytes(fleet: VllmFleet,
                                                                               length: int) -> None:
-    prompt = _prompt(length, seed=length)
+    prompt = prompt_ids(length, seed=length)
     tid = f"hyb-{length}-{uuid.uuid4().hex[:8]}"
     on_p, on_d = disaggregated(fleet, prompt, tid)
     assert on_p.status_code == 200 and on_d.status_code == 200, (on_p.text, on_d.text)
@@ -165,12 +138,12 @@ def test_a_decoder_prefix_cache_hit_receives_only_the_rest_in_every_group(fleet:
     # The same salt on both requests: the decoder holds the first prompt's 8 full blocks
     # (the sliding-window group its last window of them, which is all a hit needs), so the
     # second load starts at page 8 in every group.
-    prompt = _prompt(130, seed=99)
+    prompt = prompt_ids(130, seed=99)
     salt = f"prefix-{uuid.uuid4().hex}"
     first, second = f"pfx1-{uuid.uuid4().hex[:8]}", f"pfx2-{uuid.uuid4().hex[:8]}"
     on_p, on_d = disaggregated(fleet, prompt, first, salt=salt)
     assert on_p.status_code == 200 and on_d.status_code == 200, (on_p.text, on_d.text)
-    longer = prompt + _prompt(40, seed=5)
+    longer = prompt + prompt_ids(40, seed=5)
     on_p, on_d = disaggregated(fleet, longer, second, salt=salt)
     assert on_p.status_code == 200 and on_d.status_code == 200, (on_p.text, on_d.text)
     assert_same_as_colocated(on_d.json()["choices"][0], colocated(fleet, longer))
@@ -183,7 +156,7 @@ def test_a_decoder_prefix_cache_hit_receives_only_the_rest_in_every_group(fleet:
 def test_a_misplaced_block_of_a_layer_fails_the_byte_oracle(fleet: VllmFleet) -> None:
     # The fault swaps the first two pushed blocks of layer 0 (checksummed swapped, so the
     # decoder admits them); the page comparison must show exactly those two.
-    prompt = _prompt(100, seed=7)
+    prompt = prompt_ids(100, seed=7)
     tid = f"fault-misplace_page-{uuid.uuid4().hex[:8]}"
     on_p, on_d = disaggregated(fleet, prompt, tid)
     assert on_p.status_code == 200 and on_d.status_code == 200, (on_p.text, on_d.text)

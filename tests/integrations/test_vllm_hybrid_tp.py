@@ -19,8 +19,6 @@ runs in the default suite: tests/integrations/test_kv_tp_groups.py.
 
 from __future__ import annotations
 
-import concurrent.futures
-import json
 import os
 import uuid
 from collections.abc import Iterator
@@ -32,10 +30,10 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed")
 
-from support.vllm_instances import BLOCK, VllmFleet  # noqa: E402
+from support.vllm_instances import BLOCK, VllmFleet, available_gib  # noqa: E402
+from support.vllm_legs import colocated_choice, disaggregated_legs, prompt_ids, rank_head_digests  # noqa: E402
 from support.vllm_oracle import assert_same_as_colocated  # noqa: E402
 from support.vllm_tp_hooks import HOOKS_SPEC  # noqa: E402
-from support.waiting import wait_until  # noqa: E402
 
 from kvxfer.integrations.vllm.checkpoint import CheckpointShape, make_sliding_window_checkpoint  # noqa: E402
 
@@ -55,18 +53,11 @@ TP_TIMEOUTS = {"transfer_timeout_s": 30.0, "load_stall_timeout_s": 90.0, "load_t
 MIN_AVAILABLE_GIB = 7.0
 
 
-def _available_gib() -> float:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) / 2**20
-    return 0.0
-
-
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmFleet]:
     """`tp1` prefills (core 1), `tp2` decodes (ranks on cores 0 and 1; kv_both, so it also
     answers colocated at TP 2)."""
-    assert _available_gib() >= MIN_AVAILABLE_GIB, f"{_available_gib():.1f} GiB available, want {MIN_AVAILABLE_GIB}"
+    assert available_gib() >= MIN_AVAILABLE_GIB, f"{available_gib():.1f} GiB available, want {MIN_AVAILABLE_GIB}"
     work = tmp_path_factory.mktemp("vllm-hybrid-tp")
     model = make_sliding_window_checkpoint(Path(os.environ.get("KVXFER_TEST_HYBRID_MODEL_DIR", work / "model")),
                                            SHAPE)
@@ -85,41 +76,18 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmFleet]:
             inst.process.wait(30)
 
 
-def _prompt(n: int, seed: int) -> list[int]:
-    return [3 + (seed * 7919 + i * 104729) % 1900 for i in range(n)]
-
-
 def _legs(fleet: VllmFleet, prompt: list[int], tid: str) -> tuple[httpx.Response, httpx.Response]:
     """Both legs at once, as the router sends them: (prefill reply, decode reply)."""
-    p, d = fleet.record("tp1"), fleet.record("tp2")
-    body: dict[str, Any] = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 5,
-                            "cache_salt": tid}
-
-    def params(role: str, peer: str) -> dict[str, Any]:
-        return {"kvxfer": {"role": role, "transfer_id": tid, "peer_engine": peer}}
-
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        on_d = pool.submit(httpx.post, fleet.instances["tp2"].url + "/v1/completions", headers=fleet.headers,
-                           json={**body, "kv_transfer_params": params("decode", p.engine_address)}, timeout=300)
-        on_p = pool.submit(httpx.post, fleet.instances["tp1"].url + "/v1/completions", headers=fleet.headers,
-                           json={**body, "max_tokens": 1, "kv_transfer_params": params("prefill", d.engine_address)},
-                           timeout=300)
-        return on_p.result(), on_d.result()
+    return disaggregated_legs(fleet, "tp1", "tp2", prompt, tid, salt=tid, timeout_s=300.0)
 
 
 def _colocated_tp2(fleet: VllmFleet, prompt: list[int]) -> dict[str, Any]:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 5,
-            "cache_salt": f"ref-{uuid.uuid4().hex}"}
-    r = httpx.post(fleet.instances["tp2"].url + "/v1/completions", headers=fleet.headers, json=body, timeout=300)
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]
+    return colocated_choice(fleet, "tp2", prompt, timeout_s=300.0)
 
 
 def _rank_heads(fleet: VllmFleet, role: str, tid: str, ranks: int) -> list[dict[str, str]]:
     """Each rank's {"layer/page/global head": digest} of the transfer."""
-    files = [fleet.digests / f"{role}-{tid}-r{r}.json" for r in range(ranks)]  # type: ignore[attr-defined]
-    wait_until(lambda: all(f.exists() for f in files), timeout_s=60, interval_s=0.1, what=f"{role} digests of {tid}")
-    return [json.loads(f.read_text())["heads"] for f in files]
+    return rank_head_digests(fleet.digests, role, tid, ranks, timeout_s=60)  # type: ignore[attr-defined]
 
 
 def test_hybrid_tp1_into_tp2_equals_colocated_tp2_and_each_rank_holds_its_head_of_each_groups_pages(
@@ -127,7 +95,7 @@ def test_hybrid_tp1_into_tp2_equals_colocated_tp2_and_each_rank_holds_its_head_o
     for name in ("tp1", "tp2"):  # the hybrid manager on: two groups on both sides
         assert "Turning off hybrid kv cache manager" not in fleet.instances[name].log_text()
     length = 100
-    prompt = _prompt(length, seed=41)
+    prompt = prompt_ids(length, seed=41)
     tid = f"hybtp12-{uuid.uuid4().hex[:8]}"
     on_p, on_d = _legs(fleet, prompt, tid)
     assert on_p.status_code == 200 and on_d.status_code == 200, (on_p.text, on_d.text)

@@ -25,8 +25,6 @@ model).
 
 from __future__ import annotations
 
-import concurrent.futures
-import json
 import math
 import os
 import uuid
@@ -40,8 +38,8 @@ pytest.importorskip("vllm", reason="the vllm extra is not installed")
 
 from support.vllm_faults import HOOKS_SPEC  # noqa: E402
 from support.vllm_instances import CONNECTOR_TIMEOUTS, VllmFleet  # noqa: E402
+from support.vllm_legs import colocated_choice, disaggregated_legs, page_digests, prompt_ids  # noqa: E402
 from support.vllm_oracle import assert_same_as_colocated  # noqa: E402
-from support.waiting import wait_until  # noqa: E402
 
 from kvxfer.integrations.vllm.checkpoint import (  # noqa: E402
     CheckpointShape,
@@ -105,46 +103,23 @@ def fleet(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
             inst.process.wait(30)
 
 
-def _prompt(n: int, seed: int) -> list[int]:
-    # Token ids, so the prompt has exactly n tokens; ids above the specials (0-2).
-    return [3 + (seed * 7919 + i * 104729) % 1900 for i in range(n)]
-
-
-def _params(role: str, tid: str, peer: str) -> dict[str, Any]:
-    return {"kvxfer": {"role": role, "transfer_id": tid, "peer_engine": peer}}
-
-
 def disaggregated(fleet: VllmFleet, prompt: list[int], tid: str) -> tuple[httpx.Response, httpx.Response]:
     """Both legs at once, as the router sends them: (prefill reply, decode reply)."""
-    p, d = fleet.record("prefill-m"), fleet.record("decode-m")
-    body: dict[str, Any] = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 5}
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        on_d = pool.submit(httpx.post, fleet.instances["decode-m"].url + "/v1/completions", headers=fleet.headers,
-                           json={**body, "kv_transfer_params": _params("decode", tid, p.engine_address)}, timeout=120)
-        on_p = pool.submit(httpx.post, fleet.instances["prefill-m"].url + "/v1/completions", headers=fleet.headers,
-                           json={**body, "max_tokens": 1,
-                                 "kv_transfer_params": _params("prefill", tid, d.engine_address)}, timeout=120)
-        return on_p.result(), on_d.result()
+    return disaggregated_legs(fleet, "prefill-m", "decode-m", prompt, tid)
 
 
 def colocated(fleet: VllmFleet, prompt: list[int]) -> dict[str, Any]:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 5}
-    r = httpx.post(fleet.instances["prefill-m"].url + "/v1/completions", headers=fleet.headers, json=body,
-                   timeout=120)
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]
+    return colocated_choice(fleet, "prefill-m", prompt, salted=False)
 
 
 def digests(fleet: VllmFleet, role: str, tid: str) -> list[list[Any]]:
-    path: Path = fleet.digests / f"{role}-{tid}.json"  # type: ignore[attr-defined]
-    wait_until(path.exists, timeout_s=30, interval_s=0.1, what=f"{role} digests of {tid}")
-    return list(json.loads(path.read_text())["pages"])
+    return page_digests(fleet.digests, role, tid)  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("length", [100, 300])
 def test_mamba_disaggregated_equals_colocated_in_tokens_logprobs_kv_and_state_bytes(fleet: VllmFleet,
                                                                                  length: int) -> None:
-    prompt = _prompt(length, seed=length)
+    prompt = prompt_ids(length, seed=length)
     tid = f"mamba-{length}-{uuid.uuid4().hex[:8]}"
     on_p, on_d = disaggregated(fleet, prompt, tid)
     assert on_p.status_code == 200 and on_d.status_code == 200, (on_p.text, on_d.text)

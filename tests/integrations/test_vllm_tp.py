@@ -15,8 +15,6 @@ tested in tests/integrations/test_kv_tp_plan.py and test_kv_tp_halves.py, in the
 
 from __future__ import annotations
 
-import concurrent.futures
-import json
 import os
 import signal
 import subprocess
@@ -30,10 +28,10 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed")
 
-from support.vllm_instances import VllmFleet, free_port  # noqa: E402
+from support.vllm_instances import VllmFleet, available_gib, free_port  # noqa: E402
+from support.vllm_legs import colocated_choice, disaggregated_legs, prompt_ids, rank_head_digests  # noqa: E402
 from support.vllm_tp_hooks import HOOKS_SPEC  # noqa: E402
 from support.vllm_oracle import assert_same_as_colocated  # noqa: E402
-from support.waiting import wait_until  # noqa: E402
 
 pytestmark = [
     pytest.mark.timeout(1200),
@@ -55,13 +53,6 @@ MIN_AVAILABLE_GIB = 7.0
 STOP_WAIT_S = 30.0
 
 
-def _available_gib() -> float:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) / 2**20
-    return 0.0
-
-
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmFleet]:
     """Two TP 2 instances (both on cores 0 and 1, one rank each) that serve either leg
@@ -70,7 +61,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmFleet]:
     for the pairs of different sizes."""
     from kvxfer.integrations.vllm.checkpoint import make_checkpoint
 
-    assert _available_gib() >= MIN_AVAILABLE_GIB, f"{_available_gib():.1f} GiB available, want {MIN_AVAILABLE_GIB}"
+    assert available_gib() >= MIN_AVAILABLE_GIB, f"{available_gib():.1f} GiB available, want {MIN_AVAILABLE_GIB}"
     work = tmp_path_factory.mktemp("vllm-tp")
     model = make_checkpoint(Path(os.environ.get("KVXFER_TEST_MODEL_DIR", work / "model")))
     digests = work / "digests"
@@ -102,27 +93,10 @@ def with_tp1(fleet: VllmFleet) -> VllmFleet:
     return fleet
 
 
-def _prompt(n: int, seed: int) -> list[int]:
-    return [3 + (seed * 7919 + i * 104729) % 1900 for i in range(n)]
-
-
 def _legs(fleet: VllmFleet, prefill: str, decode: str, prompt: list[int],
           tid: str) -> tuple[httpx.Response, httpx.Response]:
     """Both legs at once, as the router sends them: (prefill reply, decode reply)."""
-    p, d = fleet.record(prefill), fleet.record(decode)
-    body: dict[str, Any] = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 5,
-                            "cache_salt": tid}
-
-    def params(role: str, peer: str) -> dict[str, Any]:
-        return {"kvxfer": {"role": role, "transfer_id": tid, "peer_engine": peer}}
-
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        on_d = pool.submit(httpx.post, fleet.instances[decode].url + "/v1/completions", headers=fleet.headers,
-                           json={**body, "kv_transfer_params": params("decode", p.engine_address)}, timeout=180)
-        on_p = pool.submit(httpx.post, fleet.instances[prefill].url + "/v1/completions", headers=fleet.headers,
-                           json={**body, "max_tokens": 1, "kv_transfer_params": params("prefill", d.engine_address)},
-                           timeout=180)
-        on_p_reply, on_d_reply = on_p.result(), on_d.result()
+    on_p_reply, on_d_reply = disaggregated_legs(fleet, prefill, decode, prompt, tid, salt=tid, timeout_s=180.0)
     if on_p_reply.status_code != 200 or on_d_reply.status_code != 200:
         # What every rank of both instances dropped or counted, for the failure message.
         print(_connector_counters(fleet, prefill), _connector_counters(fleet, decode))
@@ -147,26 +121,16 @@ def _connector_counters(fleet: VllmFleet, name: str) -> dict[int, list[str]]:
 
 
 def _colocated(fleet: VllmFleet, name: str, prompt: list[int]) -> dict[str, Any]:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 5,
-            "cache_salt": f"ref-{uuid.uuid4().hex}"}
-    r = httpx.post(fleet.instances[name].url + "/v1/completions", headers=fleet.headers, json=body, timeout=180)
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]
+    return colocated_choice(fleet, name, prompt, timeout_s=180.0)
 
 
 def _rank_heads(fleet: VllmFleet, role: str, tid: str, ranks: int) -> list[dict[str, str]]:
     """Each rank's {"layer/page/global head": digest} of the transfer."""
-    files = [fleet.digests / f"{role}-{tid}-r{r}.json" for r in range(ranks)]  # type: ignore[attr-defined]
-    wait_until(lambda: all(f.exists() for f in files), timeout_s=30, interval_s=0.1, what=f"{role} digests of {tid}")
-    return [json.loads(f.read_text())["heads"] for f in files]
-
-
-def _expected_keys(pages: int, heads: range) -> set[str]:
-    return {f"{layer}/{page}/{h}" for layer in range(LAYERS) for page in range(pages) for h in heads}
+    return rank_head_digests(fleet.digests, role, tid, ranks, timeout_s=30)  # type: ignore[attr-defined]
 
 
 def test_tp2_into_tp2_equals_colocated_tp2_and_each_decode_rank_holds_its_heads_exactly(fleet: VllmFleet) -> None:
-    prompt = _prompt(100, seed=31)
+    prompt = prompt_ids(100, seed=31)
     tid = f"tp22-{uuid.uuid4().hex[:8]}"
     on_p, on_d = _legs(fleet, "tp2-a", "tp2-b", prompt, tid)
     assert on_p.status_code == 200 and on_d.status_code == 200, (on_p.text, on_d.text)
@@ -183,7 +147,7 @@ def test_a_head_slice_on_the_wrong_decode_rank_fails_the_oracle(fleet: VllmFleet
     # Each decode rank asks for the next rank's heads (the wrong_rank fault): the loads
     # land and pass the checksums (the bytes are what was sent), but not where vLLM reads
     # that head: the oracle must see it.
-    prompt = _prompt(100, seed=32)
+    prompt = prompt_ids(100, seed=32)
     tid = f"fault-wrong_rank-{uuid.uuid4().hex[:8]}"
     on_p, on_d = _legs(fleet, "tp2-a", "tp2-b", prompt, tid)
     assert on_p.status_code == 200 and on_d.status_code == 200, (on_p.text, on_d.text)
@@ -196,7 +160,7 @@ def test_a_head_slice_on_the_wrong_decode_rank_fails_the_oracle(fleet: VllmFleet
 
 def test_tp1_into_tp2_equals_colocated_tp2_and_each_decode_rank_holds_its_head_slice(with_tp1: VllmFleet) -> None:
     fleet = with_tp1
-    prompt = _prompt(100, seed=33)
+    prompt = prompt_ids(100, seed=33)
     tid = f"tp12-{uuid.uuid4().hex[:8]}"
     on_p, on_d = _legs(fleet, "tp1", "tp2-b", prompt, tid)
     assert on_p.status_code == 200 and on_d.status_code == 200, (on_p.text, on_d.text)
@@ -212,7 +176,7 @@ def test_tp1_into_tp2_equals_colocated_tp2_and_each_decode_rank_holds_its_head_s
 
 def test_tp2_into_tp1_equals_colocated_tp1_and_the_decoder_holds_both_ranks_heads(with_tp1: VllmFleet) -> None:
     fleet = with_tp1
-    prompt = _prompt(100, seed=34)
+    prompt = prompt_ids(100, seed=34)
     tid = f"tp21-{uuid.uuid4().hex[:8]}"
     on_p, on_d = _legs(fleet, "tp2-b", "tp1", prompt, tid)
     assert on_p.status_code == 200 and on_d.status_code == 200, (on_p.text, on_d.text)

@@ -39,6 +39,14 @@ from support.vllm_faults import HOOKS_SPEC
 READY_TIMEOUT_S = 420.0
 
 
+def available_gib() -> float:
+    """GiB of memory the machine has available (MemAvailable), for a guard before instances start."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) / 2**20
+    return 0.0
+
+
 def free_port() -> int:
     """A free loopback TCP port."""
     with socket.socket() as s:
