@@ -21,7 +21,11 @@ its head slice of every block, and reports the request finished once all of them
 
 A push that ends early (FAILED, or STOPPING drained) tells the decoder with the protocol's
 abort message, sent only once none of its writes is in flight (the hand-off's
-`AbortSender`, push_abort.py): from then on the decoder may reuse its pages.
+`AbortSender`, push_abort.py): from then on the decoder may reuse its pages. A stopped
+push's writes are reaped, without blocking, where the cancel is handled, in every
+`save_kv_layer` and in every poll, and the message goes in the first of those that finds
+them all completed or failed (`_confirm_if_drained`): a decoder's cancel is confirmed
+within a layer of compute, not at the end of the prefill instance's step.
 
 With several KV cache groups (a hybrid model under vLLM's hybrid manager) each layer's
 pages are its group's blocks: the step's `PushSpec` carries every group's block ids, the
@@ -172,6 +176,9 @@ class KVPusher:
         self._this_step: list[PrefillPush] = []
         self._report: set[str] = set()
         self._arrivals: set[str] = set()
+        #: Stopped pushes (STOPPING, FAILED with a reservation) whose decoder is not yet told:
+        #: each saved layer reaps their writes, so the word goes before the step ends.
+        self._unconfirmed: list[PrefillPush] = []
 
     # ---- from the scheduler's metadata --------------------------------------------------
 
@@ -263,6 +270,9 @@ class KVPusher:
                     log.info("transfer %s (request %s): cancelled by the decoder (%s); stopping the push",
                              push.transfer_id, push.request_id, reason)
                     push.lifecycle.move(PushState.STOPPING, f"cancelled by the decoder: {reason}")
+                    self._unconfirmed.append(push)
+                    self._reap(push)
+                    self._confirm_if_drained(push)
                 elif push.state is PushState.DONE:
                     # Every write landed already (the decoder refused what landed): confirm
                     # at once rather than let it wait for its fence.
@@ -340,6 +350,7 @@ class KVPusher:
         """vLLM computed `layer` for this step's requests: post their final pages of it."""
         for push in self._this_step:
             self._hooks.layer_saved(push.transfer_id, layer)
+        self._confirm_drained()
         now = time.monotonic()
         for push in self._this_step:
             push.computed_upto[layer] = max(push.computed_upto[layer], push.pending_end)
@@ -356,6 +367,8 @@ class KVPusher:
         push.caught_up_pages += push.writes.pages_posted - before
 
     def _post(self, push: PrefillPush, layer: int) -> None:
+        if push.state is not PushState.PUSHING:
+            return  # stopped (cancelled, failed): nothing more may be posted
         res, plan = push.reservation, push.plan
         assert res is not None and plan is not None
         try:
@@ -417,15 +430,32 @@ class KVPusher:
                 self._fail(push, f"no reservation from the decoder within reservation_wait_s={self.settings.reservation_wait_s}")
             if push.state is PushState.PUSHING and push.complete and not push.writes.unreaped:
                 self._finish(push)
-            if push.state in (PushState.STOPPING, PushState.FAILED) and not push.writes.unreaped:
-                self._aborts.abort(push.abort, push.reservation, push.state, push.writes.unreaped > 0,
-                                   push.lifecycle.reason or "stopped")
-                if push.state is PushState.STOPPING:
-                    push.lifecycle.move(PushState.DONE)
+            self._confirm_if_drained(push)
             if push.lifecycle.final and not push.writes.unreaped and push.vllm_finished_at is not None:
                 self._forget(push)
         out, self._report = self._report, set()
         return out
+
+    def _confirm_drained(self) -> None:
+        """Reaps the stopped pushes' writes without blocking; confirms each one drained."""
+        if not self._unconfirmed:
+            return
+        for push in self._unconfirmed:
+            self._reap(push)
+            self._confirm_if_drained(push)
+        self._unconfirmed = [p for p in self._unconfirmed
+                             if p.state in (PushState.STOPPING, PushState.FAILED) and not p.abort.sent]
+
+    def _confirm_if_drained(self, push: PrefillPush) -> None:
+        """A stopped push (STOPPING, FAILED) of which no write is unreaped (each completed or
+        failed: none can land any more) tells its decoder so, once (`AbortSender.abort`), and a
+        STOPPING one is DONE. The one place that does it: a cancel, each saved layer and each
+        poll call it."""
+        if push.state not in (PushState.STOPPING, PushState.FAILED) or push.writes.unreaped:
+            return
+        self._aborts.abort(push.abort, push.reservation, push.state, False, push.lifecycle.reason or "stopped")
+        if push.state is PushState.STOPPING:
+            push.lifecycle.move(PushState.DONE)
 
     def _reap(self, push: PrefillPush) -> None:
         failure = push.writes.reap().failure
@@ -452,8 +482,11 @@ class KVPusher:
         if "layout mismatch" not in reason:
             self.metrics.failures.labels(side="prefill", reason="push_failed").inc()
         push.lifecycle.move(PushState.FAILED, reason)
+        if push.reservation is not None and all(p is not push for p in self._unconfirmed):
+            self._unconfirmed.append(push)
 
     def _forget(self, push: PrefillPush) -> None:
+        self._unconfirmed = [p for p in self._unconfirmed if p is not push]
         self._by_transfer.pop((push.transfer_id, push.decode_rank), None)
         pushes = self._by_request.get(push.request_id, [])
         pushes[:] = [p for p in pushes if p is not push]
