@@ -90,34 +90,52 @@ def _is_current(stamp: Path, wanted: dict[str, object]) -> bool:
     return stamp.is_file() and json.loads(stamp.read_text()) == wanted
 
 
+def _write_seeded_checkpoint(out_dir: Path, shape: CheckpointShape, wanted: dict[str, object], architecture: str,
+                             config_class: str, what: str, pad_with_unk: bool, **config: Any) -> Path:
+    """Writes a checkpoint of the transformers class `architecture` (its config class
+    `config_class`, built from `shape` and the architecture's own `config` settings) with
+    seeded weights and the local tokenizer to `out_dir`, stamped with `wanted`, and returns
+    it; a directory already stamped with `wanted` is kept as it is. `pad_with_unk`: the
+    tokenizer's unknown token is the config's padding token."""
+    out_dir = Path(out_dir)
+    stamp = out_dir / _STAMP
+    if _is_current(stamp, wanted):
+        return out_dir
+    # Imported here: transformers and tokenizers come with the vllm extra only.
+    import torch
+    import transformers
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = _save_tokenizer(out_dir, shape.vocab)
+    if pad_with_unk:
+        config["pad_token_id"] = tokenizer.unk_token_id
+    model_config = getattr(transformers, config_class)(
+        vocab_size=len(tokenizer), hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+        max_position_embeddings=shape.max_positions, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, torch_dtype=shape.dtype, **config,
+    )
+    torch.manual_seed(shape.seed)
+    model = getattr(transformers, architecture)(model_config).to(getattr(torch, shape.dtype))
+    model.save_pretrained(out_dir, safe_serialization=True)
+    stamp.write_text(json.dumps(wanted))
+    log.info("wrote a %d-layer seeded %s checkpoint to %s", shape.layers, what, out_dir)
+    return out_dir
+
+
+def _alternating(shape: CheckpointShape, even: str, odd: str) -> list[str]:
+    """Per layer its kind: `even` for layers 0, 2, ..., `odd` for the others."""
+    return [even if i % 2 == 0 else odd for i in range(shape.layers)]
+
+
 def make_checkpoint(out_dir: Path, shape: CheckpointShape = CheckpointShape()) -> Path:
     """Writes the checkpoint to `out_dir` (created) and returns it.
 
     Idempotent: a directory already holding a checkpoint of the same shape is kept as it
     is, so fixtures can call this on every run.
     """
-    out_dir = Path(out_dir)
-    stamp = out_dir / _STAMP
-    if _is_current(stamp, asdict(shape)):
-        return out_dir
-    # Imported here: transformers and tokenizers come with the vllm extra only.
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = _save_tokenizer(out_dir, shape.vocab)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=shape.hidden, intermediate_size=shape.intermediate,
-        num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
-        max_position_embeddings=shape.max_positions, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False, torch_dtype=shape.dtype,
-    )
-    torch.manual_seed(shape.seed)
-    model = LlamaForCausalLM(config).to(getattr(torch, shape.dtype))
-    model.save_pretrained(out_dir, safe_serialization=True)
-    stamp.write_text(json.dumps(asdict(shape)))
-    log.info("wrote a %d-layer seeded Llama checkpoint to %s", shape.layers, out_dir)
-    return out_dir
+    return _write_seeded_checkpoint(out_dir, shape, asdict(shape), "LlamaForCausalLM", "LlamaConfig", "Llama",
+                                    pad_with_unk=False, tie_word_embeddings=False)
 
 
 #: Tokens a sliding-window layer of the hybrid checkpoint attends to: one 32-token block,
@@ -131,32 +149,12 @@ def make_sliding_window_checkpoint(out_dir: Path, shape: CheckpointShape = Check
     sliding-window and full attention) to `out_dir` and returns it; idempotent as
     `make_checkpoint` is. vLLM's CPU attention serves Gemma-2 (sliding window, logit
     soft-capping); the head size is hidden / heads, which must be one the CPU backend takes."""
-    out_dir = Path(out_dir)
-    stamp = out_dir / _STAMP
     wanted = {**asdict(shape), "architecture": "Gemma2ForCausalLM", "sliding_window": sliding_window}
-    if _is_current(stamp, wanted):
-        return out_dir
-    import torch
-    from transformers import Gemma2Config, Gemma2ForCausalLM
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = _save_tokenizer(out_dir, shape.vocab)
-    config = Gemma2Config(
-        vocab_size=len(tokenizer), hidden_size=shape.hidden, intermediate_size=shape.intermediate,
-        num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
-        head_dim=shape.hidden // shape.heads, max_position_embeddings=shape.max_positions,
-        sliding_window=sliding_window,
-        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(shape.layers)],
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.unk_token_id, torch_dtype=shape.dtype,
-    )
-    torch.manual_seed(shape.seed)
-    model = Gemma2ForCausalLM(config).to(getattr(torch, shape.dtype))
-    model.save_pretrained(out_dir, safe_serialization=True)
-    stamp.write_text(json.dumps(wanted))
-    log.info("wrote a %d-layer seeded Gemma-2 checkpoint (sliding window %d) to %s", shape.layers,
-             sliding_window, out_dir)
-    return out_dir
+    return _write_seeded_checkpoint(
+        out_dir, shape, wanted, "Gemma2ForCausalLM", "Gemma2Config",
+        f"Gemma-2 (sliding window {sliding_window})", pad_with_unk=True,
+        head_dim=shape.hidden // shape.heads, sliding_window=sliding_window,
+        layer_types=_alternating(shape, "sliding_attention", "full_attention"))
 
 
 #: The Mamba-2 mixers of the Mamba hybrid checkpoint: heads x head size is the mixer's
@@ -171,34 +169,16 @@ def make_mamba_hybrid_checkpoint(out_dir: Path, shape: CheckpointShape = Checkpo
     Mamba-2 kernels; the mixer's state (a conv window and an SSM state per request) is a
     KV cache group of its own (MambaSpec). The smallest Mamba-bearing architecture
     transformers and vLLM both have without custom code."""
-    out_dir = Path(out_dir)
-    stamp = out_dir / _STAMP
     wanted = {**asdict(shape), "architecture": "GraniteMoeHybridForCausalLM",
               "mamba": [MAMBA_HEADS, MAMBA_HEAD_SIZE, MAMBA_STATE_SIZE]}
-    if _is_current(stamp, wanted):
-        return out_dir
-    import torch
-    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = _save_tokenizer(out_dir, shape.vocab)
-    config = GraniteMoeHybridConfig(
-        vocab_size=len(tokenizer), hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+    return _write_seeded_checkpoint(
+        out_dir, shape, wanted, "GraniteMoeHybridForCausalLM", "GraniteMoeHybridConfig",
+        "Mamba hybrid (GraniteMoeHybrid)", pad_with_unk=True,
         shared_intermediate_size=shape.intermediate, num_local_experts=0, num_experts_per_tok=0,
-        num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
-        layer_types=["linear_attention" if i % 2 == 0 else "full_attention" for i in range(shape.layers)],
+        layer_types=_alternating(shape, "linear_attention", "full_attention"),
         mamba_n_heads=MAMBA_HEADS, mamba_d_head=MAMBA_HEAD_SIZE, mamba_d_state=MAMBA_STATE_SIZE,
         mamba_n_groups=1, mamba_d_conv=4, mamba_expand=MAMBA_HEADS * MAMBA_HEAD_SIZE // shape.hidden,
-        max_position_embeddings=shape.max_positions, position_embedding_type="rope",
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.unk_token_id, tie_word_embeddings=False, torch_dtype=shape.dtype,
-    )
-    torch.manual_seed(shape.seed)
-    model = GraniteMoeHybridForCausalLM(config).to(getattr(torch, shape.dtype))
-    model.save_pretrained(out_dir, safe_serialization=True)
-    stamp.write_text(json.dumps(wanted))
-    log.info("wrote a %d-layer seeded Mamba hybrid (GraniteMoeHybrid) checkpoint to %s", shape.layers, out_dir)
-    return out_dir
+        position_embedding_type="rope", tie_word_embeddings=False)
 
 
 #: The gated delta-net mixers of the linear-attention hybrid checkpoint: one key and one
@@ -217,41 +197,21 @@ def make_linear_attention_hybrid_checkpoint(out_dir: Path, shape: CheckpointShap
     small experts and a shared one) to `out_dir` and returns it; idempotent as `make_checkpoint` is. vLLM keeps
     each mixer's conv window and recurrent state as a state group (MambaSpec), like a
     Mamba-2 mixer's, computed by other kernels (the CPU's GDN path)."""
-    out_dir = Path(out_dir)
-    stamp = out_dir / _STAMP
     wanted = {**asdict(shape), "architecture": "Qwen3NextForCausalLM",
               "linear": [LINEAR_KEY_HEADS, LINEAR_VALUE_HEADS, LINEAR_HEAD_SIZE, LINEAR_EXPERTS],
               "initializer_range": LINEAR_INITIALIZER_RANGE}
-    if _is_current(stamp, wanted):
-        return out_dir
-    import torch
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = _save_tokenizer(out_dir, shape.vocab)
-    config = Qwen3NextConfig(
-        vocab_size=len(tokenizer), hidden_size=shape.hidden, intermediate_size=shape.intermediate,
-        num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+    return _write_seeded_checkpoint(
+        out_dir, shape, wanted, "Qwen3NextForCausalLM", "Qwen3NextConfig",
+        "linear-attention hybrid (Qwen3-Next)", pad_with_unk=True,
         head_dim=shape.hidden // shape.heads,
-        layer_types=["linear_attention" if i % 2 == 0 else "full_attention" for i in range(shape.layers)],
+        layer_types=_alternating(shape, "linear_attention", "full_attention"),
         linear_num_key_heads=LINEAR_KEY_HEADS, linear_num_value_heads=LINEAR_VALUE_HEADS,
         linear_key_head_dim=LINEAR_HEAD_SIZE, linear_value_head_dim=LINEAR_HEAD_SIZE, linear_conv_kernel_dim=4,
         # vLLM's Qwen3-Next wants a sparse MLP somewhere: a few small experts in every layer.
         num_experts=LINEAR_EXPERTS, num_experts_per_tok=2, moe_intermediate_size=shape.intermediate // 4,
         shared_expert_intermediate_size=shape.intermediate // 4, decoder_sparse_step=1, mlp_only_layers=[],
-        max_position_embeddings=shape.max_positions,
         # Wider weights than the default 0.02 give peaked logits: at 0.02 the next-token
         # distribution is nearly flat, and the rounding that differs between vLLM's chunked
         # delta-rule kernel and its one-token step (a decoder computes the last prompt token
         # in the latter) flips greedy picks between near-equal tokens.
-        initializer_range=LINEAR_INITIALIZER_RANGE,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.unk_token_id, tie_word_embeddings=False, torch_dtype=shape.dtype,
-    )
-    torch.manual_seed(shape.seed)
-    model = Qwen3NextForCausalLM(config).to(getattr(torch, shape.dtype))
-    model.save_pretrained(out_dir, safe_serialization=True)
-    stamp.write_text(json.dumps(wanted))
-    log.info("wrote a %d-layer seeded linear-attention hybrid (Qwen3-Next) checkpoint to %s", shape.layers,
-             out_dir)
-    return out_dir
+        initializer_range=LINEAR_INITIALIZER_RANGE, tie_word_embeddings=False)
