@@ -21,17 +21,16 @@ import pytest
 pytest.importorskip("vllm", reason="the vllm extra is not installed")
 
 import torch  # noqa: E402
-from support.connector_halves import decode_half, halves_engines, prefill_half  # noqa: E402
+from support.connector_halves import decode_half, deliver_to_receiver, halves_engines, prefill_half  # noqa: E402
 from support.vllm_kv_caches import OverlaidGroupsCache, same_bytes  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
 from kvxfer.handoff.push_plan import LayerGroups, PushPlan, PushPlanError  # noqa: E402
-from kvxfer.integrations.vllm.kv_checksums import decode_table  # noqa: E402
 from kvxfer.integrations.vllm.kv_region import KVRegion, region_from_kv_caches  # noqa: E402
 from kvxfer.integrations.vllm.metadata import KvxferStepMetadata, LoadSpec, PushSpec  # noqa: E402
 from kvxfer.integrations.vllm.settings import ConnectorSettings  # noqa: E402
-from kvxfer.kv.protocol import KVReservation, ReservationError, decode_abort, decode_reservation_message  # noqa: E402
+from kvxfer.kv.protocol import KVReservation, ReservationError, decode_reservation_message  # noqa: E402
 from kvxfer.transfer.engine import TransferEngine, available_providers  # noqa: E402
 
 PROVIDER = "net" if "net" in available_providers() else "tcp"
@@ -156,13 +155,7 @@ def _hand_off(engines: list[TransferEngine], prefill: GroupedCache, decode: Grou
         if reservation is not None:
             pusher.on_reservation(reservation)
         pusher.poll(set())
-        raw = engines[1].recv(0.0)
-        if raw is not None:
-            table, stopped = decode_table(bytes(raw)), decode_abort(bytes(raw))
-            if table is not None:
-                receiver.on_checksum_table(table)
-            if stopped is not None:
-                receiver.on_prefill_stopped(*stopped)
+        deliver_to_receiver(receiver, engines[1].recv(0.0))
         reason = receiver.failure(request) or reason
         finished, failed = receiver.poll(set())
         if request in finished:

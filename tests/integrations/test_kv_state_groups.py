@@ -26,7 +26,7 @@ import pytest
 pytest.importorskip("vllm", reason="the vllm extra is not installed")
 
 import torch  # noqa: E402
-from support.connector_halves import decode_half, halves_engines, prefill_half  # noqa: E402
+from support.connector_halves import decode_half, deliver_to_receiver, halves_engines, prefill_half  # noqa: E402
 from support.vllm_kv_caches import OverlaidGroupsCache, same_bytes  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
@@ -40,7 +40,6 @@ from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from kvxfer.handoff.push_state import PushState  # noqa: E402
 from kvxfer.integrations.vllm.cache_paths import DirectWrites  # noqa: E402
 from kvxfer.integrations.vllm.engine_core_side import EngineCoreSide  # noqa: E402
-from kvxfer.integrations.vllm.kv_checksums import decode_table  # noqa: E402
 from kvxfer.integrations.vllm.kv_pusher import KVPusher  # noqa: E402
 from kvxfer.integrations.vllm.kv_receiver import KVReceiver  # noqa: E402
 from kvxfer.integrations.vllm.kv_region import KVRegion, region_from_kv_caches  # noqa: E402
@@ -50,7 +49,7 @@ from kvxfer.integrations.vllm.settings import ConnectorConfigError, ConnectorSet
 from kvxfer.integrations.vllm.state_groups import StateGroup, check_state_groups, per_prompt_page  # noqa: E402
 from kvxfer.integrations.vllm.tensor_parallel import TensorParallelPlace, encode_rank_addresses  # noqa: E402
 from kvxfer.integrations.vllm.worker_side import WorkerSide  # noqa: E402
-from kvxfer.kv.protocol import decode_abort, decode_reservation_message  # noqa: E402
+from kvxfer.kv.protocol import decode_reservation_message  # noqa: E402
 from kvxfer.metrics import ConnectorMetrics  # noqa: E402
 from kvxfer.transfer.engine import TransferEngine, available_providers  # noqa: E402
 
@@ -151,13 +150,7 @@ def _pump(pusher: KVPusher, receiver_engine: TransferEngine, receiver, request: 
     if reservation is not None:
         pusher.on_reservation(reservation)
     pusher.poll(set())
-    raw = receiver_engine.recv(0.0)
-    if raw is not None:
-        table, stopped = decode_table(bytes(raw)), decode_abort(bytes(raw))
-        if table is not None:
-            receiver.on_checksum_table(table)
-        if stopped is not None:
-            receiver.on_prefill_stopped(*stopped)
+    deliver_to_receiver(receiver, receiver_engine.recv(0.0))
     return receiver.poll(set())
 
 

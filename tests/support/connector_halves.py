@@ -62,6 +62,20 @@ def decode_half(engine: TransferEngine, region: KVRegion, settings: ConnectorSet
     return KVReceiver(settings, engine, region, None, ConnectorMetrics("kv_consumer"), landing=landing)
 
 
+def deliver_to_receiver(receiver: KVReceiver, raw: bytes | bytearray | memoryview | None) -> None:
+    """Hands a message the decode half's engine received (None: none) to the receiver, as the
+    worker half does: the prefiller's checksum table (kv_integrity), or its notice that it
+    stopped the push."""
+    if raw is None:
+        return
+    table = decode_table(bytes(raw))
+    if table is not None:
+        receiver.on_checksum_table(table)
+    stopped = decode_abort(bytes(raw))
+    if stopped is not None:
+        receiver.on_prefill_stopped(*stopped)
+
+
 @dataclass
 class HandOff:
     """What one hand-off ended in."""
@@ -93,13 +107,7 @@ def hand_off(pusher: KVPusher, receiver: KVReceiver, src_blocks: list[int], dst_
         pusher.save_layer(layer)
     while time.monotonic() < end:
         pusher.poll(set())
-        raw = receiver.engine.recv(0.0)
-        stopped = decode_abort(bytes(raw)) if raw is not None else None
-        if stopped is not None:
-            receiver.on_prefill_stopped(*stopped)
-        table = decode_table(bytes(raw)) if raw is not None else None
-        if table is not None:  # the prefiller's checksum table (kv_integrity)
-            receiver.on_checksum_table(table)
+        deliver_to_receiver(receiver, receiver.engine.recv(0.0))
         reason = receiver.failure(request) or reason
         finished, failed = receiver.poll(set())
         if request in finished:

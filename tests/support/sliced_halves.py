@@ -9,17 +9,17 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+from support.connector_halves import deliver_to_receiver
 from support.vllm_kv_caches import TOKENS, Cache, same_bytes
 
 from kvxfer.integrations.vllm.cache_paths import DirectLanding, DirectWrites, StagedLanding, StagedWrites
-from kvxfer.integrations.vllm.kv_checksums import decode_table
 from kvxfer.integrations.vllm.kv_pusher import KVPusher
 from kvxfer.integrations.vllm.kv_receiver import KVReceiver
 from kvxfer.integrations.vllm.metadata import KvxferStepMetadata, LoadSpec, PushSpec
 from kvxfer.integrations.vllm.settings import ConnectorSettings
 from kvxfer.integrations.vllm.sliced_reservation import SliceTarget, decode_sliced_reservation
 from kvxfer.integrations.vllm.tensor_parallel import TensorParallelPlace, encode_rank_addresses, head_sources
-from kvxfer.kv.protocol import decode_abort, decode_cancel
+from kvxfer.kv.protocol import decode_cancel
 from kvxfer.metrics import ConnectorMetrics
 from kvxfer.transfer.engine import TransferEngine
 
@@ -121,13 +121,7 @@ def _poll_prefill_rank(p: Rank) -> None:
 def _poll_decode_rank(d: Rank, request: str) -> str | None:
     """None while the load is open; "" once admitted, else why it failed."""
     assert d.receiver is not None
-    raw = d.engine.recv(0.0)
-    table = decode_table(bytes(raw)) if raw is not None else None
-    if table is not None:
-        d.receiver.on_checksum_table(table)
-    stopped = decode_abort(bytes(raw)) if raw is not None else None
-    if stopped is not None:
-        d.receiver.on_prefill_stopped(*stopped)
+    deliver_to_receiver(d.receiver, d.engine.recv(0.0))
     reason = d.receiver.failure(request)  # read before the poll that reports (and forgets) it
     finished, failed = d.receiver.poll(set())
     if request not in finished:
