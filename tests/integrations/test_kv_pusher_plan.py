@@ -54,13 +54,41 @@ class RecordingEngine:
         return _Done()
 
 
-def make_pusher(layers: int) -> tuple[KVPusher, RecordingEngine]:
-    """A pusher over a `layers`-layer LBHNC region of BLOCKS blocks, posting into a recording engine."""
+class _HeldWrite(_Done):
+    """A posted write that completes only once the test releases it."""
+
+    def __init__(self) -> None:
+        self.released = False
+
+    def done(self) -> bool:
+        return self.released
+
+
+class HoldingEngine(RecordingEngine):
+    """A recording engine whose paged writes stay in flight until `release`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: list[_HeldWrite] = []
+
+    def write_paged(self, *args: Any, **kwargs: Any) -> _HeldWrite:
+        super().write_paged(*args, **kwargs)
+        self.held.append(_HeldWrite())
+        return self.held[-1]
+
+    def release(self) -> None:
+        for write in self.held:
+            write.released = True
+
+
+def make_pusher(layers: int, engine: RecordingEngine | None = None) -> tuple[KVPusher, RecordingEngine]:
+    """A pusher over a `layers`-layer LBHNC region of BLOCKS blocks, posting into a recording
+    engine (`engine`, or a new one)."""
     geometry = CacheGeometry.dense("LBHNC", (0, 1, 2, 3, 4), layers, BLOCKS, 2, 32, PAGE // 64)
     region = KVRegion([f"layer{i}" for i in range(layers)], geometry, np.zeros(layers * BLOCKS * PAGE, np.uint8), [],
                       "bfloat16", 2, "avx2")
     assert region.kv_layout == LAYOUT.replace("L4-", f"L{layers}-")
-    engine = RecordingEngine()
+    engine = engine or RecordingEngine()
     pusher = KVPusher(ConnectorSettings(), engine, region, SimpleNamespace(), ConnectorMetrics("kv_producer"))  # type: ignore[arg-type]
     return pusher, engine
 
@@ -117,3 +145,26 @@ def test_a_reservation_for_a_push_preempted_before_it_came_posts_nothing_and_tel
     assert push.state is PushState.FAILED
     assert engine.writes == []
     assert [decode_abort(m)[:2] for m in engine.sent] == [(reservation.imm, reservation.nonce)]
+
+
+def test_a_cancel_is_confirmed_at_the_first_saved_layer_after_its_writes_complete_never_before() -> None:
+    # The decoder may reuse its pages once told: the word waits for every posted write, and
+    # goes from the prefill step's next layer, not from the poll at its end.
+    engine = HoldingEngine()
+    pusher, _ = make_pusher(4, engine)
+    reservation = KVReservation(request_id="t1", descriptor=b"d", pages=[10, 11, 12, 13, 14], num_pages=BLOCKS,
+                                imm=encode_imm(0, 1), expected_count=20, kv_layout=LAYOUT, meta_descriptor=b"",
+                                meta_offset=0, nonce=1, fence_timeout_s=15.0, mailbox=False)
+    pusher.on_reservation(reservation)
+    pusher.on_step(KvxferStepMetadata(pushes=[PushSpec("r1", "t1", b"d", 150, [0, 1, 2, 3, 4], 150)]))
+    for layer in range(2):
+        pusher.save_layer(layer)
+    pusher.on_cancel(reservation.imm, reservation.nonce, "aborted on the decoder")
+    pusher.save_layer(2)
+    assert engine.sent == []  # two writes may still land
+    engine.release()
+    pusher.save_layer(3)
+    (push,) = pusher._by_request["r1"]
+    assert [decode_abort(m)[:2] for m in engine.sent] == [(reservation.imm, reservation.nonce)]
+    assert push.state is PushState.DONE
+    assert len(engine.writes) == 2  # nothing posted after the cancel
