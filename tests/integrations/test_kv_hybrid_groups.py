@@ -21,7 +21,12 @@ import pytest
 pytest.importorskip("vllm", reason="the vllm extra is not installed")
 
 import torch  # noqa: E402
-from support.connector_halves import decode_half, deliver_to_receiver, halves_engines, prefill_half  # noqa: E402
+from support.connector_halves import (  # noqa: E402
+    decode_half,
+    deliver_to_receiver,
+    halves_engines,
+    prefill_half,
+)
 from support.vllm_kv_caches import OverlaidGroupsCache, same_bytes  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402

@@ -26,7 +26,13 @@ import pytest
 pytest.importorskip("vllm", reason="the vllm extra is not installed")
 
 import torch  # noqa: E402
-from support.connector_halves import decode_half, deliver_to_receiver, halves_engines, prefill_half  # noqa: E402
+from support.connector_halves import (  # noqa: E402
+    decode_half,
+    deliver_to_receiver,
+    halves_engines,
+    prefill_half,
+    started_load,
+)
 from support.vllm_kv_caches import OverlaidGroupsCache, same_bytes  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
@@ -263,12 +269,8 @@ def test_state_between_different_tensor_parallel_sizes_is_refused_on_both_sides_
     try:
         worker.register_kv_caches(decode.views, KVCacheLayout.LBHNC, groups=[MIXERS, ATTENTION],
                                   state_groups=[decode.state])
-        worker.bind(KvxferStepMetadata(loads=[LoadSpec("r1", "tp-1-into-2", encode_rank_addresses(
-            [engines[0].address]), [8, 9], 0, group_block_ids=[[8], [9]])]))
-        assert worker.receiver is not None
-        worker.start_load_kv()
-        reason = worker.receiver.failure("r1")
-        _, finished, failed = worker.get_finished(set())
+        reason, finished, failed = started_load(worker, LoadSpec(
+            "r1", "tp-1-into-2", encode_rank_addresses([engines[0].address]), [8, 9], 0, group_block_ids=[[8], [9]]))
     finally:
         worker.shutdown()
     assert finished == failed == {"r1"}

@@ -14,12 +14,12 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed")
 
-from support.connector_halves import halves_engines  # noqa: E402
+from support.connector_halves import halves_engines, started_load  # noqa: E402
 from support.sliced_halves import Rank, assert_heads_landed, sliced_hand_off  # noqa: E402
 from support.vllm_kv_caches import attention_spec, vllm_cache  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
-from kvxfer.integrations.vllm.metadata import KvxferStepMetadata, LoadSpec  # noqa: E402
+from kvxfer.integrations.vllm.metadata import LoadSpec  # noqa: E402
 from kvxfer.integrations.vllm.settings import ConnectorSettings  # noqa: E402
 from kvxfer.integrations.vllm.tensor_parallel import (  # noqa: E402
     TensorParallelPlace,
@@ -70,11 +70,7 @@ def test_a_decode_rank_fails_a_load_whose_prefill_heads_cannot_be_mapped_with_th
     try:
         worker.register_kv_caches({f"layers.{i}.attn": view for i, view in enumerate(cache.views)})
         three_ranks = encode_rank_addresses([engines[0].address, engines[1].address, engines[2].address])
-        worker.bind(KvxferStepMetadata(loads=[LoadSpec("r1", "tp-3-into-2", three_ranks, list(DST), 0)]))
-        assert worker.receiver is not None
-        worker.start_load_kv()
-        reason = worker.receiver.failure("r1")
-        _, finished, failed = worker.get_finished(set())
+        reason, finished, failed = started_load(worker, LoadSpec("r1", "tp-3-into-2", three_ranks, list(DST), 0))
     finally:
         worker.shutdown()
     assert finished == failed == {"r1"}

@@ -18,6 +18,7 @@ from kvxfer.integrations.vllm.kv_receiver import KVReceiver
 from kvxfer.integrations.vllm.kv_region import KVRegion
 from kvxfer.integrations.vllm.metadata import KvxferStepMetadata, LoadSpec, PushSpec
 from kvxfer.integrations.vllm.settings import ConnectorSettings
+from kvxfer.integrations.vllm.worker_side import WorkerSide
 from kvxfer.kv.protocol import decode_abort, decode_reservation_message
 from kvxfer.metrics import ConnectorMetrics
 from kvxfer.transfer.engine import TransferEngine
@@ -74,6 +75,17 @@ def deliver_to_receiver(receiver: KVReceiver, raw: bytes | bytearray | memoryvie
     stopped = decode_abort(bytes(raw))
     if stopped is not None:
         receiver.on_prefill_stopped(*stopped)
+
+
+def started_load(worker: WorkerSide, load: LoadSpec) -> tuple[str | None, set[str], set[str]]:
+    """Binds a step holding `load` on a decode worker half, starts its loads and polls once,
+    as vLLM's worker does: (the load's failure reason, the finished and the failed requests)."""
+    worker.bind(KvxferStepMetadata(loads=[load]))
+    assert worker.receiver is not None
+    worker.start_load_kv()
+    reason = worker.receiver.failure(load.request_id)  # read before the poll that reports (and forgets) it
+    _, finished, failed = worker.get_finished(set())
+    return reason, finished, failed
 
 
 @dataclass
