@@ -129,6 +129,10 @@ def _rank_heads(fleet: VllmFleet, role: str, tid: str, ranks: int) -> list[dict[
     return rank_head_digests(fleet.digests, role, tid, ranks, timeout_s=30)  # type: ignore[attr-defined]
 
 
+def _expected_keys(pages: int, heads: range) -> set[str]:
+    return {f"{layer}/{page}/{h}" for layer in range(LAYERS) for page in range(pages) for h in heads}
+
+
 def test_tp2_into_tp2_equals_colocated_tp2_and_each_decode_rank_holds_its_heads_exactly(fleet: VllmFleet) -> None:
     prompt = prompt_ids(100, seed=31)
     tid = f"tp22-{uuid.uuid4().hex[:8]}"
