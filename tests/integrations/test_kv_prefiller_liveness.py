@@ -37,7 +37,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from kvxfer import SharedBuffer  # noqa: E402
 from kvxfer.handoff.decode_ledger import DeadlineSetting  # noqa: E402
 from kvxfer.handoff.reservation_state import ReservationState as Res  # noqa: E402
-from kvxfer.integrations.vllm.kv_receiver import KVReceiver  # noqa: E402
+from kvxfer.integrations.vllm.kv_receiver import DecodeLoad, KVReceiver  # noqa: E402
 from kvxfer.integrations.vllm.metadata import LoadSpec  # noqa: E402
 from kvxfer.integrations.vllm.prefiller_liveness import HELD, LivenessWatch  # noqa: E402
 from kvxfer.integrations.vllm.settings import ConnectorSettings  # noqa: E402
@@ -65,6 +65,19 @@ def prefiller() -> Iterator[SilentPrefiller]:
         yield pf
     finally:
         pf.stop()
+
+
+def _poll_until_writer_gone(receiver: KVReceiver, request: str, not_freed_because: str) -> DecodeLoad:
+    """Polls `receiver` until its load `request` notes its writer gone or REPORTED_WITHIN_S
+    passes, asserting on every poll that the load was not freed (`not_freed_because` says
+    why it must not be); the load, for the caller's assertions."""
+    load = receiver._loads[request][0]
+    end = time.monotonic() + REPORTED_WITHIN_S
+    while not (load.entry is not None and load.entry.writer_gone) and time.monotonic() < end:
+        finished, _ = receiver.poll(set())
+        assert request not in finished, not_freed_because
+        time.sleep(0.002)
+    return load
 
 
 def _reserve(engine: TransferEngine, address: bytes, liveness: str, settings: ConnectorSettings,
@@ -154,12 +167,7 @@ def test_a_prefiller_whose_sever_proves_nothing_keeps_the_fence(
     caplog.set_level(logging.INFO, logger="kvxfer")
     prefiller.signal_group(signal.SIGKILL)
     prefiller.proc.wait(timeout=STARTUP_DEADLINE_S)
-    load = receiver._loads["d-unproven"][0]
-    end = time.monotonic() + REPORTED_WITHIN_S
-    while not (load.entry is not None and load.entry.writer_gone) and time.monotonic() < end:
-        finished, _ = receiver.poll(set())
-        assert "d-unproven" not in finished, "freed although the sever proved nothing"
-        time.sleep(0.002)
+    load = _poll_until_writer_gone(receiver, "d-unproven", "freed although the sever proved nothing")
     assert load.entry is not None and load.entry.writer_gone, "the prefiller's death was not noticed"
     assert (load.state, load.entry.deadline_setting, load.writer_severed) == \
         (Res.FENCED, DeadlineSetting.WRITER_GONE, False)
@@ -342,12 +350,7 @@ def test_a_same_host_prefiller_alive_when_declared_gone_keeps_the_fence_and_once
     assert same_host_decoder.same_host_writes_ended(pf.address), "a same-host prefiller that runs was not pinned"
     caplog.set_level(logging.INFO, logger="kvxfer")
     os.kill(pf.keeper_pid, signal.SIGKILL)  # its liveness connection closes; the prefiller runs on
-    load = receiver._loads["d-same-host"][0]
-    end = time.monotonic() + REPORTED_WITHIN_S
-    while not (load.entry is not None and load.entry.writer_gone) and time.monotonic() < end:
-        finished, _ = receiver.poll(set())
-        assert "d-same-host" not in finished, "freed while the same-host prefiller could still write"
-        time.sleep(0.002)
+    load = _poll_until_writer_gone(receiver, "d-same-host", "freed while the same-host prefiller could still write")
     assert load.entry is not None and load.entry.writer_gone, "the closed liveness connection was not noticed"
     # Rechecked every dead_writer_recheck_s: a live writer never proves anything.
     watch_end = time.monotonic() + 20 * settings.dead_writer_recheck_s
