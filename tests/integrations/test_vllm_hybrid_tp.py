@@ -30,7 +30,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed")
 
-from support.vllm_instances import BLOCK, VllmFleet, available_gib  # noqa: E402
+from support.vllm_instances import BLOCK, TP_CONNECTOR_TIMEOUTS, VllmFleet, assert_memory_for_tp_instances  # noqa: E402
 from support.vllm_legs import colocated_choice, disaggregated_legs, prompt_ids, rank_head_digests  # noqa: E402
 from support.vllm_oracle import assert_same_as_colocated  # noqa: E402
 from support.vllm_tp_hooks import HOOKS_SPEC  # noqa: E402
@@ -46,25 +46,20 @@ pytestmark = [
 
 SHAPE = CheckpointShape()
 WINDOW_TOKENS = 32
-#: Three ranks on 2 cores: generous deadlines, none of them what the test checks.
-TP_TIMEOUTS = {"transfer_timeout_s": 30.0, "load_stall_timeout_s": 90.0, "load_timeout_s": 300.0,
-               "fence_timeout_s": 45.0, "reservation_wait_s": 90.0}
-#: GiB the machine must have available before the instances start (about 3 GiB per rank set).
-MIN_AVAILABLE_GIB = 7.0
 
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmFleet]:
     """`tp1` prefills (core 1), `tp2` decodes (ranks on cores 0 and 1; kv_both, so it also
     answers colocated at TP 2)."""
-    assert available_gib() >= MIN_AVAILABLE_GIB, f"{available_gib():.1f} GiB available, want {MIN_AVAILABLE_GIB}"
+    assert_memory_for_tp_instances()
     work = tmp_path_factory.mktemp("vllm-hybrid-tp")
     model = make_sliding_window_checkpoint(Path(os.environ.get("KVXFER_TEST_HYBRID_MODEL_DIR", work / "model")),
                                            SHAPE)
     digests = work / "digests"
     digests.mkdir()
     common = {"same_host": False, "bind_host": "127.0.0.1", "hooks": HOOKS_SPEC,
-              "hooks_config": {"digest_dir": str(digests)}, **TP_TIMEOUTS}
+              "hooks_config": {"digest_dir": str(digests)}, **TP_CONNECTOR_TIMEOUTS}
     with VllmFleet(model, work, common_extra=common) as f:
         f.start("tp1", "kv_producer", "1")
         f.start("tp2", "kv_both", "0|1", tensor_parallel_size=2)

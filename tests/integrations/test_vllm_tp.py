@@ -28,7 +28,12 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed")
 
-from support.vllm_instances import VllmFleet, available_gib, free_port  # noqa: E402
+from support.vllm_instances import (  # noqa: E402
+    TP_CONNECTOR_TIMEOUTS,
+    VllmFleet,
+    assert_memory_for_tp_instances,
+    free_port,
+)
 from support.vllm_legs import colocated_choice, disaggregated_legs, prompt_ids, rank_head_digests  # noqa: E402
 from support.vllm_tp_hooks import HOOKS_SPEC  # noqa: E402
 from support.vllm_oracle import assert_same_as_colocated  # noqa: E402
@@ -41,14 +46,6 @@ pytestmark = [
 ]
 
 LAYERS, BLOCK, KV_HEADS = 4, 32, 2
-#: Five ranks share 2 cores here, beside other sessions' instances: under that load a first
-#: control message to a peer (its connection set up on the way) took over 10 s and failed
-#: at transfer_timeout_s (etcd itself went unanswered for 48 s in that run), so every
-#: deadline is generous; none is what the test checks.
-TP_TIMEOUTS = {"transfer_timeout_s": 30.0, "load_stall_timeout_s": 90.0, "load_timeout_s": 300.0,
-               "fence_timeout_s": 45.0, "reservation_wait_s": 90.0}
-#: GiB the machine must have available before the instances start (about 3 GiB per rank set).
-MIN_AVAILABLE_GIB = 7.0
 #: How long a stopped instance may take to exit, seconds (SIGTERM, then SIGKILL).
 STOP_WAIT_S = 30.0
 
@@ -61,13 +58,13 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmFleet]:
     for the pairs of different sizes."""
     from kvxfer.integrations.vllm.checkpoint import make_checkpoint
 
-    assert available_gib() >= MIN_AVAILABLE_GIB, f"{available_gib():.1f} GiB available, want {MIN_AVAILABLE_GIB}"
+    assert_memory_for_tp_instances()
     work = tmp_path_factory.mktemp("vllm-tp")
     model = make_checkpoint(Path(os.environ.get("KVXFER_TEST_MODEL_DIR", work / "model")))
     digests = work / "digests"
     digests.mkdir()
     common = {"same_host": False, "bind_host": "127.0.0.1", "hooks": HOOKS_SPEC,
-              "hooks_config": {"digest_dir": str(digests)}, **TP_TIMEOUTS}
+              "hooks_config": {"digest_dir": str(digests)}, **TP_CONNECTOR_TIMEOUTS}
     with VllmFleet(model, work, common_extra=common) as f:
         # Each rank serves its connector metrics on metrics_port + rank (read when a leg fails).
         f.start("tp2-a", "kv_both", "0|1", tensor_parallel_size=2, extra={"metrics_port": free_port()})

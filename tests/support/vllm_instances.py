@@ -39,12 +39,30 @@ from support.vllm_faults import HOOKS_SPEC
 READY_TIMEOUT_S = 420.0
 
 
+#: The connector's deadlines for the tensor parallel modules' instances. Several ranks share
+#: 2 cores there, beside other instances: under that load a first control message to a peer
+#: (its connection set up on the way) took over 10 s and failed at transfer_timeout_s (etcd
+#: itself went unanswered for 48 s in that run), so every deadline is generous; none is what
+#: a test checks.
+TP_CONNECTOR_TIMEOUTS = {"transfer_timeout_s": 30.0, "load_stall_timeout_s": 90.0, "load_timeout_s": 300.0,
+                         "fence_timeout_s": 45.0, "reservation_wait_s": 90.0}
+#: GiB the machine must have available before tensor parallel instances start (about 3 GiB
+#: per rank set).
+TP_MIN_AVAILABLE_GIB = 7.0
+
+
 def available_gib() -> float:
     """GiB of memory the machine has available (MemAvailable), for a guard before instances start."""
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemAvailable:"):
             return int(line.split()[1]) / 2**20
     return 0.0
+
+
+def assert_memory_for_tp_instances() -> None:
+    """Fails with the figures where the machine has less than TP_MIN_AVAILABLE_GIB available."""
+    gib = available_gib()
+    assert gib >= TP_MIN_AVAILABLE_GIB, f"{gib:.1f} GiB available, want {TP_MIN_AVAILABLE_GIB}"
 
 
 def free_port() -> int:
