@@ -9,6 +9,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <thread>
 
@@ -22,14 +23,19 @@ constexpr uint64_t kEngineId = 0x77a17e;
 // How long a test waits for a child to reach the state it checks (no speed is asserted).
 constexpr auto kStateDeadline = std::chrono::seconds(10);
 
-// A child process: with `leader_exits`, its main thread ends (a zombie leader) while
-// another thread keeps running, as a process some of whose threads exited.
-pid_t spawn_child(bool leader_exits) {
+// A child process: with `leader_exits`, its main thread ends (a zombie leader) once a byte
+// comes on `release_fd`, while another thread keeps running, as a process some of whose
+// threads exited. The leader waits for that byte so that the writer is pinned first: a
+// zombie leader's fd table and memory are gone, so it could not be pinned after.
+pid_t spawn_child(bool leader_exits, int release_fd) {
   const pid_t pid = fork();
   if (pid != 0) return pid;
   if (leader_exits) {
     pthread_t t;
     pthread_create(&t, nullptr, [](void*) -> void* { for (;;) pause(); }, nullptr);
+    char byte;
+    while (read(release_fd, &byte, 1) < 0 && errno == EINTR) {
+    }
     syscall(SYS_exit, 0);  // this thread only, without unwinding the test's frames
   }
   for (;;) pause();
@@ -59,13 +65,18 @@ class SameHostWriterExit : public ::testing::Test {
   void SetUp() override {
     self_ = local_same_host_identity(table_.address(), table_.fd());
     ASSERT_FALSE(self_.host_key.empty()) << "needs /proc";
+    ASSERT_EQ(pipe(release_), 0);
   }
   void TearDown() override {
     for (pid_t pid : children_) {
       kill(pid, SIGKILL);
       waitpid(pid, nullptr, 0);
     }
+    close(release_[0]);
+    close(release_[1]);
   }
+  // Lets a `leader_exits` child's main thread end.
+  void release_leader() { ASSERT_EQ(write(release_[1], "x", 1), 1); }
   EngineAddress writer(pid_t pid, uint64_t engine_id = kEngineId) {
     EngineAddress a;
     a.engine_id = engine_id;
@@ -74,7 +85,7 @@ class SameHostWriterExit : public ::testing::Test {
     return a;
   }
   pid_t child(bool leader_exits = false) {
-    const pid_t pid = spawn_child(leader_exits);
+    const pid_t pid = spawn_child(leader_exits, release_[0]);
     children_.push_back(pid);
     return pid;
   }
@@ -82,6 +93,7 @@ class SameHostWriterExit : public ::testing::Test {
   RegionTable table_{kEngineId};
   SameHostIdentity self_;
   std::vector<pid_t> children_;
+  int release_[2] = {-1, -1};
 };
 
 TEST(ThreadMayRun, ReadsTheExitingFlagAfterTheCommandsLastParenthesis) {
@@ -119,6 +131,7 @@ TEST_F(SameHostWriterExit, AWriterWithOneThreadNotExitingIsStillWriting) {
   const pid_t pid = child(/*leader_exits=*/true);
   auto w = SameHostWriter::open(writer(pid), self_);
   ASSERT_TRUE(w);
+  release_leader();
   ASSERT_TRUE(wait_for_state(pid, 'Z'));  // its leader exited; its other thread sleeps
   const std::string why = w->still_writing();
   EXPECT_NE(why.find("is not exiting"), std::string::npos) << why;
