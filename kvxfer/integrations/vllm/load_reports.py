@@ -15,7 +15,8 @@ afterwards that could carry the figures to a worker. The worker's receiver knows
 landed (`get_finished`), and the load's spec gives its blocks and the prompt blocks held
 already; the bytes use this rank's page size, as the engine core's figure uses vLLM's
 per-rank KV cache spec, and a Mamba/SSM layer's block counts its state bytes, not its
-padded page (what moved; `state_groups.bytes_moved_per_block` on the engine core's side). The router asks rank 0 (the registry record's `metrics_url`).
+padded page (what moved; `EngineCoreSide._block_geometry` on the engine core's side). The
+router asks rank 0 (the registry record's `metrics_url`).
 
 The endpoint checks the instance's own API key (`VLLM_API_KEY`, which the router derives
 from the cluster key): a call without it, or with another, gets 401 and nothing else. An
