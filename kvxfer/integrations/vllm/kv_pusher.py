@@ -209,8 +209,7 @@ class KVPusher:
             decode_tp = len(decode_rank_addresses(spec.decode_engine))
             ranks = ([WHOLE_BLOCKS] if decode_tp == self.place.size else
                      head_targets(self.place.total_kv_heads, self.place.size, decode_tp, self.place.rank))
-            problem = unequal_tensor_parallel_state(self.place.size, decode_tp) \
-                if self.region.state_bytes is not None else ""
+            problem = unequal_tensor_parallel_state(self.region.state_bytes is not None, self.place.size, decode_tp)
             if problem:
                 ranks = [WHOLE_BLOCKS]
         except TensorParallelError as exc:

@@ -104,13 +104,13 @@ def check_state_groups(kv_cache_config: KVCacheConfig) -> None:
                                    "for hybrid models (attention plus state) only")
 
 
-def unequal_tensor_parallel_state(prefill_tp: int, decode_tp: int) -> str:
-    """Why a hand-off with Mamba/SSM state between these tensor parallel sizes is refused
-    ("" where it is not): a rank's state holds its heads' slice of every mixer (conv
-    channels, SSM heads), which goes whole from prefill rank r to decode rank r at equal
-    sizes; between different sizes it would have to be cut per head, which the head-slice
-    plans of attention pages do not describe."""
-    if prefill_tp == decode_tp:
+def unequal_tensor_parallel_state(has_state: bool, prefill_tp: int, decode_tp: int) -> str:
+    """Why a hand-off of a cache with Mamba/SSM state (`has_state`) between these tensor
+    parallel sizes is refused ("" where it is not): a rank's state holds its heads' slice of
+    every mixer (conv channels, SSM heads), which goes whole from prefill rank r to decode
+    rank r at equal sizes; between different sizes it would have to be cut per head, which
+    the head-slice plans of attention pages do not describe."""
+    if not has_state or prefill_tp == decode_tp:
         return ""
     return (f"Mamba/SSM state is handed over between equal tensor parallel sizes only (prefill {prefill_tp}, decode "
             f"{decode_tp}): a rank's state is its heads' slice of each mixer, which is not cut between sizes")

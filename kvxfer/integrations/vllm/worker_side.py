@@ -191,8 +191,8 @@ class WorkerSide:
             self.receiver.refuse(spec, "tp_mismatch", f"the prefiller's KV heads cannot be mapped to this decode "
                                  f"rank ({exc})")
             return
-        unequal = unequal_tensor_parallel_state(len(prefill_ranks), place.size) \
-            if self.region is not None and self.region.state_bytes is not None else ""
+        unequal = unequal_tensor_parallel_state(self.region is not None and self.region.state_bytes is not None,
+                                                len(prefill_ranks), place.size)
         if unequal:
             self.receiver.refuse(spec, "tp_mismatch", unequal)
             return
