@@ -39,7 +39,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from kvxfer.integrations.vllm.launch import VllmInstanceSpec  # noqa: E402
-from support.vllm_instances import VllmFleet, VllmInstance, free_port  # noqa: E402
+from support.vllm_instances import VllmFleet, VllmInstance, free_port, popen_instance  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PEER_VENV = ROOT / ".bench-venvs" / "vllm-peers"
@@ -365,8 +365,7 @@ def start_peer_instance(fleet: VllmFleet, name: str, core: str, python: Path, kv
     argv = [str(python) if a == sys.executable else a for a in spec.argv()]
     log_path = fleet.work_dir / f"{name}.log"
     full_env = {**spec.env(), **env}
-    proc = subprocess.Popen(argv, env=full_env, stdout=log_path.open("wb"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = popen_instance(argv, full_env, log_path.open("wb"))
     inst = VllmInstance(name, f"http://127.0.0.1:{port}", argv, full_env, proc, log_path, spec=spec)
     fleet.instances[name] = inst
     return inst

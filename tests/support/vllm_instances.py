@@ -35,6 +35,21 @@ from kvxfer.registry import RegistrySettings, RegistryWatcher, WorkerRecord
 from kvxfer.registry.signing import load_cluster_key, vllm_api_headers, vllm_api_key
 from support.vllm_faults import HOOKS_SPEC
 
+
+def popen_instance(argv: list[str], env: dict[str, str], log: Any) -> subprocess.Popen[bytes]:
+    """Starts one vLLM instance's process tree, logging to `log`.
+
+    Its own process group, so that killpg reaches every rank, but the caller's session: with
+    `kernel.sched_autogroup_enabled=1` each new session is its own scheduling group, and
+    instances that share cores in separate groups starved each other's threads here. A TP 2
+    decoder waiting for its KV steps in a busy loop; the connector's progress threads then
+    waited on the run queue for minutes, so transfers between live ranks stalled until their
+    timeouts. In one group every hand-off completed at once (docs/architecture.md,
+    "Scheduling groups").
+    """
+    return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, process_group=0)
+
+
 #: Start-up of one instance: about 20 s idle on 2 cores, several times that when loaded.
 READY_TIMEOUT_S = 420.0
 
@@ -172,8 +187,7 @@ class VllmFleet:
         inst = self.instances[name]
         if inst.process.poll() is None:
             return inst
-        inst.process = subprocess.Popen(inst.argv, env=inst.env, stdout=inst.log_path.open("ab"),
-                                        stderr=subprocess.STDOUT, start_new_session=True)
+        inst.process = popen_instance(inst.argv, inst.env, inst.log_path.open("ab"))
         return inst
 
     def start(self, name: str, kv_role: KVRole | None, core: str, *, register: bool = True,
@@ -226,8 +240,7 @@ class VllmFleet:
     def _launch(self, name: str, url: str, argv: list[str], env: dict[str, str], *, registers: bool,
                 spec: VllmInstanceSpec | None = None, metrics_port: int | None = None) -> VllmInstance:
         log_path = self.work_dir / f"{name}.log"
-        proc = subprocess.Popen(argv, env=env, stdout=log_path.open("wb"), stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = popen_instance(argv, env, log_path.open("wb"))
         inst = VllmInstance(name, url, argv, env, proc, log_path, registers=registers, spec=spec,
                             metrics_port=metrics_port)
         self.instances[name] = inst
