@@ -25,15 +25,29 @@ caller's one loop walks it: no thread or timer here):
   whichever comes first.
 - FENCED: `fence_timeout_s` after the fence, cut to `fence_s` by `writer_gone()` when the
   prefiller process is known to be gone (the connector's `dead_prefiller_fence_s`, or 0
-  where the writer's connections were severed after the revoke).
+  where the writer's connections were severed after the revoke). A fenced entry whose
+  writes were kept open (`end(..., keep_writes_open=True)`, below) first has
+  `cancel_confirm_timeout_s`: when it passes, the caller revokes (`revoke_writes()`) and
+  the deadline becomes the fence's.
 
 The ledger never touches the engine: `forget_imm` is called with an entry's immediate when
 it is fenced and when it is freed, so the decoder resets its count there; `close_writes` is
 called with the request id once, when the reservation stops waiting for its KV (ADMITTED,
 FAILED or CANCELLED), so the decoder revokes the descriptor it handed out for it (closes
 its per-reservation registration). A write the provider had already accepted may still be
-landing then, so closing does not shorten the fence. Thread-safe: one lock, held only for
-bookkeeping.
+landing then, so closing does not shorten the fence.
+
+Closing under a live write costs more than that write, though: libfabric's net provider
+refuses the next op whose header names a closed key by dropping the whole connection, and
+every write queued behind it to that peer, another reservation's too, fails ("Transport
+endpoint is not connected"). So a reservation ended by a cancel that its prefiller will
+confirm can keep its writes open (`keep_writes_open`, on a ledger with
+`cancel_confirm_timeout_s`): FENCED with its descriptor still open, closed when the
+prefiller confirms (just before FREE: its writes are all drained, nothing is cut), when
+the prefiller is gone (`writer_gone`), or at `cancel_confirm_timeout_s` (`revoke_writes`,
+then the rest of the fence as before). Its pages stay out of use all along, so a late write
+lands only in pages no one else holds, and its immediate was forgotten at FENCED: nothing
+reads what it counts. Thread-safe: one lock, held only for bookkeeping.
 """
 
 from __future__ import annotations
@@ -89,6 +103,7 @@ class DeadlineSetting(str, Enum):
     RESERVATION_TTL = "reservation_ttl_s"
     STALL = "stall_timeout_s"
     FENCE = "fence_timeout_s"
+    CANCEL_CONFIRM = "cancel_confirm_timeout_s"
     WRITER_GONE = "writer_gone_fence_s"
 
 
@@ -120,6 +135,10 @@ class LedgerEntry:
     writer_gone: bool = False
     #: When `reservation_ttl_s` ends (the waiting states' outer bound).
     expires_at: float = 0.0
+    #: Its descriptor is still open while FENCED (kept for the prefiller's confirmation).
+    writes_open: bool = False
+    #: When the fence ends (`fence_timeout_s` after FENCED; set at FENCED).
+    fence_ends_at: float | None = None
     history: list[tuple[ReservationState, float]] = field(default_factory=list)
 
 
@@ -134,6 +153,7 @@ class ReservationLedger:
         reservation_ttl_s: float,
         fence_timeout_s: float,
         stall_timeout_s: float | None = None,
+        cancel_confirm_timeout_s: float | None = None,
         forget_imm: Callable[[int], None] = lambda imm: None,
         close_writes: Callable[[str], None] = lambda request_id: None,
         clock: Callable[[], float] = time.monotonic,
@@ -146,7 +166,11 @@ class ReservationLedger:
         self.allocator = allocator
         self.reservation_ttl_s = reservation_ttl_s
         self.fence_timeout_s = fence_timeout_s
+        if cancel_confirm_timeout_s is not None and not 0 <= cancel_confirm_timeout_s <= fence_timeout_s:
+            raise ValueError(f"cancel_confirm_timeout_s must be in [0, fence_timeout_s={fence_timeout_s}] (or None: "
+                             f"writes close when the reservation stops waiting), got {cancel_confirm_timeout_s}")
         self.stall_timeout_s = stall_timeout_s
+        self.cancel_confirm_timeout_s = cancel_confirm_timeout_s
         self._forget_imm = forget_imm
         self._close_writes = close_writes
         self._clock = clock
@@ -233,17 +257,26 @@ class ReservationLedger:
             self._set_waiting_deadline(entry)
             return True
 
-    def move(self, request_id: str, target: ReservationState, reason: str = "") -> LedgerEntry:
+    def move(self, request_id: str, target: ReservationState, reason: str = "", *,
+             keep_writes_open: bool = False) -> LedgerEntry:
         """Applies one transition and its effect on pages, slot and deadline.
 
-        FENCED puts the pages in the allocator's quarantine and starts the fence deadline;
-        FREE returns pages (from quarantine when fenced) and the slot. `forget_imm` runs at
-        FENCED and FREE. Raises `IllegalTransition` (and `KeyError` for an unknown id).
+        FENCED puts the pages in the allocator's quarantine and starts the fence deadline
+        (`cancel_confirm_timeout_s` first where the writes were kept open); FREE closes writes
+        still open, then returns pages (from quarantine when fenced) and the slot.
+        `forget_imm` runs at FENCED and FREE. `keep_writes_open`: on leaving the waiting
+        states, the descriptor stays open (see the module; only on a ledger with
+        `cancel_confirm_timeout_s`, only into FAILED or CANCELLED). Raises
+        `IllegalTransition` (and `KeyError` for an unknown id).
         """
         with self._lock:
             entry = self._entries[request_id]
             if target not in TRANSITIONS[entry.state]:
                 raise IllegalTransition(request_id, entry.state, target)
+            if keep_writes_open and (self.cancel_confirm_timeout_s is None or entry.state not in WAITING
+                                     or target not in (S.FAILED, S.CANCELLED)):
+                raise ValueError(f"reservation {request_id!r}: writes are kept open only from a waiting state into "
+                                 f"FAILED or CANCELLED, on a ledger with cancel_confirm_timeout_s")
             previous = entry.state
             now = self._clock()
             entry.state = target
@@ -251,16 +284,28 @@ class ReservationLedger:
             if reason and not entry.reason:
                 entry.reason = reason
             if previous in WAITING and target not in WAITING:
-                # No write of this reservation is wanted any more: revoke its descriptor
-                # before anything else can happen to its pages.
-                self._close_writes(request_id)
+                if keep_writes_open:
+                    entry.writes_open = True  # closed at the confirmation, the bound or the writer's end
+                else:
+                    # No write of this reservation is wanted any more: revoke its descriptor
+                    # before anything else can happen to its pages.
+                    self._close_writes(request_id)
             if target is S.RECEIVING:
                 pass  # the wait deadlines keep running
             elif target is S.FENCED:
                 self.allocator.release_after_quiesce(request_id)
-                entry.deadline, entry.deadline_setting = now + self.fence_timeout_s, DeadlineSetting.FENCE
+                entry.fence_ends_at = now + self.fence_timeout_s
+                entry.deadline, entry.deadline_setting = entry.fence_ends_at, DeadlineSetting.FENCE
+                if entry.writes_open:
+                    assert self.cancel_confirm_timeout_s is not None
+                    entry.deadline = now + self.cancel_confirm_timeout_s
+                    entry.deadline_setting = DeadlineSetting.CANCEL_CONFIRM
                 self._forget_imm(entry.imm)
             elif target is S.FREE:
+                if entry.writes_open:
+                    # Before the pages go back: no write may land in them once reused.
+                    entry.writes_open = False
+                    self._close_writes(request_id)
                 if previous is S.FENCED:
                     self.allocator.confirm_quiesced(request_id)
                 else:
@@ -276,16 +321,38 @@ class ReservationLedger:
                 entry.deadline, entry.deadline_setting = None, None
             return entry
 
-    def end(self, request_id: str, outcome: ReservationState, *, writer_stopped: bool, reason: str = "") -> LedgerEntry:
+    def end(self, request_id: str, outcome: ReservationState, *, writer_stopped: bool, reason: str = "",
+            keep_writes_open: bool = False) -> LedgerEntry:
         """A waiting reservation fails or is cancelled: then FREE if the writer is known to
-        have stopped, else FENCED. An ADMITTED one goes to FREE (its writes all landed)."""
+        have stopped, else FENCED. An ADMITTED one goes to FREE (its writes all landed).
+
+        `keep_writes_open` (a fenced one, on a ledger with `cancel_confirm_timeout_s`): its
+        descriptor stays open until the prefiller confirms, is gone, or that bound passes
+        (the caller has asked the prefiller to confirm; see the module)."""
         with self._lock:
             entry = self._entries[request_id]
             if entry.state is S.ADMITTED:
                 return self.move(request_id, S.FREE, reason)
             if entry.state in WAITING:
-                self.move(request_id, outcome, reason)
+                self.move(request_id, outcome, reason,
+                          keep_writes_open=keep_writes_open and not writer_stopped and self.cancel_confirm_timeout_s
+                          is not None)
             return self.move(request_id, S.FREE if writer_stopped else S.FENCED, reason)
+
+    def revoke_writes(self, request_id: str) -> LedgerEntry | None:
+        """Closes a fenced entry's writes kept open for its prefiller's confirmation (its
+        `cancel_confirm_timeout_s` passed, or its prefiller is gone); the fence then runs to
+        `fence_timeout_s` after FENCED, as for an entry closed at once. The entry, or None
+        where nothing was open (or it is unknown)."""
+        with self._lock:
+            entry = self._entries.get(request_id)
+            if entry is None or not entry.writes_open:
+                return None
+            entry.writes_open = False
+            self._close_writes(request_id)
+            if entry.deadline_setting is DeadlineSetting.CANCEL_CONFIRM:
+                entry.deadline, entry.deadline_setting = entry.fence_ends_at, DeadlineSetting.FENCE
+            return entry
 
     def writer_stopped(self, request_id: str) -> LedgerEntry | None:
         """The prefiller confirmed none of its writes can land: an ended entry goes to FREE.
@@ -310,6 +377,7 @@ class ReservationLedger:
             entry = self._entries.get(request_id)
             if entry is None or entry.state is not S.FENCED:
                 return None
+            self.revoke_writes(request_id)  # the grace below counts from the revoke
             cut = self._clock() + fence_s
             assert entry.deadline is not None
             if cut < entry.deadline:

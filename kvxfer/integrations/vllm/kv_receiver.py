@@ -7,7 +7,8 @@ the builtin decoder's state machine; docs/architecture.md, "Reservation states")
     RESERVED --first write counted--> RECEIVING
     RESERVED | RECEIVING --every expected page landed and checked--> ADMITTED
         |--load_timeout_s passed, or load_stall_timeout_s without a new write, a failed
-        |  check, or vLLM aborted the request--> FAILED | CANCELLED --> FENCED (cancel sent)
+        |  check, or vLLM aborted the request--> FAILED | CANCELLED --> FENCED (cancel sent,
+        |  registration kept open for the prefiller's word, cancel_confirm_timeout_s at most)
         |--the prefiller's abort (no write in flight)--> FAILED --> FREE
     FENCED --prefiller confirms stopped, or fence_timeout_s passed--> FREE
     ADMITTED --reported to vLLM--> FREE
@@ -58,9 +59,16 @@ of an earlier holder never counts.
 With `kv_registration: per_reservation` (the default) a load hands its prefiller a
 registration of its own blocks only, with fresh random keys, and credits its immediate only
 from the prefiller it names (where the provider can tell a sender). Both are revoked the
-moment the load stops waiting (leaves RESERVED/RECEIVING): a stolen descriptor writes
-nothing outside the load's blocks, and nothing at all once the load was admitted,
-cancelled or timed out.
+moment the load is admitted or its prefiller is known to have stopped or be gone; a load
+this decoder cancels (a deadline, vLLM's abort, a failed check, a failed sibling part)
+keeps them until its prefiller confirms that none of its writes is in flight, or
+`cancel_confirm_timeout_s` passes (then revoked, and fenced to fence_timeout_s as before).
+Revoking under a write still queued would make the net provider drop the whole connection
+at that write's header, failing every write queued behind it to this decoder, other
+loads' too; its blocks stay reserved meanwhile, so a late write lands only in them, and
+its immediate counts toward nothing (forgotten at FENCED, released before FREE). A stolen
+descriptor writes nothing outside the load's blocks, and nothing at all once the load was
+reported.
 
 A prefiller that died is noticed in milliseconds, not at load_stall_timeout_s plus
 fence_timeout_s. Where the load names the prefiller's liveness port (`LoadSpec.
@@ -255,6 +263,7 @@ class KVReceiver:
         self.ledger = ReservationLedger(
             self.pages, settings.max_concurrent_loads, reservation_ttl_s=settings.load_timeout_s,
             fence_timeout_s=settings.fence_timeout_s, stall_timeout_s=settings.load_stall_timeout_s,
+            cancel_confirm_timeout_s=settings.cancel_confirm_bound_s,
             forget_imm=engine.reset_imm, close_writes=self._close_writes,
         )
         self._loads: dict[str, list[DecodeLoad]] = {}  # request id -> its parts (one per prefill rank)
@@ -381,11 +390,15 @@ class KVReceiver:
 
     def _to_fencing(self, load: DecodeLoad, reason_label: str, why: str, send_cancel: bool = True,
                     outcome: Res = Res.FAILED) -> None:
-        """A waiting part ends without knowing that its writer stopped: FENCED (its scope
-        revoked), and the prefiller asked to confirm."""
+        """A waiting part ends without knowing that its writer stopped: FENCED, and the
+        prefiller asked to confirm. With a cancel sent its scope stays open until that word
+        (or cancel_confirm_timeout_s, or the prefiller is gone): revoking under one of its
+        writes still queued would drop the whole connection to it, failing other loads'
+        writes queued behind (the ledger's module). Without one (a gone prefiller) it is
+        revoked at once."""
         res = load.reservation
         assert res is not None and load.entry is not None
-        self.ledger.end(load.entry.request_id, outcome, writer_stopped=False, reason=why)
+        self.ledger.end(load.entry.request_id, outcome, writer_stopped=False, reason=why, keep_writes_open=send_cancel)
         self.metrics.failures.labels(side="decode", reason=reason_label).inc()
         log.warning("transfer %s (request %s): %s; waiting for the prefiller to confirm no write is in flight",
                     load.spec.transfer_id, load.spec.request_id, why)
@@ -396,6 +409,7 @@ class KVReceiver:
             load.cancel_sent_at = time.monotonic()
         except Exception as exc:  # a dead prefiller: the fence deadline covers it
             log.info("transfer %s: cancel not delivered: %s", load.spec.transfer_id, exc)
+            self.ledger.revoke_writes(load.entry.request_id)  # no word will come
 
     def _fail(self, load: DecodeLoad, reason_label: str, why: str) -> None:
         """A waiting part ends and no write for it can land (its prefiller stopped, or never
@@ -524,6 +538,7 @@ class KVReceiver:
                 if load.state in WAITING and load.reservation is not None:
                     self._to_fencing(load, "prefiller_gone", why, send_cancel=False)  # revokes its scope
                 if load.state is Res.FENCED:
+                    self.ledger.revoke_writes(load.entry.request_id)  # one kept open for a cancel's word
                     fenced.append(load)
         # Only after every revoke: an op on a connection opened after the sever is refused.
         severed = bool(fenced) and self.settings.kv_registration == "per_reservation" and self._sever(address)
@@ -680,6 +695,12 @@ class KVReceiver:
                 self._shorten_fence(load)
             elif load.cancel_sent.done():
                 load.cancel_sent = None
+        if load.state is Res.FENCED and entry.deadline_setting is DeadlineSetting.CANCEL_CONFIRM \
+                and entry.deadline is not None and now > entry.deadline:
+            self.ledger.revoke_writes(entry.request_id)  # the fence goes on to fence_timeout_s
+            log.info("transfer %s: the prefiller did not confirm the cancel within cancel_confirm_timeout_s=%s: "
+                     "registration revoked, blocks fenced to fence_timeout_s=%s", load.spec.transfer_id,
+                     self.settings.cancel_confirm_bound_s, self.settings.fence_timeout_s)
         if load.state is Res.FENCED and entry.deadline is not None and now > entry.deadline:
             if entry.writer_gone and load.writer_severed:
                 self._free_severed(load)

@@ -57,6 +57,16 @@ class ConnectorSettings(BaseModel):
     fence_timeout_s: float = Field(
         15.0, gt=0, description="after a failure, how long the decoder keeps the blocks without the "
         "prefiller's word that none of its writes can still land; must exceed transfer_timeout_s")
+    cancel_confirm_timeout_s: float = Field(
+        10.0, ge=0, description="after the decoder cancels a load (a stall, a deadline, vLLM's abort), how long the "
+        "load's registration stays open for the prefiller's word that none of its writes is in flight; revoked "
+        "then, or at that word, and the blocks fenced to fence_timeout_s as before. Revoking under a live write is "
+        "what this avoids: libfabric's net provider refuses the next op with a revoked key by dropping the whole "
+        "connection, so every write queued behind it to this decoder, other loads' too, fails. A live prefiller "
+        "answers once its writes of the load drained (within a layer of its compute), and each of those completes "
+        "or fails within its transfer_timeout_s (10 s by default), hence 10 s. It leaves dead_prefiller_fence_s of "
+        "fence_timeout_s after it, for the rest of an op under way at the revoke: the default is cut to "
+        "fence_timeout_s - dead_prefiller_fence_s where that is shorter; a value set above it is an error")
     max_concurrent_loads: int = Field(256, ge=1, le=4096, description="reservations in flight at once")
     prefiller_probe_after_s: float = Field(
         0.5, gt=0, description="a reservation that sees no new write for this long gets its prefiller probed (one "
@@ -162,6 +172,12 @@ class ConnectorSettings(BaseModel):
         "the pusher and receiver call (tests and failure drills plug in here, docs/architecture.md); empty: none")
     hooks_config: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the hooks' callable")
 
+    @property
+    def cancel_confirm_bound_s(self) -> float:
+        """How long a cancelled load's registration waits for the prefiller's word:
+        cancel_confirm_timeout_s, cut so that dead_prefiller_fence_s of the fence is left after it."""
+        return max(0.0, min(self.cancel_confirm_timeout_s, self.fence_timeout_s - self.dead_prefiller_fence_s))
+
     @classmethod
     def from_extra_config(cls, extra: Any) -> ConnectorSettings:
         """Parses `kv_connector_extra_config` (unknown keys are an error, so a typo is not ignored)."""
@@ -174,4 +190,10 @@ class ConnectorSettings(BaseModel):
             raise ConnectorConfigError(
                 f"fence_timeout_s ({settings.fence_timeout_s}) must exceed transfer_timeout_s "
                 f"({settings.transfer_timeout_s}): a write posted before the fence could still land after it")
+        if "cancel_confirm_timeout_s" in settings.model_fields_set and \
+                settings.cancel_confirm_timeout_s + settings.dead_prefiller_fence_s > settings.fence_timeout_s:
+            raise ConnectorConfigError(
+                f"cancel_confirm_timeout_s ({settings.cancel_confirm_timeout_s}) + dead_prefiller_fence_s "
+                f"({settings.dead_prefiller_fence_s}) must not exceed fence_timeout_s ({settings.fence_timeout_s}): "
+                "the rest of an op under way at the revoke may still land after it")
         return settings
