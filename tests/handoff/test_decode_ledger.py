@@ -264,3 +264,73 @@ def test_any_page_source_is_driven_through_the_same_transitions() -> None:
     ledger.writer_stopped("fenced")
     assert pages.calls == [("reserve", "admitted"), ("reserve", "fenced"), ("free", "admitted"),
                            ("release_after_quiesce", "fenced"), ("confirm_quiesced", "fenced")]
+
+
+CONFIRM_S = 5.0
+
+
+def make_confirming() -> tuple[ReservationLedger, Clock, list[str], list[str]]:
+    """A ledger that keeps a cancelled entry's writes open for CONFIRM_S; what it closed and
+    what its page source freed, in order, in one list each."""
+    clock = Clock()
+    closed: list[str] = []
+    events: list[str] = []
+
+    class Pages(PageAllocator):
+        def confirm_quiesced(self, request_id: str) -> None:
+            events.append(f"free {request_id}")
+            super().confirm_quiesced(request_id)
+
+    ledger = ReservationLedger(Pages(64, 16), 4, reservation_ttl_s=TTL_S, fence_timeout_s=FENCE_S,
+                               cancel_confirm_timeout_s=CONFIRM_S, clock=clock,
+                               close_writes=lambda rid: (closed.append(rid), events.append(f"close {rid}")))
+    return ledger, clock, closed, events
+
+
+def test_a_cancel_kept_open_closes_its_writes_at_the_confirmation_just_before_its_pages_go_back() -> None:
+    ledger, clock, closed, events = make_confirming()
+    ledger.open("r", 32)
+    entry = ledger.end("r", S.CANCELLED, writer_stopped=False, keep_writes_open=True)
+    assert entry.state is S.FENCED and entry.writes_open and closed == []
+    assert (entry.deadline, entry.deadline_setting) == (100.0 + CONFIRM_S, DeadlineSetting.CANCEL_CONFIRM)
+    clock.now += 1
+    ledger.writer_stopped("r")
+    assert events == ["close r", "free r"]
+
+
+def test_a_cancel_never_confirmed_is_closed_at_its_bound_and_fenced_to_the_fence_timeout() -> None:
+    ledger, clock, closed, events = make_confirming()
+    ledger.open("r", 32)
+    entry = ledger.end("r", S.FAILED, writer_stopped=False, keep_writes_open=True)
+    clock.now += CONFIRM_S + 0.1
+    assert ledger.due() == [entry]
+    assert ledger.revoke_writes("r") is entry and closed == ["r"]
+    assert (entry.deadline, entry.deadline_setting) == (100.0 + FENCE_S, DeadlineSetting.FENCE)
+    assert ledger.revoke_writes("r") is None  # once only
+    clock.now = 100.0 + FENCE_S
+    ledger.move("r", S.FREE)
+    assert closed == ["r"] and events == ["close r", "free r"]
+
+
+def test_a_gone_writer_closes_writes_kept_open_before_its_short_fence_starts() -> None:
+    ledger, clock, closed, _ = make_confirming()
+    ledger.open("r", 32)
+    ledger.end("r", S.CANCELLED, writer_stopped=False, keep_writes_open=True)
+    clock.now += 1
+    entry = ledger.writer_gone("r", 0.5)
+    assert entry is not None and closed == ["r"] and not entry.writes_open
+    assert (entry.deadline, entry.deadline_setting) == (101.5, DeadlineSetting.WRITER_GONE)
+
+
+def test_writes_are_kept_open_only_where_a_bound_is_set_and_the_writer_may_still_write() -> None:
+    ledger, _, closed, _ = make_confirming()
+    ledger.open("stopped", 32)
+    assert ledger.end("stopped", S.FAILED, writer_stopped=True, keep_writes_open=True).state is S.FREE
+    assert closed == ["stopped"]  # the prefiller's word came first: nothing to wait for
+    plain, _, _, _ = make()
+    plain.open("r", 32)
+    with pytest.raises(ValueError, match="cancel_confirm_timeout_s"):
+        plain.move("r", S.CANCELLED, keep_writes_open=True)
+    with pytest.raises(ValueError, match="cancel_confirm_timeout_s"):
+        ReservationLedger(PageAllocator(64, 16), 4, reservation_ttl_s=TTL_S, fence_timeout_s=FENCE_S,
+                          cancel_confirm_timeout_s=FENCE_S + 1)
