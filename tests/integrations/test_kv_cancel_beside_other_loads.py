@@ -37,7 +37,7 @@ from kvxfer.handoff.push_state import PushState  # noqa: E402
 from kvxfer.handoff.reservation_state import ReservationState as Res  # noqa: E402
 from kvxfer.integrations.vllm.kv_receiver import DecodeLoad  # noqa: E402
 from kvxfer.integrations.vllm.metadata import KvxferStepMetadata, LoadSpec, PushSpec  # noqa: E402
-from kvxfer.integrations.vllm.settings import ConnectorSettings  # noqa: E402
+from kvxfer.integrations.vllm.settings import ConnectorConfigError, ConnectorSettings  # noqa: E402
 from kvxfer.integrations.vllm.worker_side import WorkerSide  # noqa: E402
 from kvxfer.kv.protocol import decode_reservation_message  # noqa: E402
 from kvxfer.transfer.engine import TransferEngine, available_providers  # noqa: E402
@@ -205,3 +205,13 @@ def _assert_revoked(engine: TransferEngine, load: DecodeLoad) -> None:
         source = outsider.register(np.zeros(1 << 16, dtype=np.uint8))
         with pytest.raises(TransferError):
             outsider.write(source, 0, load.reservation.descriptor, 0, 1 << 16).wait(10)
+
+
+def test_the_confirm_bound_leaves_the_dead_prefiller_grace_inside_the_fence() -> None:
+    # The default (10 s) is cut where the fence is short; a value set above it is refused.
+    short = ConnectorSettings.from_extra_config({"transfer_timeout_s": 2.0, "fence_timeout_s": 3.0})
+    assert short.cancel_confirm_bound_s == 3.0 - short.dead_prefiller_fence_s
+    assert ConnectorSettings().cancel_confirm_bound_s == 10.0
+    with pytest.raises(ConnectorConfigError, match="cancel_confirm_timeout_s"):
+        ConnectorSettings.from_extra_config({"transfer_timeout_s": 2.0, "fence_timeout_s": 3.0,
+                                             "cancel_confirm_timeout_s": 2.5})
