@@ -1,11 +1,15 @@
 """A decode worker half whose prefiller process dies frees the load's blocks in seconds, not
-at load_stall_timeout_s plus fence_timeout_s; one whose prefiller is only frozen keeps the
-full fence. The prefiller is a real process holding a real engine (it takes the reservation
-and pushes nothing), SIGKILLed or SIGSTOPped once the reservation reached it; the decoder is
-the connector's `KVReceiver` over a vLLM-laid-out cache, polled as vLLM's worker would."""
+at load_stall_timeout_s plus fence_timeout_s, where the death is proven; one whose prefiller
+is only frozen keeps the full fence. The prefiller is a real process holding a real engine
+(it takes the reservation and pushes nothing), SIGKILLed or SIGSTOPped once the reservation
+reached it; the decoder is the connector's `KVReceiver` over a vLLM-laid-out cache, polled
+as vLLM's worker would. Without a liveness port the probes judge: a late probe proves
+nothing by itself, so a killed prefiller is freed at once only with the same-host proof
+(every thread of its process exiting), and otherwise keeps the regular fence."""
 
 from __future__ import annotations
 
+import logging
 import signal
 import time
 from collections.abc import Iterator
@@ -19,22 +23,47 @@ from support.silent_prefiller import SilentPrefiller  # noqa: E402
 from support.vllm_kv_caches import attention_spec, vllm_cache  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
+from kvxfer.handoff.reservation_state import ReservationState as Res  # noqa: E402
 from kvxfer.integrations.vllm.kv_receiver import KVReceiver  # noqa: E402
 from kvxfer.integrations.vllm.metadata import LoadSpec  # noqa: E402
 from kvxfer.integrations.vllm.settings import ConnectorSettings  # noqa: E402
 from kvxfer.transfer.engine import TransferEngine, available_providers  # noqa: E402
 
 PROVIDER = "net" if "net" in available_providers() else "tcp"
-#: The old code needed load_stall_timeout_s (30 s) plus fence_timeout_s (15 s); the new one
-#: prefiller_probe_after_s + prefiller_probe_timeout_s + dead_prefiller_fence_s (under 3 s).
+#: Without the probes a dead prefiller's load waits load_stall_timeout_s (30 s) plus
+#: fence_timeout_s (15 s); with the same-host proof prefiller_probe_after_s +
+#: prefiller_probe_timeout_s (2.5 s), then it is freed at once.
 FREED_WITHIN_S = 5.0
 #: How long the frozen prefiller's load is watched: longer than the dead one's whole path.
 FROZEN_WATCH_S = 4.0
 STARTUP_DEADLINE_S = 30.0
+#: Settings that end the unproven path soon: a late probe, then the regular fence (short here).
+SHORT_FENCE = dict(prefiller_probe_after_s=0.2, prefiller_probe_timeout_s=0.5, transfer_timeout_s=0.5,
+                   fence_timeout_s=1.5)
 
 @pytest.fixture
 def prefiller() -> Iterator[SilentPrefiller]:
     pf = SilentPrefiller(PROVIDER, wait_s=STARTUP_DEADLINE_S)
+    try:
+        yield pf
+    finally:
+        pf.stop()
+
+
+@pytest.fixture(scope="module")
+def same_host_decoder() -> Iterator[TransferEngine]:
+    """A decoder engine that offers the same-host path (so it pins a same-host prefiller's
+    process and can prove its death), for this module."""
+    engine = TransferEngine(PROVIDER, same_host=True, bind_host="127.0.0.1", imm_admission="claimed")
+    try:
+        yield engine
+    finally:
+        engine.close()
+
+
+@pytest.fixture
+def same_host_prefiller() -> Iterator[SilentPrefiller]:
+    pf = SilentPrefiller(PROVIDER, wait_s=STARTUP_DEADLINE_S, same_host=True)
     try:
         yield pf
     finally:
@@ -67,25 +96,55 @@ def _poll_until_finished(receiver: KVReceiver, request: str, within_s: float) ->
     return set(), time.monotonic() - start
 
 
-def test_a_killed_prefillers_load_fails_and_frees_its_blocks_within_seconds(
-        decoder_engine: TransferEngine, prefiller: SilentPrefiller) -> None:
-    proc, address = prefiller.proc, prefiller.address
-    receiver = _reserve(decoder_engine, address, ConnectorSettings(provider=PROVIDER), "killed")
+def test_a_killed_same_host_prefillers_late_probe_proves_it_gone_and_frees_its_blocks_at_once(
+        same_host_decoder: TransferEngine, same_host_prefiller: SilentPrefiller,
+        caplog: pytest.LogCaptureFixture) -> None:
+    proc, address = same_host_prefiller.proc, same_host_prefiller.address
+    receiver = _reserve(same_host_decoder, address, ConnectorSettings(provider=PROVIDER), "killed")
+    caplog.set_level(logging.INFO, logger="kvxfer")
     proc.kill()
     proc.wait(timeout=STARTUP_DEADLINE_S)
     reported, took = _poll_until_finished(receiver, "d-killed", FREED_WITHIN_S)
     assert reported == {"finished", "d-killed"}, f"not reported failed within {FREED_WITHIN_S} s"
     assert receiver.pending == 0  # reported, so vLLM frees its blocks
+    freed = [r.getMessage() for r in caplog.records if "(request d-killed)" in r.getMessage()]
+    assert freed and "prefiller_probe_timeout_s" in freed[-1] and "no byte of it can land" in freed[-1], freed
 
 
-def test_a_load_reserved_at_an_already_killed_prefiller_fails_within_seconds(
+def test_a_killed_prefiller_without_proof_fails_at_the_late_probe_and_keeps_the_regular_fence(
+        decoder_engine: TransferEngine, prefiller: SilentPrefiller, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    proc, address = prefiller.proc, prefiller.address
+    severed: list[bytes] = []
+    monkeypatch.setattr(decoder_engine, "sever_peer", lambda peer: severed.append(peer) or False)
+    settings = ConnectorSettings(provider=PROVIDER, **SHORT_FENCE)
+    receiver = _reserve(decoder_engine, address, settings, "unproven")
+    proc.kill()
+    proc.wait(timeout=STARTUP_DEADLINE_S)
+    (load,) = receiver._loads["d-unproven"]
+    end = time.monotonic() + FREED_WITHIN_S
+    while load.state is not Res.FENCED and time.monotonic() < end:
+        receiver.poll(set())
+        time.sleep(0.01)
+    assert load.state is Res.FENCED and "prefiller_probe_timeout_s" in load.reason, load.reason
+    assert load.entry is not None and not load.entry.writer_gone  # the regular fence, not dead_prefiller_fence_s
+    caplog.set_level(logging.INFO, logger="kvxfer")
+    reported, _ = _poll_until_finished(receiver, "d-unproven", FREED_WITHIN_S)
+    assert reported == {"finished", "d-unproven"}, f"not freed at fence_timeout_s within {FREED_WITHIN_S} s"
+    freed = [r.getMessage() for r in caplog.records if "(request d-unproven)" in r.getMessage()]
+    assert freed and "fence_timeout_s=1.5 passed" in freed[-1], freed
+    assert severed == []
+
+
+def test_a_load_reserved_at_an_already_killed_prefiller_fails_at_the_late_probe(
         decoder_engine: TransferEngine, prefiller: SilentPrefiller) -> None:
     proc, address = prefiller.proc, prefiller.address
     decoder_engine.send(address, b"hello").wait(STARTUP_DEADLINE_S)  # connected, as after an earlier hand-off
     proc.kill()
     proc.wait(timeout=STARTUP_DEADLINE_S)
     cache = vllm_cache(KVCacheLayout.LBHNC, attention_spec(), 8, seed=7)
-    receiver = decode_half(decoder_engine, cache.region, ConnectorSettings(provider=PROVIDER), staged=False)
+    settings = ConnectorSettings(provider=PROVIDER, **SHORT_FENCE)
+    receiver = decode_half(decoder_engine, cache.region, settings, staged=False)
     receiver.start(LoadSpec("d-dead", "dead", address, [1, 2, 3], 0))
     reported, _ = _poll_until_finished(receiver, "d-dead", FREED_WITHIN_S)
     assert reported == {"finished", "d-dead"}, f"not reported failed within {FREED_WITHIN_S} s"

@@ -30,6 +30,7 @@ import pytest
 pytest.importorskip("vllm", reason="the vllm extra is not installed")
 
 from support.connector_halves import decode_half  # noqa: E402
+from support.late_probes import hold_back_probes, watch_severs  # noqa: E402
 from support.silent_prefiller import SilentPrefiller  # noqa: E402
 from support.vllm_kv_caches import attention_spec, vllm_cache  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
@@ -54,6 +55,8 @@ UNPROVEN_FENCE_S = 5.0
 #: Bounds of the waits below (generous: the machine is shared); none is a speed assertion.
 REPORTED_WITHIN_S = 10.0
 FROZEN_WATCH_S = 2.0
+#: How long a load is watched while its probes are held back: several probe timeouts.
+LATE_PROBES_WATCH_S = 1.0
 STARTUP_DEADLINE_S = 30.0
 #: The flooded listener's bound, and the connections the flood opens.
 MAX_HELD, FLOOD = 8, 200
@@ -190,6 +193,32 @@ def test_a_frozen_prefiller_is_not_declared_gone_by_its_liveness_connection(
     assert not _fenced_because(caplog, "frozen")
 
 
+def test_a_late_probe_of_a_prefiller_whose_liveness_connection_is_held_fails_nothing_and_its_kill_frees_at_once(
+        decoder_engine: TransferEngine, prefiller: SilentPrefiller, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Probes soon, every one held back (a starved host): the held liveness connection says
+    # the prefiller is alive, so no late probe fails its silent load, and none severs.
+    settings = ConnectorSettings(provider=PROVIDER, prefiller_probe_after_s=0.1, prefiller_probe_timeout_s=0.2,
+                                 dead_prefiller_fence_s=FENCE_OUT_OF_REACH_S)
+    receiver = _reserve(decoder_engine, prefiller.address, prefiller.liveness, settings, "late")
+    assert receiver._liveness.phase(prefiller.liveness) == "held"
+    probes_held = hold_back_probes(decoder_engine, monkeypatch)
+    severed = watch_severs(decoder_engine, monkeypatch)
+    reported = _poll_until_finished(receiver, "d-late", LATE_PROBES_WATCH_S)
+    assert not reported and not receiver.failure("d-late"), receiver.failure("d-late")
+    assert probes_held and time.monotonic() - probes_held[0] > 2 * settings.prefiller_probe_timeout_s
+    assert severed == []
+    # Killed, it is still gone in milliseconds (its liveness connection), and freed at once (severed).
+    caplog.set_level(logging.INFO, logger="kvxfer")
+    prefiller.signal_group(signal.SIGKILL)
+    prefiller.proc.wait(timeout=STARTUP_DEADLINE_S)
+    reported = _poll_until_finished(receiver, "d-late", REPORTED_WITHIN_S)
+    assert reported == {"finished", "d-late"}
+    assert severed == [prefiller.address]
+    freed = [r.getMessage() for r in caplog.records if "(request d-late)" in r.getMessage()]
+    assert freed and "its liveness connection was" in freed[-1] and "no byte of it can land" in freed[-1], freed
+
+
 def test_a_liveness_address_without_a_signal_leaves_the_probes_in_charge(
         decoder_engine: TransferEngine, prefiller: SilentPrefiller, caplog: pytest.LogCaptureFixture) -> None:
     proc, address = prefiller.proc, prefiller.address
@@ -197,8 +226,10 @@ def test_a_liveness_address_without_a_signal_leaves_the_probes_in_charge(
     mute = socket.create_server(("127.0.0.1", 0), backlog=4)
     try:
         mute_address = f"127.0.0.1:{mute.getsockname()[1]}"
+        # The probe's timeout without a proof fails the load with the regular fence (short here).
         settings = ConnectorSettings(provider=PROVIDER, liveness_connect_timeout_s=0.2,
-                                     prefiller_probe_after_s=0.2, prefiller_probe_timeout_s=0.5)
+                                     prefiller_probe_after_s=0.2, prefiller_probe_timeout_s=0.5,
+                                     transfer_timeout_s=0.5, fence_timeout_s=1.5)
         receiver = _reserve(decoder_engine, address, mute_address, settings, "mute")
         assert receiver._liveness.phase(mute_address) == "no_signal"
         caplog.set_level(logging.INFO, logger="kvxfer")
@@ -208,7 +239,7 @@ def test_a_liveness_address_without_a_signal_leaves_the_probes_in_charge(
     finally:
         mute.close()
     assert reported == {"finished", "d-mute"}
-    why = _fenced_because(caplog, "mute")
+    why = [r.getMessage() for r in caplog.records if "transfer mute " in r.getMessage()]
     assert why and "prefiller_probe_timeout_s" in why[0], why
 
 

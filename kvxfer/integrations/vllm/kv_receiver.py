@@ -79,12 +79,28 @@ so its EOF or reset (or a refused connect) means the process is gone; a frozen p
 keeps it open. Where that gives no signal (no address, a connect or the listener's HELD
 byte not there within liveness_connect_timeout_s, TP prefillers), the probes remain: a load
 with no new write for `prefiller_probe_after_s` gets its prefiller probed (one probe
-message in flight per prefiller address, however many loads wait on it), and a probe, or a
-cancel, that fails as unreachable or is not delivered within `prefiller_probe_timeout_s`
-means the process is gone (over the net provider a message to a killed process is neither
-delivered nor failed, so that path takes the whole timeout). Either way every load on it
-is fenced, and with per_reservation registration freed after `dead_prefiller_fence_s`,
-not fence_timeout_s. No new write for it can start any more: the process that could post
+message in flight per prefiller address, however many loads wait on it; its reservation
+not delivered yet included), and a probe, or a cancel, that fails as unreachable (refused,
+reset) means the process is gone. Either way every load on it is fenced, and with
+per_reservation registration freed after `dead_prefiller_fence_s`, not fence_timeout_s.
+
+A probe not delivered within `prefiller_probe_timeout_s` is not such a proof: under CPU
+overload a live prefiller's probe once took longer, and declaring it gone severed its
+connections and cut the other loads it was serving. So a late probe (`_probe_overdue`)
+never severs. Where the prefiller is visibly alive (a write of it counted since the probe
+was sent, or its liveness connection held) it changes nothing. Where it is proven gone (a
+pinned same-host writer whose threads are all exiting) it is a gone prefiller as above.
+Otherwise its loads silent since before the probe fail, decided deliberately with the
+regular fence: a cancel is sent, and the blocks are freed on the prefiller's word or after
+fence_timeout_s, which a live prefiller's own transfer_timeout_s is shorter than; not after
+dead_prefiller_fence_s, whose grace assumes a dead writer and, without a sever, a link's
+worth of bytes in flight. Over the net provider a message to a killed process is neither
+delivered nor failed, so a killed prefiller without a liveness signal (TP prefillers) and
+without the same-host proof now keeps its blocks for fence_timeout_s after the probe's
+timeout (the trade: a false "gone" costs other loads' data, a late "gone" only blocks).
+A cancel not delivered in time proves nothing either: its load keeps its fence.
+
+No new write for a gone prefiller can start any more: the process that could post
 one is gone, and the load's registration was revoked when it stopped waiting, by the
 engine's progress thread (the fabric domain's owner) before the revoke returned, so an op
 whose header arrives after that is refused (and its connection cut). The op already under
@@ -441,13 +457,12 @@ class KVReceiver:
             log.info("probing a prefiller failed: %s", exc)
             self._probes[address] = (None, now)
 
-    def _gone(self, sent: Transfer, sent_at: float, now: float) -> str:
-        """Why the peer `sent` went to is gone ("" while it may be alive): the message
-        failed as unreachable, or is not delivered within prefiller_probe_timeout_s."""
+    def _gone(self, sent: Transfer) -> str:
+        """Why the peer `sent` went to is proven gone ("" while it may be alive): the message
+        failed as unreachable (refused, reset: nothing holds its end any more). A message
+        not delivered yet proves nothing, however late: a starved host delays a live peer's
+        too (`_probe_overdue` judges a late probe)."""
         if not sent.done():
-            if now - sent_at > self.settings.prefiller_probe_timeout_s:
-                return f"a message to it was not delivered within prefiller_probe_timeout_s=" \
-                       f"{self.settings.prefiller_probe_timeout_s}"
             return ""
         try:
             sent.wait(0)
@@ -457,18 +472,58 @@ class KVReceiver:
         return ""
 
     def _check_probes(self, now: float) -> None:
-        """Ends the probes whose outcome is known; a gone prefiller fails its loads."""
+        """Ends the probes whose outcome is known: a prefiller proven gone fails its loads;
+        a probe not delivered within prefiller_probe_timeout_s goes to `_probe_overdue`."""
         for address, (probe, sent_at) in list(self._probes.items()):
             if probe is None:
                 if now - sent_at >= self.settings.prefiller_probe_after_s:
                     del self._probes[address]  # no longer paces anything: forget the prefiller
                 continue
-            gone = self._gone(probe, sent_at, now)
+            gone = self._gone(probe)
             if gone:
                 del self._probes[address]
                 self._prefiller_gone(address, f"the prefiller process is gone: {gone}", now)
             elif probe.done():
                 self._probes[address] = (None, sent_at)
+            elif now - sent_at > self.settings.prefiller_probe_timeout_s:
+                self._probe_overdue(address, probe, sent_at, now)
+
+    def _probe_overdue(self, address: bytes, probe: Transfer, sent_at: float, now: float) -> None:
+        """The probe sent to `address` at `sent_at` is not delivered within
+        prefiller_probe_timeout_s. That alone proves nothing (a starved host's kernel or
+        progress thread delays a live prefiller's too), so it never severs:
+        - the prefiller is visibly alive (a write of it counted since the probe was sent, or
+          its liveness connection held): nothing happens, the probe is awaited from now on;
+        - it is proven gone (a pinned same-host writer whose threads are all exiting): as
+          any gone prefiller (`_prefiller_gone`: its loads fenced, its connections severed);
+        - otherwise its loads silent since before the probe fail with the regular fence
+          (cancel sent, fence_timeout_s, freed early on the prefiller's word): no sever
+          proves that nothing of it lands, and a live prefiller posts nothing after its
+          transfer_timeout_s, which is shorter."""
+        loads = [(ld, ld.entry) for parts in self._loads.values() for ld in parts
+                 if ld.spec.prefill_engine == address and ld.entry is not None]
+        for load, entry in loads:  # count what landed since the last poll: this poll counts later
+            if load.state in WAITING and load.reservation is not None:
+                self.ledger.progress(entry.request_id, self.engine.imm_count(load.reservation.imm))
+        why = f"a probe was not delivered within prefiller_probe_timeout_s={self.settings.prefiller_probe_timeout_s}"
+        alive = next(("a write of it landed since the probe was sent" for _, entry in loads
+                      if entry.progress_at > sent_at), "") or \
+            next(("its liveness connection is held" for load, _ in loads if load.spec.prefill_liveness
+                  and self._liveness.phase(load.spec.prefill_liveness) == "held"), "")
+        if alive:
+            self._probes[address] = (probe, now)  # awaited on, its timeout counted from now
+            log.debug("%s, but the prefiller is alive (%s): not declared gone", why, alive)
+            return
+        self._probes[address] = (None, now)  # the next probe is paced as after a delivered one
+        if self._still_writing(address) == "":
+            self._prefiller_gone(address, f"the prefiller process is gone: {why}, and every thread of its "
+                                 f"process is exiting or gone", now)
+            return
+        for load, entry in loads:
+            if load.state in WAITING and load.reservation is not None and entry.progress_at <= sent_at:
+                self._to_fencing(load, "prefiller_unresponsive", f"the prefiller does not answer: {why}, and no "
+                                 f"write of it landed since; it may be alive, so no sever, and the load keeps "
+                                 f"fence_timeout_s={self.settings.fence_timeout_s}")
 
     def _check_liveness(self, now: float) -> None:
         """Fails the loads of each prefiller whose liveness connection closed (or refused);
@@ -663,11 +718,6 @@ class KVReceiver:
                 # It never reached the prefiller, so none of its writes can come: fail now,
                 # not at load_stall_timeout_s.
                 self._fail(load, "reservation_send_failed", f"the reservation did not reach the prefiller: {exc}")
-        if load.state in WAITING and load.sent is not None:
-            gone = self._gone(load.sent, load.sent_at, now)  # not delivered yet: is the prefiller there?
-            if gone:
-                load.sent = None
-                self._prefiller_gone(load.spec.prefill_engine, f"the prefiller process is gone: {gone}", now)
         if load.state in WAITING and res is not None:
             landed = self.engine.imm_count(res.imm)
             self.ledger.progress(entry.request_id, landed)  # progress: the prefiller is alive and pushing
@@ -685,10 +735,12 @@ class KVReceiver:
                 self._to_fencing(load, "load_stalled", f"no write landed for load_stall_timeout_s="
                                  f"{self.settings.load_stall_timeout_s} ({landed} of {res.expected_count} pages"
                                  f"{', no checksum table' if table_missing else ''})")
-            elif load.sent is None and now - entry.progress_at >= self.settings.prefiller_probe_after_s:
-                self._probe(load.spec.prefill_engine, now)  # silent for a while: is the prefiller still there?
+            elif now - entry.progress_at >= self.settings.prefiller_probe_after_s:
+                # Silent for a while (its reservation maybe not even delivered): is the
+                # prefiller still there? A late probe is judged in one place (_probe_overdue).
+                self._probe(load.spec.prefill_engine, now)
         if load.state is Res.FENCED and load.cancel_sent is not None:
-            gone = self._gone(load.cancel_sent, load.cancel_sent_at, now)
+            gone = self._gone(load.cancel_sent)  # proof only: a late cancel proves nothing
             if gone:
                 load.cancel_sent = None
                 log.info("transfer %s: the prefiller process is gone: %s", load.spec.transfer_id, gone)

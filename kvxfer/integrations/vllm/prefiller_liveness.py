@@ -1,8 +1,10 @@
 """A prefill process's death, told to its decoders by the kernel in milliseconds.
 
 The fabric does not say when a peer dies: over the `net` provider a message to a killed
-process is neither delivered nor failed (measured: a probe still pending after 5 s), so
-the probes of kv_receiver.py only conclude at `prefiller_probe_timeout_s`. A plain TCP
+process is neither delivered nor failed (measured: a probe still pending after 5 s), so a
+probe of kv_receiver.py only times out, and a timeout proves nothing (a starved live
+prefiller's probe is late too): it fails the silent loads with the regular fence and
+severs nothing. A plain TCP
 connection does: when a process dies, however it dies, its kernel closes its sockets, and
 the peer reads EOF (or a reset) as soon as it did.
 

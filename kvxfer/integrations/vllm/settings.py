@@ -70,13 +70,16 @@ class ConnectorSettings(BaseModel):
     max_concurrent_loads: int = Field(256, ge=1, le=4096, description="reservations in flight at once")
     prefiller_probe_after_s: float = Field(
         0.5, gt=0, description="a reservation that sees no new write for this long gets its prefiller probed (one "
-        "small message per prefiller in flight, again every this long while its loads stay silent): a probe not "
-        "delivered means the prefiller process is gone, and its loads fail without waiting for load_stall_timeout_s. "
-        "The fallback where the liveness connection gives no signal (prefiller_liveness.py)")
+        "small message per prefiller in flight, again every this long while its loads stay silent): one that fails as "
+        "unreachable means the prefiller process is gone, and its loads fail without waiting for load_stall_timeout_s; "
+        "one not delivered in time is judged by prefiller_probe_timeout_s. The fallback where the liveness connection "
+        "gives no signal (prefiller_liveness.py)")
     prefiller_probe_timeout_s: float = Field(
-        2.0, gt=0, description="a probe (or a cancel) not delivered by then, or failed as unreachable, means the "
-        "prefiller process is gone; a live process, even a frozen one, has its kernel take the bytes in well under "
-        "a millisecond on loopback (the margin is for the decoder's own progress thread on a starved host)")
+        2.0, gt=0, description="a probe not delivered by then proves nothing (a starved host delays a live "
+        "prefiller's too) and severs nothing: where no write of the prefiller landed since it was sent and its "
+        "liveness connection is not held, its silent loads fail with the regular fence (fence_timeout_s; "
+        "dead_prefiller_fence_s only where a pinned same-host prefiller is proven exiting). A live process, even a "
+        "frozen one, has its kernel take the bytes in well under a millisecond on loopback")
     dead_prefiller_fence_s: float = Field(
         1.0, ge=0, description="with kv_registration per_reservation, how long a load of a gone prefiller keeps its "
         "blocks after its registration was revoked (instead of fence_timeout_s), where severing the prefiller's "
