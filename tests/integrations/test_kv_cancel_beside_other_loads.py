@@ -130,7 +130,7 @@ def test_a_cancel_keeps_another_loads_writes_on_the_same_connection_and_frees_af
     prefill.get_finished({"p-a", "p-b"})  # the step ends; vLLM finished both on the prefill side
     while (freed_a is None or not b_done) and time.monotonic() < end:
         _, recving, failed = decode.get_finished(set())
-        assert "d-b" not in failed, f"load B failed: {decode.receiver.failure('d-b')}"
+        assert "d-b" not in failed, f"load B failed; its push's first failed write: {push_b.writes.first_error}"
         if "d-a" in recving:
             assert "d-a" not in failed  # vLLM's own abort: nothing to report failed
             # Freed on the prefiller's word: none of A's writes may be in flight any more.
