@@ -90,7 +90,8 @@ CONNECTOR_FAILURE_REASONS: dict[str, tuple[str, ...]] = {
     "prefill": ("push_failed", "layout_mismatch"),
     "decode": ("load_timeout", "load_stalled", "cancelled", "prefill_aborted", "fence_timeout",
                "no_slot", "reservation_send_failed", "registration_failed",
-               "no_landing_room", "landing_failed", "integrity")}
+               "no_landing_room", "landing_failed", "integrity", "prefiller_gone",
+               "prefiller_unresponsive", "part_failed", "tp_mismatch")}
 #: Why a vLLM connector dropped a control message (label `reason` of
 #: `kvxfer_connector_dropped_messages_total`).
 CONNECTOR_DROP_REASONS: tuple[str, ...] = (
