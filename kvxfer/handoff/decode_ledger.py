@@ -368,7 +368,8 @@ class ReservationLedger:
 
     def writer_gone(self, request_id: str, fence_s: float) -> LedgerEntry | None:
         """The prefiller process is gone (it can post nothing more, and the reservation's
-        registration is revoked): a FENCED entry's fence ends at most `fence_s` from now,
+        registration is revoked, here where it was kept open): a FENCED entry's fence ends
+        at most `fence_s` from now,
         the grace for the rest of the op under way at the revoke, which the revoke does not
         stop and the dead writer's kernel still sends; 0 where no connection of the writer
         is left after the revoke (`TransferEngine.sever_peer` proved it), so none of that op
