@@ -74,15 +74,21 @@ A prefiller that died is noticed in milliseconds, not at load_stall_timeout_s pl
 fence_timeout_s. Where the load names the prefiller's liveness port (`LoadSpec.
 prefill_liveness`, from its registry record through the router), the receiver holds one
 TCP connection to it while loads wait on that prefiller (prefiller_liveness.py) and looks
-at it, without blocking, on every poll: the kernel closes a dead process's sockets at once,
-so its EOF or reset (or a refused connect) means the process is gone; a frozen process
-keeps it open. Where that gives no signal (no address, a connect or the listener's HELD
-byte not there within liveness_connect_timeout_s, TP prefillers), the probes remain: a load
-with no new write for `prefiller_probe_after_s` gets its prefiller probed (one probe
-message in flight per prefiller address, however many loads wait on it; its reservation
-not delivered yet included), and a probe, or a cancel, that fails as unreachable (refused,
-reset) means the process is gone. Either way every load on it is fenced, and with
-per_reservation registration freed after `dead_prefiller_fence_s`, not fence_timeout_s.
+at it, without blocking, on every poll: the kernel closes a dead process's sockets at
+once, so its EOF or reset (or a refused connect) means the process is gone; a frozen
+process keeps it open. Under tensor parallelism only prefill rank 0 binds the port, and
+every part of a load, also one drawn from rank s>0, names it (worker_side.py): it stands
+for the prefill instance, which cannot serve once any rank died (vLLM's engine core shuts
+every worker down, rank 0 with them), so its EOF declares gone every prefill rank address
+that loads naming it wait on, each revoked and severed as below; whether rank s is dead
+yet does not matter, since after that no byte of it can land. Where that gives no signal
+(no address, a connect or the listener's HELD byte not there within
+liveness_connect_timeout_s), the probes remain: a load with no new write for
+`prefiller_probe_after_s` gets its prefiller probed (one probe message in flight per
+prefiller address, however many loads wait on it; its reservation not delivered yet
+included), and a probe, or a cancel, that fails as unreachable (refused, reset) means the
+process is gone. Either way every load on it is fenced, and with per_reservation
+registration freed after `dead_prefiller_fence_s`, not fence_timeout_s.
 
 A probe not delivered within `prefiller_probe_timeout_s` is not such a proof: under CPU
 overload a live prefiller's probe once took longer, and declaring it gone severed its
@@ -92,13 +98,14 @@ was sent, or its liveness connection held) it changes nothing. Where it is prove
 pinned same-host writer whose threads are all exiting) it is a gone prefiller as above.
 Otherwise its loads silent since before the probe fail, decided deliberately with the
 regular fence: a cancel is sent, and the blocks are freed on the prefiller's word or after
-fence_timeout_s, which a live prefiller's own transfer_timeout_s is shorter than; not after
-dead_prefiller_fence_s, whose grace assumes a dead writer and, without a sever, a link's
-worth of bytes in flight. Over the net provider a message to a killed process is neither
-delivered nor failed, so a killed prefiller without a liveness signal (TP prefillers) and
-without the same-host proof now keeps its blocks for fence_timeout_s after the probe's
-timeout (the trade: a false "gone" costs other loads' data, a late "gone" only blocks).
-A cancel not delivered in time proves nothing either: its load keeps its fence.
+fence_timeout_s, which a live prefiller's own transfer_timeout_s is shorter than; not
+after dead_prefiller_fence_s, whose grace assumes a dead writer and, without a sever, a
+link's worth of bytes in flight. Over the net provider a message to a killed process is
+neither delivered nor failed, so a killed prefiller without a liveness signal (no address,
+or its connection never held) and without the same-host proof now keeps its blocks for
+fence_timeout_s after the probe's timeout (the trade: a false "gone" costs other loads'
+data, a late "gone" only blocks). A cancel not delivered in time proves nothing either:
+its load keeps its fence.
 
 No new write for a gone prefiller can start any more: the process that could post
 one is gone, and the load's registration was revoked when it stopped waiting, by the
@@ -493,7 +500,11 @@ class KVReceiver:
         prefiller_probe_timeout_s. That alone proves nothing (a starved host's kernel or
         progress thread delays a live prefiller's too), so it never severs:
         - the prefiller is visibly alive (a write of it counted since the probe was sent, or
-          its liveness connection held): nothing happens, the probe is awaited from now on;
+          its liveness connection held): nothing happens, the probe is awaited from now on.
+          For a part drawn from TP rank s>0 the held connection is rank 0's, the instance's:
+          rank s dead means the instance is going down (vLLM shuts every rank down), and
+          rank 0's EOF then frees the part at once; rank s frozen keeps its part to the
+          load's own deadlines and the regular fence, as a frozen rank 0 does;
         - it is proven gone (a pinned same-host writer whose threads are all exiting): as
           any gone prefiller (`_prefiller_gone`: its loads fenced, its connections severed);
         - otherwise its loads silent since before the probe fail with the regular fence

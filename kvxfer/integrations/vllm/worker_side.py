@@ -197,9 +197,11 @@ class WorkerSide:
             self.receiver.refuse(spec, "tp_mismatch", unequal)
             return
         sources = self.hooks.head_sources(spec.transfer_id, len(prefill_ranks), sources)
-        if len(prefill_ranks) > 1:
-            # The liveness port is rank 0's only: other ranks' loads are watched by the probes.
-            spec = replace(spec, prefill_liveness="")
+        # Every part keeps the instance's liveness address (rank 0's port), also a part drawn
+        # from rank s>0: it means "the prefill instance is alive". An instance cannot serve
+        # once any rank died (its engine core shuts every worker down), and rank 0's keeper
+        # closes when rank 0 does; on that EOF the receiver revokes and severs every part
+        # drawn from the instance, so no byte of rank s lands whether or not it is dead yet.
         if len(prefill_ranks) == place.size:
             # Equal sizes: this rank's blocks are one prefill rank's, head for head.
             (source,) = sources
