@@ -13,9 +13,12 @@ instance's registry record as `liveness_address`, carried by the router into the
 leg's kv_transfer_params as `peer_liveness`) whose connections a tiny keeper process in the
 worker's process group holds (liveness_keeper.py: the kernel closes a killed process's
 sockets only after tearing down its address space, GiBs for a vLLM worker, a few MiB for
-the keeper, which imports the standard library only). A decoder with loads waiting on that
-prefiller holds one connection to it
-(`LivenessWatch`), polled without blocking on each poll of its loads:
+the keeper, which imports the standard library only). Under tensor parallelism only rank 0
+binds one, for the whole instance: every rank's loads name it (worker_side.py), since an
+instance cannot serve once any rank died (vLLM's executor shuts every worker down, rank 0
+with them), and its close declares every rank gone (kv_receiver.py). A decoder with loads
+waiting on that prefiller holds one connection to it (`LivenessWatch`), polled without
+blocking on each poll of its loads:
 
 - the keeper writes one byte (`HELD`) on each connection it keeps; a watcher counts a
   connection as a liveness signal only after that byte, so a keeper at its bound
