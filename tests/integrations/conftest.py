@@ -33,9 +33,7 @@ def shared_vllm_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Share
         pair.close()
 
 
-@pytest.fixture(scope="module")
-def decoder_engine() -> Iterator[Any]:
-    """An engine as the connector's decode half makes one, on loopback, for one module."""
+def _halves_engine() -> Iterator[Any]:
     from support.connector_halves import halves_engine
     from kvxfer.transfer.engine import available_providers
 
@@ -44,6 +42,18 @@ def decoder_engine() -> Iterator[Any]:
         yield engine
     finally:
         engine.close()
+
+
+@pytest.fixture(scope="module")
+def decoder_engine() -> Iterator[Any]:
+    """An engine as the connector's decode half makes one, on loopback, for one module."""
+    yield from _halves_engine()
+
+
+@pytest.fixture(scope="module")
+def prefill_engine() -> Iterator[Any]:
+    """An engine as the connector's prefill half makes one, on loopback, for one module."""
+    yield from _halves_engine()
 
 
 def _uses_pair(item: pytest.Item) -> bool:

@@ -18,7 +18,6 @@ so that writes of both are still queued on the one connection when the cancel co
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -26,7 +25,7 @@ import torch
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed")
 
-from support.connector_halves import decode_half, halves_engine, prefill_half  # noqa: E402
+from support.connector_halves import worker_half  # noqa: E402
 from support.vllm_kv_caches import Cache, same_bytes, vllm_cache  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
@@ -51,26 +50,6 @@ LAYERS_BEFORE_CANCEL = 16
 TOKENS = BLOCKS_PER_LOAD * SPEC.block_size
 DEADLINE_S = 30.0
 NAMES = [f"model.layers.{i}.attn" for i in range(LAYERS)]
-
-
-@pytest.fixture(scope="module")
-def prefill_engine() -> Iterator[TransferEngine]:
-    engine = halves_engine(PROVIDER)
-    try:
-        yield engine
-    finally:
-        engine.close()
-
-
-def _worker(role: str, engine: TransferEngine, cache: Cache, settings: ConnectorSettings) -> WorkerSide:
-    """A worker half over `engine` and `cache`, as register_kv_caches leaves it (no registry)."""
-    side = WorkerSide(settings, role, "test-model")
-    side.engine, side.region = engine, cache.region
-    if role == "kv_producer":
-        side.pusher = prefill_half(engine, cache.region, settings, staged=False)
-    else:
-        side.receiver = decode_half(engine, cache.region, settings, staged=False)
-    return side
 
 
 def _reserved(prefill: WorkerSide, engine: TransferEngine, loads: int, end: float) -> None:
@@ -103,8 +82,8 @@ def test_a_cancel_keeps_another_loads_writes_on_the_same_connection_and_frees_af
     blocks = 2 * BLOCKS_PER_LOAD
     prefill_cache = vllm_cache(KVCacheLayout.LBHNC, SPEC, blocks, seed=21, layers=LAYERS)
     decode_cache = vllm_cache(KVCacheLayout.LBHNC, SPEC, blocks, seed=22, layers=LAYERS)
-    prefill = _worker("kv_producer", prefill_engine, prefill_cache, settings)
-    decode = _worker("kv_consumer", decoder_engine, decode_cache, settings)
+    prefill = worker_half("kv_producer", prefill_engine, prefill_cache.region, settings)
+    decode = worker_half("kv_consumer", decoder_engine, decode_cache.region, settings)
     assert prefill.pusher is not None and decode.receiver is not None
     src = {"a": list(range(BLOCKS_PER_LOAD)), "b": list(range(BLOCKS_PER_LOAD, blocks))}
     dst = {"a": list(range(BLOCKS_PER_LOAD, blocks)), "b": list(range(BLOCKS_PER_LOAD))}
@@ -168,8 +147,8 @@ def test_a_cancel_never_confirmed_is_revoked_at_its_bound_and_freed_after_the_fe
                                  cancel_confirm_timeout_s=1.0, dead_prefiller_fence_s=1.0)
     prefill_cache = vllm_cache(KVCacheLayout.LBHNC, SPEC, BLOCKS_PER_LOAD, seed=31, layers=LAYERS)
     decode_cache = vllm_cache(KVCacheLayout.LBHNC, SPEC, BLOCKS_PER_LOAD, seed=32, layers=LAYERS)
-    prefill = _worker("kv_producer", prefill_engine, prefill_cache, settings)
-    decode = _worker("kv_consumer", decoder_engine, decode_cache, settings)
+    prefill = worker_half("kv_producer", prefill_engine, prefill_cache.region, settings)
+    decode = worker_half("kv_consumer", decoder_engine, decode_cache.region, settings)
     assert prefill.pusher is not None and decode.receiver is not None
     blocks = list(range(BLOCKS_PER_LOAD))
     prefill.bind(KvxferStepMetadata(pushes=[PushSpec("p-c", "t-c", decoder_engine.address, TOKENS, blocks,

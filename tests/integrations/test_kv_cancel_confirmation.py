@@ -12,14 +12,13 @@ production); the decode half polls `get_finished` as vLLM's worker does between 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed")
 
-from support.connector_halves import decode_half, halves_engine, prefill_half  # noqa: E402
-from support.vllm_kv_caches import Cache, attention_spec, vllm_cache  # noqa: E402
+from support.connector_halves import worker_half  # noqa: E402
+from support.vllm_kv_caches import attention_spec, vllm_cache  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
 from kvxfer.handoff.push_state import PushState  # noqa: E402
@@ -39,34 +38,14 @@ LAYER_PAUSE_S = 1.0
 DEADLINE_S = 20.0
 
 
-@pytest.fixture(scope="module")
-def prefill_engine() -> Iterator[TransferEngine]:
-    engine = halves_engine(PROVIDER)
-    try:
-        yield engine
-    finally:
-        engine.close()
-
-
-def _worker(role: str, engine: TransferEngine, cache: Cache, settings: ConnectorSettings) -> WorkerSide:
-    """A worker half over `engine` and `cache`, as register_kv_caches leaves it (no registry)."""
-    side = WorkerSide(settings, role, "test-model")
-    side.engine, side.region = engine, cache.region
-    if role == "kv_producer":
-        side.pusher = prefill_half(engine, cache.region, settings, staged=False)
-    else:
-        side.receiver = decode_half(engine, cache.region, settings, staged=False)
-    return side
-
-
 def test_a_cancel_mid_push_is_confirmed_before_the_prefill_step_ends_and_nothing_lands_after(
         decoder_engine: TransferEngine, prefill_engine: TransferEngine) -> None:
     settings = ConnectorSettings(provider=PROVIDER)
     tokens = PROMPT_BLOCKS * attention_spec().block_size
     prefill_cache = vllm_cache(KVCacheLayout.LBHNC, attention_spec(), BLOCKS, seed=11, layers=LAYERS)
     decode_cache = vllm_cache(KVCacheLayout.LBHNC, attention_spec(), BLOCKS, seed=12, layers=LAYERS)
-    prefill = _worker("kv_producer", prefill_engine, prefill_cache, settings)
-    decode = _worker("kv_consumer", decoder_engine, decode_cache, settings)
+    prefill = worker_half("kv_producer", prefill_engine, prefill_cache.region, settings)
+    decode = worker_half("kv_consumer", decoder_engine, decode_cache.region, settings)
     assert prefill.pusher is not None and decode.receiver is not None
     names = [f"model.layers.{i}.attn" for i in range(LAYERS)]
 

@@ -14,13 +14,12 @@ pushing (a long prefill).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed")
 
-from support.connector_halves import decode_half, deliver_to_receiver, halves_engine, prefill_half  # noqa: E402
+from support.connector_halves import decode_half, deliver_to_receiver, prefill_half  # noqa: E402
 from support.late_probes import hold_back_probes, watch_severs  # noqa: E402
 from support.vllm_kv_caches import attention_spec, same_bytes, vllm_cache  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
@@ -38,15 +37,6 @@ PROBE_AFTER_S, PROBE_TIMEOUT_S = 0.2, 0.5
 #: The prefiller's compute of one layer: LAYERS of it outlast PROBE_TIMEOUT_S twice over.
 LAYER_PAUSE_S = 0.15
 DEADLINE_S = 20.0
-
-
-@pytest.fixture(scope="module")
-def prefill_engine() -> Iterator[TransferEngine]:
-    engine = halves_engine(PROVIDER)
-    try:
-        yield engine
-    finally:
-        engine.close()
 
 
 def test_a_live_prefillers_late_probe_severs_nothing_and_its_receiving_load_completes_byte_exact(

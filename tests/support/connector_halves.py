@@ -63,6 +63,18 @@ def decode_half(engine: TransferEngine, region: KVRegion, settings: ConnectorSet
     return KVReceiver(settings, engine, region, None, ConnectorMetrics("kv_consumer"), landing=landing)
 
 
+def worker_half(role: str, engine: TransferEngine, region: KVRegion, settings: ConnectorSettings) -> WorkerSide:
+    """A worker half over `engine` and `region`, as register_kv_caches leaves it (no
+    registry): a pusher for "kv_producer", else a receiver, on the host cache in place."""
+    side = WorkerSide(settings, role, "test-model")
+    side.engine, side.region = engine, region
+    if role == "kv_producer":
+        side.pusher = prefill_half(engine, region, settings, staged=False)
+    else:
+        side.receiver = decode_half(engine, region, settings, staged=False)
+    return side
+
+
 def deliver_to_receiver(receiver: KVReceiver, raw: bytes | bytearray | memoryview | None) -> None:
     """Hands a message the decode half's engine received (None: none) to the receiver, as the
     worker half does: the prefiller's checksum table (kv_integrity), or its notice that it
