@@ -56,6 +56,20 @@ def prefill_engine() -> Iterator[Any]:
     yield from _halves_engine()
 
 
+@pytest.fixture(scope="module")
+def same_host_decoder() -> Iterator[Any]:
+    """A decoder engine that offers the same-host path (a prefiller on this host writes into
+    it by memcpy, and the decoder pins its process to prove its death), for one module."""
+    from kvxfer.transfer.engine import TransferEngine, available_providers
+
+    engine = TransferEngine("net" if "net" in available_providers() else "tcp", same_host=True,
+                            bind_host="127.0.0.1", imm_admission="claimed")
+    try:
+        yield engine
+    finally:
+        engine.close()
+
+
 def _uses_pair(item: pytest.Item) -> bool:
     return _FIXTURE in getattr(item, "fixturenames", ())
 

@@ -50,17 +50,6 @@ def prefiller() -> Iterator[SilentPrefiller]:
         pf.stop()
 
 
-@pytest.fixture(scope="module")
-def same_host_decoder() -> Iterator[TransferEngine]:
-    """A decoder engine that offers the same-host path (so it pins a same-host prefiller's
-    process and can prove its death), for this module."""
-    engine = TransferEngine(PROVIDER, same_host=True, bind_host="127.0.0.1", imm_admission="claimed")
-    try:
-        yield engine
-    finally:
-        engine.close()
-
-
 @pytest.fixture
 def same_host_prefiller() -> Iterator[SilentPrefiller]:
     pf = SilentPrefiller(PROVIDER, wait_s=STARTUP_DEADLINE_S, same_host=True)

@@ -345,17 +345,6 @@ COPY_BYTES = 32 << 20
 NOTHING_LANDS_WATCH_S = 0.3
 
 
-@pytest.fixture(scope="module")
-def same_host_decoder() -> Iterator[TransferEngine]:
-    """A decoder engine that offers the same-host path (a prefiller on this host writes into
-    it by memcpy), for this module."""
-    engine = TransferEngine(PROVIDER, same_host=True, bind_host="127.0.0.1", imm_admission="claimed")
-    try:
-        yield engine
-    finally:
-        engine.close()
-
-
 @pytest.fixture
 def same_host_prefiller() -> Iterator[SilentPrefiller]:
     pf = SilentPrefiller(PROVIDER, liveness_max_held=MAX_HELD, wait_s=STARTUP_DEADLINE_S, same_host=True)
