@@ -9,9 +9,14 @@ wait for KV, no new registration under it):
 - A job's ledger entry moves under the lock too, whenever the move depends on the job
   (the reaper's RECEIVING, admission, an end), so a check and its move see one state. A
   move out of waiting revokes the reservation's registration (the ledger's `close_writes`)
-  there and then, before its pages can be reused; that is the one engine call under it,
-  with the counter resets the ledger asks for (`forget_imm`) and the stray-immediate
-  check of a new reservation.
+  there and then, before its pages can be reused, unless the prefiller may still be
+  writing (`end` without `writer_stopped`): then it stays open, the pages fenced, until
+  the prefiller's word (`writer_stopped`, which revokes just before FREE) or
+  `cancel_confirm_timeout_s` (`confirm_bound_passed`, the reaper): revoking under one of
+  its writes still queued would make the net provider drop the whole connection to that
+  prefiller, failing other requests' writes queued behind it. The revoke is the one
+  engine call under the lock, with the counter resets the ledger asks for (`forget_imm`)
+  and the stray-immediate check of a new reservation.
 - The batch thread owns the running batch: once it took a job, only it frees its pages
   (`release_after_step`), after the step that may be writing them.
 - The reaper thread owns the waiting (reaper.py); the event loop and its executor own a
@@ -27,7 +32,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from kvxfer.handoff.decode_ledger import ReservationLedger
+from kvxfer.handoff.decode_ledger import DeadlineSetting, ReservationLedger
 from kvxfer.handoff.reservation_state import ReservationState as Res
 from kvxfer.kv.page_allocator import PageAllocator
 from kvxfer.kv.prefix_hash import block_hashes
@@ -143,7 +148,9 @@ class JobTable:
         reason: Rejection = Rejection.FAILED,
     ) -> None:
         """Ends a job once and moves its reservation on: FREE when no write can land (KV
-        all arrived, or `writer_stopped`: the prefiller said so), else FENCED.
+        all arrived, or `writer_stopped`: the prefiller said so), else FENCED with its
+        registration kept open for the prefiller's word (the module; the ledger's
+        `keep_writes_open`).
 
         A /generate still waiting for the KV is woken and fails with `reason`.
         """
@@ -165,7 +172,8 @@ class JobTable:
                 if phase is DecodePhase.DONE:
                     self._cache_generated(job)
                 outcome = Res.CANCELLED if phase is DecodePhase.CANCELLED else Res.FAILED
-                entry = self.ledger.end(job.request_id, outcome, writer_stopped=writer_stopped, reason=error or "")
+                entry = self.ledger.end(job.request_id, outcome, writer_stopped=writer_stopped, reason=error or "",
+                                        keep_writes_open=not writer_stopped)
                 if entry.state is Res.FREE:
                     self.jobs.pop(job.request_id, None)
             signal = job.end_signal
@@ -196,11 +204,23 @@ class JobTable:
             self.on_change()
         return entry is not None
 
+    def confirm_bound_passed(self, request_id: str) -> bool:
+        """`cancel_confirm_timeout_s` passed for a fenced reservation whose registration was
+        kept open, without the prefiller's word (the reaper): revoked now; its pages stay
+        fenced to `fence_timeout_s`. True if something was open."""
+        entry = self.ledger.revoke_writes(request_id)
+        if entry is not None:
+            log.info("request %s: the prefiller did not confirm within cancel_confirm_timeout_s=%s s that none of "
+                     "its writes is in flight: registration revoked, pages fenced to fence_timeout_s",
+                     request_id, self.ledger.cancel_confirm_timeout_s)
+        return entry is not None
+
     def fence_expired(self, request_id: str) -> None:
         """`fence_timeout_s` passed for a fenced reservation: its pages go back (the reaper)."""
         with self.lock:
             entry = self.ledger.get(request_id)
-            if entry is not None and entry.state is Res.FENCED:
+            if entry is not None and entry.state is Res.FENCED \
+                    and entry.deadline_setting is not DeadlineSetting.CANCEL_CONFIRM:
                 # fence_timeout_s exceeds every prefiller's transfer deadline: no write of
                 # this reservation can still land.
                 self.ledger.move(request_id, Res.FREE, "fence_timeout_s passed")

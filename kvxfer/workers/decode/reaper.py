@@ -2,8 +2,10 @@
 
 It receives the prefillers' abort messages (the engine's `recv`), marks a reservation
 RECEIVING when its first immediate is counted, fails reservations past
-`reservation_ttl_s` and frees fenced ones past `fence_timeout_s`. No thread or timer per
-request: every deadline is a ledger entry's, walked here every `reaper_interval_s` at most.
+`reservation_ttl_s`, revokes a fenced one's registration kept open for its prefiller's
+word once `cancel_confirm_timeout_s` passed, and frees fenced ones past `fence_timeout_s`.
+No thread or timer per request: every deadline is a ledger entry's, walked here every
+`reaper_interval_s` at most.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 
+from kvxfer.handoff.decode_ledger import DeadlineSetting
 from kvxfer.handoff.reservation_state import WAITING
 from kvxfer.handoff.reservation_state import ReservationState as Res
 from kvxfer.kv.protocol import decode_abort
@@ -97,5 +100,7 @@ class DecodeReaper:
                           error=f"request {entry.request_id}: not admitted within reservation_ttl_s="
                                 f"{self._reservation_ttl_s} s ({self._engine.imm_count(entry.imm)} of "
                                 f"{job.expected_count} writes landed); pages fenced")
+            elif entry.state is Res.FENCED and entry.deadline_setting is DeadlineSetting.CANCEL_CONFIRM:
+                table.confirm_bound_passed(entry.request_id)  # the fence runs on to fence_timeout_s
             elif entry.state is Res.FENCED:
                 table.fence_expired(entry.request_id)

@@ -17,7 +17,9 @@ them:
 
 Pages of a request that ended while a prefiller may still write into them go FENCED and
 come back only once the prefiller confirmed it stopped (its abort message, or the router
-relaying its /cancel) or after `fence_timeout_s`.
+relaying its /cancel) or after `fence_timeout_s`. Its registration stays open until that
+word too (`cancel_confirm_timeout_s` at most, job_table): revoked under a write still
+queued, it would cost other requests' writes on the same connection.
 
 With `prefix_cache` on (the default) the decoder keeps finished requests' full prompt
 pages (kv.prefix_cache, owned by the page allocator): /reserve starts the block table with
@@ -39,7 +41,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import numpy as np
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from kvxfer.handoff.decode_ledger import ReservationLedger
 from kvxfer.handoff.reservation_state import WAITING
@@ -79,6 +81,23 @@ class DecodeSettings(WorkerSettings):
         "reused anyway; prefillers refuse a reservation whose fence is not longer than their "
         "transfer_timeout_s",
     )
+    cancel_confirm_timeout_s: float = Field(
+        10.0, ge=0, description="after a reservation ends while its prefiller may still write (/cancel, the TTL, a "
+        "failed KV wait or check), how long its registration stays open for the prefiller's word that none of its "
+        "writes is in flight (the router relaying its /cancel answer, or its abort message); revoked then, or at "
+        "that word, and the pages fenced to fence_timeout_s as before. Revoking under a live write is what this "
+        "avoids: libfabric's net provider refuses the next op with a revoked key by dropping the whole "
+        "connection, so every write queued behind it to this decoder, other requests' too, fails. A live "
+        "prefiller answers once its writes of the request drained, and each of those completes or fails within "
+        "its transfer_timeout_s (10 s by default), hence 10 s. It leaves revoke_grace_s of fence_timeout_s after "
+        "it: the default is cut to fence_timeout_s - revoke_grace_s where that is shorter; a value set above it "
+        "is an error. The pages stay fenced all along, so a late write lands only in them",
+    )
+    revoke_grace_s: float = Field(
+        1.0, ge=0, description="how much of fence_timeout_s a reservation revoked at cancel_confirm_timeout_s "
+        "keeps its pages after the revoke: the rest of a write already under way then, which the revoke does not "
+        "stop (net checks a write's key once, at its header, and copies the rest as it comes)",
+    )
     max_reservations_per_caller: int = Field(
         256, gt=0, description="live reservations (waiting for KV or decoding) one authenticated caller may hold; "
         "beyond it /reserve answers 429, so one caller cannot squat every page"
@@ -96,14 +115,30 @@ class DecodeSettings(WorkerSettings):
     )
     kv_registration: KVRegistration = Field(
         KVRegistration.PER_RESERVATION, description="'per_reservation': each reservation gets its own memory "
-        "registration of its pages and mailbox slot with fresh random keys, closed at admission, failure, cancel "
-        "or TTL; 'whole_cache': every reservation hands out the one whole-cache descriptor (cheaper on RDMA NICs, "
+        "registration of its pages and mailbox slot with fresh random keys, closed at admission, or once a "
+        "failed, cancelled or expired one's prefiller confirms it stopped writing (cancel_confirm_timeout_s at "
+        "most); 'whole_cache': every reservation hands out the one whole-cache descriptor (cheaper on RDMA NICs, "
         "where a registration pins memory; see benchmarks/bench_registration.py)",
     )
     kv_receipt_digest: bool = Field(
         False, description="put kv.integrity.prompt_kv_digest of the landed prompt KV in the receipt (one more "
         "read of it: for tests that compare with the colocated reference, and audits)",
     )
+
+    @model_validator(mode="after")
+    def _confirm_bound_inside_the_fence(self) -> DecodeSettings:
+        if "cancel_confirm_timeout_s" in self.model_fields_set and \
+                self.cancel_confirm_timeout_s + self.revoke_grace_s > self.fence_timeout_s:
+            raise ValueError(f"cancel_confirm_timeout_s ({self.cancel_confirm_timeout_s}) + revoke_grace_s "
+                             f"({self.revoke_grace_s}) must not exceed fence_timeout_s ({self.fence_timeout_s}): "
+                             "the rest of a write under way at the revoke may still land after it")
+        return self
+
+    @property
+    def cancel_confirm_bound_s(self) -> float:
+        """How long an ended reservation's registration waits for the prefiller's word:
+        cancel_confirm_timeout_s, cut so that revoke_grace_s of the fence is left after it."""
+        return max(0.0, min(self.cancel_confirm_timeout_s, self.fence_timeout_s - self.revoke_grace_s))
 
 
 class DecodeService:
@@ -124,6 +159,7 @@ class DecodeService:
             settings.max_requests,
             reservation_ttl_s=settings.reservation_ttl_s,
             fence_timeout_s=settings.fence_timeout_s,
+            cancel_confirm_timeout_s=settings.cancel_confirm_bound_s,
             forget_imm=self.core.engine.reset_imm,
             close_writes=self.scopes.revoke,
         )
