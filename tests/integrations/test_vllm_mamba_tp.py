@@ -9,7 +9,7 @@ At equal sizes decode rank r reserves at prefill rank r, which pushes its attent
 and, after the prompt's last chunk, its mixers' state blocks whole. The oracle: tokens and
 top-5 logprobs equal to colocated vLLM at TP 2 (within one bf16 step), and each decode
 rank's attention head of every page and each mixer's state bytes equal to the same prefill
-rank's (digests from tests/support/vllm_tp_state_hooks.py). A state slice cannot be cut
+rank's (digests from tests/support/vllm_tp_hooks.py). A state slice cannot be cut
 between sizes: TP 1 into TP 2 and TP 2 into TP 1 are refused on both sides, naming the
 sizes (`state_groups.unequal_tensor_parallel_state`), and leave no block taken.
 
@@ -45,7 +45,7 @@ from support.vllm_instances import (  # noqa: E402
 )
 from support.vllm_legs import colocated_choice, disaggregated_legs, prompt_ids, rank_head_digests  # noqa: E402
 from support.vllm_oracle import assert_same_as_colocated  # noqa: E402
-from support.vllm_tp_state_hooks import HOOKS_SPEC, STATE_KEY  # noqa: E402
+from support.vllm_tp_hooks import HOOKS_SPEC, STATE_KEY  # noqa: E402
 from support.waiting import wait_until  # noqa: E402
 
 from kvxfer.integrations.vllm.checkpoint import CheckpointShape, make_mamba_hybrid_checkpoint  # noqa: E402

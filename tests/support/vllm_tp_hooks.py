@@ -1,11 +1,15 @@
-"""The connector's test hooks for tensor parallel instances (tests/integrations/test_vllm_tp.py),
+"""The connector's test hooks for tensor parallel instances (tests/integrations/test_vllm_tp.py,
+test_vllm_mamba_tp.py),
 plugged in from outside (kvxfer/integrations/vllm/connector_hooks.py).
 
 Each rank writes a digest of every KV head of every block it pushed (prefill) or admitted
 (decode) to `digest_dir`, as `{role}-{transfer}-r{rank}.json`, keyed by the head's global
 index: the oracle then compares heads across ranks of different TP sizes. With several KV
 cache groups (a hybrid model) a layer's blocks are its group's, and a page its group keeps
-none of on the decoder (-1 in the reservation's `group_pages`) has no digest. The decoder makes
+none of on the decoder (-1 in the reservation's `group_pages`) has no digest. A Mamba/SSM
+mixer layer's state (its first `state_length` bytes: the rank's slice of conv channels and
+SSM heads, which no head index names) has one digest, keyed `"layer/page/state"`
+(`STATE_KEY`), for the one page that carries it. The decoder makes
 a fault for transfers whose id starts with `fault-wrong_rank`: each decode rank asks for
 the heads of the next rank (`head_sources` of rank + 1), so a head slice lands on the wrong
 rank (the oracle must fail).
@@ -30,10 +34,12 @@ if TYPE_CHECKING:
 
 #: The `hooks` setting that loads these hooks.
 HOOKS_SPEC = f"{Path(__file__).resolve()}:TensorParallelDigests"
+#: The key suffix of a mixer layer's state digest (an attention layer's is its global head).
+STATE_KEY = "state"
 
 
 class TensorParallelDigests(ConnectorHooks):
-    """Per-head digest files in `digest_dir`; the `wrong_rank` fault."""
+    """Per-head (and per-state) digest files in `digest_dir`; the `wrong_rank` fault."""
 
     def __init__(self, digest_dir: str) -> None:
         self.digest_dir = Path(digest_dir)
@@ -64,18 +70,18 @@ class TensorParallelDigests(ConnectorHooks):
             self._write("decode", load.spec.transfer_id, self._heads(region, blocks))
 
     def _heads(self, region: KVRegion, blocks: list[dict[int, int]]) -> dict[str, str]:
-        """{"layer/page/global head": digest} of every head of each layer's blocks (per KV
-        cache group: prompt page -> block)."""
+        """{"layer/page/key": digest} of each layer's blocks (per KV cache group: prompt page
+        -> block): per global KV head for attention layers, the state for mixer layers."""
         assert region.buffer is not None, "host caches only"
-        g = region.geometry
         first = self.place.heads[0]
         out: dict[str, str] = {}
         for layer in range(region.num_layers):
             for page, block in blocks[region.group(layer)].items():
-                for h in range(g.num_heads):
-                    runs = g.runs(region.slot(layer), block, (h, h + 1))
-                    raw = b"".join(bytes(region.buffer[s:s + n]) for s, n in runs)
-                    out[f"{layer}/{page}/{first + h}"] = hashlib.blake2b(raw, digest_size=16).hexdigest()
+                if region.state_length(layer):
+                    out[f"{layer}/{page}/{STATE_KEY}"] = _digest(region.page_bytes(layer, block))
+                    continue
+                for h in range(region.geometry.num_heads):
+                    out[f"{layer}/{page}/{first + h}"] = _digest(region.page_bytes(layer, block, (h, h + 1)))
         return out
 
     def _write(self, role: str, transfer_id: str, heads: dict[str, Any]) -> None:
@@ -85,3 +91,6 @@ class TensorParallelDigests(ConnectorHooks):
         tmp.write_text(json.dumps({"rank": self.place.rank, "size": self.place.size, "heads": heads}))
         tmp.replace(self.digest_dir / name)
 
+
+def _digest(raw: bytes) -> str:
+    return hashlib.blake2b(raw, digest_size=16).hexdigest()
