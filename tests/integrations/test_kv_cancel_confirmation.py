@@ -24,7 +24,6 @@ from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from kvxfer.handoff.push_state import PushState  # noqa: E402
 from kvxfer.integrations.vllm.metadata import KvxferStepMetadata, LoadSpec, PushSpec  # noqa: E402
 from kvxfer.integrations.vllm.settings import ConnectorSettings  # noqa: E402
-from kvxfer.integrations.vllm.worker_side import WorkerSide  # noqa: E402
 from kvxfer.kv.protocol import decode_reservation_message  # noqa: E402
 from kvxfer.transfer.engine import TransferEngine, available_providers  # noqa: E402
 
