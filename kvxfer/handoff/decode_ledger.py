@@ -107,6 +107,23 @@ class DeadlineSetting(str, Enum):
     WRITER_GONE = "writer_gone_fence_s"
 
 
+def cancel_confirm_bound_s(cancel_confirm_timeout_s: float, fence_timeout_s: float, grace_s: float) -> float:
+    """How long a cancelled reservation's writes stay open for its prefiller's word (the
+    ledger's `cancel_confirm_timeout_s`): an engine's setting, cut so that `grace_s` of the
+    fence is left after the revoke, for the rest of a write already under way then."""
+    return max(0.0, min(cancel_confirm_timeout_s, fence_timeout_s - grace_s))
+
+
+def cancel_confirm_overrun(cancel_confirm_timeout_s: float, fence_timeout_s: float, grace_s: float,
+                           grace_name: str) -> str:
+    """Why an explicitly set `cancel_confirm_timeout_s` is refused ("" where it fits): with
+    the grace (`grace_name`, `grace_s`) after it, it must end inside the fence."""
+    if cancel_confirm_timeout_s + grace_s <= fence_timeout_s:
+        return ""
+    return (f"cancel_confirm_timeout_s ({cancel_confirm_timeout_s}) + {grace_name} ({grace_s}) must not exceed "
+            f"fence_timeout_s ({fence_timeout_s}): the rest of a write under way at the revoke may still land after it")
+
+
 @dataclass
 class LedgerEntry:
     """One reservation: its resources, state and the deadline of that state."""

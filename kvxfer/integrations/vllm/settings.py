@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvxfer.errors import KvxferError
+from kvxfer.handoff.decode_ledger import cancel_confirm_bound_s, cancel_confirm_overrun
 from kvxfer.kv.integrity import KVIntegrity
 
 
@@ -179,7 +180,7 @@ class ConnectorSettings(BaseModel):
     def cancel_confirm_bound_s(self) -> float:
         """How long a cancelled load's registration waits for the prefiller's word:
         cancel_confirm_timeout_s, cut so that dead_prefiller_fence_s of the fence is left after it."""
-        return max(0.0, min(self.cancel_confirm_timeout_s, self.fence_timeout_s - self.dead_prefiller_fence_s))
+        return cancel_confirm_bound_s(self.cancel_confirm_timeout_s, self.fence_timeout_s, self.dead_prefiller_fence_s)
 
     @classmethod
     def from_extra_config(cls, extra: Any) -> ConnectorSettings:
@@ -193,10 +194,8 @@ class ConnectorSettings(BaseModel):
             raise ConnectorConfigError(
                 f"fence_timeout_s ({settings.fence_timeout_s}) must exceed transfer_timeout_s "
                 f"({settings.transfer_timeout_s}): a write posted before the fence could still land after it")
-        if "cancel_confirm_timeout_s" in settings.model_fields_set and \
-                settings.cancel_confirm_timeout_s + settings.dead_prefiller_fence_s > settings.fence_timeout_s:
-            raise ConnectorConfigError(
-                f"cancel_confirm_timeout_s ({settings.cancel_confirm_timeout_s}) + dead_prefiller_fence_s "
-                f"({settings.dead_prefiller_fence_s}) must not exceed fence_timeout_s ({settings.fence_timeout_s}): "
-                "the rest of an op under way at the revoke may still land after it")
+        overrun = cancel_confirm_overrun(settings.cancel_confirm_timeout_s, settings.fence_timeout_s,
+                                         settings.dead_prefiller_fence_s, "dead_prefiller_fence_s")
+        if "cancel_confirm_timeout_s" in settings.model_fields_set and overrun:
+            raise ConnectorConfigError(overrun)
         return settings

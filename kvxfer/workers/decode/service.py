@@ -43,7 +43,7 @@ from typing import Any, Sequence
 import numpy as np
 from pydantic import Field, model_validator
 
-from kvxfer.handoff.decode_ledger import ReservationLedger
+from kvxfer.handoff.decode_ledger import ReservationLedger, cancel_confirm_bound_s, cancel_confirm_overrun
 from kvxfer.handoff.reservation_state import WAITING
 from kvxfer.handoff.reservation_state import ReservationState as Res
 from kvxfer.kv.integrity import KVIntegrity
@@ -127,18 +127,17 @@ class DecodeSettings(WorkerSettings):
 
     @model_validator(mode="after")
     def _confirm_bound_inside_the_fence(self) -> DecodeSettings:
-        if "cancel_confirm_timeout_s" in self.model_fields_set and \
-                self.cancel_confirm_timeout_s + self.revoke_grace_s > self.fence_timeout_s:
-            raise ValueError(f"cancel_confirm_timeout_s ({self.cancel_confirm_timeout_s}) + revoke_grace_s "
-                             f"({self.revoke_grace_s}) must not exceed fence_timeout_s ({self.fence_timeout_s}): "
-                             "the rest of a write under way at the revoke may still land after it")
+        overrun = cancel_confirm_overrun(self.cancel_confirm_timeout_s, self.fence_timeout_s, self.revoke_grace_s,
+                                         "revoke_grace_s")
+        if "cancel_confirm_timeout_s" in self.model_fields_set and overrun:
+            raise ValueError(overrun)
         return self
 
     @property
     def cancel_confirm_bound_s(self) -> float:
         """How long an ended reservation's registration waits for the prefiller's word:
         cancel_confirm_timeout_s, cut so that revoke_grace_s of the fence is left after it."""
-        return max(0.0, min(self.cancel_confirm_timeout_s, self.fence_timeout_s - self.revoke_grace_s))
+        return cancel_confirm_bound_s(self.cancel_confirm_timeout_s, self.fence_timeout_s, self.revoke_grace_s)
 
 
 class DecodeService:
