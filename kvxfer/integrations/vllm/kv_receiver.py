@@ -232,7 +232,6 @@ class DecodeLoad:
     target: SliceTarget | None = None  # the heads this part takes from its prefill rank (None: whole blocks)
     sent: Transfer | None = None  # the reservation message, until it is known to have left
     cancel_sent: Transfer | None = None  # the cancel message (fenced), until it is known to have left
-    cancel_sent_at: float = 0.0
     #: Its prefiller is gone and its connections were severed after the revoke: no byte lands.
     writer_severed: bool = False
     #: Every write counted (and its table in): it waits for the landing copy and admission.
@@ -429,7 +428,6 @@ class KVReceiver:
             return
         try:
             load.cancel_sent = self.engine.send(load.spec.prefill_engine, encode_cancel(res.imm, res.nonce, why))
-            load.cancel_sent_at = time.monotonic()
         except Exception as exc:  # a dead prefiller: the fence deadline covers it
             log.info("transfer %s: cancel not delivered: %s", load.spec.transfer_id, exc)
             self.ledger.revoke_writes(load.entry.request_id)  # no word will come
