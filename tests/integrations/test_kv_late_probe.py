@@ -71,24 +71,24 @@ def test_a_live_prefillers_late_probe_severs_nothing_and_its_receiving_load_comp
     # The prefiller computes and pushes a layer at a time; the probe's timeout passes meanwhile.
     finished: set[str] = set()
     failed: set[str] = set()
+
+    def poll_both() -> None:
+        """One round of both halves' polls, as vLLM's steps would make them."""
+        pusher.poll(set())
+        deliver_to_receiver(receiver, decoder_engine.recv(0.0))
+        done, bad = receiver.poll(set())
+        finished.update(done)
+        failed.update(bad)
+        time.sleep(0.002)
+
     for layer in range(LAYERS):
         pusher.save_layer(layer)
         pause_end = time.monotonic() + LAYER_PAUSE_S
         while time.monotonic() < pause_end:
-            pusher.poll(set())
-            deliver_to_receiver(receiver, decoder_engine.recv(0.0))
-            done, bad = receiver.poll(set())
-            finished |= done
-            failed |= bad
-            time.sleep(0.002)
+            poll_both()
     assert time.monotonic() - probes_held[0] > 2 * PROBE_TIMEOUT_S  # the probe was late while the load received
     while "d-pushed" not in finished and time.monotonic() < end:
-        pusher.poll(set())
-        deliver_to_receiver(receiver, decoder_engine.recv(0.0))
-        done, bad = receiver.poll(set())
-        finished |= done
-        failed |= bad
-        time.sleep(0.002)
+        poll_both()
     assert "d-pushed" in finished and "d-pushed" not in failed, receiver.failure("d-pushed")
     assert severed == [], "a live prefiller's connections were severed for a late probe"
     for layer in range(LAYERS):
