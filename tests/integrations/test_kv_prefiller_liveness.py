@@ -22,6 +22,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 from collections.abc import Iterator
 
@@ -58,6 +59,9 @@ FROZEN_WATCH_S = 2.0
 #: How long a load is watched while its probes are held back: several probe timeouts.
 LATE_PROBES_WATCH_S = 1.0
 STARTUP_DEADLINE_S = 30.0
+#: An idle wait no test sees end on its own, and the kill during it; and one watched whole.
+IDLE_WAIT_OUT_OF_REACH_MS, KILL_DURING_WAIT_AFTER_S = 30_000.0, 0.3
+IDLE_WAIT_WATCHED_MS = 300.0
 #: The flooded listener's bound, and the connections the flood opens.
 MAX_HELD, FLOOD = 8, 200
 
@@ -154,6 +158,40 @@ def test_a_killed_prefillers_load_is_freed_without_the_fence_once_no_connection_
              if "(request d-severed)" in r.getMessage() and "prefiller process is gone" in r.getMessage()]
     assert freed and "no connection of it is left open after the revoke" in freed[-1], freed
     assert receiver.pending == 0
+
+
+def test_a_killed_prefillers_close_ends_the_idle_wait_and_its_load_fails_in_the_poll_after(
+        decoder_engine: TransferEngine, prefiller: SilentPrefiller) -> None:
+    # vLLM calls wait_briefly, then poll, on every empty step: a close noticed only at the
+    # end of the wait would hold the killed prefiller's blocks that long and a step more.
+    settings = ConnectorSettings(provider=PROVIDER, prefiller_probe_after_s=PROBES_OUT_OF_REACH_S,
+                                 idle_wait_ms=IDLE_WAIT_OUT_OF_REACH_MS)
+    receiver = _reserve(decoder_engine, prefiller.address, prefiller.liveness, settings, "waiting")
+    assert receiver._liveness.phase(prefiller.liveness) == "held"
+    killer = threading.Timer(KILL_DURING_WAIT_AFTER_S, prefiller.signal_group, (signal.SIGKILL,))
+    killer.start()
+    started = time.monotonic()
+    receiver.wait_briefly()
+    waited_s = time.monotonic() - started
+    killer.join()
+    assert waited_s < IDLE_WAIT_OUT_OF_REACH_MS / 1000 / 2, f"the wait ran {waited_s:.1f} s: the close did not end it"
+    finished, failed = receiver.poll(set())
+    assert "d-waiting" in finished and "d-waiting" in failed
+    prefiller.proc.wait(timeout=STARTUP_DEADLINE_S)
+
+
+def test_a_held_liveness_connection_does_not_cut_the_idle_wait_short(
+        decoder_engine: TransferEngine, prefiller: SilentPrefiller) -> None:
+    # Looking at the connection between slices of the wait must not end it: a live
+    # prefiller's decoder still waits idle_wait_ms for its load (no busy empty steps).
+    settings = ConnectorSettings(provider=PROVIDER, prefiller_probe_after_s=PROBES_OUT_OF_REACH_S,
+                                 idle_wait_ms=IDLE_WAIT_WATCHED_MS)
+    receiver = _reserve(decoder_engine, prefiller.address, prefiller.liveness, settings, "alive")
+    assert receiver._liveness.phase(prefiller.liveness) == "held"
+    started = time.monotonic()
+    receiver.wait_briefly()
+    assert time.monotonic() - started >= IDLE_WAIT_WATCHED_MS / 1000 * 0.95
+    assert "d-alive" not in receiver.poll(set())[0]
 
 
 def test_a_prefiller_whose_sever_proves_nothing_keeps_the_fence(

@@ -40,6 +40,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -218,6 +219,24 @@ class LivenessWatch:
         held or no_signal (the probes cover it)."""
         conn = self._connections.get(address)
         return conn.phase.value if conn is not None else ""
+
+    @property
+    def held(self) -> bool:
+        """Whether some watched connection is held (a close of it would mean its process is gone)."""
+        return any(c.phase is _Phase.HELD for c in self._connections.values())
+
+    def news(self) -> bool:
+        """Whether a held connection has something to read now, never blocking: its close or
+        reset in practice (a keeper sends nothing after its byte; a peer that does only makes
+        its decoder look sooner). One poll(2), not select(2): a vLLM worker's descriptors
+        can be numbered past select's limit."""
+        socks = [c.sock for c in self._connections.values() if c.phase is _Phase.HELD and c.sock is not None]
+        if not socks:
+            return False
+        watcher = select.poll()
+        for sock in socks:
+            watcher.register(sock, select.POLLIN | select.POLLPRI)
+        return bool(watcher.poll(0))
 
     def poll(self, now: float | None = None) -> dict[str, str]:
         """Address -> why, for each watched prefiller found gone since the last poll (its

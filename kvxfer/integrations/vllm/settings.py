@@ -118,6 +118,11 @@ class ConnectorSettings(BaseModel):
         "load is complete before it returns to vLLM. It bounds how long a new request waits for that step to end. "
         "It does not make an idle decode instance sleep: vLLM's shared-memory message queues busy-loop for 1 s "
         "after each read (EngineCore and worker, about one core in all, measured), whatever this is")
+    liveness_check_interval_ms: float = Field(
+        0.5, gt=0, description="decode side, during the idle wait (idle_wait_ms) of a worker whose loads wait on "
+        "a watched prefiller: how often it looks at the prefillers' liveness connections. A killed prefiller's "
+        "close then ends the wait within this, instead of at its end, so its loads are failed and their blocks "
+        "given back a vLLM step sooner. Each look is one poll(2) of those sockets")
     kv_integrity: KVIntegrity = Field(
         KVIntegrity.FULL, description="end-to-end check of landed KV before the load is reported finished, as "
         "the builtin decoder's: 'off' (prefillers send no checksums), 'sampled' (kv_integrity_sample_rate of each "
