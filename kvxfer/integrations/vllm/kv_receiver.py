@@ -422,10 +422,10 @@ class KVReceiver:
         assert res is not None and load.entry is not None
         self.ledger.end(load.entry.request_id, outcome, writer_stopped=False, reason=why, keep_writes_open=send_cancel)
         self.metrics.failures.labels(side="decode", reason=reason_label).inc()
+        if not send_cancel:
+            return  # the caller frees it, or fences it on, and says so then
         log.warning("transfer %s (request %s): %s; waiting for the prefiller to confirm no write is in flight",
                     load.spec.transfer_id, load.spec.request_id, why)
-        if not send_cancel:
-            return
         try:
             load.cancel_sent = self.engine.send(load.spec.prefill_engine, encode_cancel(res.imm, res.nonce, why))
         except Exception as exc:  # a dead prefiller: the fence deadline covers it
@@ -607,6 +607,9 @@ class KVReceiver:
         # Only after every revoke: an op on a connection opened after the sever is refused.
         severed = bool(fenced) and self.settings.kv_registration == "per_reservation" and self._sever(address)
         for load in fenced:
+            if not severed:  # a severed one is freed below, and says so then
+                log.warning("transfer %s (request %s): %s; its blocks are held until no write of it can land",
+                            load.spec.transfer_id, load.spec.request_id, why)
             self._shorten_fence(load, severed)
         if fenced and not severed and self._still_writing(address):
             self._exiting_writers[address] = now + self.settings.dead_writer_recheck_s
