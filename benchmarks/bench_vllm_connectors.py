@@ -306,6 +306,19 @@ def scheduler_free(pair: Pair, since: float, deadline_s: float) -> dict[str, Any
     return scheduler_free_after(text, since, deadline_s)
 
 
+def run_this_thread_first() -> str:
+    """Puts the calling thread under SCHED_FIFO where that is permitted, and says which
+    policy it runs under. For the kill drill's killer: under the normal policy, on 2 cores
+    busy with both instances, it was sometimes preempted between its stamp and its kill()
+    (that call then returned 4-7 ms after the stamp, and the killed prefiller's sockets
+    closed as late), which counted scheduling of this bench into the decoder's time."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+        return "SCHED_FIFO"
+    except (OSError, AttributeError) as e:
+        return f"normal ({e.__class__.__name__}: real-time priority not permitted)"
+
+
 def run_faults(pair: Pair, args: argparse.Namespace, prefill_s: float) -> dict[str, Any]:
     """Phase part 4: the client drops the decode leg mid-load; then the prefill instance is
     SIGKILLed mid-transfer. `prefill_s`: colocated TTFT of the drill's prompt length, to
@@ -352,11 +365,21 @@ def run_faults(pair: Pair, args: argparse.Namespace, prefill_s: float) -> dict[s
     killed: dict[str, float] = {}
 
     def kill_later() -> None:
+        killed["killer_policy"] = run_this_thread_first()
         time.sleep(fault_delay_s)
+        group = pair.fleet.instances[pair.prefill].process.pid  # its own process group
+        # Stamped right before the signal, with no call between that releases the GIL: a
+        # Popen.poll() there (os.waitpid) let this process's other threads take it, and the
+        # signal went out up to a GIL switch interval (5 ms) after the stamp.
         killed["at"] = time.perf_counter()
         killed["monotonic"] = monotonic_s()  # the decoder's block probe stamps with this clock
         killed["unix"] = time.time()  # to line up with the instances' own log stamps
-        pair.fleet.instances[pair.prefill].kill(signal.SIGKILL)
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except ProcessLookupError:  # it had exited already: nothing was killed mid-transfer
+            killed.clear()
+            return
+        killed["signal_sent_s"] = time.perf_counter() - killed["at"]
 
     killer = threading.Thread(target=kill_later, daemon=True)
     t_start = time.perf_counter()
@@ -390,6 +413,8 @@ def run_faults(pair: Pair, args: argparse.Namespace, prefill_s: float) -> dict[s
                 "usage_gauge_zero_s": freed["free_s"], "usage_gauge_read_gap_ms": freed["resolution_ms"]}
     if "unix" in killed:
         kill_row["killed_at_unix"] = killed["unix"]
+        kill_row["signal_sent_s"] = killed.get("signal_sent_s")
+        kill_row["killer_policy"] = killed.get("killer_policy")
     if "at" in closed:  # kvxfer only (the others have no liveness port to watch)
         kill_row["prefiller_sockets_closed_s"] = closed["at"] - kill_at
     if "token_ids" in result:
