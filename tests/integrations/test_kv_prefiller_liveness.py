@@ -24,7 +24,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -160,19 +160,26 @@ def test_a_killed_prefillers_load_is_freed_without_the_fence_once_no_connection_
     assert receiver.pending == 0
 
 
+def _idle_wait(engine: TransferEngine, prefiller: SilentPrefiller, idle_wait_ms: float, tid: str,
+               before: Callable[[], None]) -> tuple[KVReceiver, float]:
+    """A receiver with one load reserved at `prefiller` (its liveness connection held), and
+    how long one idle wait of `idle_wait_ms` lasted, `before` called right before it."""
+    settings = ConnectorSettings(provider=PROVIDER, prefiller_probe_after_s=PROBES_OUT_OF_REACH_S,
+                                 idle_wait_ms=idle_wait_ms)
+    receiver = _reserve(engine, prefiller.address, prefiller.liveness, settings, tid)
+    assert receiver._liveness.phase(prefiller.liveness) == "held"
+    before()
+    started = time.monotonic()
+    receiver.wait_briefly()
+    return receiver, time.monotonic() - started
+
+
 def test_a_killed_prefillers_close_ends_the_idle_wait_and_its_load_fails_in_the_poll_after(
         decoder_engine: TransferEngine, prefiller: SilentPrefiller) -> None:
     # vLLM calls wait_briefly, then poll, on every empty step: a close noticed only at the
     # end of the wait would hold the killed prefiller's blocks that long and a step more.
-    settings = ConnectorSettings(provider=PROVIDER, prefiller_probe_after_s=PROBES_OUT_OF_REACH_S,
-                                 idle_wait_ms=IDLE_WAIT_OUT_OF_REACH_MS)
-    receiver = _reserve(decoder_engine, prefiller.address, prefiller.liveness, settings, "waiting")
-    assert receiver._liveness.phase(prefiller.liveness) == "held"
     killer = threading.Timer(KILL_DURING_WAIT_AFTER_S, prefiller.signal_group, (signal.SIGKILL,))
-    killer.start()
-    started = time.monotonic()
-    receiver.wait_briefly()
-    waited_s = time.monotonic() - started
+    receiver, waited_s = _idle_wait(decoder_engine, prefiller, IDLE_WAIT_OUT_OF_REACH_MS, "waiting", killer.start)
     killer.join()
     assert waited_s < IDLE_WAIT_OUT_OF_REACH_MS / 1000 / 2, f"the wait ran {waited_s:.1f} s: the close did not end it"
     finished, failed = receiver.poll(set())
@@ -184,13 +191,8 @@ def test_a_held_liveness_connection_does_not_cut_the_idle_wait_short(
         decoder_engine: TransferEngine, prefiller: SilentPrefiller) -> None:
     # Looking at the connection between slices of the wait must not end it: a live
     # prefiller's decoder still waits idle_wait_ms for its load (no busy empty steps).
-    settings = ConnectorSettings(provider=PROVIDER, prefiller_probe_after_s=PROBES_OUT_OF_REACH_S,
-                                 idle_wait_ms=IDLE_WAIT_WATCHED_MS)
-    receiver = _reserve(decoder_engine, prefiller.address, prefiller.liveness, settings, "alive")
-    assert receiver._liveness.phase(prefiller.liveness) == "held"
-    started = time.monotonic()
-    receiver.wait_briefly()
-    assert time.monotonic() - started >= IDLE_WAIT_WATCHED_MS / 1000 * 0.95
+    receiver, waited_s = _idle_wait(decoder_engine, prefiller, IDLE_WAIT_WATCHED_MS, "alive", lambda: None)
+    assert waited_s >= IDLE_WAIT_WATCHED_MS / 1000 * 0.95
     assert "d-alive" not in receiver.poll(set())[0]
 
 
