@@ -10,7 +10,8 @@
 # decode rank compares every moved block with the prefiller's digests of its heads and
 # checks that no other byte of its cache changed.
 # Then the same check on host tensors through the same staging path, as a baseline.
-# Needs vLLM importable (its layout and view code are the oracle) and, where the machine has
+# Needs vLLM importable (its layout and view code are the oracle: scripts/device_kit_vllm.py adds
+# them to the device kit for a machine without vLLM) and, where the machine has
 # no libfabric or another Python, the device kit (scripts/device_kit.sh; carry .devicekit).
 #   scripts/device_check_vllm.sh OUTDIR [device_check_vllm.py options]
 # Logs and JSON verdicts go to OUTDIR. Under 5 minutes (each run's timeout below; the CPU

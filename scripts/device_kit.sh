@@ -92,6 +92,8 @@ for _so in "$_kit"/kvxfer_native/_native*.so; do
     cmp -s "$_so" "kvxfer/${_so##*/}" 2>/dev/null || cp -f "$_so" kvxfer/  # cmp may be absent: then copy
 done
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# What the vLLM check needs of vLLM (scripts/device_kit_vllm.py), where it was added.
+if [ -d "$_kit/pylib" ]; then export PYTHONPATH="$PYTHONPATH:$_kit/pylib"; fi
 unset _kit _so
 EOF
 
