@@ -52,6 +52,9 @@ class InflightWrites:
         self._unreaped: list[tuple[PostedWrite, int]] = []
         #: Writes posted (`add` calls).
         self.writes_posted = 0
+        #: Immediate units posted (what `add` was told each write is worth at the
+        #: decoder's ImmCounter): the total a push declares in its last write.
+        self.units_posted = 0
         #: KV pages and bytes posted, as the sender counts them (`count`).
         self.pages_posted = 0
         self.bytes_posted = 0
@@ -60,12 +63,14 @@ class InflightWrites:
         #: The first failed write's error, once a reap saw one.
         self.first_error: Exception | None = None
 
-    def add(self, write: PostedWrite, nbytes: int = 0) -> PostedWrite:
-        """Tracks `write`, just posted (`nbytes`: its payload, for the monitor's allowance)."""
+    def add(self, write: PostedWrite, nbytes: int = 0, units: int = 0) -> PostedWrite:
+        """Tracks `write`, just posted (`nbytes`: its payload, for the monitor's allowance;
+        `units`: what it adds to the decoder's ImmCounter, 0 for a write without immediate)."""
         with self._lock:
             self._posted.append(write)
             self._unreaped.append((write, nbytes))
             self.writes_posted += 1
+            self.units_posted += units
         return write
 
     def count(self, pages: int, nbytes: int) -> None:

@@ -6,7 +6,10 @@ page ids, an immediate value and how many units of it to expect. The prefiller's
 final, all carrying the reservation's immediate, and finally writes a small mailbox record
 (first token, prompt length, nonce) with the same immediate. It never sends "done": the
 decoder admits the request when its ImmCounter reaches `expected_count`, which is
-`num_layers * pages(prompt) + 1` whatever the engine coalesced or sharded.
+`num_layers * pages(prompt) + 1` whatever the engine coalesced or sharded. The record also
+says how many immediate units the push posted (every paged write it posted, whatever a hook
+made of the layer's writes, and the mailbox write itself): an extra write, counted in place
+of one not counted yet, cannot complete the decoder's count unnoticed.
 
 With `reservation.checksums` each layer's pages are checksummed (native CRC-32C) just
 before their write is posted, and the table rides in the mailbox write (kv.integrity),
@@ -279,7 +282,9 @@ class PushSession:
                 imm=self.reservation.imm,
                 request_id=self.reservation.request_id,
             )
-            self._writes.add(transfer, transfer.bytes)
+            # The decoder's ImmCounter grows by one per page of a paged write: the units the
+            # mailbox declares are these, so a page written twice shows there too.
+            self._writes.add(transfer, transfer.bytes, units=len(remote))
             self.stats.writes += 1
 
     def finish(self, first_token: int, prompt_tokens: int) -> None:
@@ -294,7 +299,10 @@ class PushSession:
             return
         self._check_stall()
         table = self._plan.checksums.tobytes() if self._plan.checksums is not None else b""
+        # Every unit posted so far, and this write's one: the decoder admits only if that is
+        # exactly its expected count (handoff.admission.check_landed).
         record = encode_mailbox(self.reservation.nonce, first_token, prompt_tokens, table,
+                                units=self._writes.units_posted + 1,
                                 table_key=self._table_key, imm=self.reservation.imm)
         # The staging slot is `mailbox_slot_bytes` wide (the prefiller sized it for its context).
         offset = self._slot * self._slot_stride
@@ -310,7 +318,7 @@ class PushSession:
             imm=self.reservation.imm,
             request_id=self.reservation.request_id,
         )
-        self._writes.add(self._mailbox_transfer, self._mailbox_transfer.bytes)
+        self._writes.add(self._mailbox_transfer, self._mailbox_transfer.bytes, units=1)
 
     def poll(self) -> tuple[int, int, bool, Exception | None]:
         """One look at the posted writes, for the push monitor (its thread only): writes

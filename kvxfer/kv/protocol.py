@@ -3,9 +3,10 @@
 The decoder reserves pages and hands out a `KVReservation`: its KV cache descriptor, the
 page ids, an immediate value and how many units of it to expect. The prefiller writes each
 layer's pages with that immediate and finally a small mailbox record (first token, prompt
-length, nonce); the decoder admits the request when its ImmCounter reaches
-`expected_count`, which is `num_layers * pages(prompt) + 1` whatever the engine coalesced
-or sharded. A prefiller that cannot finish a push sends an abort message
+length, nonce, and the immediate units the push posted, this write's included); the
+decoder admits the request when its ImmCounter reaches `expected_count`, which is
+`num_layers * pages(prompt) + 1` whatever the engine coalesced or sharded, and the
+mailbox says the push posted exactly that many. A prefiller that cannot finish a push sends an abort message
 (`encode_abort`) once none of its writes is in flight any more.
 
 The reservation is checked here, once, at each boundary: the decoder builds it (the
@@ -60,6 +61,7 @@ __all__ = [
     "mailbox_checksums",
     "mailbox_slot_bytes",
     "mailbox_tag_verifies",
+    "mailbox_units",
     "pages_for_tokens",
 ]
 
@@ -70,13 +72,21 @@ PROTOCOL_VERSION = 1
 #: Bytes of the mailbox record (first token, nonce...) at the start of each mailbox slot;
 #: slots are a multiple of it apart (`mailbox_slot_bytes`), so slot offsets are too.
 MAILBOX_SLOT_BYTES = 64
-_MAILBOX_MAGIC = 0x4B564D42  # "KVMB"
-# magic, nonce, first_token, prompt_tokens, checksum algorithm, checksum count; with a
-# tagged table its tag follows (MAILBOX_TAG_BYTES, inside the record's 64 bytes). Then, from
-# byte MAILBOX_SLOT_BYTES, the checksum table: `count` little-endian uint32, layer-major
-# (layer 0's prompt pages in block-table order, then layer 1's...). The table travels in the
-# mailbox write, the push's last write, so the ImmCounter says it landed with the KV.
-_MAILBOX_FORMAT = "<IQiiII"
+# A new magic for each new record layout: a record of another layout (a prefiller of an
+# older release) reads as no record at all (`mailbox_mismatch`), never as wrong fields.
+# "KVMB" was the layout without `units`.
+_MAILBOX_MAGIC = 0x4B564D43  # "KVMC"
+# magic, nonce, first_token, prompt_tokens, checksum algorithm, checksum count, units; with
+# a tagged table its tag follows (MAILBOX_TAG_BYTES: the fields and the tag fill the record's
+# 64 bytes). Then, from byte MAILBOX_SLOT_BYTES, the checksum table: `count` little-endian
+# uint32, layer-major (layer 0's prompt pages in block-table order, then layer 1's...). The
+# table travels in the mailbox write, the push's last write, so the ImmCounter says it landed
+# with the KV. `units` is what the push posted with the reservation's immediate, in the
+# ImmCounter's units (one per page of a paged write, one per other write), the mailbox write
+# included: the count reaching `expected_count` alone cannot tell a complete push from one
+# that wrote a page twice while one of its writes (the mailbox's, or the extra one) is not
+# counted yet; the mailbox saying how many it sent can (handoff.admission.check_landed).
+_MAILBOX_FORMAT = "<IQiiIII"
 _MAILBOX_FIELDS_BYTES = struct.calcsize(_MAILBOX_FORMAT)
 #: `checksum algorithm` of a mailbox record: none, CRC-32C of each (layer, page), or that
 #: table with a tag (HMAC-SHA256 under the cluster's table key, `mailbox_tag_verifies`).
@@ -154,26 +164,30 @@ def mailbox_slot_bytes(num_layers: int, max_prompt_pages: int) -> int:
     return MAILBOX_SLOT_BYTES + -(-table // MAILBOX_SLOT_BYTES) * MAILBOX_SLOT_BYTES
 
 
-def encode_mailbox(nonce: int, first_token: int, prompt_tokens: int, checksums: bytes = b"", *,
+def encode_mailbox(nonce: int, first_token: int, prompt_tokens: int, checksums: bytes = b"", *, units: int,
                    table_key: bytes | None = None, imm: int = 0) -> bytes:
-    """The record the prefiller writes last: what decode needs besides the KV pages, then
-    the CRC-32C table of the pushed pages (`checksums`, little-endian uint32, layer-major;
-    empty when the reservation asked for none). With `table_key` the record carries the
-    tag of its fields and table for the reservation whose immediate is `imm`."""
+    """The record the prefiller writes last: what decode needs besides the KV pages and
+    `units`, the immediate units its push posted with the reservation's immediate (this
+    record's write included), then the CRC-32C table of the pushed pages (`checksums`,
+    little-endian uint32, layer-major; empty when the reservation asked for none). With
+    `table_key` the record carries the tag of its fields and table for the reservation
+    whose immediate is `imm`."""
     if len(checksums) % CHECKSUM_BYTES:
         raise ValueError(f"checksum table of {len(checksums)} bytes is not a whole number of uint32")
+    if not 0 < units < 1 << 32:
+        raise ValueError(f"a push posts 1 to 2**32 - 1 units (its mailbox write included), not {units}")
     algorithm = CHECKSUM_NONE
     if checksums:
         algorithm = CHECKSUM_CRC32C if table_key is None else CHECKSUM_CRC32C_TAGGED
     fields = struct.pack(_MAILBOX_FORMAT, _MAILBOX_MAGIC, nonce, first_token, prompt_tokens, algorithm,
-                         len(checksums) // CHECKSUM_BYTES)
+                         len(checksums) // CHECKSUM_BYTES, units)
     tag = _mailbox_tag(table_key, imm, fields, checksums) if table_key is not None and checksums else b""
     return (fields + tag).ljust(MAILBOX_SLOT_BYTES, b"\0") + checksums
 
 
 def _mailbox_tag(table_key: bytes, imm: int, fields: bytes, checksums: bytes) -> bytes:
-    # Over the record's fields (nonce, first token, prompt length, algorithm, count) and
-    # the table, and the immediate: a tag is good for one reservation's record only.
+    # Over the record's fields (nonce, first token, prompt length, algorithm, count, units)
+    # and the table, and the immediate: a tag is good for one reservation's record only.
     message = _TAG_DOMAIN + struct.pack("<I", imm) + fields + checksums
     return hmac.new(table_key, message, hashlib.sha256).digest()
 
@@ -184,7 +198,7 @@ def mailbox_tag_verifies(raw: bytes, table_key: bytes, imm: int) -> bool:
     untagged or foreign record, a slot shorter than its table, or any other tag."""
     if len(raw) < MAILBOX_SLOT_BYTES:
         return False
-    magic, _, _, _, algorithm, count = struct.unpack_from(_MAILBOX_FORMAT, raw)
+    magic, _, _, _, algorithm, count, _ = struct.unpack_from(_MAILBOX_FORMAT, raw)
     end = MAILBOX_SLOT_BYTES + count * CHECKSUM_BYTES
     if magic != _MAILBOX_MAGIC or algorithm != CHECKSUM_CRC32C_TAGGED or end > len(raw):
         return False
@@ -195,16 +209,25 @@ def mailbox_tag_verifies(raw: bytes, table_key: bytes, imm: int) -> bool:
 
 def decode_mailbox(raw: bytes) -> tuple[int, int, int]:
     """Returns (nonce, first_token, prompt_tokens); raises ValueError on a foreign record."""
-    magic, nonce, first_token, prompt_tokens, _, _ = struct.unpack_from(_MAILBOX_FORMAT, raw)
+    magic, nonce, first_token, prompt_tokens, _, _, _ = struct.unpack_from(_MAILBOX_FORMAT, raw)
     if magic != _MAILBOX_MAGIC:
         raise ValueError("mailbox slot holds no kvxfer record")
     return nonce, first_token, prompt_tokens
 
 
+def mailbox_units(raw: bytes) -> int:
+    """The immediate units the record's push says it posted, its mailbox write included;
+    ValueError on a foreign record."""
+    magic, _, _, _, _, _, units = struct.unpack_from(_MAILBOX_FORMAT, raw)
+    if magic != _MAILBOX_MAGIC:
+        raise ValueError("mailbox slot holds no kvxfer record")
+    return int(units)
+
+
 def mailbox_checksums(raw: bytes) -> bytes:
     """The CRC-32C table a mailbox record carries (b"" when none); ValueError if the record
     is foreign, names another algorithm or claims more than `raw` holds."""
-    magic, _, _, _, algorithm, count = struct.unpack_from(_MAILBOX_FORMAT, raw)
+    magic, _, _, _, algorithm, count, _ = struct.unpack_from(_MAILBOX_FORMAT, raw)
     if magic != _MAILBOX_MAGIC:
         raise ValueError("mailbox slot holds no kvxfer record")
     if algorithm == CHECKSUM_NONE:

@@ -34,7 +34,7 @@ def slot(record: bytes) -> bytes:
 
 
 def tagged() -> bytes:
-    return slot(encode_mailbox(42, 7, 40, TABLE, table_key=KEY, imm=IMM))
+    return slot(encode_mailbox(42, 7, 40, TABLE, units=7, table_key=KEY, imm=IMM))
 
 
 def test_a_tagged_record_verifies_for_its_reservation_and_reads_as_before() -> None:
@@ -43,10 +43,11 @@ def test_a_tagged_record_verifies_for_its_reservation_and_reads_as_before() -> N
     assert decode_mailbox(raw) == (42, 7, 40) and mailbox_checksums(raw) == TABLE
 
 
-@pytest.mark.parametrize("change", ["nonce", "first_token", "prompt_tokens", "algorithm", "count", "tag", "table"])
+@pytest.mark.parametrize("change", ["nonce", "first_token", "prompt_tokens", "algorithm", "count", "units", "tag",
+                                    "table"])
 def test_any_change_to_a_tagged_record_fails_its_tag(change: str) -> None:
     raw = bytearray(tagged())
-    at = {"nonce": 4, "first_token": 12, "prompt_tokens": 16, "algorithm": 20, "count": 24, "tag": 28,
+    at = {"nonce": 4, "first_token": 12, "prompt_tokens": 16, "algorithm": 20, "count": 24, "units": 28, "tag": 32,
           "table": MAILBOX_SLOT_BYTES + 5}[change]
     raw[at] ^= 0x01
     assert not mailbox_tag_verifies(bytes(raw), KEY, IMM)
@@ -59,8 +60,8 @@ def test_a_tag_is_good_for_one_reservation_and_one_key_only() -> None:
 
 
 def test_an_untagged_table_or_a_short_slot_never_verifies() -> None:
-    assert not mailbox_tag_verifies(slot(encode_mailbox(42, 7, 40, TABLE)), KEY, IMM)
-    assert not mailbox_tag_verifies(slot(encode_mailbox(42, 7, 40)), KEY, IMM)  # no table at all
+    assert not mailbox_tag_verifies(slot(encode_mailbox(42, 7, 40, TABLE, units=7)), KEY, IMM)
+    assert not mailbox_tag_verifies(slot(encode_mailbox(42, 7, 40, units=1)), KEY, IMM)  # no table at all
     assert not mailbox_tag_verifies(tagged()[: MAILBOX_SLOT_BYTES + 8], KEY, IMM)  # table cut short
     assert not mailbox_tag_verifies(b"\0" * STRIDE, KEY, IMM)
 

@@ -161,17 +161,35 @@ def test_mailbox_carries_the_checksum_table_after_the_record() -> None:
         encode_mailbox,
         mailbox_checksums,
         mailbox_slot_bytes,
+        mailbox_units,
     )
 
     table = bytes(range(24))  # 6 checksums: 2 layers x 3 pages
     stride = mailbox_slot_bytes(2, 3)
     assert stride % MAILBOX_SLOT_BYTES == 0 and stride >= MAILBOX_SLOT_BYTES + 24
-    record = encode_mailbox(42, 7, 40, table)
+    record = encode_mailbox(42, 7, 40, table, units=7)
     slot = record.ljust(stride, b"\0")
     assert decode_mailbox(slot) == (42, 7, 40)
+    assert mailbox_units(slot) == 7  # 2 layers x 3 pages, and the mailbox write
     assert mailbox_checksums(slot) == table
-    assert mailbox_checksums(encode_mailbox(42, 7, 40)) == b""  # none asked for, none sent
+    assert mailbox_checksums(encode_mailbox(42, 7, 40, units=7)) == b""  # none asked for, none sent
     with pytest.raises(ValueError, match="claims 6 checksums"):
         mailbox_checksums(record[:-4])  # the slot is shorter than the record claims
     with pytest.raises(ValueError, match="whole number"):
-        encode_mailbox(42, 7, 40, b"abc")
+        encode_mailbox(42, 7, 40, b"abc", units=7)
+    for units in (0, 1 << 32):  # the mailbox write alone is one unit; the field is a uint32
+        with pytest.raises(ValueError, match="units"):
+            encode_mailbox(42, 7, 40, table, units=units)
+
+
+def test_a_record_of_the_layout_without_units_is_no_record() -> None:
+    """A prefiller of the release before `units` writes magic "KVMB": read as foreign
+    (the decoder answers mailbox_mismatch), never as a units field made of its tag."""
+    import struct
+
+    from kvxfer.kv.protocol import MAILBOX_SLOT_BYTES, decode_mailbox, mailbox_units
+
+    old = struct.pack("<IQiiII", 0x4B564D42, 42, 7, 40, 0, 0).ljust(MAILBOX_SLOT_BYTES, b"\0")
+    for read in (decode_mailbox, mailbox_units):
+        with pytest.raises(ValueError, match="no kvxfer record"):
+            read(old)

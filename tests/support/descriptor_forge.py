@@ -93,17 +93,20 @@ def whole_region_with_window_key(blob: bytes, window: int = 0) -> bytes:
 
 
 # The mailbox record (docs/architecture.md, "KV integrity"), as the format describes it:
-# magic "KVMB", nonce, first token, prompt tokens, checksum algorithm, checksum count; from
-# byte 28 the table's tag where the algorithm has one; the CRC-32C table from byte 64.
-MAILBOX_MAGIC = 0x4B564D42
+# magic "KVMC", nonce, first token, prompt tokens, checksum algorithm, checksum count, units
+# posted; from byte 32 the table's tag where the algorithm has one; the CRC-32C table from
+# byte 64.
+MAILBOX_MAGIC = 0x4B564D43
 MAILBOX_RECORD_BYTES = 64
 CHECKSUM_CRC32C = 1
 CHECKSUM_CRC32C_TAGGED = 2
 
 
 def mailbox_record(nonce: int, first_token: int, prompt_tokens: int, table: bytes,
-                   algorithm: int = CHECKSUM_CRC32C, tag: bytes = b"") -> bytes:
+                   algorithm: int = CHECKSUM_CRC32C, tag: bytes = b"", *, units: int) -> bytes:
     """A mailbox record written from the format alone: what an outsider who holds a
-    reservation's nonce can put in its mailbox slot, with any algorithm and tag it likes."""
-    head = struct.pack("<IQiiII", MAILBOX_MAGIC, nonce, first_token, prompt_tokens, algorithm, len(table) // 4)
+    reservation's nonce can put in its mailbox slot, with any algorithm and tag it likes,
+    declaring `units` posted (a leaked reservation names the count it expects)."""
+    head = struct.pack("<IQiiIII", MAILBOX_MAGIC, nonce, first_token, prompt_tokens, algorithm, len(table) // 4,
+                       units)
     return (head + tag).ljust(MAILBOX_RECORD_BYTES, b"\0") + table

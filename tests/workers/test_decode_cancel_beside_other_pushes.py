@@ -264,7 +264,9 @@ def _writer_main() -> None:
                 for page in target["pages"]:
                     offset = (layer * num_pages + page) * page_bytes
                     posted[r].append(engine.write(src_mr, offset, descriptor, offset, page_bytes, imm=target["imm"]))
-            record = encode_mailbox(target["nonce"], FIRST_TOKEN, spec["prompt_tokens"])
+            # Declares what it posted with the immediate: each page of each layer, and this record.
+            record = encode_mailbox(target["nonce"], FIRST_TOKEN, spec["prompt_tokens"],
+                                    units=layers * len(target["pages"]) + 1)
             records[i * 4096:i * 4096 + len(record)] = np.frombuffer(record, dtype=np.uint8)
             posted[r].append(engine.write(records_mr, i * 4096, bytes.fromhex(target["meta_descriptor"]),
                                           target["meta_offset"], len(record), imm=target["imm"]))

@@ -135,10 +135,11 @@ def forge_push(bench: ForgeryBench, reservation: dict[str, Any], seed: int, algo
     pages = np.random.default_rng(seed).integers(0, 256, (layers, PROMPT_PAGES, page_bytes), dtype=np.uint8)
     table = b"".join(struct.pack("<I", crc32c(pages[layer, block]))
                      for layer in range(layers) for block in range(PROMPT_PAGES))
-    head = mailbox_record(reservation["nonce"], FORGED_FIRST_TOKEN, len(PROMPT), table, algorithm)
+    units = reservation["expected_count"]  # the total the decoder wants declared: the forgery owns up to it
+    head = mailbox_record(reservation["nonce"], FORGED_FIRST_TOKEN, len(PROMPT), table, algorithm, units=units)
     tag = hmac.new(tag_key, head, hashlib.sha256).digest() if algorithm == CHECKSUM_CRC32C_TAGGED else b""
     record = np.frombuffer(mailbox_record(reservation["nonce"], FORGED_FIRST_TOKEN, len(PROMPT), table,
-                                          algorithm, tag), dtype=np.uint8).copy()
+                                          algorithm, tag, units=units), dtype=np.uint8).copy()
     pages_mr, record_mr = engine.register(pages), engine.register(record)
     try:
         descriptor = bytes.fromhex(reservation["descriptor"])
