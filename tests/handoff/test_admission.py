@@ -1,5 +1,6 @@
 """The admission step both decoders run once every write landed
-(kvxfer.handoff.admission.check_landed): the count first, then the checksums per kv_integrity."""
+(kvxfer.handoff.admission.check_landed): the count first, then the sender's declared total,
+then the checksums per kv_integrity."""
 
 from __future__ import annotations
 
@@ -28,6 +29,27 @@ def test_a_count_above_the_expected_one_fails_before_any_checksum_is_read(mode: 
                        r"reservation expects 8: a page was written twice") as caught:
         check_landed("r", 9, 8, mode, verify)
     assert caught.value.reason == "write_overcount" and verify.calls == 0
+
+
+@pytest.mark.parametrize("mode", list(KVIntegrity), ids=lambda m: m.value)
+def test_an_exact_count_with_one_more_write_declared_fails_before_any_checksum_is_read(mode: KVIntegrity) -> None:
+    """A page written twice, its extra write (or its mailbox's) not counted yet: the count
+    is exact, the sender's own total is one above it."""
+    verify = Verifier(Verification(checked=8))
+    with pytest.raises(KVIntegrityError, match=r"request r: .*\(write_overcount\): the sender posted 9 writes, the "
+                       r"reservation expects 8 and 8 were counted so far: a page was written twice") as caught:
+        check_landed("r", 8, 8, mode, verify, declared=9)
+    assert caught.value.reason == "write_overcount" and verify.calls == 0
+
+
+def test_fewer_writes_declared_than_counted_means_a_write_from_elsewhere() -> None:
+    with pytest.raises(KVIntegrityError, match=r"\(write_overcount\): the sender posted 7 writes, .*: a write "
+                       r"came from elsewhere"):
+        check_landed("r", 8, 8, KVIntegrity.FULL, Verifier(Verification()), declared=7)
+
+
+def test_the_declared_total_equal_to_the_count_admits() -> None:
+    assert check_landed("r", 8, 8, KVIntegrity.SAMPLED, Verifier(Verification(checked=3)), declared=8).checked == 3
 
 
 def test_a_mismatch_names_its_first_layer_block_and_page() -> None:

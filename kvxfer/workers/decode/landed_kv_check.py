@@ -2,7 +2,8 @@
 
 The mailbox record must be this reservation's (with a cluster key, its checksum table
 tagged under the cluster's table key); then the step both decoders share
-(`handoff.admission.check_landed`): no write may have been counted twice, and (per
+(`handoff.admission.check_landed`): no write may have been counted twice, the record's
+declared total of posted units must be exactly the expected count, and (per
 `kv_integrity`: off, sampled, full) the pages' CRC-32C must equal the prefiller's. What
 passes gets a `TransferReceipt`; what fails raises `KVIntegrityError`.
 """
@@ -23,7 +24,7 @@ from kvxfer.kv.integrity import (
     prompt_kv_digest,
     verify_pages,
 )
-from kvxfer.kv.protocol import decode_mailbox, mailbox_checksums, mailbox_tag_verifies
+from kvxfer.kv.protocol import decode_mailbox, mailbox_checksums, mailbox_tag_verifies, mailbox_units
 from kvxfer.metrics import DecodeMetrics
 from kvxfer.workers.decode.job import DecodeJob
 from kvxfer.workers.decode.mailbox import DecodeMailbox
@@ -60,8 +61,9 @@ class LandedKVCheck:
         raw = self._mailbox.read(job.slot)
         try:
             nonce, first_token, prompt_tokens = decode_mailbox(raw)
+            declared = mailbox_units(raw)
         except ValueError:
-            nonce, first_token, prompt_tokens = -1, -1, -1
+            nonce, first_token, prompt_tokens, declared = -1, -1, -1, -1
         if nonce != job.nonce or prompt_tokens != job.prompt_tokens:
             raise KVIntegrityError(rid, "mailbox_mismatch", "the count completed but the mailbox holds another "
                                    "record: a write was counted twice or came from elsewhere")
@@ -82,8 +84,10 @@ class LandedKVCheck:
         if count < job.expected_count:
             # Only an end resets a completed count (fence, free): the request ended meanwhile.
             raise RequestRejected(Rejection.CONFLICT, f"request {rid} was {job.phase.value}", rid)
-        # The count, then the checksums: the same step as the vLLM connector's.
-        found = check_landed(rid, count, job.expected_count, self._mode, verify)
+        # The count, the push's own total (a page written twice counts one write late: the
+        # mailbox, read above, or the extra write), then the checksums: the step the vLLM
+        # connector runs too.
+        found = check_landed(rid, count, job.expected_count, self._mode, verify, declared=declared)
         receipt = TransferReceipt(
             request_id=rid,
             kv_bytes=cfg.num_layers * len(pushed) * self._core.cache.page_bytes,
