@@ -411,14 +411,14 @@ PYBIND11_MODULE(_native, m) {
             return e.worker().wait_imm(*i, count, deadline);
           })
       .def("wait_imm_any", [](TransferEngine& e, const std::vector<std::pair<int64_t, uint64_t>>& wanted,
-                              double timeout_s) {
+                              double timeout_s, const std::vector<int>& watched_fds) {
             std::vector<std::pair<uint32_t, uint64_t>> pairs;
             pairs.reserve(wanted.size());
             for (const auto& [imm, count] : wanted) pairs.emplace_back(*to_imm(imm), count);
             int64_t deadline = deadline_after(timeout_s);
             GilRelease release;
-            return e.worker().wait_imm_any(pairs, deadline);
-          })
+            return e.worker().wait_imm_any(pairs, deadline, watched_fds);
+          }, py::arg("wanted"), py::arg("timeout_s"), py::arg("watched_fds") = std::vector<int>{})
       .def("expect_imm", [](TransferEngine& e, int64_t imm, uint64_t count, uint64_t token) {
             auto i = to_imm(imm);
             GilRelease release;

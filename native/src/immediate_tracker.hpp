@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "engine_types.hpp"
+#include "fd_waiters.hpp"
 #include "futex_wait.hpp"
 #include "imm_counter.hpp"
 #include "imm_waiters.hpp"
@@ -130,6 +131,7 @@ class ImmediateTracker {
     arrived_ = false;
     epoch_.fetch_add(1, std::memory_order_seq_cst);
     if (unslotted_waiters_.load(std::memory_order_seq_cst)) futex_wake_all(&epoch_);
+    fd_waiters_.wake_all();
     waiters_.wake_ready([this](uint32_t imm, uint64_t count) { return done(imm, count); });
   }
 
@@ -155,16 +157,39 @@ class ImmediateTracker {
     return reached;
   }
 
+  // wait_any's answer when one of its watched fds reported its peer's close first.
+  static constexpr int kWatchedFdClosed = -2;
+
   // Any thread but the worker: blocks until one of `wanted` (immediate, count) is reached
   // (or its arrivals are being dropped) and returns its index; -1 at the deadline or once
-  // `stopping`. Woken on every arrival round (the unslotted waiters' epoch), not once per
-  // pair: a decode instance with many loads pending sleeps here until the first of them is
-  // complete, whichever it is.
+  // `stopping`; kWatchedFdClosed as soon as one of `watched` (sockets) reports its peer's
+  // close or an error, unless a pair is reached too. Woken on every arrival round, not once
+  // per pair: a decode instance with many loads pending sleeps here until the first of them
+  // is complete, whichever it is, or until a prefiller it waits on is gone.
   int wait_any(const std::vector<std::pair<uint32_t, uint64_t>>& wanted, int64_t deadline_ns,
-               const std::atomic<bool>& stopping) {
+               const std::atomic<bool>& stopping, const std::vector<int>& watched = {}) {
     int found = -1;
+    if (!watched.empty()) {
+      const int slot = fd_waiters_.claim();
+      if (slot >= 0) {
+        found = wait_any_or_closed(wanted, deadline_ns, stopping, watched);
+        fd_waiters_.release(slot);
+        return found;
+      }
+    }
+    // Without fds, or with every fd-waiter slot taken: on the epoch futex, in slices short
+    // enough to look at the fds between them.
     unslotted_waiters_.fetch_add(1, std::memory_order_seq_cst);
-    sleep_until(epoch_, [&] { return (found = first_done(wanted)) >= 0; }, deadline_ns, stopping);
+    for (;;) {
+      const int64_t until = watched.empty() ? deadline_ns : std::min(deadline_ns, monotonic_ns() + kFdLookNs);
+      if (sleep_until(epoch_, [&] { return (found = first_done(wanted)) >= 0; }, until, stopping) ||
+          until >= deadline_ns || stopping.load())
+        break;
+      if (FdWaiters::any_closed(watched)) {
+        found = kWatchedFdClosed;
+        break;
+      }
+    }
     unslotted_waiters_.fetch_sub(1, std::memory_order_seq_cst);
     return found;
   }
@@ -191,6 +216,7 @@ class ImmediateTracker {
   void wake_all() {
     epoch_.fetch_add(1);
     futex_wake_all(&epoch_);
+    fd_waiters_.wake_all();
     waiters_.wake_all();
   }
 
@@ -204,6 +230,24 @@ class ImmediateTracker {
   // half the runs where the waiter slept at once. A long wait (a decoder's whole prefill)
   // pays at most this much CPU for it, once.
   static constexpr int64_t kWaitSpinNs = 50'000;
+  // How often a waiter with watched fds but no fd-waiter slot looks at them.
+  static constexpr int64_t kFdLookNs = 1'000'000;
+
+  // wait_any for a thread registered in fd_waiters_: sleeps in ppoll on its eventfd (written
+  // after every arrival round) and on `watched`.
+  int wait_any_or_closed(const std::vector<std::pair<uint32_t, uint64_t>>& wanted, int64_t deadline_ns,
+                         const std::atomic<bool>& stopping, const std::vector<int>& watched) {
+    for (;;) {
+      FdWaiters::drain();  // first: a round counted after this wakes the ppoll below
+      std::atomic_thread_fence(std::memory_order_seq_cst);  // pairs with after_round's wake
+      const int found = first_done(wanted);
+      if (found >= 0) return found;
+      const int64_t now = monotonic_ns();
+      if (now >= deadline_ns || stopping.load()) return -1;
+      if (FdWaiters::sleep(watched, std::min(deadline_ns, now + kRecheckNs)) == FdWaiters::Woken::kFdClosed)
+        return first_done(wanted) >= 0 ? first_done(wanted) : kWatchedFdClosed;
+    }
+  }
 
   // Sleeps on `word` until `ready()` (true) or the deadline or `stopping` (false). The
   // worker bumps `word` after counting a round, so reading it before `ready()` means a
@@ -266,6 +310,7 @@ class ImmediateTracker {
   bool arrived_ = false;                                                 // worker only
   std::atomic<uint32_t> epoch_{0};  // bumped by every arrival round: for unslotted waiters
   std::atomic<uint32_t> unslotted_waiters_{0};
+  FdWaiters fd_waiters_;  // threads waiting on fds too (wait_any with watched fds)
   ImmWaiters waiters_;
 };
 

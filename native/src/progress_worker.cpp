@@ -238,10 +238,18 @@ bool ProgressWorker::wait_imm(uint32_t imm, uint64_t count, int64_t deadline_ns)
   return reached;
 }
 
-int ProgressWorker::wait_imm_any(const std::vector<std::pair<uint32_t, uint64_t>>& wanted, int64_t deadline_ns) {
-  if (!settings_.caller_drives_progress) return imms_.wait_any(wanted, deadline_ns, stopping_);
+int ProgressWorker::wait_imm_any(const std::vector<std::pair<uint32_t, uint64_t>>& wanted, int64_t deadline_ns,
+                                 const std::vector<int>& watched) {
+  if (!settings_.caller_drives_progress) return imms_.wait_any(wanted, deadline_ns, stopping_, watched);
   int found = -1;
-  drive_until([&] { return (found = imms_.first_done(wanted)) >= 0; }, deadline_ns);
+  drive_until(
+      [&] {
+        if ((found = imms_.first_done(wanted)) >= 0) return true;
+        if (!FdWaiters::any_closed(watched)) return false;
+        found = ImmediateTracker::kWatchedFdClosed;
+        return true;
+      },
+      deadline_ns);
   return found;
 }
 

@@ -123,8 +123,10 @@ class ProgressWorker {
   // ImmCounterOverflow when imm cannot be counted (ImmCounterTable::lost).
   bool wait_imm(uint32_t imm, uint64_t count, int64_t deadline_ns);
   // The index of the first (immediate, count) of `wanted` that is reached (or whose
-  // arrivals are being dropped), -1 at the deadline: ImmediateTracker::wait_any, the two ways.
-  int wait_imm_any(const std::vector<std::pair<uint32_t, uint64_t>>& wanted, int64_t deadline_ns);
+  // arrivals are being dropped), -1 at the deadline, ImmediateTracker::kWatchedFdClosed once
+  // one of `watched` reports its peer's close: ImmediateTracker::wait_any, the two ways.
+  int wait_imm_any(const std::vector<std::pair<uint32_t, uint64_t>>& wanted, int64_t deadline_ns,
+                   const std::vector<int>& watched = {});
   // Throws EngineError if progress is caller-driven and this is not the owner thread.
   void check_caller() const;
   void expect_imm(uint32_t imm, uint64_t count, uint64_t token);
