@@ -900,14 +900,18 @@ class TransferEngine:
                 None, f"imm {imm}: {self.imm_count(imm)} of {count} arrived within {timeout} s"
             )
 
-    def wait_imm_any(self, wanted: Sequence[tuple[int, int]], timeout: float) -> int | None:
+    def wait_imm_any(self, wanted: Sequence[tuple[int, int]], timeout: float,
+                     watched_fds: Sequence[int] = ()) -> int | None:
         """Blocks until one of `wanted` ((imm, count) pairs) has `count` units, or can no
         longer be counted (see wait_imm: its imm_count then stays short); returns its index,
-        or None once `timeout` seconds passed (at once for an empty list). The one wait for
-        many pending loads: it wakes for whichever completes first, not the oldest."""
+        or None once `timeout` seconds passed (at once for an empty list), or as soon as one
+        of `watched_fds` (connected sockets) reports its peer's close or an error. The one
+        wait for many pending loads: it wakes for whichever completes first, not the oldest,
+        or for a peer that is gone, without waking up in between to look."""
         if not wanted:
             return None
-        found = int(self._native.wait_imm_any([(int(i), int(c)) for i, c in wanted], float(timeout)))
+        found = int(self._native.wait_imm_any([(int(i), int(c)) for i, c in wanted], float(timeout),
+                                              [int(fd) for fd in watched_fds]))
         return found if found >= 0 else None
 
     def consume_imm(self, imm: int, count: int) -> None:

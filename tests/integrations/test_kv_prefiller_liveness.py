@@ -25,6 +25,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -188,11 +189,21 @@ def test_a_killed_prefillers_close_ends_the_idle_wait_and_its_load_fails_in_the_
 
 
 def test_a_held_liveness_connection_does_not_cut_the_idle_wait_short(
-        decoder_engine: TransferEngine, prefiller: SilentPrefiller) -> None:
-    # Looking at the connection between slices of the wait must not end it: a live
-    # prefiller's decoder still waits idle_wait_ms for its load (no busy empty steps).
+        decoder_engine: TransferEngine, prefiller: SilentPrefiller, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Watching the connection must not end the wait: a live prefiller's decoder still waits
+    # idle_wait_ms for its load (no busy empty steps), and in one blocking wait, not woken
+    # up now and then to look (each wake-up costs a shared core a context switch).
+    waits: list[float] = []
+    wait_imm_any = decoder_engine.wait_imm_any
+
+    def counted(wanted: Any, timeout: float, watched_fds: Any = ()) -> int | None:
+        waits.append(timeout)
+        return wait_imm_any(wanted, timeout, watched_fds)
+
+    monkeypatch.setattr(decoder_engine, "wait_imm_any", counted)
     receiver, waited_s = _idle_wait(decoder_engine, prefiller, IDLE_WAIT_WATCHED_MS, "alive", lambda: None)
     assert waited_s >= IDLE_WAIT_WATCHED_MS / 1000 * 0.95
+    assert len(waits) == 1, f"{len(waits)} waits in one idle wait"
     assert "d-alive" not in receiver.poll(set())[0]
 
 

@@ -677,21 +677,22 @@ class KVReceiver:
     def wait_briefly(self) -> None:
         """On an idle step, block up to idle_wait_ms until any pending load is complete,
         instead of running vLLM's empty steps back to back. A watched prefiller's close ends
-        the wait too (looked at every liveness_check_interval_ms, and before blocking): the
-        poll that follows fails its loads, and a killed prefiller's blocks go back to vLLM
-        without waiting out the rest of this wait and a whole step more."""
+        the wait too, the moment it comes (the engine's wait watches the held liveness
+        connections, so the worker is not woken to look): the poll that follows fails its
+        loads, and a killed prefiller's blocks go back to vLLM without waiting out the rest of
+        this wait and a whole step more."""
         wanted = [(ld.reservation.imm, ld.reservation.expected_count) for parts in self._loads.values()
                   for ld in parts if ld.state in WAITING and ld.reservation is not None
                   and not ld.counted]  # a counted part waits for its siblings, not for a count
         if not wanted or self.settings.idle_wait_ms <= 0:
             return
         end = time.monotonic() + self.settings.idle_wait_ms / 1000.0
-        interval_s = self.settings.liveness_check_interval_ms / 1000.0
         try:
+            # A close the wait saw, or one that came before it, is news here: bytes a peer
+            # sent are too (the keeper sends none after its first), and end the wait early.
             while not self._liveness.news():
                 left = end - time.monotonic()
-                if left <= 0 or self.engine.wait_imm_any(
-                        wanted, min(left, interval_s) if self._liveness.held else left) is not None:
+                if left <= 0 or self.engine.wait_imm_any(wanted, left, self._liveness.held_fds()) is not None:
                     return
         except TransferError:
             pass

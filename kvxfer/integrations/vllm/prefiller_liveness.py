@@ -236,6 +236,11 @@ class LivenessWatch:
         """Whether some watched connection is held (a close of it would mean its process is gone)."""
         return any(c.phase is _Phase.HELD for c in self._connections.values())
 
+    def held_fds(self) -> list[int]:
+        """The descriptors of the held connections, for a wait that must end at their close
+        (TransferEngine.wait_imm_any). Valid until the next poll or keep."""
+        return [c.sock.fileno() for c in self._connections.values() if c.phase is _Phase.HELD and c.sock is not None]
+
     def news(self) -> bool:
         """Whether a held connection has something to read now, never blocking: its close or
         reset in practice (a keeper sends nothing after its byte; a peer that does only makes

@@ -118,13 +118,6 @@ class ConnectorSettings(BaseModel):
         "load is complete before it returns to vLLM. It bounds how long a new request waits for that step to end. "
         "It does not make an idle decode instance sleep: vLLM's shared-memory message queues busy-loop for 1 s "
         "after each read (EngineCore and worker, about one core in all, measured), whatever this is")
-    liveness_check_interval_ms: float = Field(
-        2.0, gt=0, description="decode side, during the idle wait (idle_wait_ms) of a worker whose loads wait on "
-        "a watched prefiller: how often it looks at the prefillers' liveness connections (it always looks before "
-        "it blocks). A killed prefiller's close ends the wait within this, and the poll right after fails its "
-        "loads. Each look below idle_wait_ms costs a wake-up of the worker: at 0.5 ms, three instances sharing "
-        "2 cores under load served markedly slower (tests/integrations/test_vllm_own_command_lines.py), so the "
-        "default, idle_wait_ms's own, adds none")
     kv_integrity: KVIntegrity = Field(
         KVIntegrity.FULL, description="end-to-end check of landed KV before the load is reported finished, as "
         "the builtin decoder's: 'off' (prefillers send no checksums), 'sampled' (kv_integrity_sample_rate of each "
