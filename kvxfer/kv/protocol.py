@@ -76,6 +76,7 @@ MAILBOX_SLOT_BYTES = 64
 # older release) reads as no record at all (`mailbox_mismatch`), never as wrong fields.
 # "KVMB" was the layout without `units`.
 _MAILBOX_MAGIC = 0x4B564D43  # "KVMC"
+_OLDER_MAILBOX_MAGICS = {0x4B564D42: "KVMB"}  # named in the error, so a mixed fleet is told why
 # magic, nonce, first_token, prompt_tokens, checksum algorithm, checksum count, units; with
 # a tagged table its tag follows (MAILBOX_TAG_BYTES: the fields and the tag fill the record's
 # 64 bytes). Then, from byte MAILBOX_SLOT_BYTES, the checksum table: `count` little-endian
@@ -208,8 +209,13 @@ def mailbox_tag_verifies(raw: bytes, table_key: bytes, imm: int) -> bool:
 
 
 def decode_mailbox(raw: bytes) -> tuple[int, int, int]:
-    """Returns (nonce, first_token, prompt_tokens); raises ValueError on a foreign record."""
+    """Returns (nonce, first_token, prompt_tokens); raises ValueError on a foreign record,
+    naming an older release's layout where it is one."""
     magic, nonce, first_token, prompt_tokens, _, _, _ = struct.unpack_from(_MAILBOX_FORMAT, raw)
+    if magic in _OLDER_MAILBOX_MAGICS:
+        raise ValueError(f"the mailbox holds a record of an older kvxfer release's layout "
+                         f"({_OLDER_MAILBOX_MAGICS[magic]}, which does not declare the units its push posted): "
+                         f"run prefill and decode workers of the same release")
     if magic != _MAILBOX_MAGIC:
         raise ValueError("mailbox slot holds no kvxfer record")
     return nonce, first_token, prompt_tokens

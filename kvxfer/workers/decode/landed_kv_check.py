@@ -59,14 +59,16 @@ class LandedKVCheck:
         cfg = self._core.config
         rid = job.request_id
         raw = self._mailbox.read(job.slot)
+        why = "a write was counted twice or came from elsewhere"
         try:
             nonce, first_token, prompt_tokens = decode_mailbox(raw)
             declared = mailbox_units(raw)
-        except ValueError:
+        except ValueError as exc:
             nonce, first_token, prompt_tokens, declared = -1, -1, -1, -1
+            why = str(exc)
         if nonce != job.nonce or prompt_tokens != job.prompt_tokens:
-            raise KVIntegrityError(rid, "mailbox_mismatch", "the count completed but the mailbox holds another "
-                                   "record: a write was counted twice or came from elsewhere")
+            raise KVIntegrityError(rid, "mailbox_mismatch", f"the count completed but the mailbox holds another "
+                                   f"record: {why}")
         pushed = job.pushed_pages
         table = self._checksum_table(job, raw) if self._mode is not KVIntegrity.OFF else None
 
