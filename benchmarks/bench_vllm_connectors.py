@@ -30,6 +30,7 @@ import math
 import os
 import re
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -54,7 +55,8 @@ from vllm_connector_flows import (CONFIGS, Config, Pair, PeerUnavailable, Stream
                                   prom_value, start_pair)
 
 from kvxfer.integrations.vllm.checkpoint import CheckpointShape, make_checkpoint  # noqa: E402
-from kvxfer.integrations.vllm.prefiller_liveness import LivenessWatch  # noqa: E402
+from kvxfer.integrations.vllm.liveness_keeper import HELD  # noqa: E402
+from kvxfer.integrations.vllm.prefiller_liveness import parse_liveness_address  # noqa: E402
 from support.vllm_instances import VllmFleet  # noqa: E402
 
 #: 8 layers x 8 KV heads x head dim 128 x bf16 x (K, V) = 32 KiB of KV per token, with
@@ -63,11 +65,13 @@ SHAPE = CheckpointShape(layers=8, hidden=1024, heads=8, kv_heads=8, intermediate
                         max_positions=16384)
 KV_BYTES_PER_TOKEN = SHAPE.layers * SHAPE.kv_heads * (SHAPE.hidden // SHAPE.heads) * 2 * 2
 BLOCK_TOKENS = 32  # the instances' --block-size (VllmInstanceSpec's default)
-#: Pause between two reads of an instance's /metrics while a drill waits for its blocks to
-#: free. A read itself takes milliseconds (vLLM renders every metric), so the figures'
-#: resolution is the gap between reads, reported beside them ("resolution_ms"); the same
-#: for every configuration.
-USAGE_POLL_S = 0.002
+#: Default pause between two reads of an instance's /metrics while a drill waits for its
+#: blocks to free (--gauge-poll-ms). A read takes milliseconds of the instance's own core
+#: (its API server renders every metric), so a short pause keeps that core busy exactly
+#: while the decoder it measures must notice the fault; the gauge figure's resolution is
+#: the gap between reads, reported beside it ("resolution_ms"), the same for every
+#: configuration.
+GAUGE_POLL_MS = 20.0
 #: How long a request's transfer counters may take to appear on /metrics after its answer.
 COUNTERS_WAIT_S = 3.0
 #: Before a phase starts its instances (about 3 GiB each): wait while the machine has less
@@ -216,9 +220,10 @@ class FreeWatch:
     after the request ended (a pull decoder may not have allocated yet when the fault came).
     """
 
-    def __init__(self, url: str, deadline_s: float) -> None:
+    def __init__(self, url: str, deadline_s: float, poll_s: float) -> None:
         self.url = url
         self.deadline_s = deadline_s
+        self.poll_s = poll_s
         self.samples: list[tuple[float, float | None]] = []
         self.request_ended: float | None = None
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -247,7 +252,7 @@ class FreeWatch:
                 except httpx.HTTPError:
                     usage = None
                 self.samples.append((time.perf_counter(), usage))
-                time.sleep(USAGE_POLL_S)
+                time.sleep(self.poll_s)
 
     def free_after(self, since: float) -> dict[str, Any]:
         """Waits for the thread; {"free_s": seconds from `since` to the first free read, or
@@ -263,29 +268,34 @@ class FreeWatch:
 def watch_sockets_closed(liveness_address: str, deadline_s: float) -> dict[str, float]:
     """Starts a thread holding a connection to a kvxfer prefill instance's liveness port;
     the returned dict gets "at" (perf_counter) once its close was read: when the kernel
-    closed the killed process's sockets, the earliest any connector can notice."""
+    closed the killed process's sockets, the earliest any connector can notice. The thread
+    sleeps in recv() until then: a polling loop here took CPU from the instances it times."""
     out: dict[str, float] = {}
 
     def run() -> None:
-        watch = LivenessWatch(connect_timeout_s=5.0)
-        watch.watch(liveness_address)
-        end = time.perf_counter() + deadline_s
-        while time.perf_counter() < end and watch.phase(liveness_address) not in ("", "no_signal"):
-            if watch.poll():
+        try:
+            with socket.create_connection(parse_liveness_address(liveness_address), timeout=5.0) as conn:
+                if conn.recv(1) != HELD:  # a keeper at its bound: no signal from this connection
+                    return
+                conn.settimeout(deadline_s)
+                try:
+                    conn.recv(1)  # the keeper sends nothing after HELD: this returns at its close
+                except ConnectionResetError:
+                    pass
                 out["at"] = time.perf_counter()
-                return
-            time.sleep(0.0005)
+        except OSError:  # no connection, or no close within the deadline: no figure
+            return
 
     threading.Thread(target=run, daemon=True).start()
     return out
 
 
-def wait_free(url: str, deadline_s: float, start: float) -> float | None:
+def wait_free(url: str, deadline_s: float, start: float, poll_s: float) -> float | None:
     """Seconds from `start` until the instance's KV cache usage reads 0; None past the deadline."""
     while time.perf_counter() - start < deadline_s:
         if kv_cache_usage(url) == 0.0:
             return time.perf_counter() - start
-        time.sleep(USAGE_POLL_S)
+        time.sleep(poll_s)
     return None
 
 
@@ -325,7 +335,8 @@ def run_faults(pair: Pair, args: argparse.Namespace, prefill_s: float) -> dict[s
     time the faults inside the hand-off."""
     d_url = pair.url(pair.decode)
     p_url = pair.url(pair.prefill)
-    out: dict[str, Any] = {"fault_tokens": args.fault_tokens, "deadline_s": args.fault_deadline_s}
+    out: dict[str, Any] = {"fault_tokens": args.fault_tokens, "deadline_s": args.fault_deadline_s,
+                           "gauge_poll_ms": args.gauge_poll_ms}
     d_text = metrics_text(d_url)
     d_counters0 = {k: prom_value(d_text, k) for k in CONNECTOR_COUNTERS}
     pulls = pair.config.kind == "nixl-pull"
@@ -333,6 +344,7 @@ def run_faults(pair: Pair, args: argparse.Namespace, prefill_s: float) -> dict[s
     # its prefill is mid-transfer. Pull: the decoder reads after the prefill leg returned,
     # so the fault comes as the decode leg is sent.
     fault_delay_s = 0.0 if pulls else prefill_s / 2
+    gauge_poll_s = args.gauge_poll_ms / 1000.0
 
     # (a) the client drops the decode leg mid-load
     body = body_of(prompt_of(args.fault_tokens, 424242), args.max_tokens, uuid.uuid4().hex)
@@ -351,8 +363,8 @@ def run_faults(pair: Pair, args: argparse.Namespace, prefill_s: float) -> dict[s
         dropped = drop.get("at", time.perf_counter())
         dropped_mono = drop.get("monotonic", monotonic_s())
         out["abort"] = {"outcome": "dropped", "dropped_after_s": dropped - start,
-                        "usage_gauge_zero_s": wait_free(d_url, args.fault_deadline_s, dropped),
-                        "prefiller_free_s": wait_free(p_url, args.fault_deadline_s, dropped)}
+                        "usage_gauge_zero_s": wait_free(d_url, args.fault_deadline_s, dropped, gauge_poll_s),
+                        "prefiller_free_s": wait_free(p_url, args.fault_deadline_s, dropped, gauge_poll_s)}
         # Read after the gauge showed 0 (or gave up): the scheduler freed before that.
         sched = scheduler_free(pair, dropped_mono, args.fault_deadline_s)
         out["abort"]["blocks_free_scheduler_s"] = sched["free_s"]
@@ -384,7 +396,7 @@ def run_faults(pair: Pair, args: argparse.Namespace, prefill_s: float) -> dict[s
     killer = threading.Thread(target=kill_later, daemon=True)
     t_start = time.perf_counter()
     result: dict[str, Any] = {}
-    free_watch = FreeWatch(d_url, args.fault_deadline_s + fault_delay_s + 10).start()
+    free_watch = FreeWatch(d_url, args.fault_deadline_s + fault_delay_s + 10, gauge_poll_s).start()
     closed = watch_sockets_closed(pair.prefill_liveness, args.fault_deadline_s) if pair.prefill_liveness else {}
 
     def request() -> None:
@@ -768,6 +780,11 @@ def parse_args() -> argparse.Namespace:
                         "later by the API server's stats update and the read itself, with the gap to the read "
                         "before ('gap N ms'). '-' with a reason: no figure (probe not loaded, pool never back "
                         "at idle); '> N': not within --fault-deadline-s")
+    p.add_argument("--gauge-poll-ms", type=float, default=GAUGE_POLL_MS,
+                   help="pause between two reads of an instance's /metrics while a drill waits for its blocks to "
+                        "free, for 'usage gauge read 0'. Each read takes milliseconds of the instance's own core "
+                        "(vLLM renders every metric), so a short pause competes with the decoder being timed; the "
+                        "scheduler's figure does not need these reads (default %(default)g)")
     p.add_argument("--faults-only", action="store_true",
                    help="the fault drills only: no concurrency runs, no multi-turn conversations; each configuration "
                         "still serves --lengths x --repeats single requests first (give --lengths N --repeats 1 "
