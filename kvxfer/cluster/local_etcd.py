@@ -25,6 +25,7 @@ import urllib.request
 import weakref
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from kvxfer.cluster.etcd_certificates import EtcdClientTls, EtcdServerTls, make_etcd_certificates
 from kvxfer.errors import KvxferError
@@ -89,7 +90,11 @@ class LocalEtcd:
     it as a context manager so the process and the temporary directory are always
     cleaned up. With `client_cert_dir`, the first start makes a CA and certificates there
     and etcd's client and peer ports take only clients that present one (`client_tls`
-    names the files); the folder is the caller's to remove.
+    names the files); the folder is the caller's to remove. With `own_session=False` etcd
+    stays in the caller's session (still in a process group of its own, so `stop()` works
+    the same): where the kernel's autogroup is on, each session is a scheduling group of its
+    own, and an etcd alone in its group beside vLLM instances that spin while they wait for
+    KV went unscheduled for seconds (docs/architecture.md, "Scheduling groups").
     """
 
     #: Address etcd listens on and advertises; a subclass that runs etcd elsewhere (the
@@ -109,6 +114,7 @@ class LocalEtcd:
         stop_timeout_s: float = 5.0,
         extra_args: tuple[str, ...] = (),
         client_cert_dir: str | os.PathLike[str] | None = None,
+        own_session: bool = True,
     ) -> None:
         self._etcd_binary = etcd_binary
         self._fixed_client_port = client_port
@@ -118,6 +124,7 @@ class LocalEtcd:
         self._stop_timeout_s = stop_timeout_s
         self._extra_args = tuple(extra_args)
         self._client_cert_dir = Path(client_cert_dir) if client_cert_dir is not None else None
+        self._own_session = own_session
         self._tls: EtcdServerTls | None = None
 
         # A temporary directory is created lazily and owned (removed on stop) only when
@@ -332,14 +339,19 @@ class LocalEtcd:
         with os.fdopen(log_fd, "ab") as log_file:
             log_file.write(f"\n=== starting etcd on {self.client_url} ===\n".encode())
             log_file.flush()
-            # A new session makes etcd the leader of its own process group, so stop()
-            # can kill it (and anything it spawns) without touching our group.
+            # Either way etcd leads a process group of its own, so stop() can kill it (and
+            # anything it spawns) without touching our group; a new session also makes it
+            # a scheduling group of its own where the kernel's autogroup is on.
+            # (process_group is Python 3.11's: only own_session=False needs it.)
+            placement: dict[str, Any] = (
+                {"start_new_session": True} if self._own_session else {"process_group": 0}
+            )
             self._process = subprocess.Popen(
                 self._command(binary),
                 stdin=subprocess.DEVNULL,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
-                start_new_session=True,
+                **placement,
             )
         deadline = time.monotonic() + self._startup_timeout_s
         opener = self._health_opener()
