@@ -161,7 +161,13 @@ class VllmFleet:
         self.key_file = self.work_dir / "cluster.key"
         self.key_file.write_bytes(base64.b64encode(secrets.token_bytes(48)))
         self.api_key = vllm_api_key(load_cluster_key(self.key_file))
-        self.etcd = LocalEtcd(data_dir=self.work_dir / "etcd").start()
+        # In the harness's session, with the instances (popen_instance): alone in a
+        # scheduling group of its own, etcd sat runnable and unscheduled for seconds whenever
+        # a decoder spun waiting for its KV, longer than the pair's leases last, and the
+        # router dropped both instances until they re-registered (docs/architecture.md,
+        # "Scheduling groups"). Its log goes beside the instances' (failure messages quote it).
+        self.etcd = LocalEtcd(data_dir=self.work_dir / "etcd", log_path=self.work_dir / "etcd.log",
+                              own_session=False).start()
         return self
 
     def __exit__(self, *exc: object) -> None:
