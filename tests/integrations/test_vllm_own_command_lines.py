@@ -4,7 +4,8 @@ two vLLM API servers from `kvxfer vllm-args` output and the router alone; the co
 it gives are those the shared pair (tests/integrations/conftest.py) runs, and through that
 pair and a router process alone completions equal colocated ones and move KV (a streamed
 one counted in the router's KV figures as the same prompt not streamed); then `kvxfer
-join` adds a decoder, and under load it gets traffic.
+join` adds a decoder, and under load it gets traffic; an instance whose lease is revoked in
+etcd registers again by itself, and the router lists it and routes to it.
 
 vLLM start-ups are the cost (about 20 s each on 2 cores): the README block's vLLM command
 is run by a stand-in that records its arguments and environment, since the shared pair,
@@ -29,8 +30,10 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
+import pyetcd
 import pytest
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed")
@@ -38,6 +41,7 @@ pytest.importorskip("vllm", reason="the vllm extra is not installed")
 from support.vllm_instances import TEST_KV_BLOCKS, SharedConnectorFleet, VllmFleet, free_port  # noqa: E402
 
 from kvxfer.cli import main as kvxfer_main  # noqa: E402
+from kvxfer.registry.record import worker_key  # noqa: E402
 from kvxfer.registry.signing import load_cluster_key, vllm_api_key  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
@@ -58,6 +62,8 @@ TRAFFIC_TIMEOUT_S = 120.0
 #: keep-alive finds the lease gone (a third of the TTL), it grants a new one and puts its
 #: record, and the router's watch sees the put; generous for a loaded machine.
 REREGISTERED_TIMEOUT_S = 30.0
+#: One call of the test's own etcd client.
+ETCD_CALL_TIMEOUT_S = 5.0
 README_PORTS = {"prefill": 8100, "decode": 8200, "router": 8000, "admin": 8001}
 README_CORES = {"prefill": "0", "decode": "1"}
 README_SERVED = "llama"  # the README's --served-model-name
@@ -349,6 +355,48 @@ def test_kvxfer_join_adds_a_decoder_that_then_gets_traffic_under_load(fleet: Vll
         assert time.monotonic() < deadline, \
             f"the router still lists the joined decoder: {_roles_listed(admin)}:\n{_logs(fleet)}"
         time.sleep(0.3)
+
+
+def _pair_leases(client: pyetcd.Etcd3Client) -> dict[str, int]:
+    """The lease of each of the pair's records in etcd, by key (0: no record)."""
+    leases = {}
+    for name, role in (("prefill-a", "prefill"), ("decode-a", "decode")):
+        key = worker_key("/kvxfer", role, name)
+        value, meta = client.get(key)
+        leases[key] = meta.lease_id if value is not None else 0
+    return leases
+
+
+def test_an_instance_whose_lease_was_lost_registers_again_and_the_router_lists_it(
+        fleet: VllmFleet, router: str, admin: str) -> None:
+    # As if etcd had gone unanswered for longer than the leases last: both instances' leases
+    # are revoked in etcd itself, so their records go. Each must notice, grant itself a new
+    # lease and put its record again, and the router list it and route to it, unaided.
+    assert fleet.etcd is not None
+    endpoint = urlsplit(fleet.etcd.client_url)
+    client = pyetcd.client(host=endpoint.hostname, port=endpoint.port, timeout=ETCD_CALL_TIMEOUT_S)
+    try:
+        deadline = time.monotonic() + REREGISTERED_TIMEOUT_S
+        while not all((before := _pair_leases(client)).values()):
+            assert time.monotonic() < deadline, f"the pair is not registered: {before}"
+            time.sleep(0.3)
+        for lease in before.values():
+            client.revoke_lease(lease)
+        # (Under its old lease, that is: an instance may already be back under a new one.)
+        assert not set(_pair_leases(client).values()) & set(before.values()), "a revoked lease kept its record"
+        deadline = time.monotonic() + REREGISTERED_TIMEOUT_S
+        while True:
+            now = _pair_leases(client)
+            listed = _roles_listed(admin)
+            if all(now.values()) and listed == {"prefill": 1, "decode": 1}:
+                break
+            assert time.monotonic() < deadline, (f"{REREGISTERED_TIMEOUT_S:g} s after the revoke: leases {now}, "
+                                                 f"the router lists {listed}:\n{_logs(fleet)}")
+            time.sleep(0.3)
+    finally:
+        client.close()
+    assert not set(now.values()) & set(before.values()), f"records back under the old leases: {before} -> {now}"
+    _complete(router, fleet.served_model_name, f"{uuid.uuid4().hex} {PROMPTS[0]}")
 
 
 def test_vllm_args_takes_the_cluster_key_file_as_given_and_refuses_none(
