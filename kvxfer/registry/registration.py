@@ -38,13 +38,15 @@ class WorkerRegistration:
     """A worker's presence in the registry: its record under a lease, kept alive.
 
     `register(record)` grants a lease, puts the record and returns once etcd has it
-    (or raises `RegistryTimeoutError` after `connect_timeout_s`); a background thread
-    then refreshes the lease every `keepalive_interval_s` (a third of the TTL by
-    default). `update(**fields)` changes load fields without blocking; writes are
-    coalesced to at most one per `update_interval_s`, last value wins. When etcd is
-    unreachable the thread retries with exponential backoff; when it is back it re-puts
-    the record, and if the lease expired meanwhile (or etcd lost its data) it grants a
-    new lease. `revoke()` deletes the lease, so the key disappears at once.
+    (or raises `RegistryTimeoutError` after `connect_timeout_s`); `start(record)` does
+    the same without waiting and never gives up: the first registration is retried like
+    any later one, until it succeeds or `revoke()` (a process that must not die of a
+    briefly unreachable etcd). A background thread then refreshes the lease every
+    `keepalive_interval_s` (a third of the TTL by default). `update(**fields)` changes
+    load fields without blocking; writes are coalesced to at most one per
+    `update_interval_s`, last value wins. When etcd is unreachable the thread retries
+    with exponential backoff; when it is back it re-puts the record, and if the lease
+    expired meanwhile (or etcd lost its data) it grants a new lease. `revoke()` deletes the lease, so the key disappears at once.
     """
 
     def __init__(self, settings: RegistrySettings) -> None:
@@ -108,6 +110,29 @@ class WorkerRegistration:
         nothing is left running and `RegistryTimeoutError` says which endpoints failed
         and why. Raises `RegistryError` if this registration is already active.
         """
+        self.start(record)
+        if self._first_registration.wait(self._settings.connect_timeout_s):
+            return
+        with self._cond:
+            reason = self._last_error or "no answer"
+        self.revoke()
+        raise RegistryTimeoutError(
+            f"could not register {worker_key(self._settings.prefix, record.role, record.worker_id)}"
+            f" in etcd {self._settings.endpoints} within {self._settings.connect_timeout_s:g} s"
+            f" (last error: {reason})"
+        )
+
+    def start(self, record: WorkerRecord) -> None:
+        """Publish `record` from the background thread and return at once.
+
+        The thread tries until the record is in etcd, then keeps it alive, with the same
+        backoff (`retry_backoff_initial_s` to `retry_backoff_max_s`) and per-RPC deadline
+        (`request_timeout_s`) as after a lost lease; it logs one warning when attempts
+        start failing and one info when the record got through. `revoke()` ends the
+        attempts (within about `request_timeout_s`) and revokes a lease granted
+        meanwhile, so no record is left. `update()` works at once: the record written
+        is the latest. Raises `RegistryError` if this registration is already active.
+        """
         with self._cond:
             if self._thread is not None and self._thread.is_alive():
                 raise RegistryError(
@@ -134,16 +159,6 @@ class WorkerRegistration:
             )
             self._thread = thread
         thread.start()
-        if self._first_registration.wait(self._settings.connect_timeout_s):
-            return
-        with self._cond:
-            reason = self._last_error or "no answer"
-        self.revoke()
-        raise RegistryTimeoutError(
-            f"could not register {worker_key(self._settings.prefix, record.role, record.worker_id)}"
-            f" in etcd {self._settings.endpoints} within {self._settings.connect_timeout_s:g} s"
-            f" (last error: {reason})"
-        )
 
     def update(self, **fields: Any) -> None:
         """Change fields of the published record; the write happens in the background.
@@ -236,6 +251,7 @@ class WorkerRegistration:
                     self._cond.wait(wait_s)
                 if self._stop_requested:
                     break
+            written_before = self._first_registration.is_set()
             try:
                 self._step()
             except Exception as exc:  # the thread must survive any etcd failure
@@ -245,7 +261,15 @@ class WorkerRegistration:
                     self._cond.wait_for(lambda: self._stop_requested, delay_s)
                 continue
             backoff.reset()
-            if self._failing_since is not None:
+            if not written_before and self._first_registration.is_set():
+                # Once per start()/register(), failures or not: a worker that could not
+                # reach etcd at start-up is only now in the cluster, and the log says when.
+                failed_for = ("" if self._failing_since is None
+                              else f" after {time.monotonic() - self._failing_since:.1f} s of failures")
+                record = self.record
+                _log.info("registry: registered %s (%s)%s", self.key, record.http_url if record else "?", failed_for)
+                self._failing_since = None
+            elif self._failing_since is not None:
                 _log.info(
                     "registry: %s back in etcd after %.1f s of failures",
                     self.key, time.monotonic() - self._failing_since,
