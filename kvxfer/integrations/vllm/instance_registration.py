@@ -14,6 +14,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import httpx
@@ -21,8 +22,12 @@ import httpx
 from kvxfer.registry import RegistrySettings, WorkerRecord, WorkerRegistration
 from kvxfer.registry.signing import vllm_api_headers
 
-from .kv_region import KVRegion
 from .settings import ConnectorConfigError, ConnectorSettings
+
+if TYPE_CHECKING:
+    # Only a type here: kv_region imports torch and vLLM (seconds), and the registration
+    # and its tests (tests/registry) need neither.
+    from .kv_region import KVRegion
 
 log = logging.getLogger(__name__)
 
@@ -42,14 +47,15 @@ class InstanceRegistration:
                                        "ignore unsigned records (set insecure: true for local development)")
         if settings.insecure:
             log.warning("kvxfer connector: insecure: this instance's registry record is unsigned (development only)")
-        self._registration = WorkerRegistration(RegistrySettings(
+        registry_settings = RegistrySettings(
             endpoints=[e for e in settings.etcd.split(",") if e] if settings.etcd else [],
             prefix=settings.etcd_prefix, lease_ttl_s=settings.lease_ttl_s,
             cluster_key_path=Path(settings.cluster_key_file) if settings.cluster_key_file else None,
             tls_ca_path=Path(settings.etcd_ca_file) if settings.etcd_ca_file else None,
             tls_cert_path=Path(settings.etcd_cert_file) if settings.etcd_cert_file else None,
             tls_key_path=Path(settings.etcd_key_file) if settings.etcd_key_file else None,
-        ))
+        )
+        self._registration = WorkerRegistration(registry_settings)
         self._record = WorkerRecord(
             worker_id=settings.worker_id or f"vllm-{role}-{socket.gethostname()}-{os.getpid()}",
             role=role, http_url=settings.advertise_url, engine_address=engine_address_hex, model=model,
@@ -59,6 +65,12 @@ class InstanceRegistration:
             liveness_address=liveness_address,
         )
         self._thread: threading.Thread | None = None
+        # Guards _record, _last_running, _published and _stopped between the engine's
+        # thread (note_load, stop) and the registration thread (start's run), so a stop()
+        # racing the registration either comes first (nothing is published) or revokes it.
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._published = False
         self._last_running = -1
         self._wait_s = settings.registration_wait_s
         self._warmup_tokens = warmup_prompt_tokens
@@ -73,6 +85,12 @@ class InstanceRegistration:
         0.7 s, on the test model), long enough for a hand-off to miss its load_timeout_s; so
         one completion with logprobs that crosses a chunk boundary runs before the record
         goes out.
+
+        etcd is then tried until the record is in or stop() is called (the registry's
+        own retry: backoff up to retry_backoff_max_s, each call bounded by
+        request_timeout_s), not once: an etcd that is restarting or starved at that
+        moment must not leave a healthy instance out of the cluster for good. The
+        registry logs one warning when attempts fail and one info when the record is in.
         """
         def run() -> None:
             deadline = time.monotonic() + self._wait_s
@@ -83,18 +101,26 @@ class InstanceRegistration:
                         break
                 except httpx.HTTPError:
                     pass
-                time.sleep(0.5)
+                if self._stopped.wait(0.5):  # stopped while loading: nothing to publish
+                    return
             else:
                 log.error("kvxfer connector: %s did not answer within registration_wait_s=%.0f; not registering",
                           url, self._wait_s)
                 return
             self._warm_up()
-            try:
-                self._registration.register(self._record)
-                log.info("kvxfer connector: registered %s as %s worker %s", self._record.http_url,
+            with self._lock:
+                if self._stopped.is_set():
+                    return
+                # The registry logs "registered" once the record is in (and one warning
+                # before that if etcd does not answer at first).
+                log.info("kvxfer connector: registering %s as %s worker %s", self._record.http_url,
                          self._record.role, self._record.worker_id)
-            except Exception as exc:
-                log.error("kvxfer connector: registration in etcd failed: %s", exc)
+                try:
+                    self._registration.start(self._record)
+                except Exception as exc:  # RegistryError: only a second start, which run() never makes
+                    log.error("kvxfer connector: registration in etcd failed: %s", exc)
+                    return
+                self._published = True
 
         self._thread = threading.Thread(target=run, name="kvxfer-registration", daemon=True)
         self._thread.start()
@@ -118,14 +144,34 @@ class InstanceRegistration:
         log.info("kvxfer connector: warm-up completion of %d prompt tokens took %.1f s",
                  self._warmup_tokens, time.monotonic() - started)
 
+    @property
+    def is_registered(self) -> bool:
+        """True while the last contact with etcd confirmed the record is in place."""
+        return self._registration.is_registered
+
     def note_load(self, running: int) -> None:
-        """Publishes the number of hand-offs in flight (coalesced by the registration)."""
-        if running != self._last_running and self._registration.is_registered:
+        """Publishes the number of hand-offs in flight (coalesced by the registration).
+
+        Kept also while not registered (before start, while etcd is away or the lease is
+        being replaced): the record written when registering again is the latest one, so
+        a change during the gap is not lost until the next change.
+        """
+        with self._lock:
+            if running == self._last_running or self._stopped.is_set():
+                return
             self._last_running = running
-            self._registration.update(running=running)
+            self._record = self._record.model_copy(update={"running": running})
+            if self._published:
+                self._registration.update(running=running)
 
     def stop(self) -> None:
-        """Revokes the lease so routers drop this instance at once."""
+        """Ends the registration attempts and revokes the lease, so routers drop this
+        instance at once and no record is left behind."""
+        with self._lock:
+            self._stopped.set()
+            published = self._published
+        if not published:
+            return
         try:
             self._registration.revoke()
         except Exception as exc:  # the lease expires anyway
