@@ -145,6 +145,11 @@ def stored(etcd_url: str, prefix: str) -> dict[str, Any] | None:
     return None if value is None else json.loads(value)
 
 
+def lines(caplog: pytest.LogCaptureFixture, prefix: str, level: str) -> list[str]:
+    """Log lines of `level` that name this test's key (threads of other tests may still log)."""
+    return [r.getMessage() for r in caplog.records if r.levelname == level and key(prefix) in r.getMessage()]
+
+
 def stopped_etcd(tmp_path: Path) -> tuple[LocalEtcd, str]:
     """A LocalEtcd not yet running and its client URL, on a port chosen now so clients can
     be pointed at it before it starts; its data lives in tmp_path, so stop() + start()
@@ -173,15 +178,15 @@ def test_instance_started_while_etcd_is_down_registers_once_etcd_is_up(
             record = wait_until(lambda: stored(etcd_url, prefix), REGISTERED_AFTER_ETCD_UP_WITHIN_S,
                                 "the instance's record once etcd is up")
             registered_after_s = time.monotonic() - up_at
+            # The registry logs right after the put the test just saw.
+            wait_until(lambda: lines(caplog, prefix, "INFO"), SETTLED_WITHIN_S, "the 'registered' line")
         assert record["http_url"] == api_url and record["engine"] == "vllm"
         assert registered_after_s < REGISTERED_AFTER_ETCD_UP_WITHIN_S
         # One warning when it started failing, one info when it got through; the retries
         # in between log at debug only.
-        # (Lines naming this test's key: threads of other tests may still log.)
-        ours = [r for r in caplog.records if key(prefix) in r.getMessage()]
-        warnings = [r.getMessage() for r in ours if r.levelname == "WARNING"]
+        warnings = lines(caplog, prefix, "WARNING")
         assert len(warnings) == 1 and "unreachable" in warnings[0], warnings
-        infos = [r.getMessage() for r in ours if r.levelname == "INFO"]
+        infos = lines(caplog, prefix, "INFO")
         assert len(infos) == 1 and "registered" in infos[0] and "s of failures" in infos[0], infos
     finally:
         instance.stop()
