@@ -72,6 +72,8 @@ BLOCK_TOKENS = 32  # the instances' --block-size (VllmInstanceSpec's default)
 #: the gap between reads, reported beside it ("resolution_ms"), the same for every
 #: configuration.
 GAUGE_POLL_MS = 20.0
+#: Pause between two looks at the decoder's block probe file when no gauge is read.
+PROBE_POLL_S = 0.05
 #: How long a request's transfer counters may take to appear on /metrics after its answer.
 COUNTERS_WAIT_S = 3.0
 #: Before a phase starts its instances (about 3 GiB each): wait while the machine has less
@@ -299,6 +301,18 @@ def wait_free(url: str, deadline_s: float, start: float, poll_s: float) -> float
     return None
 
 
+def wait_scheduler_free(pair: Pair, since: float, deadline_s: float) -> dict[str, Any]:
+    """scheduler_free, once its figure is there or `deadline_s` passed: for drills that read
+    no gauge (--gauge-poll-ms 0), whose read would otherwise have waited for the free. Looks
+    at the probe's file, on this machine, not at the instance."""
+    end = time.perf_counter() + deadline_s
+    while True:
+        sched = scheduler_free(pair, since, deadline_s)
+        if sched["free_s"] is not None or time.perf_counter() >= end or pair.decoder_probe is None:
+            return sched
+        time.sleep(PROBE_POLL_S)
+
+
 def monotonic_s() -> float:
     """CLOCK_MONOTONIC, the system-wide clock the decoder's block probe stamps its frees with."""
     return time.clock_gettime(time.CLOCK_MONOTONIC)
@@ -362,11 +376,14 @@ def run_faults(pair: Pair, args: argparse.Namespace, prefill_s: float) -> dict[s
     except httpx.ReadTimeout:
         dropped = drop.get("at", time.perf_counter())
         dropped_mono = drop.get("monotonic", monotonic_s())
-        out["abort"] = {"outcome": "dropped", "dropped_after_s": dropped - start,
-                        "usage_gauge_zero_s": wait_free(d_url, args.fault_deadline_s, dropped, gauge_poll_s),
-                        "prefiller_free_s": wait_free(p_url, args.fault_deadline_s, dropped, gauge_poll_s)}
-        # Read after the gauge showed 0 (or gave up): the scheduler freed before that.
-        sched = scheduler_free(pair, dropped_mono, args.fault_deadline_s)
+        out["abort"] = {"outcome": "dropped", "dropped_after_s": dropped - start}
+        if gauge_poll_s > 0:
+            out["abort"]["usage_gauge_zero_s"] = wait_free(d_url, args.fault_deadline_s, dropped, gauge_poll_s)
+            out["abort"]["prefiller_free_s"] = wait_free(p_url, args.fault_deadline_s, dropped, gauge_poll_s)
+            # Read after the gauge showed 0 (or gave up): the scheduler freed before that.
+            sched = scheduler_free(pair, dropped_mono, args.fault_deadline_s)
+        else:
+            sched = wait_scheduler_free(pair, dropped_mono, args.fault_deadline_s)
         out["abort"]["blocks_free_scheduler_s"] = sched["free_s"]
         out["abort"]["blocks_free_scheduler_reason"] = sched["reason"]
     except (httpx.HTTPError, RuntimeError) as e:
@@ -396,7 +413,8 @@ def run_faults(pair: Pair, args: argparse.Namespace, prefill_s: float) -> dict[s
     killer = threading.Thread(target=kill_later, daemon=True)
     t_start = time.perf_counter()
     result: dict[str, Any] = {}
-    free_watch = FreeWatch(d_url, args.fault_deadline_s + fault_delay_s + 10, gauge_poll_s).start()
+    free_watch = FreeWatch(d_url, args.fault_deadline_s + fault_delay_s + 10, gauge_poll_s).start() \
+        if gauge_poll_s > 0 else None
     closed = watch_sockets_closed(pair.prefill_liveness, args.fault_deadline_s) if pair.prefill_liveness else {}
 
     def request() -> None:
@@ -415,14 +433,18 @@ def run_faults(pair: Pair, args: argparse.Namespace, prefill_s: float) -> dict[s
     req.join(args.fault_deadline_s + fault_delay_s + 10)
     kill_at = killed.get("at", t_start)
     ended = result.get("ended")
-    free_watch.request_ended = ended if ended is not None else time.perf_counter()
-    freed = free_watch.free_after(kill_at)
-    sched = (scheduler_free(pair, killed["monotonic"], args.fault_deadline_s) if "monotonic" in killed
+    freed: dict[str, Any] = {"free_s": None, "resolution_ms": None}
+    if free_watch is not None:
+        free_watch.request_ended = ended if ended is not None else time.perf_counter()
+        freed = free_watch.free_after(kill_at)
+    sched = ((scheduler_free if free_watch is not None else wait_scheduler_free)(
+                 pair, killed["monotonic"], args.fault_deadline_s) if "monotonic" in killed
              else {"free_s": None, "reason": "the prefiller was not killed"})
     kill_row = {"outcome": result.get("outcome", "no answer"), "killed_after_s": kill_at - t_start,
                 "request_end_s": (ended - kill_at) if ended else None,
                 "blocks_free_scheduler_s": sched["free_s"], "blocks_free_scheduler_reason": sched["reason"],
-                "usage_gauge_zero_s": freed["free_s"], "usage_gauge_read_gap_ms": freed["resolution_ms"]}
+                **({"usage_gauge_zero_s": freed["free_s"], "usage_gauge_read_gap_ms": freed["resolution_ms"]}
+                   if free_watch is not None else {})}
     if "unix" in killed:
         kill_row["killed_at_unix"] = killed["unix"]
         kill_row["signal_sent_s"] = killed.get("signal_sent_s")
@@ -674,15 +696,16 @@ def print_tables(summary: dict[str, Any], args: argparse.Namespace) -> str:
         ab, kl = c.get("abort") or {}, c.get("kill") or {}
         deadline = c.get("fault_deadline_s", args.fault_deadline_s)
         if ab.get("outcome") == "dropped":
-            gauge = fmt(ab.get("usage_gauge_zero_s"), ".3f") if ab.get("usage_gauge_zero_s") is not None \
-                else f"> {deadline:g}"
+            gauge = "not read" if "usage_gauge_zero_s" not in ab else \
+                fmt(ab["usage_gauge_zero_s"], ".3f") if ab["usage_gauge_zero_s"] is not None else f"> {deadline:g}"
             abort = f"{free_cell(ab.get('blocks_free_scheduler_s'), ab.get('blocks_free_scheduler_reason'))}, {gauge}"
         else:
             abort = ab.get("outcome") or "-"
         if kl:
             kill = (f"{fmt(kl.get('request_end_s'), '.2f')} ({kl.get('outcome', '-')}) | "
                     f"{free_cell(kl.get('blocks_free_scheduler_s'), kl.get('blocks_free_scheduler_reason'))} | "
-                    f"{gauge_cell(kl.get('usage_gauge_zero_s'), kl.get('usage_gauge_read_gap_ms'), deadline)}")
+                    + (gauge_cell(kl.get('usage_gauge_zero_s'), kl.get('usage_gauge_read_gap_ms'), deadline)
+                       if "usage_gauge_zero_s" in kl else "not read"))
         else:
             kill = c.get("fault_error", "-")[:80] + " | - | -"
         lines.append(f"| {c['config']} | {c['outputs_equal']} | {fmt(c['kv_gb'], '.3f')} | "
@@ -784,7 +807,8 @@ def parse_args() -> argparse.Namespace:
                    help="pause between two reads of an instance's /metrics while a drill waits for its blocks to "
                         "free, for 'usage gauge read 0'. Each read takes milliseconds of the instance's own core "
                         "(vLLM renders every metric), so a short pause competes with the decoder being timed; the "
-                        "scheduler's figure does not need these reads (default %(default)g)")
+                        "scheduler's figure does not need these reads. 0: no reads, no gauge figure "
+                        "(default %(default)g)")
     p.add_argument("--faults-only", action="store_true",
                    help="the fault drills only: no concurrency runs, no multi-turn conversations; each configuration "
                         "still serves --lengths x --repeats single requests first (give --lengths N --repeats 1 "
