@@ -37,6 +37,21 @@ _LINES_AFTER_LAST_READ = 8
 _REST_OF_STREAM_WAIT_S = 0.5
 
 
+def client_failure(exc: Exception, request_id: str, worker: WorkerView, stage: str, path: str) -> LegFailure:
+    """A leg failure for an exception from the HTTP client that is none of its own errors.
+
+    Seen: httpcore's pool, checking whether an idle connection to a worker that had just
+    been SIGKILLed was readable, asked anyio for the socket of a transport already closed
+    and raised AttributeError ('NoneType' object has no attribute 'getpeername'). That is
+    the worker's connection failing, not the request: the leg fails and the request goes to
+    another pair, where an escaped exception answered the client 500. Logged with its
+    traceback, since it is a library's bug or ours."""
+    log.warning("request %s: POST %s to %s: the HTTP client raised %r", request_id, path, worker.worker_id, exc,
+                exc_info=exc)
+    return LegFailure(request_id, worker, stage, f"POST {path}: the HTTP client failed on this worker's connection: "
+                      f"{type(exc).__name__}: {exc}")
+
+
 class WorkerCalls:
     """Calls to kvxfer workers over ``client``, signed by ``signer``, bounded by ``settings``;
     owns the background tasks of the cancels it sends. One per router app."""
@@ -83,6 +98,8 @@ class WorkerCalls:
                              never_sent=True) from exc
         except httpx.HTTPError as exc:
             raise LegFailure(request_id, worker, stage, f"POST {path}: {type(exc).__name__}: {exc}") from exc
+        except Exception as exc:  # the client's own failure on the connection (client_failure)
+            raise client_failure(exc, request_id, worker, stage, path) from exc
         if resp.status_code >= 400:
             raise LegFailure.from_answer(request_id, worker, stage, path, resp.status_code, resp.text, resp.headers,
                                          rejected=path == "/reserve" and resp.status_code in REQUEST_REJECTED_STATUSES)
@@ -132,6 +149,10 @@ class WorkerCalls:
                              timed_out=True) from exc
         except httpx.HTTPError as exc:
             raise LegFailure(request_id, worker, stage, f"POST {path}: {type(exc).__name__}: {exc}") from exc
+        except LegFailure:
+            raise
+        except Exception as exc:  # the client's own failure on the connection (client_failure)
+            raise client_failure(exc, request_id, worker, stage, path) from exc
 
     async def cancel_legs(self, request_id: str, workers: list[WorkerView], *,
                           prefill_never_sent: bool = False) -> None:
