@@ -80,10 +80,18 @@ def parse_liveness_address(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def place_keeper(pid: int) -> None:
-    """Lets the keeper process `pid` run on the CPUs this process is not pinned to; where it
-    may use them all, or its cgroup allows no other, on every CPU it allows (the kernel
-    keeps only those). Left as it is where that is refused.
+def keeper_cpus() -> set[int]:
+    """The CPUs a keeper started by this thread should run on: those this thread is not
+    pinned to, or every CPU where it may use them all (see place_keeper)."""
+    everywhere = set(range(os.cpu_count() or 1))
+    return (everywhere - os.sched_getaffinity(0)) or everywhere
+
+
+def place_keeper(pid: int, cpus: set[int] | None = None) -> None:
+    """Lets the keeper process `pid` run on `cpus` (keeper_cpus() by default): the CPUs this
+    process is not pinned to; where it may use them all, or its cgroup allows none of
+    those, on every CPU it allows (the kernel keeps only those). Left as it is where that
+    is refused. The keeper also pins itself to them once started (liveness_keeper.py).
 
     Why not the instance's own CPUs: once the instance is killed they are busy in the
     kernel tearing down its address spaces, GiBs each, milliseconds at a time without a
@@ -92,13 +100,10 @@ def place_keeper(pid: int) -> None:
     allowed elsewhere still waited there behind the teardown (perf sched: 9.7 ms of
     scheduling delay, a 2-core machine, the instance pinned to one core and the keeper free
     to run on both). It uses no CPU until then."""
-    own = os.sched_getaffinity(0)
     everywhere = set(range(os.cpu_count() or 1))
-    for cpus in (everywhere - own, everywhere):
-        if not cpus:
-            continue
+    for allowed in (cpus if cpus is not None else keeper_cpus(), everywhere):
         try:
-            os.sched_setaffinity(pid, cpus)
+            os.sched_setaffinity(pid, allowed)
             return
         except OSError:  # none of them in this cgroup's cpuset (EINVAL), or refused
             continue
@@ -149,10 +154,17 @@ class LivenessListener:
         # By path, isolated and without site: the keeper imports the standard library only.
         # With the kvxfer package (numpy and its BLAS threads, the engine's libraries) a
         # killed keeper took a median 6 ms to close its sockets, without it under 1 ms.
+        # Placed twice: from here at once, and by the keeper itself once it runs. Seen with
+        # perf sched in a vLLM worker: a keeper placed from here (Popen had returned while
+        # the child was still in exec) was back on the worker's CPU 7 ms later, for good,
+        # and after a kill waited there 6.5 ms behind the killed worker's threads. Not found
+        # what moved it; a keeper that pins itself after its start is not moved back.
+        cpus = keeper_cpus()
         keeper = subprocess.Popen(
-            [sys.executable, "-I", "-S", liveness_keeper.__file__, *map(str, fds), str(self.max_connections)],
+            [sys.executable, "-I", "-S", liveness_keeper.__file__, *map(str, fds), str(self.max_connections),
+             ",".join(map(str, sorted(cpus)))],
             pass_fds=fds, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
-        place_keeper(keeper.pid)
+        place_keeper(keeper.pid, cpus)
         return keeper
 
     def _restart_keeper(self) -> None:
