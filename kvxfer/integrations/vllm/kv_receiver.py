@@ -686,14 +686,9 @@ class KVReceiver:
                   and not ld.counted]  # a counted part waits for its siblings, not for a count
         if not wanted or self.settings.idle_wait_ms <= 0:
             return
-        end = time.monotonic() + self.settings.idle_wait_ms / 1000.0
         try:
-            # A close the wait saw, or one that came before it, is news here: bytes a peer
-            # sent are too (the keeper sends none after its first), and end the wait early.
-            while not self._liveness.news():
-                left = end - time.monotonic()
-                if left <= 0 or self.engine.wait_imm_any(wanted, left, self._liveness.held_fds()) is not None:
-                    return
+            # One wait: a close that came before it ends it at once, as one during it does.
+            self.engine.wait_imm_any(wanted, self.settings.idle_wait_ms / 1000.0, self._liveness.held_fds())
         except TransferError:
             pass
 

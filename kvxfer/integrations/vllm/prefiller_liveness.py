@@ -40,7 +40,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import select
 import socket
 import subprocess
 import sys
@@ -87,11 +86,11 @@ def keeper_cpus() -> set[int]:
     return (everywhere - os.sched_getaffinity(0)) or everywhere
 
 
-def place_keeper(pid: int, cpus: set[int] | None = None) -> None:
-    """Lets the keeper process `pid` run on `cpus` (keeper_cpus() by default): the CPUs this
-    process is not pinned to; where it may use them all, or its cgroup allows none of
-    those, on every CPU it allows (the kernel keeps only those). Left as it is where that
-    is refused. The keeper also pins itself to them once started (liveness_keeper.py).
+def place_keeper(pid: int, cpus: set[int]) -> None:
+    """Lets the keeper process `pid` run on `cpus` (keeper_cpus()): the CPUs this process
+    is not pinned to; where it may use them all, or its cgroup allows none of those, on
+    every CPU it allows (the kernel keeps only those). Left as it is where that is refused.
+    The keeper also pins itself to them once started (liveness_keeper.py).
 
     Why not the instance's own CPUs: once the instance is killed they are busy in the
     kernel tearing down its address spaces, GiBs each, milliseconds at a time without a
@@ -101,7 +100,7 @@ def place_keeper(pid: int, cpus: set[int] | None = None) -> None:
     scheduling delay, a 2-core machine, the instance pinned to one core and the keeper free
     to run on both). It uses no CPU until then."""
     everywhere = set(range(os.cpu_count() or 1))
-    for allowed in (cpus if cpus is not None else keeper_cpus(), everywhere):
+    for allowed in (cpus, everywhere):
         try:
             os.sched_setaffinity(pid, allowed)
             return
@@ -243,28 +242,10 @@ class LivenessWatch:
         conn = self._connections.get(address)
         return conn.phase.value if conn is not None else ""
 
-    @property
-    def held(self) -> bool:
-        """Whether some watched connection is held (a close of it would mean its process is gone)."""
-        return any(c.phase is _Phase.HELD for c in self._connections.values())
-
     def held_fds(self) -> list[int]:
         """The descriptors of the held connections, for a wait that must end at their close
         (TransferEngine.wait_imm_any). Valid until the next poll or keep."""
         return [c.sock.fileno() for c in self._connections.values() if c.phase is _Phase.HELD and c.sock is not None]
-
-    def news(self) -> bool:
-        """Whether a held connection has something to read now, never blocking: its close or
-        reset in practice (a keeper sends nothing after its byte; a peer that does only makes
-        its decoder look sooner). One poll(2), not select(2): a vLLM worker's descriptors
-        can be numbered past select's limit."""
-        socks = [c.sock for c in self._connections.values() if c.phase is _Phase.HELD and c.sock is not None]
-        if not socks:
-            return False
-        watcher = select.poll()
-        for sock in socks:
-            watcher.register(sock, select.POLLIN | select.POLLPRI)
-        return bool(watcher.poll(0))
 
     def poll(self, now: float | None = None) -> dict[str, str]:
         """Address -> why, for each watched prefiller found gone since the last poll (its
