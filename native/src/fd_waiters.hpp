@@ -31,6 +31,10 @@ class FdWaiters {
  public:
   // What a wait with watched fds ended on.
   enum class Woken { kRound, kFdClosed, kTimedOut };
+  // What a watched socket reports when its peer closed it, reset it, or it failed. Not
+  // POLLIN: bytes a peer sends are not a close, and unread they would end every sleep.
+  static constexpr short kAsked = POLLRDHUP;
+  static constexpr short kClosed = POLLRDHUP | POLLHUP | POLLERR | POLLNVAL;
 
   FdWaiters() {
     for (auto& slot : slots_) slot.store(-1, std::memory_order_relaxed);
@@ -89,15 +93,14 @@ class FdWaiters {
     std::vector<struct pollfd> fds;
     fds.reserve(watched.size() + 1);
     fds.push_back({thread_wake_fd(), POLLIN, 0});
-    // Not POLLIN: bytes a peer sends are not a close, and unread they would end every sleep.
-    for (int fd : watched) fds.push_back({fd, POLLRDHUP, 0});
+    for (int fd : watched) fds.push_back({fd, kAsked, 0});
     const int64_t left = until_ns - monotonic_ns();
     if (left <= 0) return Woken::kTimedOut;
     struct timespec ts = {static_cast<time_t>(left / 1'000'000'000), static_cast<long>(left % 1'000'000'000)};
     const int n = ppoll(fds.data(), fds.size(), &ts, nullptr);
     if (n <= 0) return Woken::kTimedOut;  // a signal (EINTR) too: the caller looks again
     for (size_t i = 1; i < fds.size(); ++i)
-      if (fds[i].revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)) return Woken::kFdClosed;
+      if (fds[i].revents & kClosed) return Woken::kFdClosed;
     return Woken::kRound;
   }
 
@@ -106,10 +109,10 @@ class FdWaiters {
     if (watched.empty()) return false;
     std::vector<struct pollfd> fds;
     fds.reserve(watched.size());
-    for (int fd : watched) fds.push_back({fd, POLLRDHUP, 0});
+    for (int fd : watched) fds.push_back({fd, kAsked, 0});
     if (poll(fds.data(), fds.size(), 0) <= 0) return false;
     for (const auto& p : fds)
-      if (p.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)) return true;
+      if (p.revents & kClosed) return true;
     return false;
   }
 

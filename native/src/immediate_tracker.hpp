@@ -244,8 +244,10 @@ class ImmediateTracker {
       if (found >= 0) return found;
       const int64_t now = monotonic_ns();
       if (now >= deadline_ns || stopping.load()) return -1;
-      if (FdWaiters::sleep(watched, std::min(deadline_ns, now + kRecheckNs)) == FdWaiters::Woken::kFdClosed)
-        return first_done(wanted) >= 0 ? first_done(wanted) : kWatchedFdClosed;
+      if (FdWaiters::sleep(watched, std::min(deadline_ns, now + kRecheckNs)) == FdWaiters::Woken::kFdClosed) {
+        const int reached = first_done(wanted);  // a count reached meanwhile still wins
+        return reached >= 0 ? reached : kWatchedFdClosed;
+      }
     }
   }
 
