@@ -68,6 +68,7 @@ class InstanceRegistration:
         # Guards _record, _last_running, _published and _stopped between the engine's
         # thread (note_load, stop) and the registration thread (start's run), so a stop()
         # racing the registration either comes first (nothing is published) or revokes it.
+        # _last_running is written by the engine's thread only, so it reads it without.
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._published = False
@@ -156,8 +157,10 @@ class InstanceRegistration:
         being replaced): the record written when registering again is the latest one, so
         a change during the gap is not lost until the next change.
         """
+        if running == self._last_running:  # most steps: no change, and no lock (only this thread writes it)
+            return
         with self._lock:
-            if running == self._last_running or self._stopped.is_set():
+            if self._stopped.is_set():
                 return
             self._last_running = running
             self._record = self._record.model_copy(update={"running": running})
