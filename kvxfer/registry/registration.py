@@ -111,7 +111,7 @@ class WorkerRegistration:
         and why. Raises `RegistryError` if this registration is already active.
         """
         self.start(record)
-        if self._first_registration.wait(self._settings.connect_timeout_s):
+        if self.wait_registered(self._settings.connect_timeout_s):
             return
         with self._cond:
             reason = self._last_error or "no answer"
@@ -159,6 +159,12 @@ class WorkerRegistration:
             )
             self._thread = thread
         thread.start()
+
+    def wait_registered(self, timeout_s: float) -> bool:
+        """Waits up to `timeout_s` seconds for the record started by `start` to reach etcd
+        the first time; True once it did (it may have been lost again since: see
+        `is_registered`), False on timeout. The attempts go on either way."""
+        return self._first_registration.wait(timeout_s)
 
     def update(self, **fields: Any) -> None:
         """Change fields of the published record; the write happens in the background.

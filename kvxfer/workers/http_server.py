@@ -184,7 +184,7 @@ def serve(
         # Replace uvicorn's handlers: exit only after the drain.
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, lambda: asyncio.ensure_future(drain()))
-        core.register(load())
+        await asyncio.to_thread(core.register, load())  # off the loop: /health answers meanwhile
         print(f"kvxfer {core.role} worker {core.worker_id} serving on {core.http_url} "
               f"(engine {core.engine.provider} x{core.engine.rails})", flush=True)
         await serve_task

@@ -142,7 +142,14 @@ class WorkerCore:
         }
 
     def register(self, load: dict[str, Any]) -> None:
-        """Publishes this worker in etcd (no-op without --etcd)."""
+        """Publishes this worker in etcd (no-op without --etcd).
+
+        Never gives up: a worker started before etcd answers (a pod scheduled ahead of
+        the etcd it names, an etcd restarting) serves with /ready 503 and keeps trying,
+        as after a lost lease, until its record is in. Returns once it is, or after the
+        registry's `connect_timeout_s` with a warning, so the usual start still prints
+        "serving on" only once routers can see the worker. Blocks: call it off the event
+        loop."""
         if not self.settings.etcd:
             return
         from kvxfer.registry import RegistrySettings, WorkerRecord, WorkerRegistration
@@ -159,7 +166,7 @@ class WorkerCore:
         if self.settings.cluster_key_file is None:
             log.warning("no cluster key (KVXFER_CLUSTER_KEY_FILE): this worker's registry record is unsigned; "
                         "routers that require signed records will ignore it. Development only.")
-        self.registration = WorkerRegistration(reg_settings)
+        registration = self.registration = WorkerRegistration(reg_settings)
         record = WorkerRecord(
             worker_id=self.worker_id,
             role=self.role,
@@ -169,7 +176,11 @@ class WorkerCore:
             kv_layout=self.kv_layout,
             **load,
         )
-        self.registration.register(record)
+        # The local name: a drain during the wait may take self.registration away.
+        registration.start(record)
+        if not registration.wait_registered(reg_settings.connect_timeout_s):
+            log.warning("%s: not registered in etcd %s within connect_timeout_s=%g; serving with /ready 503 "
+                        "and still trying", self.worker_id, self.settings.etcd, reg_settings.connect_timeout_s)
 
     def update_load(self, **fields: Any) -> None:
         """Coalesced load update in etcd (free pages, queue depth...)."""
