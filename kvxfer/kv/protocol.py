@@ -26,7 +26,7 @@ import math
 import re
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvxfer.errors import KvxferError
 from kvxfer.kv.layout import layer_offset_bytes, pages_for_tokens
@@ -41,6 +41,7 @@ __all__ = [
     "MAX_SLOTS",
     "PROTOCOL_VERSION",
     "KVReservation",
+    "MailboxRecord",
     "ReservationError",
     "MAX_CONTROL_MESSAGE_BYTES",
     "decode_abort",
@@ -61,7 +62,6 @@ __all__ = [
     "mailbox_checksums",
     "mailbox_slot_bytes",
     "mailbox_tag_verifies",
-    "mailbox_units",
     "pages_for_tokens",
 ]
 
@@ -208,26 +208,28 @@ def mailbox_tag_verifies(raw: bytes, table_key: bytes, imm: int) -> bool:
     return hmac.compare_digest(tag, want)
 
 
-def decode_mailbox(raw: bytes) -> tuple[int, int, int]:
-    """Returns (nonce, first_token, prompt_tokens); raises ValueError on a foreign record,
-    naming an older release's layout where it is one."""
-    magic, nonce, first_token, prompt_tokens, _, _, _ = struct.unpack_from(_MAILBOX_FORMAT, raw)
+class MailboxRecord(NamedTuple):
+    """The fields of a mailbox record (`encode_mailbox`): the reservation's nonce, the first
+    token, the prompt's length and the immediate units the push says it posted, its
+    mailbox write included."""
+
+    nonce: int
+    first_token: int
+    prompt_tokens: int
+    units: int
+
+
+def decode_mailbox(raw: bytes) -> MailboxRecord:
+    """The record's fields; raises ValueError on a foreign record, naming an older
+    release's layout where it is one."""
+    magic, nonce, first_token, prompt_tokens, _, _, units = struct.unpack_from(_MAILBOX_FORMAT, raw)
     if magic in _OLDER_MAILBOX_MAGICS:
         raise ValueError(f"the mailbox holds a record of an older kvxfer release's layout "
                          f"({_OLDER_MAILBOX_MAGICS[magic]}, which does not declare the units its push posted): "
                          f"run prefill and decode workers of the same release")
     if magic != _MAILBOX_MAGIC:
         raise ValueError("mailbox slot holds no kvxfer record")
-    return nonce, first_token, prompt_tokens
-
-
-def mailbox_units(raw: bytes) -> int:
-    """The immediate units the record's push says it posted, its mailbox write included;
-    ValueError on a foreign record."""
-    magic, _, _, _, _, _, units = struct.unpack_from(_MAILBOX_FORMAT, raw)
-    if magic != _MAILBOX_MAGIC:
-        raise ValueError("mailbox slot holds no kvxfer record")
-    return int(units)
+    return MailboxRecord(nonce, first_token, prompt_tokens, int(units))
 
 
 def mailbox_checksums(raw: bytes) -> bytes:

@@ -40,7 +40,7 @@ def tagged() -> bytes:
 def test_a_tagged_record_verifies_for_its_reservation_and_reads_as_before() -> None:
     raw = tagged()
     assert mailbox_tag_verifies(raw, KEY, IMM)
-    assert decode_mailbox(raw) == (42, 7, 40) and mailbox_checksums(raw) == TABLE
+    assert decode_mailbox(raw) == (42, 7, 40, 7) and mailbox_checksums(raw) == TABLE
 
 
 @pytest.mark.parametrize("change", ["nonce", "first_token", "prompt_tokens", "algorithm", "count", "units", "tag",

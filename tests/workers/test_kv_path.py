@@ -201,7 +201,7 @@ def test_decode_pages_hold_prefilled_bytes(single_torch_thread: None) -> None:
             ref = reference_model().prefill(prompt, ref_cache, list(range(len(res.pages))), chunk_size=CHUNK)
             assert result["first_token"] == ref.first_token
             off = job.slot * decode.mailbox_slot_stride
-            assert decode_mailbox(bytes(decode.mailbox[off: off + MAILBOX_SLOT_BYTES])) == (
+            assert decode_mailbox(bytes(decode.mailbox[off: off + MAILBOX_SLOT_BYTES]))[:3] == (
                 res.nonce, ref.first_token, len(prompt))
             n_pages = -(-len(prompt) // CONFIG.block_size)
             for layer in range(CONFIG.num_layers):

@@ -24,7 +24,7 @@ from kvxfer.kv.integrity import (
     prompt_kv_digest,
     verify_pages,
 )
-from kvxfer.kv.protocol import decode_mailbox, mailbox_checksums, mailbox_tag_verifies, mailbox_units
+from kvxfer.kv.protocol import decode_mailbox, mailbox_checksums, mailbox_tag_verifies
 from kvxfer.metrics import DecodeMetrics
 from kvxfer.workers.decode.job import DecodeJob
 from kvxfer.workers.decode.mailbox import DecodeMailbox
@@ -61,8 +61,7 @@ class LandedKVCheck:
         raw = self._mailbox.read(job.slot)
         why = "a write was counted twice or came from elsewhere"
         try:
-            nonce, first_token, prompt_tokens = decode_mailbox(raw)
-            declared = mailbox_units(raw)
+            nonce, first_token, prompt_tokens, declared = decode_mailbox(raw)
         except ValueError as exc:
             nonce, first_token, prompt_tokens, declared = -1, -1, -1, -1
             why = str(exc)
